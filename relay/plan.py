@@ -332,6 +332,26 @@ def plan_sessions(
                 limits=limits, quota=quota, sessions=tuple(sessions))
 
 
+def plan_from_progress(
+    progress: Mapping[str, Any], quota: QuotaState, now: datetime, *, limits: SessionLimits = SessionLimits(),
+    step_seconds_estimate: float | None = None, total_steps: int | None = None,
+    steps_per_epoch: int | None = None, not_before: datetime | None = None,
+) -> Plan:
+    """Plan the rest of a run from its progress.json (a parsed dict; `{}` before the first session).
+
+    The measured step time wins over the estimate; `total_steps` is needed only before the first
+    session has written progress.json."""
+    total = progress.get("total_steps") or total_steps
+    if not total:
+        raise PlanError("total_steps: unknown (no progress.json yet): pass the run's total steps")
+    done = int(progress.get("global_step") or 0)
+    step_seconds = measured_step_seconds(progress.get("sessions") or []) or step_seconds_estimate
+    if step_seconds is None:
+        raise PlanError("step_seconds_estimate: no session has measured a step yet: pass an estimate")
+    return plan_sessions(max(0, int(total) - done), step_seconds, quota, now, limits=limits, done_steps=done,
+                         steps_per_epoch=steps_per_epoch, not_before=not_before)
+
+
 # ---------------------------------------------------------------- presentation
 
 def format_duration(seconds: float) -> str:
