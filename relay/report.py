@@ -252,6 +252,7 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
         ax_metric.legend(loc="upper right", frameon=False)
     else:
         ax_metric.text(0.5, 0.5, "no eval records yet", transform=ax_metric.transAxes, ha="center", color="0.5")
+        ax_metric.set_yticks([])
     boundaries = _session_starts(records, progress)
     for ax in (ax_loss, ax_metric):
         ax.grid(alpha=0.3)
