@@ -11,6 +11,9 @@ writable dir keeps a memo `file-hashes.json` of (absolute path, size, mtime_ns) 
 in place with identical size AND mtime_ns would be missed (the same trade-off make and rsync take). Pass
 `trust_mtime=False` to always re-hash.
 
+Reads go through `pyarrow.memory_map` (the file is mapped, not read() into a buffer); parquet decoding still
+allocates the columns, so a hit costs a decode, not an extraction.
+
 Integrity on read: the meta must name the same key, the file size must match, and the parquet is written
 with page checksums that pyarrow verifies while decoding; any failure counts as a miss and rebuilds. The
 meta also records the parquet's sha256 for whoever publishes the cache (e.g. as a Kaggle dataset).
@@ -216,7 +219,8 @@ class FeatureCache:
                 raise ValueError("meta names another key or format")
             if parquet_path.stat().st_size != meta["bytes"]:
                 raise ValueError(f"size {parquet_path.stat().st_size} != {meta['bytes']} in meta")
-            table = pq.read_table(parquet_path, memory_map=True, page_checksum_verification=True)
+            with pa.memory_map(str(parquet_path), "r") as source:  # no read() copy of the file
+                table = pq.read_table(source, page_checksum_verification=True)
             if table.num_rows != meta["rows"] or table.column_names != meta["columns"]:
                 raise ValueError("rows/columns differ from meta")
             return table
