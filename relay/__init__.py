@@ -1,0 +1,3 @@
+"""kaggle-relay: quota-sized, exactly-resumable training sessions chained through the Kaggle API."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,101 @@
+"""The `relay` command. Each subcommand is a thin shell over a library function."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from relay.errors import InputError
+
+
+def _budget(value: str) -> Optional[float]:
+    from relay.spec import parse_duration
+
+    try:
+        return parse_duration(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from relay import spec as spec_mod
+    from relay.session.run import run_session
+
+    overrides = {}
+    if args.budget is not _UNSET:
+        overrides["session.budget"] = args.budget
+    spec = spec_mod.load(args.spec, overrides)
+    progress = run_session(
+        spec, Path(args.workdir), budget=spec.session.budget, deadline=args.deadline,
+        resume_from=[Path(p) for p in args.resume_from], data_dir=Path(args.data) if args.data else None,
+        feature_dirs=[Path(p) for p in args.features], run_id=args.run_id,
+    )
+    m = progress["metrics"]
+    metric = ", ".join(f"{k}={v:.4g}" for k, v in m.items() if k != "step")
+    print(f"relay: {progress['status']} at step {progress['global_step']}/{progress['total_steps']}"
+          f" (epoch {progress['epoch']}, session {len(progress['sessions'])}, stop: {progress['stop_reason']})"
+          f"{' ' + metric if metric else ''}; weights {progress['weights_sha256'][:16]}")
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from relay.recipes import price_data
+
+    return price_data.main(args.rest) or 0
+
+
+def cmd_emulator(args: argparse.Namespace) -> int:
+    from relay.kaggle.emulator.cli import main as emulator_main
+
+    return emulator_main(args.rest) or 0
+
+
+_UNSET = object()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="relay", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="run ONE training session locally, resuming from the newest checkpoint")
+    t.add_argument("spec", help="run spec YAML")
+    t.add_argument("--workdir", required=True, help="session folder: checkpoints, progress.json, metrics")
+    t.add_argument("--budget", type=_budget, default=_UNSET,
+                   help="wall-clock seconds (or 11h30m) for this session, 'none' to run to the end;"
+                        " default: the spec's session.budget")
+    t.add_argument("--deadline", type=float, help="absolute unix time the session must end by")
+    t.add_argument("--resume-from", action="append", default=[], metavar="DIR",
+                   help="read-only checkpoint location (a mounted dataset); repeatable")
+    t.add_argument("--data", help="recipe data folder (overrides params.data_dir)")
+    t.add_argument("--features", action="append", default=[], metavar="DIR",
+                   help="read-only feature cache (a mounted dataset); repeatable")
+    t.add_argument("--run-id", help="id chosen by the orchestrator, written into progress and manifests")
+    t.set_defaults(func=cmd_train)
+
+    d = sub.add_parser("data", help="generate synthetic data shaped like a workload's real files")
+    d.add_argument("rest", nargs=argparse.REMAINDER)
+    d.set_defaults(func=cmd_data)
+
+    e = sub.add_parser("emulator", help="the local Kaggle API emulator (relay emulator serve --help)")
+    e.add_argument("rest", nargs=argparse.REMAINDER)
+    e.set_defaults(func=cmd_emulator)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        return args.func(args)
+    except InputError as err:
+        print(f"relay: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""Recipe registry: the spec's `recipe:` name -> class. Imports are lazy so the spec loads fast."""
+from __future__ import annotations
+
+import importlib
+
+from relay.recipes.base import Recipe, RecipeParams
+
+_REGISTRY = {
+    "price_model": "relay.recipes.price_model:PriceModelRecipe",
+    "toy": "relay.recipes.toy:ToyRecipe",
+}
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get(name: str) -> type[Recipe]:
+    if name not in _REGISTRY:
+        raise KeyError(name)
+    module, cls = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+__all__ = ["Recipe", "RecipeParams", "get", "names"]

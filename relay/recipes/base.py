@@ -1,0 +1,81 @@
+"""The contract between the session runtime and a workload.
+
+A recipe knows its data, its model and its metric; the runtime knows time, state and hardware.
+The runtime never looks inside a batch: it moves every tensor in the dict to the device and hands it
+back to `loss` / `evaluate`. Datasets are map-style and deterministic (item i is a pure function of i
+and the prepared features), so the data position is a pure function of the optimizer step.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, ClassVar, Iterable
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+from torch.utils.data import Dataset
+
+
+class RecipeParams(BaseModel):
+    """Base for each recipe's own validated parameters (the spec's `params:` section)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Recipe(ABC):
+    """One workload. Built once per session: `Recipe(params, data_dir=..., cache_dir=..., seed=...)`."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[RecipeParams]]
+    # The metric `evaluate` returns that people watch, and whether lower is better.
+    metric: ClassVar[str] = "loss"
+    metric_mode: ClassVar[str] = "min"
+
+    def __init__(self, params: RecipeParams, *, data_dir: Path, cache_dirs: list[Path], seed: int):
+        self.params = params
+        self.data_dir = Path(data_dir)
+        # First entry is writable (the session's own cache); later ones are read-only mounts
+        # (a features dataset published by the orchestrator) that are used when they hit.
+        self.cache_dirs = [Path(p) for p in cache_dirs]
+        self.seed = seed
+
+    @abstractmethod
+    def prepare(self) -> None:
+        """Load raw data and build (or load from the feature cache) everything the datasets need."""
+
+    @abstractmethod
+    def train_dataset(self) -> Dataset: ...
+
+    @abstractmethod
+    def eval_dataset(self) -> Dataset: ...
+
+    @abstractmethod
+    def collate(self, items: list[Any]) -> dict[str, torch.Tensor]: ...
+
+    @abstractmethod
+    def build_model(self) -> nn.Module:
+        """A model from config with random weights (the runtime seeds torch before calling)."""
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean loss of one micro-batch (the runtime divides by the accumulation count)."""
+
+    @abstractmethod
+    def evaluate(self, model: nn.Module, batches: Iterable[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Metrics over the eval set; must include `loss` and `self.metric`. Called under no_grad/eval()."""
+
+    def enable_activation_checkpointing(self, model: nn.Module) -> bool:
+        """Turn on activation checkpointing where the model supports it; return whether it did."""
+        return False
+
+    def export(self, model: nn.Module, out_dir: Path) -> None:
+        """Write weights-only inference files (safetensors + config) into out_dir."""
+        from safetensors.torch import save_model
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_model(model, str(out_dir / "model.safetensors"))
+
+    def predict(self, model: nn.Module, out_dir: Path) -> Path | None:
+        """Run inference on the test split, write the recipe's submission file, return its path."""
+        return None

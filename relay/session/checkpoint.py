@@ -1,0 +1,335 @@
+"""Atomic checkpoints: a folder counts only once its manifest (sha256 of every file) is in place.
+
+save:  .tmp-<name>/state.pt (hashed while written, fsync) -> manifest.json (fsync) -> rename to <name>
+load:  newest folder whose manifest and hashes check out; older ones when the newest is incomplete or corrupt
+prune: only after a successful save; keeps the newest `keep_last` and the best; never the newest valid one
+
+State is saved with plain types and tensors only, so `torch.load(weights_only=True)` reads it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from queue import Queue
+from typing import Any, Callable, Optional
+
+import torch
+
+from relay.errors import InputError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+STATE_FILE = "state.pt"
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"^step-(\d{8})(?:\.(\d+))?$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+class DiskBudgetError(CheckpointError, InputError):
+    """The configured disk budget cannot hold the checkpoints a resumable run needs."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    seq: int  # several saves at one step get .1, .2, ...
+    manifest: dict
+
+    @property
+    def metric(self) -> Optional[float]:
+        value = (self.manifest.get("best") or {}).get("value")
+        return None if value is None else float(value)
+
+    def nbytes(self) -> int:
+        return sum(f["bytes"] for f in self.manifest["files"].values())
+
+
+# -- durability helpers ---------------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Replace `path` with `data` so readers see the old or the new file, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class _HashingWriter:
+    """File wrapper that sha256-hashes bytes while torch.save writes them. hashlib releases the GIL on
+    large buffers, so a background thread hashes while the main thread serializes the next tensor."""
+
+    def __init__(self, f):
+        self._f = f
+        self._hash = hashlib.sha256()
+        self._queue: Queue = Queue(maxsize=8)
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+        self.nbytes = 0
+
+    def _drain(self) -> None:
+        while (chunk := self._queue.get()) is not None:
+            self._hash.update(chunk)
+
+    def write(self, data) -> int:
+        n = self._f.write(data)
+        # torch may free the buffer once write returns (a CUDA tensor's temporary CPU copy): hash a copy.
+        # memcpy runs ~10x faster than sha256, so the copy costs little next to the overlap it buys.
+        chunk = bytes(data)
+        self._queue.put(chunk)
+        self.nbytes += len(chunk)
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def hexdigest(self) -> str:
+        self._queue.put(None)
+        self._thread.join()
+        return self._hash.hexdigest()
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# -- save -------------------------------------------------------------------------------------------
+def _next_name(root: Path, step: int) -> str:
+    base = f"step-{step:08d}"
+    if not (root / base).exists():
+        return base
+    seq = 1
+    while (root / f"{base}.{seq}").exists():
+        seq += 1
+    return f"{base}.{seq}"
+
+
+def save(root: Path, state: dict, *, step: int, meta: dict, disk_budget_bytes: Optional[int] = None,
+         keep_last: int = 2, keep_best_mode: Optional[str] = None) -> Checkpoint:
+    """Write `state` as a new checkpoint under `root`, then apply retention. Returns the new checkpoint.
+
+    `meta` goes into the manifest (run_id, code_version, epoch, best={"metric","value","step"}).
+    `keep_best_mode` ("min"/"max") keeps the checkpoint with the best `best.value` as well.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(root)
+    if disk_budget_bytes is not None:
+        _make_room(root, disk_budget_bytes, keep_best_mode)
+    name = _next_name(root, step)
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        with open(tmp / STATE_FILE, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(state, writer)
+            digest = writer.hexdigest()
+            f.flush()
+            os.fsync(f.fileno())
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "created": time.time(),
+            **meta,
+            "files": {STATE_FILE: {"bytes": writer.nbytes, "sha256": digest}},
+        }
+        # The manifest is the commit marker: written last, then the folder appears under its name.
+        write_json_atomic(tmp / MANIFEST, manifest)
+        os.rename(tmp, root / name)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    saved = Checkpoint(root / name, step, _seq(name), manifest)
+    prune(root, keep_last=keep_last, keep_best_mode=keep_best_mode)
+    return saved
+
+
+def _seq(name: str) -> int:
+    m = _NAME.match(name)
+    return int(m.group(2) or 0) if m else 0
+
+
+def _remove_stale_tmp(root: Path) -> None:
+    """Half-written folders from a save that was killed: never valid, only taking disk."""
+    for p in root.glob(".tmp-step-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _make_room(root: Path, budget: int, keep_best_mode: Optional[str]) -> None:
+    """Prune oldest-first (sparing the newest valid and the best) until a new checkpoint fits."""
+    valid = list_valid(root)
+    if not valid:
+        return
+    expected = valid[0].nbytes()
+    used = sum(c.nbytes() for c in valid)
+    spare = {valid[0].path}
+    best = _best(valid, keep_best_mode)
+    if best is not None:
+        spare.add(best.path)
+    for ckpt in reversed(valid):  # oldest first
+        if used + expected <= budget:
+            return
+        if ckpt.path not in spare:
+            shutil.rmtree(ckpt.path)
+            used -= ckpt.nbytes()
+    if used + expected > budget and best is not None and best.path != valid[0].path:
+        shutil.rmtree(best.path)  # the best is worth less than a resumable run
+        used -= best.nbytes()
+    if used + expected > budget:
+        raise DiskBudgetError(
+            f"checkpoints.disk_budget_gb: a new checkpoint (~{expected / 1e9:.2f} GB) does not fit beside the"
+            f" newest one ({used / 1e9:.2f} GB) in {budget / 1e9:.2f} GB; raise the budget"
+        )
+
+
+# -- find and load ----------------------------------------------------------------------------------
+def find_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint folders in `root`: root itself, root/step-*, or root/checkpoints/step-*."""
+    root = Path(root)
+    if (root / MANIFEST).is_file():
+        return [root]
+    found = []
+    for base in (root, root / "checkpoints"):
+        if base.is_dir():
+            found += [p for p in base.iterdir() if p.is_dir() and _NAME.match(p.name)]
+    return found
+
+
+def read_manifest(path: Path) -> Optional[dict]:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "files" not in manifest:
+        return None
+    return manifest
+
+
+def list_valid(*roots: Path, verify_hashes: bool = False) -> list[Checkpoint]:
+    """Checkpoints with a readable manifest and files of the right size, newest first."""
+    out = []
+    for root in roots:
+        for path in find_checkpoints(root):
+            manifest = read_manifest(path)
+            if manifest is None:
+                continue
+            if not _files_match(path, manifest, verify_hashes):
+                continue
+            out.append(Checkpoint(path, int(manifest["step"]), _seq(path.name), manifest))
+    return sorted(out, key=lambda c: (c.step, c.manifest.get("created", 0), c.seq), reverse=True)
+
+
+def _files_match(path: Path, manifest: dict, verify_hashes: bool) -> bool:
+    for name, info in manifest["files"].items():
+        f = path / name
+        try:
+            if f.stat().st_size != info["bytes"]:
+                return False
+        except OSError:
+            return False
+        if verify_hashes and sha256_file(f) != info["sha256"]:
+            return False
+    return True
+
+
+def load_latest(*roots: Path, map_location: str = "cpu") -> Optional[tuple[Checkpoint, dict]]:
+    """The newest checkpoint that verifies and loads, falling back to older ones; None if there is none."""
+    for ckpt in list_valid(*roots):
+        try:
+            return ckpt, load(ckpt, map_location=map_location)
+        except CheckpointError as err:
+            log.warning("skipping checkpoint %s: %s", ckpt.path, err)
+    return None
+
+
+def load(ckpt: Checkpoint, map_location: str = "cpu") -> dict:
+    """Verify the sha256 of the state file and load it safely (weights_only)."""
+    info = ckpt.manifest["files"][STATE_FILE]
+    path = ckpt.path / STATE_FILE
+    if sha256_file(path) != info["sha256"]:
+        raise CheckpointError(f"{path}: sha256 does not match its manifest (corrupt or truncated)")
+    try:
+        # mmap: the bytes were just read for the hash and sit in the page cache; no second copy.
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+    except Exception as err:  # torch raises several types for a damaged zip
+        raise CheckpointError(f"{path}: cannot be loaded ({type(err).__name__}: {err})") from None
+
+
+# -- retention --------------------------------------------------------------------------------------
+def _best(valid: list[Checkpoint], mode: Optional[str]) -> Optional[Checkpoint]:
+    scored = [c for c in valid if c.metric is not None]
+    if not mode or not scored:
+        return None
+    pick = min if mode == "min" else max
+    return pick(scored, key=lambda c: c.metric)
+
+
+def prune(root: Path, keep_last: int, keep_best_mode: Optional[str] = None) -> list[Path]:
+    """Delete all but the newest `keep_last` valid checkpoints (and the best). Returns what was removed.
+    Incomplete folders are left alone here: a concurrent reader may still be validating them."""
+    valid = list_valid(root)
+    keep = {c.path for c in valid[:keep_last]}
+    best = _best(valid, keep_best_mode)
+    if best is not None:
+        keep.add(best.path)
+    removed = []
+    for ckpt in valid[keep_last:]:
+        if ckpt.path not in keep:
+            shutil.rmtree(ckpt.path, ignore_errors=True)
+            removed.append(ckpt.path)
+    return removed
+
+
+def weights_sha256(state_dict: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors' raw bytes, names sorted: equal iff the weights are bit-identical."""
+    h = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().cpu().contiguous().reshape(-1)
+        h.update(name.encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def export_atomic(out_dir: Path, write: Callable[[Path], Any]) -> None:
+    """Run `write(tmp_dir)` and move the result to `out_dir` in one rename (replacing an older export)."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    for f in tmp.iterdir():
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    if out_dir.exists():
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(out_dir.parent)

@@ -1,0 +1,247 @@
+"""The run spec: one validated model, loaded from YAML, shared by the orchestrator and the session runtime.
+
+Every bad input becomes one line naming the key path and what is expected (`SpecError`), e.g.
+`spec.yaml: optim.lr: must be greater than 0 (got -0.1)`. Durations accept seconds or "11h30m", "45m", "90s".
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from relay import recipes
+from relay.errors import InputError
+
+
+class SpecError(InputError):
+    """A spec problem, already phrased as one line for the user."""
+
+
+_DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
+
+
+def parse_duration(value: Any) -> Optional[float]:
+    """Seconds from 90, 90.5, "90s", "45m", "11h30m"; None/"none" means no limit."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
+        return None
+    if isinstance(value, bool):
+        raise ValueError("expected seconds or a duration like '11h30m'")
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    match = _DURATION.match(str(value).strip().lower())
+    if not match or not any(match.groups()):
+        raise ValueError(f"expected seconds or a duration like '11h30m' (got {value!r})")
+    h, m, s = (float(g) if g else 0.0 for g in match.groups())
+    return h * 3600 + m * 60 + s
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class OptimConfig(_Section):
+    micro_batch: PositiveInt = 8
+    grad_accum: PositiveInt = 1
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
+    tf32: bool = True
+    activation_checkpointing: bool = False
+    clip_grad_norm: Optional[PositiveFloat] = 1.0
+    lr: PositiveFloat = 3e-4
+    weight_decay: NonNegativeFloat = 0.01
+    schedule: Literal["constant", "linear", "cosine"] = "linear"
+    warmup_steps: NonNegativeInt = 0
+    epochs: Optional[PositiveInt] = None
+    max_steps: Optional[PositiveInt] = None
+    eval_batch: PositiveInt = 16
+    eval_every_steps: Optional[PositiveInt] = None  # None: at the end of every epoch
+    log_every_steps: PositiveInt = 10
+    nonfinite_patience: PositiveInt = 3  # skipped non-finite steps in a row before falling back to fp32
+    compile: bool = False
+
+    @model_validator(mode="after")
+    def _one_length(self) -> "OptimConfig":
+        if (self.epochs is None) == (self.max_steps is None):
+            raise ValueError("optim: set exactly one of epochs or max_steps")
+        return self
+
+
+class DataConfig(_Section):
+    num_workers: NonNegativeInt = 2
+    pin_memory: Literal["auto", True, False] = "auto"  # auto: on when training on CUDA
+    prefetch_factor: PositiveInt = 2
+    persistent_workers: bool = True
+    non_blocking: bool = True
+
+
+class SessionConfig(_Section):
+    budget: Optional[float] = None  # seconds of wall time per session; None runs to the end
+    save_every: float = 1800.0  # periodic save as insurance against SIGKILL
+    safety_margin: float = 60.0  # reserved before the deadline on top of the measured save time
+    empty_cache_every_steps: Optional[PositiveInt] = 50
+    memory_log_every_steps: PositiveInt = 50
+    threads: Optional[PositiveInt] = None  # torch CPU threads; exact resume needs the same count
+
+    @field_validator("budget", "save_every", "safety_margin", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> Optional[float]:
+        return parse_duration(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> "SessionConfig":
+        if self.save_every is None or self.save_every <= 0:
+            raise ValueError("session.save_every: must be a positive duration")
+        if self.safety_margin is None or self.safety_margin < 0:
+            raise ValueError("session.safety_margin: must be a duration >= 0")
+        if self.budget is not None and self.budget <= self.safety_margin:
+            raise ValueError(
+                f"session.budget: must be longer than session.safety_margin ({self.safety_margin:g}s),"
+                f" the time reserved to save (got {self.budget:g}s)"
+            )
+        return self
+
+
+class CheckpointConfig(_Section):
+    keep_last: PositiveInt = 2
+    keep_best: bool = True  # also keep the checkpoint with the best recipe metric
+    disk_budget_gb: PositiveFloat = 20.0
+
+
+class KaggleConfig(_Section):
+    """What each session kernel mounts and runs on (used by the orchestrator only)."""
+
+    dataset_sources: list[str] = Field(default_factory=list)  # "owner/slug" of the raw data
+    competition_sources: list[str] = Field(default_factory=list)
+    data_mount: Optional[str] = None  # which mounted source is the recipe's data_dir (default: first)
+    machine_shape: Optional[str] = None  # e.g. NvidiaTeslaT4; None lets Kaggle choose
+    enable_gpu: bool = True
+    enable_internet: bool = False
+    session_timeout: float = 12 * 3600.0  # Kaggle's per-session cap
+    startup_overhead: float = 120.0  # kernel start + restore, kept out of the training budget
+    weekly_gpu_quota: float = 30 * 3600.0
+    max_failed_sessions: NonNegativeInt = 2
+
+    @field_validator("session_timeout", "startup_overhead", "weekly_gpu_quota", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> Optional[float]:
+        return parse_duration(value)
+
+    @field_validator("dataset_sources")
+    @classmethod
+    def _slugs(cls, value: list[str]) -> list[str]:
+        for slug in value:
+            if slug.count("/") != 1 or not all(slug.split("/")):
+                raise ValueError(f"expected 'owner/slug' (got {slug!r})")
+        return value
+
+
+_NAME = r"^[a-z0-9][a-z0-9-]{2,49}$"
+
+
+class RunSpec(_Section):
+    name: str = Field(pattern=_NAME)  # also the Kaggle kernel/dataset slug stem
+    recipe: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    seed: NonNegativeInt = 0
+    optim: OptimConfig
+    data: DataConfig = DataConfig()
+    session: SessionConfig = SessionConfig()
+    checkpoints: CheckpointConfig = CheckpointConfig()
+    kaggle: KaggleConfig = KaggleConfig()
+
+    @field_validator("recipe")
+    @classmethod
+    def _known_recipe(cls, value: str) -> str:
+        if value not in recipes.names():
+            raise ValueError(f"unknown recipe {value!r}; expected one of {', '.join(recipes.names())}")
+        return value
+
+    @model_validator(mode="after")
+    def _recipe_params(self) -> "RunSpec":
+        # Validated by the recipe's own Params model, reported under `params.`.
+        recipe_cls = recipes.get(self.recipe)
+        try:
+            recipe_cls.Params.model_validate(self.params)
+        except ValidationError as err:
+            raise SpecError(_first_error(err, prefix="params")) from None
+        return self
+
+    def recipe_params(self):
+        return recipes.get(self.recipe).Params.model_validate(self.params)
+
+
+def _first_error(err: ValidationError, prefix: str = "") -> str:
+    e = err.errors()[0]
+    path = ".".join(str(p) for p in ((prefix,) if prefix else ()) + tuple(e["loc"]))
+    msg = e["msg"]
+    # pydantic words its errors for developers; say what is expected in the user's terms.
+    if e["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif e["type"] == "missing":
+        msg = "required key is missing"
+    else:
+        msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        if "input" in e and e["type"] not in ("value_error", "assertion_error"):
+            msg = f"{msg} (got {e['input']!r})"
+    if path and msg.startswith((f"{path}:", f"{path}.")):
+        return msg  # a cross-field check that already names its key
+    return f"{path}: {msg}" if path else msg
+
+
+def validate(data: Any, source: str = "spec") -> RunSpec:
+    """Validate a parsed spec; raise SpecError with one line `source: key.path: what is expected`."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: expected a mapping of spec keys at the top level")
+    try:
+        return RunSpec.model_validate(data)
+    except SpecError as err:
+        raise SpecError(f"{source}: {err}") from None
+    except ValidationError as err:
+        raise SpecError(f"{source}: {_first_error(err)}") from None
+
+
+def load(path: str | Path, overrides: dict[str, Any] | None = None) -> RunSpec:
+    """Read and validate a YAML spec. `overrides` are dotted keys (`session.budget`) applied first."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise SpecError(f"{path}: cannot read the spec ({err.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise SpecError(f"{path}: not valid YAML{where}") from None
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data if isinstance(data, dict) else {}, dotted, value)
+    return validate(data, source=str(path))
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        data = data.setdefault(key, {})
+    data[leaf] = value
+
+
+def to_dict(spec: RunSpec) -> dict[str, Any]:
+    """Plain data for YAML/JSON (the inverse of `validate`)."""
+    return spec.model_dump(mode="json")
