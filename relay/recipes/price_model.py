@@ -193,6 +193,7 @@ class PriceRegressor(nn.Module):
 
     def forward(self, input_ids, attention_mask, numeric, brand, category) -> torch.Tensor:
         hidden = self.text_encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = hidden.float()  # pool in fp32: an fp16 sum over 256+ tokens can overflow under AMP
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         parts = [(hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)]
         if self.use_side_features:
@@ -235,10 +236,18 @@ class PriceModelRecipe(Recipe):
     def prepare(self) -> None:
         p = self.params
         train_path, test_path = self.data_dir / p.train_file, self.data_dir / p.test_file
-        train = price_data.read_split(train_path, price_data.TRAIN_COLUMNS)
+        if not train_path.is_file():
+            raise FileNotFoundError(f"{train_path}: file not found (expected columns "
+                                    f"{', '.join(price_data.TRAIN_COLUMNS)})")
         has_test = test_path.is_file()
-        test = price_data.read_split(test_path, price_data.TEST_COLUMNS) if has_test else train.iloc[:0, :2]
-        build = lambda: build_feature_table(train, test, p)  # noqa: E731
+
+        def build() -> pa.Table:  # only on a cache miss: a hit never parses the CSVs
+            train = price_data.read_split(train_path, price_data.TRAIN_COLUMNS)
+            test = price_data.read_split(test_path, price_data.TEST_COLUMNS) if has_test else train.iloc[:0, :2]
+            return build_feature_table(train, test, p)
+
+        if not has_test:
+            log.warning("%s not found: training without a test split (predict() will write nothing)", test_path)
         if self.cache_dirs:
             key_params = p.model_dump(include={"pretrained", "vocab_size", "max_len", "max_brands", "max_categories"})
             inputs = [train_path, test_path] if has_test else [train_path]
