@@ -1,0 +1,191 @@
+"""The Kaggle backend: one interface for the orchestrator, implemented over the real `kaggle` client.
+
+Every call retries transient failures (see retry.py). Pushes are idempotent: before pushing, and again after
+any failure whose outcome is unknown (a lost response), the kernel's current source is read back and searched
+for the run id marker, so one session is never pushed twice. Refusals come back as `PushResult.refusal`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, List, Optional, Protocol
+
+from relay.errors import InputError
+from relay.kaggle import kernel_source, output
+from relay.kaggle.bundle import build_bundle
+from relay.kaggle.client import KaggleClient
+from relay.kaggle.credentials import KaggleCredentials, resolve
+from relay.kaggle.datasets import DatasetPublisher, list_dataset_files
+from relay.kaggle.retry import RetryPolicy, http_status
+from relay.kaggle.types import (DatasetFile, KaggleError, KernelState, KernelStatus, NotFound, PublishResult,
+                                PushResult, Quota, Refusal, SessionKernel, SessionOutput)
+
+log = logging.getLogger(__name__)
+
+
+class KaggleBackend(Protocol):
+    def push_session(self, session: SessionKernel) -> PushResult: ...
+    def kernel_status(self, kernel: str) -> KernelStatus: ...
+    def download_output(self, kernel: str, dest: Path, run_id: str, workdir_name: str = "relay") -> SessionOutput: ...
+    def publish_folder(self, folder: Path, dataset: str, title: str, notes: str = "") -> PublishResult: ...
+    def quota(self) -> Quota: ...
+    def list_dataset_files(self, dataset: str, version: Optional[int] = None) -> List[DatasetFile]: ...
+
+
+def split_ref(ref: str, what: str) -> tuple:
+    owner, _, slug = (ref or "").partition("/")
+    if not owner or not slug or "/" in slug:
+        raise InputError(f"{what} {ref!r}: expected owner/slug")
+    return owner, slug
+
+
+class ClientBackend:
+    """Production backend over the `kaggle` client; `endpoint` points it at a local emulator instead."""
+
+    def __init__(self, credentials: Any = None, endpoint: Optional[str] = None,
+                 policy: Optional[RetryPolicy] = None, dataset_wait_s: float = 1800.0,
+                 dataset_poll_s: float = 5.0):
+        creds = credentials if isinstance(credentials, KaggleCredentials) else resolve(credentials)
+        self.client = KaggleClient(creds, endpoint, policy)
+        self.publisher = DatasetPublisher(self.client, wait_s=dataset_wait_s, poll_s=dataset_poll_s)
+
+    # -- kernels ---------------------------------------------------------------------------------
+    def push_session(self, session: SessionKernel) -> PushResult:
+        owner, slug = split_ref(session.kernel, "kernel")
+        if len(session.title) < 5:
+            raise InputError(f"kernel title {session.title!r}: Kaggle needs at least 5 characters")
+        bundle = build_bundle()
+        source = kernel_source.render(session, bundle)
+        for secret in self.client.credentials.secrets:
+            if secret in source:
+                raise KaggleError("refusing to push: the kernel source contains the Kaggle credential")
+        marker = kernel_source.run_id_marker(session.run_id)
+
+        found = self._pushed_version(owner, slug, marker)
+        if found is not None:
+            log.info("kernel %s: run %s already pushed (version %s)", session.kernel, session.run_id, found)
+            return PushResult(True, found, already_pushed=True, code_version=bundle.code_version)
+
+        class _Landed(Exception):
+            def __init__(self, version: int):
+                self.version = version
+
+        def check_landed(_exc: BaseException) -> None:
+            # the failed attempt may have reached Kaggle before its response was lost
+            version = self._pushed_version(owner, slug, marker)
+            if version is not None:
+                raise _Landed(version)
+
+        folder = Path(tempfile.mkdtemp(prefix="relay-push-"))
+        try:
+            (folder / "session.py").write_text(source)
+            (folder / "kernel-metadata.json").write_text(json.dumps(self._metadata(session), indent=1))
+            timeout = str(session.session_timeout_s) if session.session_timeout_s else None
+            response = self.client.run(f"push {session.kernel}",
+                                       lambda api: api.kernels_push(str(folder), timeout=timeout),
+                                       on_retry=check_landed)
+        except _Landed as landed:
+            return PushResult(True, landed.version, already_pushed=True, code_version=bundle.code_version)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        error = getattr(response, "error", None)
+        if error:
+            return PushResult(False, refusal=classify_refusal(error), message=error, code_version=bundle.code_version)
+        version = getattr(response, "version_number", None)
+        log.info("kernel %s: pushed run %s as version %s", session.kernel, session.run_id, version)
+        return PushResult(True, version, code_version=bundle.code_version)
+
+    @staticmethod
+    def _metadata(session: SessionKernel) -> dict:
+        sources = [s for s in (session.checkpoint_dataset, session.data_dataset) if s]
+        sources += list(session.features_datasets) + list(session.extra_datasets)
+        for ref in sources:
+            split_ref(ref, "dataset")
+        meta = {
+            "id": session.kernel, "title": session.title, "code_file": "session.py",
+            "language": "python", "kernel_type": "script", "is_private": True,
+            "enable_gpu": session.enable_gpu, "enable_tpu": False,
+            # the client defaults enable_internet to true: always say it
+            "enable_internet": session.enable_internet,
+            "dataset_sources": list(dict.fromkeys(sources)), "kernel_sources": [], "competition_sources": [],
+        }
+        if session.machine_shape and session.enable_gpu:
+            meta["machine_shape"] = session.machine_shape
+        return meta
+
+    def _pushed_version(self, owner: str, slug: str, marker: str) -> Optional[int]:
+        """The kernel's current version if its source carries `marker`, else None."""
+        def get(kaggle: Any) -> Any:
+            from kagglesdk.kernels.types.kernels_api_service import ApiGetKernelRequest
+
+            request = ApiGetKernelRequest()
+            request.user_name, request.kernel_slug = owner, slug
+            return kaggle.kernels.kernels_api_client.get_kernel(request)
+
+        try:
+            response = self.client.sdk(f"get kernel {owner}/{slug}", get)
+        except Exception as exc:  # noqa: BLE001
+            if http_status(exc) == 404:
+                return None
+            raise
+        source = (response.blob.source if response.blob else "") or ""
+        if marker not in source:
+            return None
+        return response.metadata.current_version_number if response.metadata else None
+
+    def kernel_status(self, kernel: str) -> KernelStatus:
+        split_ref(kernel, "kernel")
+        try:
+            response = self.client.run(f"status {kernel}", lambda api: api.kernels_status(kernel))
+        except ValueError as exc:  # the client turns 401/403 into ValueError
+            raise NotFound(f"kernel {kernel}: not accessible") from exc
+        except Exception as exc:  # noqa: BLE001
+            if http_status(exc) == 404:
+                raise NotFound(f"kernel {kernel}: not found") from exc
+            raise
+        name = getattr(response.status, "name", str(response.status)).lower()
+        state = {"cancel_requested": KernelState.CANCELLED, "cancel_acknowledged": KernelState.CANCELLED}.get(name)
+        return KernelStatus(state or KernelState(name), response.failure_message or "")
+
+    def download_output(self, kernel: str, dest: Path, run_id: str, workdir_name: str = "relay") -> SessionOutput:
+        owner, slug = split_ref(kernel, "kernel")
+        return output.download(self.client, owner, slug, Path(dest), run_id, workdir_name)
+
+    # -- datasets and quota ----------------------------------------------------------------------
+    def publish_folder(self, folder: Path, dataset: str, title: str, notes: str = "") -> PublishResult:
+        split_ref(dataset, "dataset")
+        return self.publisher.publish(Path(folder), dataset, title, notes)
+
+    def list_dataset_files(self, dataset: str, version: Optional[int] = None) -> List[DatasetFile]:
+        split_ref(dataset, "dataset")
+        return list_dataset_files(self.client, dataset, version)
+
+    def quota(self) -> Quota:
+        response = self.client.run("quota", lambda api: api.quota_view())
+        gpu = response.gpu_quota
+
+        def seconds(value: Any) -> float:
+            return value.total_seconds() if value is not None else 0.0
+
+        return Quota(used_s=seconds(gpu.time_used) if gpu else 0.0,
+                     allowed_s=seconds(gpu.total_time_allowed) if gpu else 0.0,
+                     reserved_s=seconds(gpu.time_reserved) if gpu else 0.0,
+                     refresh_time=response.quota_refresh_time)
+
+
+def classify_refusal(error: str) -> Refusal:
+    text = error.lower()
+    if "session count" in text or "concurrent" in text:
+        return Refusal.CONCURRENCY
+    if "quota" in text or "hours allowed" in text:
+        return Refusal.QUOTA
+    return Refusal.OTHER
+
+
+def from_env(endpoint: Optional[str] = None, **kwargs: Any) -> ClientBackend:
+    """A backend from the environment's credentials; RELAY_KAGGLE_ENDPOINT points it at an emulator."""
+    return ClientBackend(None, endpoint or os.environ.get("RELAY_KAGGLE_ENDPOINT"), **kwargs)

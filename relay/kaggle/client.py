@@ -1,0 +1,111 @@
+"""The real `kaggle` client, imported lazily in a controlled environment and bound to one endpoint.
+
+`import kaggle` authenticates at import time (reading ~/.kaggle, env tokens, maybe a network call) and freezes
+KAGGLE_CONFIG_DIR / KAGGLE_API_ENVIRONMENT into class attributes. We import it once with no credentials in
+the environment and HOME/KAGGLE_CONFIG_DIR pointing at an empty temporary folder, then build our own
+`KaggleApi` instances whose credentials, environment and retry helper are set per instance.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+import threading
+from typing import Any, Callable, Iterator, Optional
+
+from relay.kaggle.credentials import KaggleCredentials
+from relay.kaggle.retry import RetryPolicy, call
+
+_IMPORT_LOCK = threading.Lock()
+# The SDK reads the LOCAL endpoint from a module-level dict each time it builds a client; calls against
+# different local endpoints in one process take turns under this lock.
+_ENDPOINT_LOCK = threading.RLock()
+
+
+def kaggle_api_class() -> type:
+    with _IMPORT_LOCK:
+        import sys
+
+        if "kaggle.api.kaggle_api_extended" not in sys.modules:
+            saved = dict(os.environ)
+            scratch = tempfile.mkdtemp(prefix="relay-kaggle-import-")
+            try:
+                for name in list(os.environ):
+                    if name.startswith("KAGGLE_"):
+                        del os.environ[name]
+                os.environ["HOME"] = scratch
+                os.environ["KAGGLE_CONFIG_DIR"] = scratch
+                # the import-time authenticate finds nothing and prints help; keep that off our stdout
+                with contextlib.redirect_stdout(io.StringIO()):
+                    import kaggle  # noqa: F401
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+        from kaggle.api.kaggle_api_extended import KaggleApi
+
+        return KaggleApi
+
+
+class KaggleClient:
+    """A `KaggleApi` for one account and one endpoint (None = production api.kaggle.com)."""
+
+    def __init__(self, credentials: KaggleCredentials, endpoint: Optional[str] = None,
+                 policy: Optional[RetryPolicy] = None):
+        self.credentials = credentials
+        self.endpoint = endpoint.rstrip("/") if endpoint else None
+        self.policy = policy or RetryPolicy()
+        api = kaggle_api_class()()
+        values = {"username": credentials.username}
+        if credentials.token:
+            values["token"] = credentials.token
+        else:
+            values["key"] = credentials.key
+        api.config_values = values
+        api.args = ["--local"] if self.endpoint else []
+        api._authenticated = True
+        # the client's own retry helper (uploads, dataset creation) can sleep ~143 s; use our policy
+        api.with_retry = self._with_retry
+        self.api = api
+
+    @property
+    def username(self) -> str:
+        return self.credentials.username
+
+    def _with_retry(self, func: Callable, **_: Any) -> Callable:
+        def retried(*args: Any, **kwargs: Any) -> Any:
+            return call(lambda: func(*args, **kwargs), self.policy, getattr(func, "__name__", "kaggle call"))
+
+        return retried
+
+    @contextlib.contextmanager
+    def bound(self) -> Iterator[Any]:
+        """The KaggleApi, with the SDK pointed at this client's endpoint for the duration."""
+        if not self.endpoint:
+            yield self.api
+            return
+        from kagglesdk.kaggle_env import KaggleEnv, _env_to_endpoint
+
+        with _ENDPOINT_LOCK:
+            previous = _env_to_endpoint[KaggleEnv.LOCAL]
+            _env_to_endpoint[KaggleEnv.LOCAL] = self.endpoint
+            try:
+                yield self.api
+            finally:
+                _env_to_endpoint[KaggleEnv.LOCAL] = previous
+
+    def run(self, what: str, fn: Callable[[Any], Any], on_retry: Optional[Callable] = None) -> Any:
+        """fn(api) with retries on transient failures."""
+        def attempt() -> Any:
+            with self.bound() as api:
+                return fn(api)
+
+        return call(attempt, self.policy, what, on_retry)
+
+    def sdk(self, what: str, fn: Callable[[Any], Any], on_retry: Optional[Callable] = None) -> Any:
+        """fn(kagglesdk client) with retries: for RPCs the KaggleApi has no plain method for."""
+        def attempt() -> Any:
+            with self.bound() as api, api.build_kaggle_client() as kaggle:
+                return fn(kaggle)
+
+        return call(attempt, self.policy, what, on_retry)

@@ -1,0 +1,113 @@
+"""Seeded fault injection, so a failing test replays exactly.
+
+Spec (JSON, or built from CLI flags):
+  {"seed": 7,
+   "methods": {"*": {"rate": 0.25},                        # any RPC or output download: 25 % faults
+               "SaveKernel": {"script": ["lost", "ok"]},    # scripted first calls, then the rates
+               "GetKernelSessionStatus": {"429": 0.1, "500": 0.1, "slow": 0.1, "slow_s": 0.5}},
+   "upload_fail_midfile": 0.3,      # an upload PUT keeps only part of the bytes and answers 503
+   "stale_output": true,            # after a failed run, output shows the previous successful run's files
+   "kill_kernel": {"probability": 0.5, "min_s": 0.5, "max_s": 3}}   # SIGKILL at a random instant
+Kinds: 429 (with Retry-After), 500, 503, reset (connection dropped before handling), lost (handled, then the
+connection dropped: the client cannot know it happened), slow (answered after slow_s seconds).
+Each decision draws from Random(f"{seed}/{key}/{n}"): the n-th call of a method gets the same fate whatever
+other threads do.
+"""
+from __future__ import annotations
+
+import random
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from relay.errors import InputError
+
+KINDS = ("429", "500", "503", "reset", "lost", "slow")
+DEFAULT_RATE_KINDS = ("429", "500", "reset", "lost")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str            # "ok" or one of KINDS
+    slow_s: float = 0.0
+
+
+class FaultPlan:
+    def __init__(self, spec: Optional[dict] = None):
+        spec = dict(spec or {})
+        self.seed = spec.get("seed", 0)
+        self.methods: Dict[str, dict] = spec.get("methods", {})
+        self.upload_fail_midfile = float(spec.get("upload_fail_midfile", 0.0))
+        self.stale_output = bool(spec.get("stale_output", False))
+        self.kill_kernel: Optional[dict] = spec.get("kill_kernel")
+        self._counts: Dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()
+        self.injected: Dict[str, int] = defaultdict(int)  # kind -> count, for tests and logs
+        for name, rule in self.methods.items():
+            for kind in rule.get("script", []):
+                if kind != "ok" and kind not in KINDS:
+                    raise InputError(f"faults: method {name}: unknown kind {kind!r} (use ok or {', '.join(KINDS)})")
+
+    def _rng(self, *key: object) -> random.Random:
+        return random.Random("/".join(str(k) for k in (self.seed,) + key))
+
+    def decide(self, method: str) -> Fault:
+        rule = self.methods.get(method, self.methods.get("*"))
+        if not rule:
+            return Fault("ok")
+        with self._lock:
+            n = self._counts[method]
+            self._counts[method] += 1
+        script = rule.get("script", [])
+        if n < len(script):
+            kind = script[n]
+        else:
+            kind = self._draw(rule, self._rng(method, n).random())
+        if kind != "ok":
+            with self._lock:
+                self.injected[kind] += 1
+        return Fault(kind, float(rule.get("slow_s", 0.3)) if kind == "slow" else 0.0)
+
+    @staticmethod
+    def _draw(rule: dict, u: float) -> str:
+        if "rate" in rule:
+            kinds = rule.get("kinds", DEFAULT_RATE_KINDS)
+            share = float(rule["rate"]) / len(kinds)
+            weights = {k: share for k in kinds}
+        else:
+            weights = {k: float(rule[k]) for k in KINDS if k in rule}
+        edge = 0.0
+        for kind, weight in weights.items():
+            edge += weight
+            if u < edge:
+                return kind
+        return "ok"
+
+    def upload_cut(self, token: str, attempt: int, size: int) -> Optional[int]:
+        """How many bytes of this PUT to keep before failing it, or None to let it through."""
+        if size < 2 or self.upload_fail_midfile <= 0:
+            return None
+        rng = self._rng("upload", token, attempt)
+        if rng.random() >= self.upload_fail_midfile:
+            return None
+        with self._lock:
+            self.injected["upload_midfile"] += 1
+        return max(1, min(size - 1, int(size * rng.uniform(0.1, 0.9))))
+
+    def kill_at(self, kernel_ref: str, version: int) -> Optional[float]:
+        """Wall seconds after start at which to SIGKILL this kernel version, or None."""
+        spec = self.kill_kernel
+        if not spec:
+            return None
+        rng = self._rng("kill", kernel_ref, version)
+        if rng.random() >= float(spec.get("probability", 1.0)):
+            return None
+        return rng.uniform(float(spec.get("min_s", 0.0)), float(spec.get("max_s", 1.0)))
+
+
+def from_flags(rate: float = 0.0, seed: int = 0, kinds: Optional[list] = None) -> dict:
+    spec: dict = {"seed": seed, "methods": {}}
+    if rate > 0:
+        spec["methods"]["*"] = {"rate": rate, "kinds": list(kinds or DEFAULT_RATE_KINDS)}
+    return spec

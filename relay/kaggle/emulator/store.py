@@ -1,0 +1,128 @@
+"""The emulator's persistent state: one JSON document plus file trees under the state folder.
+
+  DIR/state.json                          kernels (with versions), datasets (with versions), blobs, quota ledger
+  DIR/kernels/<owner>/<slug>/v<N>/        source.py, input/<mounts>, working/, log.json
+  DIR/datasets/<owner>/<slug>/v<N>/files/ the files of one dataset version (uploaded zips unpacked)
+  DIR/blobs/<token>                       upload bytes
+Credentials are never stored here (users live in the config, in memory). A restarted emulator keeps all of
+this; runs that were in flight when it stopped are marked ERROR, as Kaggle would lose them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+ACTIVE = ("QUEUED", "RUNNING")
+
+
+def write_json(path: Path, data: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Store:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.lock = threading.RLock()
+        self.path = self.root / "state.json"
+        if self.path.exists():
+            self.data = json.loads(self.path.read_text())
+            self._fail_interrupted_runs()
+        else:
+            self.data = {"format": 1, "created": time.time(), "next_id": 1000,
+                         "kernels": {}, "datasets": {}, "blobs": {}, "quota": []}
+            self.save()
+
+    def save(self) -> None:
+        with self.lock:
+            write_json(self.path, self.data)
+
+    def new_id(self) -> int:
+        with self.lock:
+            self.data["next_id"] += 1
+            return self.data["next_id"]
+
+    def _fail_interrupted_runs(self) -> None:
+        for kernel in self.data["kernels"].values():
+            for version in kernel["versions"]:
+                if version["status"] in ACTIVE:
+                    version.update(status="ERROR", failure="The emulator restarted while this session ran.",
+                                   ended=version.get("ended") or time.time())
+        self.save()
+
+    # -- lookups ---------------------------------------------------------------------------------
+    @property
+    def kernels(self) -> dict:
+        return self.data["kernels"]
+
+    @property
+    def datasets(self) -> dict:
+        return self.data["datasets"]
+
+    @property
+    def blobs(self) -> dict:
+        return self.data["blobs"]
+
+    def kernel_dir(self, ref: str, number: int) -> Path:
+        return self.root / "kernels" / ref / f"v{number}"
+
+    def dataset_dir(self, ref: str, number: int) -> Path:
+        return self.root / "datasets" / ref / f"v{number}" / "files"
+
+    def blob_path(self, token: str) -> Path:
+        return self.root / "blobs" / token
+
+    def kernel_version(self, ref: str, label: Optional[str] = None) -> Optional[dict]:
+        kernel = self.kernels.get(ref)
+        if not kernel or not kernel["versions"]:
+            return None
+        if not label:
+            return kernel["versions"][-1]
+        number = int(str(label).lstrip("v"))
+        return next((v for v in kernel["versions"] if v["number"] == number), None)
+
+    def ready_version(self, ref: str, now: float) -> Optional[dict]:
+        """The newest dataset version whose processing finished: what a kernel would mount."""
+        dataset = self.datasets.get(ref)
+        ready = [v for v in (dataset or {}).get("versions", []) if v["ready_at"] <= now]
+        return ready[-1] if ready else None
+
+    def running_gpu_sessions(self, owner: str) -> int:
+        return sum(1 for ref, k in self.kernels.items() if k["owner"] == owner
+                   for v in k["versions"] if v["status"] in ACTIVE and v.get("enable_gpu"))
+
+    # -- quota -----------------------------------------------------------------------------------
+    def quota_window(self, now: float, period_wall: float) -> tuple:
+        """(start, end) wall times of the quota period containing `now`."""
+        epoch = self.data["created"]
+        index = int((now - epoch) // period_wall)
+        return epoch + index * period_wall, epoch + (index + 1) * period_wall
+
+    def gpu_seconds_used(self, owner: str, now: float, period_wall: float, time_scale: float) -> float:
+        """Kaggle seconds of GPU used this period: finished runs from the ledger plus runs in flight."""
+        start, end = self.quota_window(now, period_wall)
+        used = sum(e["kaggle_seconds"] for e in self.data["quota"]
+                   if e["owner"] == owner and start <= e["end"] < end)
+        for kernel in self.kernels.values():
+            if kernel["owner"] != owner:
+                continue
+            for v in kernel["versions"]:
+                if v["status"] == "RUNNING" and v.get("enable_gpu") and v.get("started"):
+                    used += (now - max(v["started"], start)) * time_scale
+        return used
+
+    def charge(self, owner: str, ref: str, number: int, started: float, ended: float, time_scale: float) -> None:
+        with self.lock:
+            self.data["quota"].append({"owner": owner, "kernel": ref, "version": number, "start": started,
+                                       "end": ended, "kaggle_seconds": (ended - started) * time_scale})
+            self.save()

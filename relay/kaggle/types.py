@@ -1,0 +1,127 @@
+"""Typed results of the Kaggle backend: what the orchestrator acts on (never an exception string)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+
+class KaggleError(Exception):
+    """A backend call that failed for good (after retries) or got an answer it cannot use."""
+
+
+class RetriesExhausted(KaggleError):
+    """Every retry of a transient failure (429, 5xx, connection error) failed."""
+
+
+class NotFound(KaggleError):
+    """The kernel or dataset does not exist (HTTP 404)."""
+
+
+class PublishError(KaggleError):
+    """A dataset version could not be created, or came out incomplete."""
+
+
+class KernelState(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETE = "complete"
+    ERROR = "error"
+    CANCELLED = "cancelled"
+    NEW_SCRIPT = "new_script"  # saved without a run (QUICK_SAVE)
+
+    @property
+    def finished(self) -> bool:
+        return self in (KernelState.COMPLETE, KernelState.ERROR, KernelState.CANCELLED, KernelState.NEW_SCRIPT)
+
+
+class Refusal(str, enum.Enum):
+    CONCURRENCY = "concurrency"  # "Maximum batch GPU session count of 2 reached."
+    QUOTA = "quota"              # weekly accelerator quota spent
+    OTHER = "other"              # any other error Kaggle put in the SaveKernel response
+
+
+@dataclass(frozen=True)
+class SessionKernel:
+    """Everything needed to push one relay session kernel."""
+
+    kernel: str                      # "owner/slug"
+    title: str
+    spec_text: str                   # the run spec YAML, embedded in the kernel source
+    run_id: str                      # chosen by the orchestrator; the idempotency and staleness marker
+    budget_s: Optional[float] = None
+    checkpoint_dataset: Optional[str] = None  # "owner/slug" mounted and passed as --resume-from
+    data_dataset: Optional[str] = None        # mounted and passed as --data
+    features_datasets: tuple = ()             # mounted and passed as --features
+    extra_datasets: tuple = ()                # mounted, not passed
+    enable_gpu: bool = True
+    enable_internet: bool = False
+    machine_shape: Optional[str] = "NvidiaTeslaT4"
+    session_timeout_s: Optional[int] = None
+    workdir_name: str = "relay"               # the session workdir under the kernel's working folder
+
+
+@dataclass(frozen=True)
+class PushResult:
+    pushed: bool                      # a kernel version for this run id exists (now or from before)
+    version: Optional[int] = None
+    already_pushed: bool = False      # found by the run id marker: nothing was pushed this time
+    refusal: Optional[Refusal] = None
+    message: str = ""
+    code_version: str = ""
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    state: KernelState
+    failure_message: str = ""
+
+
+@dataclass(frozen=True)
+class SessionOutput:
+    """What a kernel's output held, and whether it is the output of the push with `expected_run_id`."""
+
+    directory: Path
+    files: tuple
+    expected_run_id: str
+    found_run_id: Optional[str]
+    progress: Optional[dict]
+    log_path: Optional[Path] = None
+
+    @property
+    def fresh(self) -> bool:
+        return self.found_run_id == self.expected_run_id
+
+    @property
+    def stale(self) -> bool:
+        return not self.fresh
+
+
+@dataclass(frozen=True)
+class Quota:
+    used_s: float
+    allowed_s: float
+    reserved_s: float = 0.0
+    refresh_time: Optional[datetime] = None
+
+    @property
+    def remaining_s(self) -> float:
+        return max(0.0, self.allowed_s - self.used_s - self.reserved_s)
+
+
+@dataclass(frozen=True)
+class DatasetFile:
+    name: str
+    size: int
+    created: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    dataset: str
+    version: int
+    created: bool                     # the dataset did not exist before
+    already_published: bool           # this exact content was found already published
+    files: dict = field(default_factory=dict)  # relative path -> {"bytes", "sha256"}
