@@ -44,7 +44,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_data(args: argparse.Namespace) -> int:
     from relay.recipes import price_data
 
-    return price_data.main(args.rest) or 0
+    generators = {"price-model": price_data.main}
+    return generators[args.workload](args.rest) or 0
 
 
 def cmd_emulator(args: argparse.Namespace) -> int:
@@ -77,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     d = sub.add_parser("data", help="generate synthetic data shaped like a workload's real files")
-    d.add_argument("rest", nargs=argparse.REMAINDER)
+    d.add_argument("workload", choices=["price-model"])
+    d.add_argument("rest", nargs=argparse.REMAINDER, help="the generator's options (--out DIR --train N ...)")
     d.set_defaults(func=cmd_data)
 
     e = sub.add_parser("emulator", help="the local Kaggle API emulator (relay emulator serve --help)")

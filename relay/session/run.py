@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -103,6 +104,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id) -> d
     clock.estimated_save_seconds = 0.2 + 3 * sum(p.nbytes for p in model.parameters()) / 200e6
 
     restored = checkpoint.load_latest(ckpt_root, *resume_from)
+    _carry_metrics(workdir, resume_from)
     if restored:
         state = TrainState.from_dict(restored[1]["trainer"])
         log.info("resuming from %s (step %d)", restored[0].path, state.global_step)
@@ -155,6 +157,18 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id) -> d
         recipe.predict(model, workdir / "export")
     return _write_progress(workdir, spec, state, total, schedule, checkpoint.list_valid(ckpt_root)[0],
                            status=status, reason=reason, run_id=run_id, weights=weights)
+
+
+def _carry_metrics(workdir: Path, resume_from: Sequence[Path]) -> None:
+    """A fresh kernel workdir starts with the metrics of the sessions before it, so the published
+    metrics.jsonl always covers the whole run (the loss curve across sessions is drawn from it)."""
+    target = workdir / "metrics.jsonl"
+    if target.exists():
+        return
+    for source in resume_from:
+        if (Path(source) / "metrics.jsonl").is_file():
+            shutil.copyfile(Path(source) / "metrics.jsonl", target)
+            return
 
 
 def _update_session(session: dict, trainer: Trainer, clock: SessionClock, metrics_log: MetricsLog,
