@@ -47,6 +47,10 @@ def kaggle_api_class() -> type:
         return KaggleApi
 
 
+class UploadIncomplete(ConnectionError):
+    """A file upload that did not complete; transient, so the dataset call is retried."""
+
+
 class KaggleClient:
     """A `KaggleApi` for one account and one endpoint (None = production api.kaggle.com)."""
 
@@ -66,6 +70,7 @@ class KaggleClient:
         api._authenticated = True
         # the client's own retry helper (uploads, dataset creation) can sleep ~143 s; use our policy
         api.with_retry = self._with_retry
+        api._upload_file = self._strict_upload(api._upload_file)
         self.api = api
 
     @property
@@ -77,6 +82,18 @@ class KaggleClient:
             return call(lambda: func(*args, **kwargs), self.policy, getattr(func, "__name__", "kaggle call"))
 
         return retried
+
+    @staticmethod
+    def _strict_upload(upload_file: Callable) -> Callable:
+        """The client silently leaves a file out of a dataset version when its upload fails (a PUT answered
+        500): fail the whole call instead, so it is retried and no incomplete version is created."""
+        def strict(file_name: str, *args: Any, **kwargs: Any) -> Any:
+            result = upload_file(file_name, *args, **kwargs)
+            if result is None:
+                raise UploadIncomplete(f"upload of {file_name} failed")
+            return result
+
+        return strict
 
     @contextlib.contextmanager
     def bound(self) -> Iterator[Any]:

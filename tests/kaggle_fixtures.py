@@ -1,0 +1,85 @@
+"""Fixtures for the Kaggle backend and emulator tests (import them into a test module with
+`from tests.kaggle_fixtures import *`, or `from kaggle_fixtures import ...`).
+
+Every test gets its own HOME and TMPDIR (the kaggle client keeps upload-resume state in $TMPDIR), no KAGGLE_*
+variables from the developer's shell, emulators on random free ports of 127.0.0.1 that are stopped at
+teardown, and a fast bounded retry policy.
+"""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, List
+
+import pytest
+
+from relay.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
+from relay.kaggle.emulator import Emulator, EmulatorConfig
+
+USER = "alice"
+FAKE_KEY = "f4k3k3y-0123456789abcdef-LEAKCHECK"
+VENV_BIN = Path(sys.executable).parent
+KERNEL_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+@pytest.fixture
+def isolated_env(tmp_path, monkeypatch):
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir()
+    tmp.mkdir()
+    for name in list(os.environ):
+        if name.startswith("KAGGLE_") or name.lower() in ("http_proxy", "https_proxy", "no_proxy"):
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # gettempdir() is cached per process
+    return tmp_path
+
+
+@pytest.fixture
+def make_emulator(isolated_env) -> Callable[..., Emulator]:
+    """make_emulator(**EmulatorConfig fields) -> a started Emulator with user alice/FAKE_KEY."""
+    started: List[Emulator] = []
+
+    def make(state_dir: Path = None, **settings) -> Emulator:
+        settings.setdefault("users", {USER: FAKE_KEY})
+        settings.setdefault("kernel_env", dict(KERNEL_ENV))
+        settings.setdefault("sigterm_grace", 2.0)
+        settings.setdefault("retry_after", "0")
+        emulator = Emulator(state_dir or isolated_env / f"state{len(started)}", EmulatorConfig(**settings))
+        started.append(emulator.start())
+        return emulator
+
+    yield make
+    for emulator in started:
+        emulator.stop()
+
+
+def fast_policy(seed: int = 0, attempts: int = 12) -> RetryPolicy:
+    return RetryPolicy(attempts=attempts, base_delay_s=0.01, multiplier=2.0, max_delay_s=0.2,
+                       rng=random.Random(seed))
+
+
+def backend_for(emulator: Emulator, seed: int = 0, attempts: int = 12, **kwargs) -> ClientBackend:
+    kwargs.setdefault("dataset_poll_s", 0.1)
+    kwargs.setdefault("dataset_wait_s", 60)
+    return ClientBackend(KaggleCredentials(USER, key=FAKE_KEY), emulator.url, fast_policy(seed, attempts), **kwargs)
+
+
+def cli_env(port: int, home: Path, tmp: Path, user: str = USER, key: str = FAKE_KEY) -> dict:
+    """The environment `relay emulator serve` tells a user to export, for an unmodified kaggle CLI."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("KAGGLE_") and k.lower() not in ("http_proxy", "https_proxy", "no_proxy")}
+    env.update(HOME=str(home), TMPDIR=str(tmp), KAGGLE_USERNAME=user, KAGGLE_KEY=key,
+               KAGGLE_API_ENVIRONMENT="LOCALHOST", HTTP_PROXY=f"http://127.0.0.1:{port}")
+    return env
+
+
+def run_kaggle(env: dict, *args: str, cwd: Path = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([str(VENV_BIN / "kaggle"), *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
