@@ -223,3 +223,23 @@ def test_export_round_trips_through_safetensors(trained, tmp_path):
     with torch.no_grad():
         assert torch.equal(restored(**inputs), model(**inputs))
     model.train()
+
+
+def test_pretrained_loads_from_a_local_folder_and_falls_back_when_missing(trained, data_dir, tmp_path, caplog):
+    from transformers import DebertaV2Model, PreTrainedTokenizerFast
+
+    recipe = trained[0]
+    torch.manual_seed(3)
+    source = recipe.build_model().text_encoder
+    source.save_pretrained(tmp_path / "local_model")
+    PreTrainedTokenizerFast(tokenizer_object=recipe.tokenizer, unk_token="[UNK]", pad_token="[PAD]",
+                            cls_token="[CLS]", sep_token="[SEP]").save_pretrained(tmp_path / "local_model")
+    local = make_recipe(data_dir, tmp_path / "cache", pretrained=str(tmp_path / "local_model"))
+    assert np.array_equal(local.ids_values, recipe.ids_values)  # same vocabulary -> same ids
+    encoder = local.build_model().text_encoder
+    assert isinstance(encoder, DebertaV2Model)
+    assert torch.equal(encoder.embeddings.word_embeddings.weight, source.embeddings.word_embeddings.weight)
+
+    missing = make_recipe(data_dir, tmp_path / "cache2", pretrained=str(tmp_path / "no_such_model"))
+    assert isinstance(missing.build_model().text_encoder, DebertaV2Model)
+    assert "not available offline" in caplog.text

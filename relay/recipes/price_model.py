@@ -121,11 +121,12 @@ def vocabulary(values: list[str], cap: int) -> list[str]:
     return sorted(counts.index, key=lambda v: (-counts[v], v))[: cap - 1]
 
 
-def build_feature_table(train: pd.DataFrame, test: pd.DataFrame, p: PriceModelParams) -> pa.Table:
-    """Everything prepare() needs, train rows first then test rows; vocabularies live in the schema metadata."""
+def build_feature_table(train: pd.DataFrame, test: pd.DataFrame, p: PriceModelParams, tokenizer=None) -> pa.Table:
+    """Everything prepare() needs, train rows first then test rows; vocabularies live in the schema metadata.
+    Without a (pretrained) tokenizer, one is trained on the train texts."""
     texts = train["catalog_content"].tolist() + test["catalog_content"].tolist()
-    tokenizer = (load_pretrained_tokenizer(p.pretrained) if p.pretrained else None) or train_tokenizer(
-        train["catalog_content"].tolist(), p.vocab_size)
+    source = "pretrained" if tokenizer is not None else "trained"
+    tokenizer = tokenizer or train_tokenizer(train["catalog_content"].tolist(), p.vocab_size)
     brands_categories = [price_data.brand_and_category(t) for t in texts]
     brands = vocabulary([b for b, _ in brands_categories[: len(train)]], p.max_brands)
     categories = vocabulary([c for _, c in brands_categories[: len(train)]], p.max_categories)
@@ -141,7 +142,7 @@ def build_feature_table(train: pd.DataFrame, test: pd.DataFrame, p: PriceModelPa
         "category_id": pa.array([category_id.get(c, 0) for _, c in brands_categories], type=pa.int32()),
     }
     columns.update({name: pa.array(numeric[:, i]) for i, name in enumerate(NUMERIC_FEATURES)})
-    metadata = {"tokenizer.json": tokenizer.to_str(), "brands": json.dumps(brands),
+    metadata = {"tokenizer.json": tokenizer.to_str(), "tokenizer_source": source, "brands": json.dumps(brands),
                 "categories": json.dumps(categories)}
     return pa.table(columns).replace_schema_metadata(metadata)
 
@@ -240,16 +241,20 @@ class PriceModelRecipe(Recipe):
             raise FileNotFoundError(f"{train_path}: file not found (expected columns "
                                     f"{', '.join(price_data.TRAIN_COLUMNS)})")
         has_test = test_path.is_file()
+        # Resolved before the cache lookup and part of the key: features tokenized by a fallback tokenizer
+        # must never be mistaken for ones that match the pretrained model's vocabulary.
+        tokenizer = load_pretrained_tokenizer(p.pretrained) if p.pretrained else None
 
         def build() -> pa.Table:  # only on a cache miss: a hit never parses the CSVs
             train = price_data.read_split(train_path, price_data.TRAIN_COLUMNS)
             test = price_data.read_split(test_path, price_data.TEST_COLUMNS) if has_test else train.iloc[:0, :2]
-            return build_feature_table(train, test, p)
+            return build_feature_table(train, test, p, tokenizer)
 
         if not has_test:
             log.warning("%s not found: training without a test split (predict() will write nothing)", test_path)
         if self.cache_dirs:
             key_params = p.model_dump(include={"pretrained", "vocab_size", "max_len", "max_brands", "max_categories"})
+            key_params["tokenizer"] = "pretrained" if tokenizer is not None else "trained"
             inputs = [train_path, test_path] if has_test else [train_path]
             self.feature_cache = FeatureCache(self.cache_dirs)
             table = self.feature_cache.get_or_build("price_features", inputs, key_params, feature_version(), build)
@@ -263,9 +268,10 @@ class PriceModelRecipe(Recipe):
 
         self.tokenizer = Tokenizer.from_str(meta["tokenizer.json"])
         self.special_ids = special_ids(self.tokenizer)
+        self.tokenizer_source = meta.get("tokenizer_source", "trained")
         self.brands, self.categories = json.loads(meta["brands"]), json.loads(meta["categories"])
         input_ids = table.column("input_ids").combine_chunks()
-        self.ids_values = input_ids.values.to_numpy(zero_copy_only=False).astype(np.int64)
+        self.ids_values = input_ids.values.to_numpy(zero_copy_only=False)  # int32: half the memory of int64
         self.ids_offsets = input_ids.offsets.to_numpy()
         self.numeric = np.stack([table.column(n).to_numpy() for n in NUMERIC_FEATURES], axis=1).astype(np.float32)
         self.brand = table.column("brand_id").to_numpy().astype(np.int64)
@@ -317,7 +323,10 @@ class PriceModelRecipe(Recipe):
         from transformers import AutoModel, DebertaV2Model
 
         p = self.params
-        if p.pretrained:
+        if p.pretrained and self.tokenizer_source != "pretrained":
+            log.warning("pretrained model %r skipped: the features were tokenized with a tokenizer trained on "
+                        "train.csv, whose ids do not match its vocabulary", p.pretrained)
+        elif p.pretrained:
             try:
                 return AutoModel.from_pretrained(p.pretrained)
             except (OSError, ValueError) as exc:
@@ -331,17 +340,20 @@ class PriceModelRecipe(Recipe):
                               len(self.categories) + 1, p.side_dim, p.dropout, p.numeric_features,
                               self.log_price_mean)
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        prediction = model(**_model_inputs(batch))
+    def _objective(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.params.objective == "huber":
-            return F.huber_loss(prediction, batch["target"], delta=1.0)
-        return F.mse_loss(prediction, batch["target"])
+            return F.huber_loss(prediction, target, delta=1.0)
+        return F.mse_loss(prediction, target)
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._objective(model(**_model_inputs(batch)), batch["target"])
 
     def evaluate(self, model: nn.Module, batches: Iterable[dict[str, torch.Tensor]]) -> dict[str, float]:
         predictions, targets, loss_sum = [], [], 0.0
         for batch in batches:
-            loss_sum += float(self.loss(model, batch)) * len(batch["target"])
-            predictions.append(model(**_model_inputs(batch)).cpu())
+            prediction = model(**_model_inputs(batch))
+            loss_sum += float(self._objective(prediction, batch["target"])) * len(batch["target"])
+            predictions.append(prediction.cpu())
             targets.append(batch["target"].cpu())
         pred, true = torch.cat(predictions).double().numpy(), torch.cat(targets).double().numpy()
         price_pred, price_true = np.clip(np.expm1(pred), 0.0, None), np.expm1(true)
