@@ -1,0 +1,1 @@
+"""Prefect tasks: thin wrappers over relay.handoff / relay.plan / relay.report with retries and artifacts."""

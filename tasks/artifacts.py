@@ -1,0 +1,48 @@
+"""What people look at in the Prefect UI: progress, the session table, the plan and the curves."""
+from __future__ import annotations
+
+import base64
+import re
+from pathlib import Path
+from typing import Optional
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from relay import report
+
+
+def _key(name: str, what: str) -> str:
+    return re.sub(r"[^a-z0-9-]", "-", f"{name}-{what}".lower())
+
+
+@task(name="report", cache_policy=NO_CACHE)
+def publish_report(name: str, progress: dict, local: Path, plan_text: str = "", billed_s: Optional[dict] = None,
+                   state: str = "") -> dict:
+    """Refresh the relay's artifacts from the latest handed-over progress (and the metrics beside it)."""
+    done, total = progress.get("global_step", 0), max(1, progress.get("total_steps", 1))
+    create_progress_artifact(progress=100.0 * done / total, key=_key(name, "progress"),
+                             description=f"{name}: step {done} of {total}")
+    rows = report.session_table(progress, billed_s=billed_s or {})
+    if rows:
+        create_table_artifact(table=rows, key=_key(name, "sessions"), description=f"{name}: one row per session")
+    images = {}
+    metrics = local / "published" / "metrics.jsonl"
+    if metrics.is_file():
+        images["curves"] = report.plot_curves(metrics, local / "curves.png", progress=progress) or local / "curves.png"
+    if progress.get("sessions"):
+        images["timeline"] = report.plot_timeline(progress["sessions"], local / "timeline.png") or local / "timeline.png"
+    best = progress.get("best") or {}
+    md = [f"# {name}: {state or progress.get('status', '')}",
+          f"step **{done} / {total}** (epoch {progress.get('epoch', 0) + 1}), "
+          f"{len(progress.get('sessions', []))} sessions, {progress.get('total_seconds', 0) / 3600:.2f} h of sessions",
+          f"last eval: `{ {k: round(v, 4) for k, v in (progress.get('metrics') or {}).items()} }`",
+          f"best {best.get('metric', '')}: {best.get('value', float('nan')):.4g} at step {best.get('step', '-')}"
+          if best else "", "", "```", plan_text, "```" if plan_text else ""]
+    for label, png in images.items():
+        data = base64.b64encode(Path(png).read_bytes()).decode()
+        md += ["", f"![{label}](data:image/png;base64,{data})", f"`{png}`"]
+    create_markdown_artifact(markdown="\n".join(line for line in md if line is not None), key=_key(name, "summary"),
+                             description=f"{name}: plan, ETA and curves")
+    return {k: str(v) for k, v in images.items()}

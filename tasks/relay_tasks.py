@@ -1,0 +1,66 @@
+"""Kaggle-facing tasks. Each is safe to retry: push and publish are idempotent by run id / content."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from relay import handoff
+from relay.chain import Action, Names, Observation
+from relay.kaggle.types import KernelState, PushResult, Quota, SessionKernel
+
+RETRY = dict(retries=3, retry_delay_seconds=[2, 10, 30], retry_jitter_factor=0.5, cache_policy=NO_CACHE)
+
+
+@task(name="observe", **RETRY)
+def observe(backend, names: Names, local: Path) -> Observation:
+    return handoff.observe(backend, names, local)
+
+
+@task(name="quota", **RETRY)
+def read_quota(backend) -> Optional[Quota]:
+    try:
+        return backend.quota()
+    except Exception as err:  # noqa: BLE001 - the planner falls back to the relay's own ledger
+        get_run_logger().warning("quota unavailable (%s); planning from the session ledger", err)
+        return None
+
+
+@task(name="push-session", **RETRY)
+def push_session(backend, session: SessionKernel) -> PushResult:
+    result = handoff.push(backend, session)
+    logger = get_run_logger()
+    if result.refusal:
+        logger.warning("push of %s refused (%s): %s", session.run_id, result.refusal.value, result.message)
+    else:
+        logger.info("pushed %s as version %s%s", session.run_id, result.version,
+                    " (already there)" if result.already_pushed else "")
+    return result
+
+
+@task(name="hand-over", **RETRY)
+def hand_over(backend, spec, names: Names, action: Action, obs: Observation, local: Path) -> handoff.HandOver:
+    result = handoff.hand_over(backend, spec, names, action, obs, local)
+    logger = get_run_logger()
+    if result.ok:
+        logger.info("session %d handed over at step %d: %s", action.session, result.step, ", ".join(result.published))
+    else:
+        logger.warning("session %d not handed over: %s", action.session, result.reason)
+    return result
+
+
+@task(name="wait-for-kernel", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=10)
+def wait_for_kernel(backend, kernel: str, max_seconds: float, poll_seconds: float) -> str:
+    """Poll until the kernel finishes or `max_seconds` pass (the flow loops, so no single task runs for
+    12 h); transient status errors are absorbed by the poll itself, with backoff."""
+    deadline = time.monotonic() + max_seconds
+    delay = min(poll_seconds, 2.0)
+    while True:
+        state = backend.kernel_status(kernel).state
+        if state.finished or time.monotonic() + delay > deadline:
+            return state.value
+        time.sleep(delay)
+        delay = min(poll_seconds, delay * 1.5)
