@@ -83,3 +83,30 @@ def cli_env(port: int, home: Path, tmp: Path, user: str = USER, key: str = FAKE_
 def run_kaggle(env: dict, *args: str, cwd: Path = None, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([str(VENV_BIN / "kaggle"), *args], env=env, cwd=cwd, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def push_script(backend: ClientBackend, kernel: str, source: str, gpu: bool = True, datasets=(),
+                timeout_s: int = None, title: str = None):
+    """Push a plain script through the real client (kernels_push), for tests of the emulator's limits."""
+    import json as _json
+
+    folder = Path(tempfile.mkdtemp(prefix="push-"))
+    (folder / "run.py").write_text(source)
+    (folder / "kernel-metadata.json").write_text(_json.dumps({
+        "id": kernel, "title": title or kernel.split("/")[1].replace("-", " ").title(), "code_file": "run.py",
+        "language": "python", "kernel_type": "script", "enable_gpu": gpu, "enable_internet": False,
+        "dataset_sources": list(datasets)}))
+    timeout = str(timeout_s) if timeout_s else None
+    return backend.client.run("push", lambda api: api.kernels_push(str(folder), timeout=timeout))
+
+
+def wait_state(backend: ClientBackend, kernel: str, timeout: float = 60):
+    import time as _time
+
+    deadline = _time.time() + timeout
+    while _time.time() < deadline:
+        status = backend.kernel_status(kernel)
+        if status.state.finished:
+            return status
+        _time.sleep(0.1)
+    raise AssertionError(f"{kernel} did not finish in {timeout}s")

@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, List, Optional, Protocol
+from typing import Any, List, Optional, Protocol, Tuple
 
 from relay.errors import InputError
 from relay.kaggle import kernel_source, output
@@ -34,6 +34,9 @@ class KaggleBackend(Protocol):
     def publish_folder(self, folder: Path, dataset: str, title: str, notes: str = "") -> PublishResult: ...
     def quota(self) -> Quota: ...
     def list_dataset_files(self, dataset: str, version: Optional[int] = None) -> List[DatasetFile]: ...
+    def current_run(self, kernel: str) -> Optional[Tuple[str, Optional[int]]]: ...
+    def download_dataset_file(self, dataset: str, name: str, dest: Path) -> Path: ...
+    username: str
 
 
 def split_ref(ref: str, what: str) -> tuple:
@@ -119,6 +122,14 @@ class ClientBackend:
 
     def _pushed_version(self, owner: str, slug: str, marker: str) -> Optional[int]:
         """The kernel's current version if its source carries `marker`, else None."""
+        response = self._get_kernel(owner, slug)
+        source = (response.blob.source if response and response.blob else "") or ""
+        if marker not in source:
+            return None
+        return response.metadata.current_version_number if response.metadata else None
+
+    def _get_kernel(self, owner: str, slug: str) -> Any:
+        """GetKernel's response (metadata + the pushed source), None when the kernel does not exist."""
         def get(kaggle: Any) -> Any:
             from kagglesdk.kernels.types.kernels_api_service import ApiGetKernelRequest
 
@@ -127,15 +138,41 @@ class ClientBackend:
             return kaggle.kernels.kernels_api_client.get_kernel(request)
 
         try:
-            response = self.client.sdk(f"get kernel {owner}/{slug}", get)
+            return self.client.sdk(f"get kernel {owner}/{slug}", get)
         except Exception as exc:  # noqa: BLE001
             if http_status(exc) == 404:
                 return None
             raise
-        source = (response.blob.source if response.blob else "") or ""
-        if marker not in source:
+
+    # -- what the relay observes (it keeps no state of its own) ----------------------------------
+    @property
+    def username(self) -> str:
+        return self.client.credentials.username
+
+    def current_run(self, kernel: str) -> Optional[Tuple[str, Optional[int]]]:
+        """(run id, version) of the kernel's current version, read back from its pushed source;
+        None when the kernel does not exist or was not pushed by the relay."""
+        owner, slug = split_ref(kernel, "kernel")
+        response = self._get_kernel(owner, slug)
+        source = (response.blob.source if response and response.blob else "") or ""
+        found = kernel_source.find_run_id(source)
+        if found is None:
             return None
-        return response.metadata.current_version_number if response.metadata else None
+        return found, (response.metadata.current_version_number if response.metadata else None)
+
+    def download_dataset_file(self, dataset: str, name: str, dest: Path) -> Path:
+        """One file of a dataset's current version into `dest`; NotFound when either is absent."""
+        split_ref(dataset, "dataset")
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        try:
+            self.client.run(f"download {dataset}/{name}",
+                            lambda api: api.dataset_download_file(dataset, name, path=str(dest), force=True))
+        except Exception as exc:  # noqa: BLE001
+            if http_status(exc) == 404:
+                raise NotFound(f"dataset {dataset}: no file {name}") from exc
+            raise
+        return dest / name
 
     def kernel_status(self, kernel: str) -> KernelStatus:
         split_ref(kernel, "kernel")

@@ -13,6 +13,7 @@ import base64
 import hashlib
 import json
 import re
+from typing import Optional
 
 from relay.errors import InputError
 from relay.kaggle.bundle import Bundle
@@ -25,6 +26,15 @@ MARKER_FILE = "relay-kernel.json"
 def run_id_marker(run_id: str) -> str:
     """The line that identifies the push of `run_id` inside a kernel's source."""
     return f"# relay-run-id: {run_id}\n"
+
+
+_MARKER = re.compile(r"^# relay-run-id: (\S+)$", re.M)
+
+
+def find_run_id(source: str) -> Optional[str]:
+    """The run id a kernel source was pushed for (see run_id_marker), None if it carries none."""
+    m = _MARKER.search(source or "")
+    return m.group(1) if m else None
 
 
 def validate_run_id(run_id: str) -> None:

@@ -117,6 +117,8 @@ class KernelRunner:
                     return f"Output exceeds the {self.config.output_cap_bytes / 1e9:g} GB limit of the working folder."
             time.sleep(0.05)
         _signal_group(proc, signal.SIGKILL)  # leftovers the kernel started must not outlive it
+        if tree_size(working) > self.config.output_cap_bytes:
+            return f"Output exceeds the {self.config.output_cap_bytes / 1e9:g} GB limit of the working folder."
         return None
 
     def _terminate(self, proc: subprocess.Popen, grace: Optional[float] = None) -> None:

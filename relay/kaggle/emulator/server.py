@@ -81,7 +81,7 @@ class Emulator:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "Emulator":
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="kaggle-emulator", daemon=True)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), name="kaggle-emulator", daemon=True)
         self._thread.start()
         log.info("Kaggle emulator on %s, state in %s", self.url, self.store.root)
         return self

@@ -1,0 +1,188 @@
+"""Kaggle's limits as the emulator enforces them, seen through the backend: session timeout (SIGTERM, grace,
+SIGKILL), weekly GPU quota with refresh, concurrent GPU sessions, output cap, injected kills, dataset
+processing delay, stale output after a failed run, restarts, auth."""
+from __future__ import annotations
+
+import time
+from datetime import datetime
+
+import pytest
+import requests
+
+from kaggle_fixtures import (FAKE_KEY, USER, backend_for, isolated_env, make_emulator, push_script,  # noqa: F401
+                             wait_state)
+from relay.kaggle import ClientBackend, KaggleCredentials, KernelState, Refusal, SessionKernel, classify_refusal
+from relay.kaggle.emulator import Emulator, EmulatorConfig
+from test_kaggle_backend_faults import TOY_SPEC
+
+HOUR = 3600
+TRAP_SIGTERM = """\
+import os, signal, sys, time
+def on_term(*_):
+    open("saved.txt", "w").write("saved on SIGTERM")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+for i in range(1000):
+    open("progress.txt", "w").write(str(i))
+    time.sleep(0.05)
+"""
+IGNORE_SIGTERM = """\
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open("started.txt", "w").write("yes")
+time.sleep(60)
+"""
+
+
+def test_session_timeout_sigterm_keeps_output(make_emulator):
+    emu = make_emulator(time_scale=HOUR, sigterm_grace=1.0)
+    backend = backend_for(emu)
+    started = time.time()
+    push_script(backend, f"{USER}/trap-term", TRAP_SIGTERM, timeout_s=2 * HOUR)  # 2 Kaggle hours = 2 s
+    status = wait_state(backend, f"{USER}/trap-term")
+    elapsed = time.time() - started
+    assert status.state is KernelState.ERROR and "time limit of 7200 seconds" in status.failure_message
+    assert 1.8 < elapsed < 5
+    working = emu.store.kernel_dir(f"{USER}/trap-term", 1) / "working"
+    assert (working / "saved.txt").read_text() == "saved on SIGTERM"
+    assert int((working / "progress.txt").read_text()) > 10
+
+
+def test_session_timeout_kills_after_grace(make_emulator):
+    emu = make_emulator(time_scale=HOUR, sigterm_grace=0.5)
+    backend = backend_for(emu)
+    started = time.time()
+    push_script(backend, f"{USER}/ignore-term", IGNORE_SIGTERM, timeout_s=HOUR)
+    status = wait_state(backend, f"{USER}/ignore-term")
+    assert status.state is KernelState.ERROR and 1.4 < time.time() - started < 4
+    assert (emu.store.kernel_dir(f"{USER}/ignore-term", 1) / "working" / "started.txt").exists()
+
+
+def test_gpu_quota_refusal_and_refresh(make_emulator):
+    # 1 Kaggle hour of GPU per 6-hour period; at 3600x: 1 s of GPU per 6 s
+    emu = make_emulator(time_scale=HOUR, gpu_quota_s=HOUR, quota_period_s=6 * HOUR)
+    backend = backend_for(emu)
+    push_script(backend, f"{USER}/burn-gpu", "import time; time.sleep(1.3)\n")
+    assert wait_state(backend, f"{USER}/burn-gpu").state is KernelState.COMPLETE
+    quota = backend.quota()
+    assert quota.used_s >= HOUR and quota.remaining_s == 0 and quota.allowed_s == HOUR
+
+    session = SessionKernel(kernel=f"{USER}/toy-quota", title="Toy quota session", spec_text=TOY_SPEC,
+                            run_id="quota-1")
+    refused = backend.push_session(session)
+    assert not refused.pushed and refused.refusal is Refusal.QUOTA
+    assert "exceeded the number of hours allowed to use GPU" in refused.message
+    assert not push_script(backend, f"{USER}/cpu-only", "print('cpu')\n", gpu=False).error  # CPU is free
+
+    wait = (quota.refresh_time - datetime.utcnow()).total_seconds()
+    assert 0 < wait <= 6.5
+    time.sleep(wait + 0.2)
+    assert backend.quota().used_s < HOUR
+    accepted = backend.push_session(session)
+    assert accepted.pushed and accepted.version == 1 and not accepted.already_pushed
+
+
+def test_concurrent_gpu_sessions_refused(make_emulator):
+    emu = make_emulator(max_gpu_sessions=2)
+    backend = backend_for(emu)
+    for name in ("gpu-a", "gpu-b"):
+        assert not push_script(backend, f"{USER}/{name}", "import time; time.sleep(2.5)\n").error
+    session = SessionKernel(kernel=f"{USER}/toy-third", title="Toy third session", spec_text=TOY_SPEC,
+                            run_id="third-1")
+    refused = backend.push_session(session)
+    assert refused.refusal is Refusal.CONCURRENCY and refused.message == "Maximum batch GPU session count of 2 reached."
+    assert f"{USER}/toy-third" not in emu.store.kernels  # a refusal leaves no version behind
+    assert not push_script(backend, f"{USER}/cpu-c", "print(1)\n", gpu=False).error
+    wait_state(backend, f"{USER}/gpu-a")
+    assert backend.push_session(session).pushed
+
+
+def test_output_cap_and_injected_kill(make_emulator):
+    emu = make_emulator(output_cap_bytes=200_000, faults={"kill_kernel": {"probability": 1, "min_s": 0.5, "max_s": 0.8},
+                                                            "seed": 5})
+    backend = backend_for(emu)
+    push_script(backend, f"{USER}/big-output", "open('big.bin','wb').write(b'x'*500_000)\nimport time; time.sleep(0.3)\n")
+    status = wait_state(backend, f"{USER}/big-output")
+    assert status.state is KernelState.ERROR and "Output exceeds" in status.failure_message
+    started = time.time()
+    push_script(backend, f"{USER}/killed", "import time\nopen('a.txt','w').write('1')\ntime.sleep(30)\n", gpu=False)
+    status = wait_state(backend, f"{USER}/killed")
+    assert status.state is KernelState.ERROR and "killed" in status.failure_message and time.time() - started < 5
+
+
+def test_processing_delay_and_second_version_refusal(make_emulator, tmp_path):
+    emu = make_emulator(dataset_processing_delay=1.0)
+    backend = backend_for(emu)
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "a.txt").write_text("one")
+    started = time.time()
+    first = backend.publish_folder(folder, f"{USER}/delayed-data", "Delayed dataset", "v1")
+    assert first.version == 1 and time.time() - started >= 1.0  # returned only once READY
+
+    (folder / "a.txt").write_text("two")
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "b.txt").write_text("raw")
+    (raw / "dataset-metadata.json").write_text(f'{{"id": "{USER}/delayed-data", "title": "Delayed dataset"}}')
+    backend.client.run("raw version", lambda api: api.dataset_create_version(str(raw), "raw", quiet=True))
+    with pytest.raises(requests.HTTPError) as refused:  # a second version while one processes: 403
+        backend.client.run("raw version", lambda api: api.dataset_create_version(str(raw), "again", quiet=True))
+    assert refused.value.response.status_code == 403
+    pending = push_script(backend, f"{USER}/mount-new", "print(1)\n", datasets=[f"{USER}/brand-new-ds"])
+    assert pending.error and f"{USER}/brand-new-ds" in pending.invalid_dataset_sources
+
+    third = backend.publish_folder(folder, f"{USER}/delayed-data", "Delayed dataset", "v3")
+    assert third.version == 3  # waited for version 2 to finish, then published
+    reader = "import os; print(open(os.path.join(os.environ['KAGGLE_INPUT_DIR'], 'delayed-data', 'a.txt')).read())\n"
+    push_script(backend, f"{USER}/reads-v3", reader, datasets=[f"{USER}/delayed-data"])
+    assert wait_state(backend, f"{USER}/reads-v3").state is KernelState.COMPLETE
+    out = backend.download_output(f"{USER}/reads-v3", tmp_path / "out", "any")
+    assert "two" in out.log_path.read_text()
+
+
+def test_stale_output_after_failed_run_is_detected(make_emulator, tmp_path):
+    emu = make_emulator(faults={"stale_output": True})
+    backend = backend_for(emu)
+    kernel = f"{USER}/toy-stale"
+    good = SessionKernel(kernel=kernel, title="Toy stale session", spec_text=TOY_SPEC, run_id="good-1")
+    assert backend.push_session(good).pushed
+    assert wait_state(backend, kernel, 90).state is KernelState.COMPLETE
+    fresh = backend.download_output(kernel, tmp_path / "good", "good-1")
+    assert fresh.fresh and fresh.progress["run_id"] == "good-1"
+
+    bad = SessionKernel(kernel=kernel, title="Toy stale session", spec_text="name: broken\nrecipe: nope\n",
+                        run_id="bad-2")
+    assert backend.push_session(bad).version == 2
+    status = wait_state(backend, kernel, 60)
+    assert status.state is KernelState.ERROR
+    stale = backend.download_output(kernel, tmp_path / "bad", "bad-2")
+    assert stale.stale and stale.found_run_id == "good-1"
+
+
+def test_restart_keeps_state_and_ends_runs_in_flight(make_emulator, isolated_env):
+    emu = make_emulator()
+    backend = backend_for(emu)
+    push_script(backend, f"{USER}/long-run", "import time; time.sleep(60)\n")
+    time.sleep(0.5)
+    emu.stop()
+    again = make_emulator(state_dir=emu.store.root)
+    status = backend_for(again).kernel_status(f"{USER}/long-run")
+    assert status.state is KernelState.ERROR and "emulator stopped" in status.failure_message
+    assert again.store.data["quota"] and again.store.data["quota"][0]["kernel"] == f"{USER}/long-run"
+
+
+def test_auth_basic_and_bearer(make_emulator):
+    emu = make_emulator(tokens={"tok-xyz": USER})
+    bearer = ClientBackend(KaggleCredentials(USER, token="tok-xyz"), emu.url)
+    assert bearer.quota().allowed_s == 30 * HOUR
+    wrong = ClientBackend(KaggleCredentials(USER, key="nope"), emu.url)
+    with pytest.raises(requests.HTTPError) as denied:
+        wrong.quota()
+    assert denied.value.response.status_code == 401
+
+
+def test_refusal_classification():
+    assert classify_refusal("Maximum batch GPU session count of 2 reached.") is Refusal.CONCURRENCY
+    assert classify_refusal("Accelerator Quota Exceeded: You've exceeded the number of hours allowed") is Refusal.QUOTA
+    assert classify_refusal("Title must be at least five characters") is Refusal.OTHER
