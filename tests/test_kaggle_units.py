@@ -1,0 +1,126 @@
+"""Pieces of the backend on their own: retry policy, credential sources, code bundle, kernel source."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import zipfile
+import io
+
+import pytest
+import requests
+
+from relay.errors import InputError
+from relay.kaggle import RetriesExhausted, RetryPolicy, SessionKernel
+from relay.kaggle.bundle import build_bundle
+from relay.kaggle.credentials import resolve
+from relay.kaggle.emulator.faults import FaultPlan
+from relay.kaggle.kernel_source import render, run_id_marker
+from relay.kaggle.retry import call, is_transient
+from relay.version import code_version
+
+
+def http_error(status: int, headers=None, body=b"{}") -> requests.HTTPError:
+    response = requests.Response()
+    response.status_code, response._content = status, body
+    response.headers.update(headers or {})
+    return requests.HTTPError(f"HTTP {status}", response=response)
+
+
+def test_retry_honours_retry_after_and_is_bounded():
+    sleeps = []
+    policy = RetryPolicy(attempts=4, base_delay_s=0.01, max_delay_s=5, sleep=sleeps.append, rng=random.Random(0))
+    outcomes = iter([http_error(429, {"Retry-After": "2"}), http_error(503), requests.ConnectionError("reset")])
+
+    def flaky():
+        exc = next(outcomes, None)
+        if exc:
+            raise exc
+        return "ok"
+
+    assert call(flaky, policy, "flaky") == "ok"
+    assert sleeps[0] >= 2 and all(s < 1 for s in sleeps[1:]) and len(sleeps) == 3
+    with pytest.raises(RetriesExhausted, match="gave up after 4 attempts"):
+        call(lambda: (_ for _ in ()).throw(http_error(500)), policy, "always 500")
+    with pytest.raises(requests.HTTPError):  # a 404 is an answer, not a glitch
+        call(lambda: (_ for _ in ()).throw(http_error(404)), policy, "missing")
+
+
+def test_transient_classification_reads_json_error_code_on_http_200():
+    assert is_transient(http_error(200, body=b'{"code": 500, "message": "Internal error"}'))
+    assert not is_transient(http_error(200, body=b'{"code": 403, "message": "no"}'))
+    assert is_transient(requests.ConnectionError()) and not is_transient(ValueError("bad"))
+
+
+def test_credentials_from_env_and_kaggle_json(tmp_path):
+    assert resolve(env={"KAGGLE_USERNAME": "u", "KAGGLE_KEY": "k"}).key == "k"
+    token_file = tmp_path / "token"
+    token_file.write_text("tok-1\n")
+    assert resolve(env={"KAGGLE_API_TOKEN": str(token_file), "KAGGLE_USERNAME": "u"}).token == "tok-1"
+    (tmp_path / "kaggle.json").write_text(json.dumps({"username": "j", "key": "jk"}))
+    assert resolve(env={"KAGGLE_CONFIG_DIR": str(tmp_path)}).username == "j"
+    with pytest.raises(InputError, match="no Kaggle credentials"):
+        resolve(env={"HOME": str(tmp_path / "nowhere")})
+    (tmp_path / "kaggle.json").write_text("{not json")
+    with pytest.raises(InputError, match="not valid JSON"):
+        resolve(env={"KAGGLE_CONFIG_DIR": str(tmp_path)})
+
+
+def test_bundle_is_deterministic_and_matches_code_version():
+    bundle = build_bundle()
+    assert bundle.code_version == code_version()
+    names = zipfile.ZipFile(io.BytesIO(bundle.data)).namelist()
+    assert "relay/cli.py" in names and "relay/kaggle/kernel_source.py" in names
+    assert not any("__pycache__" in n for n in names)
+    from relay.kaggle.bundle import _build
+    from relay.version import PACKAGE_DIR
+
+    _build.cache_clear()
+    assert _build(PACKAGE_DIR, code_version()).data == bundle.data
+
+
+def test_kernel_source_is_valid_python_with_marker_and_rejects_bad_run_ids(tmp_path):
+    session = SessionKernel(kernel="u/k", title="Title", spec_text="name: x\n'quoted' \"both\"\n", run_id="r-1")
+    source = render(session, build_bundle())
+    compile(source, "session.py", "exec")
+    assert run_id_marker("r-1") in source
+    with pytest.raises(InputError, match="run id"):
+        render(SessionKernel(kernel="u/k", title="Title", spec_text="", run_id="bad id; rm -rf"), build_bundle())
+
+
+def test_kernel_source_runs_relay_with_mounted_paths(tmp_path):
+    """Run the generated script with a stand-in for `python -m relay`, and check the command it builds."""
+    bundle = build_bundle()
+    session = SessionKernel(kernel="u/k", title="Title", spec_text="name: x\n", run_id="r-9", budget_s=30,
+                            checkpoint_dataset="u/ckpt", data_dataset="u/data", features_datasets=("u/feat",))
+    source = render(session, bundle).replace(
+        'cmd = [sys.executable, "-m", "relay"',
+        'cmd = [sys.executable, "-c", "import sys, json; json.dump(sys.argv, open(\'argv.json\', \'w\'))", "relay"')
+    (tmp_path / "input" / "ckpt").mkdir(parents=True)
+    (tmp_path / "input" / "data").mkdir()
+    (tmp_path / "working").mkdir()
+    (tmp_path / "session.py").write_text(source)
+    env = {"PATH": "/usr/bin:/bin", "KAGGLE_INPUT_DIR": str(tmp_path / "input"),
+           "KAGGLE_WORKING_DIR": str(tmp_path / "working")}
+    done = subprocess.run([sys.executable, str(tmp_path / "session.py")], cwd=tmp_path / "working", env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    argv = json.loads((tmp_path / "working" / "argv.json").read_text())
+    assert argv[argv.index("--resume-from") + 1] == str(tmp_path / "input" / "ckpt")
+    assert argv[argv.index("--data") + 1] == str(tmp_path / "input" / "data")
+    assert "--features" not in argv  # not mounted: skipped
+    assert argv[argv.index("--budget") + 1] == "30" and argv[argv.index("--run-id") + 1] == "r-9"
+    marker = json.loads((tmp_path / "working" / "relay-kernel.json").read_text())
+    assert marker["run_id"] == "r-9" and marker["code_version"] == bundle.code_version
+
+
+def test_fault_plan_replays_for_a_seed():
+    spec = {"seed": 4, "methods": {"*": {"rate": 0.5}, "SaveKernel": {"script": ["lost", "ok"]}}}
+    first, second = FaultPlan(spec), FaultPlan(spec)
+    draws = [first.decide("GetKernel").kind for _ in range(50)]
+    assert draws == [second.decide("GetKernel").kind for _ in range(50)]
+    assert 10 < sum(d != "ok" for d in draws) < 40
+    assert [first.decide("SaveKernel").kind for _ in range(2)] == ["lost", "ok"]
+    with pytest.raises(InputError, match="unknown kind"):
+        FaultPlan({"methods": {"X": {"script": ["boom"]}}})
