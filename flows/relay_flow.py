@@ -55,7 +55,7 @@ def plan_text(spec, progress: Optional[dict], quota, now: datetime) -> str:
     try:
         q = (planner.quota_from_api({"gpuQuota": {"timeUsed": quota.used_s, "totalTimeAllowed": quota.allowed_s,
                                                   "timeReserved": quota.reserved_s},
-                                     "quotaRefreshTime": quota.refresh_time}, now)
+                                     "quotaRefreshTime": _utc(quota.refresh_time)}, now)
              if quota is not None and quota.refresh_time else
              planner.quota_from_ledger([(s["started"], s.get("seconds", 0)) for s in (progress or {}).get("sessions", [])],
                                        now, total_allowed_s=spec.kaggle.weekly_gpu_quota))
@@ -142,6 +142,11 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
         t.wait_for_kernel(backend, names.kernel, max_seconds=600, poll_seconds=poll_seconds)
 
 
+def _utc(value: datetime) -> datetime:
+    # the kaggle client parses quotaRefreshTime without a zone; Kaggle's times are UTC
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
 def _wait_or_return(mode: str, why: str, until, poll_seconds: float, give_up: float, logger) -> Optional[str]:
     """In tick mode, report "waiting" and return; in watch mode, sleep (until the quota refresh, if known)."""
     logger.warning(why)
@@ -151,7 +156,7 @@ def _wait_or_return(mode: str, why: str, until, poll_seconds: float, give_up: fl
         raise RelayFailed(f"gave up: {why}")
     delay = poll_seconds
     if until is not None:
-        delay = max(poll_seconds, (until - datetime.now(timezone.utc)).total_seconds())
+        delay = max(poll_seconds, (_utc(until) - datetime.now(timezone.utc)).total_seconds())
     time.sleep(min(delay, 3600))
     return None
 

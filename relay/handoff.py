@@ -58,7 +58,7 @@ def session_kernel(spec: RunSpec, spec_text: str, names: Names, action: Action, 
     data = k.data_mount or (k.dataset_sources[0] if k.dataset_sources else None)
     return SessionKernel(
         kernel=names.kernel,
-        title=f"{spec.name} relay session",
+        title=f"{spec.name} session",  # Kaggle derives the slug from the title: keep them equal
         spec_text=spec_text,
         run_id=action.run_id,
         budget_s=budget_s,
