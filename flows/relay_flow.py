@@ -83,13 +83,16 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
     local = Path(state_dir) / run_spec.name  # a cache only: everything here can be rebuilt from Kaggle
     local.mkdir(parents=True, exist_ok=True)
     give_up = time.monotonic() + max_hours * 3600
+    reported = None  # the handed-over run the artifacts show
 
     while True:
         obs = t.observe(backend, names, local)
         action = chain.decide(run_spec.name, obs)
         logger.info("decide: %s %s (%s)", action.do.value, action.run_id or "", action.reason)
-        if obs.published:
-            artifacts.publish_report(run_spec.name, obs.published, local, state=action.do.value)
+        if obs.published and obs.published.get("run_id") != reported:
+            metrics = handoff.published_metrics(backend, names, local, obs.published)
+            artifacts.publish_report(run_spec.name, obs.published, local, metrics, state=action.do.value)
+            reported = obs.published.get("run_id")
 
         if action.do in (Do.HARVEST, Do.SALVAGE):
             result = t.hand_over(backend, run_spec, names, action, obs, local)

@@ -48,6 +48,57 @@ def cmd_data(args: argparse.Namespace) -> int:
     return generators[args.workload](args.rest) or 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from datetime import datetime, timezone
+
+    from relay import plan as planner, report
+    from relay import spec as spec_mod
+
+    spec = spec_mod.load(args.spec)
+    progress = report.load_progress(args.progress) if args.progress else {}
+    total = None
+    if not progress:
+        if spec.optim.max_steps:
+            total = spec.optim.max_steps
+        elif args.train_samples:
+            total = spec.optim.epochs * (args.train_samples // (spec.optim.micro_batch * spec.optim.grad_accum))
+        if total is None:
+            raise InputError("relay plan: the run's length is unknown before its first session:"
+                             " pass --train-samples N (the training set size) or set optim.max_steps")
+        if args.step_seconds is None:
+            raise InputError("relay plan: no session has measured a step yet: pass --step-seconds S")
+    now = datetime.now(timezone.utc)
+    ledger = [(s["started"], s.get("seconds", 0.0)) for s in progress.get("sessions", [])]
+    quota = planner.quota_from_ledger(ledger, now, total_allowed_s=spec.kaggle.weekly_gpu_quota)
+    limits = planner.SessionLimits(session_cap_s=spec.kaggle.session_timeout, startup_s=spec.kaggle.startup_overhead,
+                                   save_s=spec.session.safety_margin)
+    try:
+        plan = planner.plan_from_progress(progress, quota, now, limits=limits, step_seconds_estimate=args.step_seconds,
+                                          total_steps=total, steps_per_epoch=progress.get("steps_per_epoch"))
+    except planner.PlanError as err:
+        raise InputError(f"relay plan: {err} (see relay plan --help)") from None
+    print(planner.format_plan(plan))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from relay import report
+
+    try:
+        progress = report.load_progress(args.dir)
+    except FileNotFoundError as err:
+        raise InputError(str(err)) from None
+    print(report.format_table(report.session_table(progress)))
+    best = progress.get("best") or {}
+    print(f"\n{progress['status']}: step {progress['global_step']}/{progress['total_steps']},"
+          f" last eval {progress.get('metrics')}, best {best.get('metric')}={best.get('value')}")
+    out = Path(args.dir) if Path(args.dir).is_dir() else Path(args.dir).parent
+    curves = report.plot_curves(args.dir, out / "curves.png", progress=progress)
+    timeline = report.plot_timeline(progress["sessions"], out / "timeline.png")
+    print(f"curves: {curves}\ntimeline: {timeline}")
+    return 0
+
+
 def cmd_emulator(args: argparse.Namespace) -> int:
     from relay.kaggle.emulator.cli import main as emulator_main
 
@@ -81,6 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("workload", choices=["price-model"])
     d.add_argument("rest", nargs=argparse.REMAINDER, help="the generator's options (--out DIR --train N ...)")
     d.set_defaults(func=cmd_data)
+
+    p = sub.add_parser("plan", help="sessions left, their budgets and start times within the weekly quota")
+    p.add_argument("spec")
+    p.add_argument("--progress", metavar="DIR", help="a workdir or harvested outputs (measured step time, steps done)")
+    p.add_argument("--step-seconds", type=float, help="seconds per optimizer step, before any session measured it")
+    p.add_argument("--train-samples", type=int, help="training set size, to count steps of an epochs-based spec")
+    p.set_defaults(func=cmd_plan)
+
+    st = sub.add_parser("status", help="the session table of a workdir, and its loss-curve and timeline PNGs")
+    st.add_argument("dir", help="a workdir, or a folder of harvested session outputs")
+    st.set_defaults(func=cmd_status)
 
     e = sub.add_parser("emulator", help="the local Kaggle API emulator (relay emulator serve --help)")
     e.add_argument("rest", nargs=argparse.REMAINDER)

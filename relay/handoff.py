@@ -45,6 +45,18 @@ def read_published_progress(backend: KaggleBackend, dataset: str, dest: Path) ->
     return json.loads(Path(path).read_text())
 
 
+def published_metrics(backend: KaggleBackend, names: Names, local: Path, progress: dict) -> Optional[Path]:
+    """metrics.jsonl of the published checkpoint (all sessions so far), fetched once per handed-over run."""
+    path = local / "published" / f"metrics-{progress.get('run_id')}.jsonl"
+    if not path.is_file():
+        try:
+            tmp = backend.download_dataset_file(names.checkpoint_dataset, "metrics.jsonl", local / "published" / "tmp")
+        except NotFound:
+            return None
+        tmp.replace(path)
+    return path
+
+
 def _exists(backend: KaggleBackend, dataset: str) -> bool:
     try:
         return bool(backend.list_dataset_files(dataset))

@@ -18,8 +18,8 @@ def _key(name: str, what: str) -> str:
 
 
 @task(name="report", cache_policy=NO_CACHE)
-def publish_report(name: str, progress: dict, local: Path, plan_text: str = "", billed_s: Optional[dict] = None,
-                   state: str = "") -> dict:
+def publish_report(name: str, progress: dict, local: Path, metrics: Optional[Path] = None, plan_text: str = "",
+                   billed_s: Optional[dict] = None, state: str = "") -> dict:
     """Refresh the relay's artifacts from the latest handed-over progress (and the metrics beside it)."""
     done, total = progress.get("global_step", 0), max(1, progress.get("total_steps", 1))
     create_progress_artifact(progress=100.0 * done / total, key=_key(name, "progress"),
@@ -28,8 +28,7 @@ def publish_report(name: str, progress: dict, local: Path, plan_text: str = "", 
     if rows:
         create_table_artifact(table=rows, key=_key(name, "sessions"), description=f"{name}: one row per session")
     images = {}
-    metrics = local / "published" / "metrics.jsonl"
-    if metrics.is_file():
+    if metrics is not None and metrics.is_file():
         images["curves"] = report.plot_curves(metrics, local / "curves.png", progress=progress) or local / "curves.png"
     if progress.get("sessions"):
         images["timeline"] = report.plot_timeline(progress["sessions"], local / "timeline.png") or local / "timeline.png"
