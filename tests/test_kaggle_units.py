@@ -18,7 +18,6 @@ from relay.kaggle.credentials import resolve
 from relay.kaggle.emulator.faults import FaultPlan
 from relay.kaggle.kernel_source import render, run_id_marker
 from relay.kaggle.retry import call, is_transient
-from relay.version import code_version
 
 
 def http_error(status: int, headers=None, body=b"{}") -> requests.HTTPError:
@@ -67,17 +66,18 @@ def test_credentials_from_env_and_kaggle_json(tmp_path):
         resolve(env={"KAGGLE_CONFIG_DIR": str(tmp_path)})
 
 
-def test_bundle_is_deterministic_and_matches_code_version():
+def test_bundle_is_deterministic_and_versioned_like_code_version(tmp_path):
     bundle = build_bundle()
-    assert bundle.code_version == code_version()
     names = zipfile.ZipFile(io.BytesIO(bundle.data)).namelist()
     assert "relay/cli.py" in names and "relay/kaggle/kernel_source.py" in names
     assert not any("__pycache__" in n for n in names)
-    from relay.kaggle.bundle import _build
-    from relay.version import PACKAGE_DIR
-
-    _build.cache_clear()
-    assert _build(PACKAGE_DIR, code_version()).data == bundle.data
+    zipfile.ZipFile(io.BytesIO(bundle.data)).extractall(tmp_path)
+    extracted = build_bundle(tmp_path / "relay")
+    assert extracted.data == bundle.data and extracted.code_version == bundle.code_version
+    inside = subprocess.run([sys.executable, "-c", "from relay.version import code_version; print(code_version())"],
+                            cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)},
+                            capture_output=True, text=True, timeout=60)
+    assert inside.stdout.strip() == bundle.code_version  # what a session records inside the kernel
 
 
 def test_kernel_source_is_valid_python_with_marker_and_rejects_bad_run_ids(tmp_path):
