@@ -11,6 +11,7 @@ import requests
 
 from kaggle_fixtures import (FAKE_KEY, USER, backend_for, isolated_env, make_emulator, push_script,  # noqa: F401
                              wait_state)
+from relay.errors import InputError
 from relay.kaggle import ClientBackend, KaggleCredentials, KernelState, Refusal, SessionKernel, classify_refusal
 from relay.kaggle.emulator import Emulator, EmulatorConfig
 from test_kaggle_backend_faults import TOY_SPEC
@@ -156,8 +157,14 @@ def test_stale_output_after_failed_run_is_detected(make_emulator, tmp_path):
     assert backend.push_session(bad).version == 2
     status = wait_state(backend, kernel, 60)
     assert status.state is KernelState.ERROR
-    stale = backend.download_output(kernel, tmp_path / "bad", "bad-2")
+    stale = backend.download_output(kernel, tmp_path / "good", "bad-2")  # replaces the earlier download
     assert stale.stale and stale.found_run_id == "good-1"
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("mine")
+    with pytest.raises(InputError, match="not an earlier output download"):
+        backend.download_output(kernel, precious, "bad-2")
+    assert (precious / "notes.txt").read_text() == "mine"
 
 
 def test_restart_keeps_state_and_ends_runs_in_flight(make_emulator, isolated_env):

@@ -128,8 +128,7 @@ def main():
         if child.poll() is None:
             child.send_signal(signum)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)  # the session saves and exits 0 on SIGTERM
     rc = child.wait()
     marker.update(exit_code=rc, ended=time.time())
     write_marker()

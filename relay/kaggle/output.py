@@ -11,9 +11,11 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any, List, Optional, Tuple
 
+from relay.errors import InputError
 from relay.kaggle.client import KaggleClient
 from relay.kaggle.kernel_source import MARKER_FILE
 from relay.kaggle.retry import call
@@ -22,6 +24,7 @@ from relay.kaggle.retry import http_status
 
 log = logging.getLogger(__name__)
 PAGE_SIZE = 200
+DOWNLOAD_MARK = ".relay-output"  # marks a folder this module may replace
 
 
 def list_output(client: KaggleClient, owner: str, slug: str) -> Tuple[List[Tuple[str, str]], str]:
@@ -78,20 +81,28 @@ def fetch(client: KaggleClient, url: str, target: Path) -> None:
 def download(client: KaggleClient, owner: str, slug: str, dest: Path, run_id: str,
              workdir_name: str = "relay") -> SessionOutput:
     files, log_text = list_output(client, owner, slug)
+    if dest.exists() and any(dest.iterdir()) and not (dest / DOWNLOAD_MARK).exists():
+        raise InputError(f"output folder {dest} exists and is not an earlier output download: not replacing it")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    try:
+        written = []
+        for name, url in files:
+            rel = safe_relative(name)
+            target = partial.joinpath(*rel.parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fetch(client, url, target)
+            written.append(rel.as_posix())
+        log_path = dest / f"{slug}.log" if log_text else None
+        if log_path:
+            (partial / log_path.name).write_text(log_text)
+        (partial / DOWNLOAD_MARK).write_text(f"{owner}/{slug}\n")
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # a failed download leaves the earlier one alone
+        raise
     if dest.exists():
-        shutil.rmtree(dest)  # a half-finished earlier download must not mix with this one
-    dest.mkdir(parents=True)
-    written = []
-    for name, url in files:
-        rel = safe_relative(name)
-        target = dest.joinpath(*rel.parts)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fetch(client, url, target)
-        written.append(rel.as_posix())
-    log_path = None
-    if log_text:
-        log_path = dest / f"{slug}.log"
-        log_path.write_text(log_text)
+        shutil.rmtree(dest)
+    partial.rename(dest)
     progress = _read_json(dest / workdir_name / "progress.json")
     marker = _read_json(dest / MARKER_FILE)
     found = (progress or {}).get("run_id") or (marker or {}).get("run_id")
