@@ -1,0 +1,157 @@
+"""Session-wide test setup shared by every test module.
+
+- One torch thread (on this shared 2-core box more threads make step times jump 3-80x, and exact resume
+  needs the same thread count in every process anyway).
+- Offline Hugging Face: without HF_HUB_OFFLINE a `from_pretrained("name")` spends ~27 s failing on DNS.
+- `toy_spec(directory, **overrides)`: writes a small `toy` recipe spec and returns its path.
+- `relay_cli`: runs `python -m relay ...` in a new process with the venv's python, an isolated HOME and TMPDIR
+  and a working directory outside the repository.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import pytest
+import yaml
+
+for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                      "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(_name, _value)
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable  # the venv's python when run as `.venv/bin/python -m pytest`
+
+TOY_SPEC: dict[str, Any] = {
+    "name": "toy-test",
+    "recipe": "toy",
+    "seed": 3,
+    "params": {"n_train": 256, "n_eval": 64, "hidden": 64},
+    "optim": {"micro_batch": 8, "grad_accum": 2, "lr": 0.003, "epochs": 2, "warmup_steps": 5,
+              "log_every_steps": 8},
+    "data": {"num_workers": 0},
+    "session": {"threads": 1, "save_every": "1h", "safety_margin": 0},
+}
+
+
+def deep_merge(base: dict, overrides: dict) -> dict:
+    """`overrides` may nest dicts ({"optim": {"lr": 1}}) or use dotted keys ({"optim.lr": 1}); None deletes."""
+    out = copy.deepcopy(base)
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is None:
+            node.pop(leaf, None)
+        elif isinstance(value, dict) and isinstance(node.get(leaf), dict):
+            node[leaf] = deep_merge(node[leaf], value)
+        else:
+            node[leaf] = value
+    return out
+
+
+def toy_spec_dict(*layers: dict, **overrides) -> dict:
+    """TOY_SPEC with each layer of overrides merged in order, then the keyword overrides."""
+    out = TOY_SPEC
+    for layer in (*layers, overrides):
+        out = deep_merge(out, layer)
+    return copy.deepcopy(out)
+
+
+def write_spec(directory: Path, data: dict, name: str = "spec.yaml") -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def toy_spec():
+    """toy_spec(directory, name="spec.yaml", **overrides) -> Path of a written toy spec."""
+
+    def make(directory: Path, name: str = "spec.yaml", **overrides) -> Path:
+        return write_spec(directory, toy_spec_dict(**overrides), name)
+
+    return make
+
+
+class RelayCLI:
+    """`python -m relay` in a fresh process: isolated HOME/TMPDIR, offline, cwd outside the repository."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.home, self.tmp, self.cwd = self.root / "home", self.root / "tmp", self.root / "cwd"
+        for d in (self.home, self.tmp, self.cwd):
+            d.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("KAGGLE_", "PYTEST_", "RELAY_")) and k not in ("PYTHONPATH", "COV_CORE_SOURCE")}
+        env.update(HOME=str(self.home), TMPDIR=str(self.tmp), PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1",
+                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   MPLCONFIGDIR=str(self.home / ".mpl"), RELAY_DEVICE="cpu")
+        self.env = env
+
+    def argv(self, *args: str, preimport: Sequence[str] = ()) -> list[str]:
+        if not preimport:
+            return [PYTHON, "-m", "relay", *map(str, args)]
+        # Same entry point as `-m relay`, after importing some modules first (outside the session clock).
+        code = ";".join([*(f"import {m}" for m in preimport), "import runpy",
+                         "runpy.run_module('relay', run_name='__main__', alter_sys=True)"])
+        return [PYTHON, "-c", code, *map(str, args)]
+
+    def train_args(self, spec: Path, workdir: Path, budget: Optional[object] = None, *extra: str) -> list[str]:
+        args = ["train", str(spec), "--workdir", str(workdir)]
+        if budget is not None:
+            args += ["--budget", str(budget)]
+        return args + [str(e) for e in extra]
+
+    def run(self, *args: str, timeout: float = 180, preimport: Sequence[str] = ()) -> subprocess.CompletedProcess:
+        return subprocess.run(self.argv(*args, preimport=preimport), env=self.env, cwd=self.cwd,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def popen(self, *args: str, preimport: Sequence[str] = (), **kwargs) -> subprocess.Popen:
+        kwargs.setdefault("stdout", subprocess.PIPE)
+        kwargs.setdefault("stderr", subprocess.PIPE)
+        return subprocess.Popen(self.argv(*args, preimport=preimport), env=self.env, cwd=self.cwd,
+                                text=True, **kwargs)
+
+    def train(self, spec: Path, workdir: Path, budget: Optional[object] = None, *extra: str,
+              check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+        proc = self.run(*self.train_args(spec, workdir, budget, *extra), **kwargs)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"relay train exited {proc.returncode}\n--- stderr ---\n{proc.stderr[-4000:]}")
+        return proc
+
+
+@pytest.fixture(scope="session")
+def relay_cli(tmp_path_factory) -> RelayCLI:
+    return RelayCLI(tmp_path_factory.mktemp("relay-cli"))
+
+
+@pytest.fixture
+def register_recipe(monkeypatch):
+    """register_recipe(name, cls): make a test recipe class known to the spec and the runtime (for this test).
+    The class must live at module level of an imported module (the registry stores 'module:Class')."""
+    from relay import recipes
+
+    def register(name: str, cls: type) -> str:
+        monkeypatch.setitem(recipes._REGISTRY, name, f"{cls.__module__}:{cls.__qualname__}")
+        return name
+
+    return register
+
+
+def load_toy_spec(**overrides):
+    """A validated RunSpec of the toy recipe (for driving relay.session.run.run_session in-process)."""
+    from relay import spec
+
+    return spec.validate(toy_spec_dict(**overrides), source="test-spec")

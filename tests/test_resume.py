@@ -1,0 +1,277 @@
+"""Exact resume: a run split into sessions by budget, SIGTERM or SIGKILL (at random instants, mid-save too)
+ends bit-identical to an uninterrupted run. Every session is a new `python -m relay train` process.
+
+Identity is checked twice: progress.json `weights_sha256`, and every tensor of the final checkpoint's model,
+optimizer, scheduler and RNG state loaded with torch.load(weights_only=True) and compared with torch.equal.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import toy_spec_dict, write_spec
+from relay.session import checkpoint, data
+
+# 512 samples / (8 x 2) = 32 optimizer steps per epoch, 5 epochs = 160 steps; dropout 0.2 makes every step
+# depend on the RNG; eval at each epoch end (best-checkpoint saves); a periodic save every 0.2 s so a SIGKILL
+# lands near (and sometimes inside) a save.
+RESUME = dict(
+    name="resume-toy", seed=7,
+    params={"n_train": 512, "n_eval": 64, "hidden": 128, "dropout": 0.2},
+    optim={"epochs": 5, "log_every_steps": 4},
+    session={"save_every": 0.2},
+    checkpoints={"keep_last": 2},
+)
+TOTAL = 160
+SESSION_LINE = "relay.session.run: session "  # logged right before the first training step
+
+
+def load_final(workdir: Path) -> tuple[dict, dict]:
+    progress = json.loads((workdir / "progress.json").read_text())
+    state = torch.load(workdir / progress["checkpoint"] / checkpoint.STATE_FILE, weights_only=True)
+    return progress, state
+
+
+def assert_tree_equal(a, b, where: str) -> None:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        assert torch.is_tensor(a) and torch.is_tensor(b), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where}: tensors differ (max abs diff {(a.double() - b.double()).abs().max()})"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
+        for k in a:
+            assert_tree_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_tree_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def assert_same_as_reference(workdir: Path, reference: tuple[dict, dict]) -> dict:
+    progress, state = load_final(workdir)
+    ref_progress, ref_state = reference
+    assert progress["status"] == "done" and progress["global_step"] == TOTAL
+    assert progress["weights_sha256"] == ref_progress["weights_sha256"]
+    # The sha in progress.json is over the same tensors that the checkpoint holds.
+    assert checkpoint.weights_sha256(state["model"]) == progress["weights_sha256"]
+    for part in ("model", "optimizer", "scheduler", "rng"):
+        assert_tree_equal(state[part], ref_state[part], part)
+    for key in ("global_step", "best", "last_eval", "micro_batch", "grad_accum", "skipped_steps"):
+        assert state["trainer"][key] == ref_state["trainer"][key], key
+    # Killed saves leave .tmp folders; the next save removes them.
+    assert not list((workdir / "checkpoints").glob(".tmp-*"))
+    return progress
+
+
+@pytest.fixture(scope="module")
+def spec_path(tmp_path_factory) -> Path:
+    return write_spec(tmp_path_factory.mktemp("resume-spec"), toy_spec_dict(RESUME))
+
+
+@pytest.fixture(scope="module")
+def reference(spec_path, relay_cli, tmp_path_factory) -> tuple[dict, dict]:
+    workdir = tmp_path_factory.mktemp("reference")
+    relay_cli.train(spec_path, workdir, "none")
+    progress, state = load_final(workdir)
+    assert progress["status"] == "done" and progress["global_step"] == TOTAL
+    assert len(progress["sessions"]) == 1
+    return progress, state
+
+
+class Session:
+    """One `relay train` process whose stderr is drained by a thread (tqdm writes a lot of it)."""
+
+    def __init__(self, relay_cli, spec: Path, workdir: Path, budget="none"):
+        self.workdir = workdir
+        self.proc = relay_cli.popen(*relay_cli.train_args(spec, workdir, budget))
+        self.training = threading.Event()
+        self.stderr: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+            if SESSION_LINE in line:
+                self.training.set()
+        self.training.set()  # the process ended (possibly before training)
+
+    def wait_training(self, timeout: float = 120) -> None:
+        assert self.training.wait(timeout), "relay train did not start training"
+
+    def kill_after(self, delay: float, sig: int) -> None:
+        deadline = time.monotonic() + delay
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            time.sleep(0.002)
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def kill_in_save(self, nth: int) -> bool:
+        """SIGKILL as soon as this process's nth save folder (.tmp-step-*-PID) appears. Returns whether the
+        process was still saving it (the folder was still there after the kill)."""
+        root, suffix, seen = self.workdir / "checkpoints", f"-{self.proc.pid}", set()
+        while self.proc.poll() is None:
+            try:
+                tmps = {n for n in os.listdir(root) if n.startswith(".tmp-") and n.endswith(suffix)}
+            except FileNotFoundError:
+                tmps = set()
+            seen |= tmps
+            if len(seen) >= nth and tmps:
+                self.proc.send_signal(signal.SIGKILL)
+                self.proc.wait()
+                return any((root / t).exists() for t in tmps)
+            time.sleep(0.0005)
+        return False
+
+    def wait(self, timeout: float = 120) -> int:
+        rc = self.proc.wait(timeout)
+        self._reader.join(10)
+        return rc
+
+    def tail(self) -> str:
+        return "".join(self.stderr)[-3000:]
+
+
+def progress_of(workdir: Path) -> dict:
+    return json.loads((workdir / "progress.json").read_text())
+
+
+# -- split by budget ----------------------------------------------------------------------------------
+def test_budget_split_into_five_or_more_sessions_is_bit_identical(relay_cli, reference, tmp_path):
+    """Five sessions stopped by their budget, then one that runs to the end. Each budget is sized for a share
+    of the remaining steps from the in-clock start-up and the fastest step rate seen so far.
+    torch._dynamo (imported by AdamW's first construction, 2-4 s here) is imported before `relay` runs so the
+    in-clock start-up is small and steady; the entry point is still `-m relay`. No periodic or best saves:
+    the clock's save reserve stays at its initial estimate (0.3 s for this model), so the steps a budget buys
+    are predictable. Session and checkpoint settings do not change the training math: same reference."""
+    spec = write_spec(tmp_path, toy_spec_dict(RESUME, session={"save_every": "1h"},
+                                              checkpoints={"keep_best": False}))
+    workdir = tmp_path / "w"
+    rate = reference[0]["sessions"][0]["samples_per_s"] / 16  # optimizer steps per second
+    overhead, step, budget_stops = 0.1, 0, 0
+    for _ in range(12):
+        if budget_stops == 5:
+            break
+        share = (TOTAL - step) / (7 - budget_stops)  # leaves ~2 shares for the last session
+        budget = overhead + 0.3 + share / rate
+        proc = relay_cli.train(spec, workdir, f"{budget:.3f}", preimport=["torch._dynamo"])
+        progress = progress_of(workdir)
+        s = progress["sessions"][-1]
+        assert progress["status"] == "paused", f"budget {budget:.3f}s finished the run: the split failed"
+        assert s["stop_reason"] == "budget" and "paused at step" in proc.stdout, proc.stderr[-2000:]
+        steps = s["step_end"] - s["step_start"]
+        if steps == 0:
+            overhead += 0.2  # start-up took longer than measured: a session that only saved
+            continue
+        budget_stops += 1
+        step = s["step_end"]
+        rate = max(rate, s["samples_per_s"] / 16)
+        overhead = max(0.0, s["seconds"] - steps / rate - 0.3)
+    relay_cli.train(spec, workdir, "none")
+    progress = assert_same_as_reference(workdir, reference)
+    stops = [s["stop_reason"] for s in progress["sessions"] if s["step_end"] > s["step_start"]]
+    assert stops[-1] == "final" and stops.count("budget") >= 5, stops
+    steps = [(s["step_start"], s["step_end"]) for s in progress["sessions"]]
+    assert steps[0][0] == 0 and all(a[1] == b[0] for a, b in zip(steps, steps[1:])), steps  # no step lost or redone
+    assert [s["index"] for s in progress["sessions"]] == list(range(1, len(steps) + 1))
+
+
+# -- SIGTERM -----------------------------------------------------------------------------------------
+def test_sigterm_at_random_instants_with_0_and_2_workers_is_bit_identical(spec_path, relay_cli, reference,
+                                                                         tmp_path):
+    """Three sessions stopped by SIGTERM at random instants, then one to the end. Sessions 1 and 3 load data
+    with 2 DataLoader workers (a resume with workers still matches; data settings do not change the math)."""
+    workers = write_spec(tmp_path, toy_spec_dict(RESUME, data={"num_workers": 2}), "workers.yaml")
+    rng = random.Random(20261121)
+    workdir, reasons = tmp_path / "w", []
+    for i in range(3):
+        session = Session(relay_cli, workers if i % 2 == 0 else spec_path, workdir)
+        session.wait_training()
+        session.kill_after(rng.uniform(0.0, 0.15), signal.SIGTERM)
+        rc = session.wait()
+        assert rc == 0, f"SIGTERM must end the session cleanly (exit 0), got {rc}\n{session.tail()}"
+        progress = progress_of(workdir)
+        assert progress["status"] == "paused", "the session finished before its SIGTERM"
+        reasons.append(progress["sessions"][-1]["stop_reason"])
+    assert reasons == ["sigterm"] * 3
+    relay_cli.train(spec_path, workdir, "none")
+    progress = assert_same_as_reference(workdir, reference)
+    assert [s["stop_reason"] for s in progress["sessions"]] == ["sigterm"] * 3 + ["final"]
+
+
+# -- SIGKILL -----------------------------------------------------------------------------------------
+def test_sigkill_at_random_instants_and_mid_save_is_bit_identical(spec_path, relay_cli, reference, tmp_path):
+    """Four sessions SIGKILLed: two inside a save (as soon as this process's 1st-3rd .tmp-step-* folder
+    appears: periodic saves every 0.2 s, best saves at epoch ends), two at a random instant (a step, an eval,
+    a save, the progress.json write); then one session to the end."""
+    rng = random.Random(1121)
+    workdir, mid_save = tmp_path / "w", 0
+    for i in range(4):
+        session = Session(relay_cli, spec_path, workdir)
+        session.wait_training()
+        if i % 2 == 1:
+            mid_save += session.kill_in_save(nth=rng.randint(1, 3))
+        else:
+            session.kill_after(rng.uniform(0.05, 0.4), signal.SIGKILL)
+        rc = session.wait()
+        assert rc == -signal.SIGKILL, f"the session ended before its SIGKILL (exit {rc})\n{session.tail()}"
+    assert mid_save >= 1, "no kill landed inside a save"
+    relay_cli.train(spec_path, workdir, "none")
+    progress = assert_same_as_reference(workdir, reference)
+    assert progress["sessions"][-1]["stop_reason"] == "final"
+
+
+# -- the data position is derived, not replayed ------------------------------------------------------
+def naive_replay(n: int, eff: int, seed: int, steps: int) -> list[list[int]]:
+    """Epoch by epoch, batch by batch, as a plain loader would walk through the data from step 0."""
+    out, epoch = [], 0
+    while len(out) < steps:
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+        out += [perm[b * eff:(b + 1) * eff] for b in range(n // eff)]
+        epoch += 1
+    return out[:steps]
+
+
+@pytest.mark.parametrize("n,eff,seed", [(50, 8, 0), (64, 16, 3), (37, 5, 11)])
+def test_step_schedule_matches_naive_replay(n, eff, seed):
+    schedule = data.StepSchedule(n, eff, seed)
+    replay = naive_replay(n, eff, seed, 5 * schedule.steps_per_epoch + 3)
+    assert [schedule.indices(s) for s in range(len(replay))] == replay
+    for e in range(5):  # an epoch visits distinct samples
+        epoch = sum(replay[e * schedule.steps_per_epoch:(e + 1) * schedule.steps_per_epoch], [])
+        assert len(set(epoch)) == len(epoch) == schedule.steps_per_epoch * eff
+    # A sampler started at step k yields exactly the tail of the replay, in micro-batches.
+    for micro in (1, eff):
+        if eff % micro == 0:
+            k = schedule.steps_per_epoch + 1
+            got = list(data.MicroBatchSampler(schedule, k, len(replay), micro))
+            want = [b[i:i + micro] for b in replay[k:] for i in range(0, eff, micro)]
+            assert got == want
+
+
+def test_step_schedule_skip_is_o1(monkeypatch):
+    """indices(10**7) builds one permutation (that step's epoch), not the 10**7 batches before it."""
+    schedule = data.StepSchedule(1000, 10, 5)
+    calls = []
+    real = torch.randperm
+    monkeypatch.setattr(torch, "randperm", lambda *a, **k: calls.append(a) or real(*a, **k))
+    step = 10**7 + 37
+    got = schedule.indices(step)
+    assert len(calls) == 1
+    monkeypatch.setattr(torch, "randperm", real)
+    epoch, pos = divmod(step, schedule.steps_per_epoch)
+    perm = torch.randperm(1000, generator=torch.Generator().manual_seed(5 * 1_000_003 + epoch)).tolist()
+    assert got == perm[pos * 10:(pos + 1) * 10]
+    sampler = data.MicroBatchSampler(schedule, step, step + 2, 5)
+    assert next(iter(sampler)) == got[:5]
