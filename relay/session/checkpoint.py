@@ -50,8 +50,12 @@ class Checkpoint:
 
     @property
     def metric(self) -> Optional[float]:
-        value = (self.manifest.get("best") or {}).get("value")
-        return None if value is None else float(value)
+        """The watched metric of THIS checkpoint's weights. Every manifest carries the run's best-so-far
+        record; only the checkpoint saved at that record's step holds the weights that scored it."""
+        best = self.manifest.get("best") or {}
+        if best.get("value") is None or best.get("step") != self.step:
+            return None
+        return float(best["value"])
 
     def nbytes(self) -> int:
         return sum(f["bytes"] for f in self.manifest["files"].values())
@@ -187,6 +191,11 @@ def _make_room(root: Path, budget: int, keep_best_mode: Optional[str]) -> None:
     if not valid:
         return
     expected = valid[0].nbytes()
+    if valid[0].nbytes() + expected > budget:  # hopeless: refuse before deleting any fallback
+        raise DiskBudgetError(
+            f"checkpoints.disk_budget_gb: a new checkpoint (~{expected / 1e9:.2f} GB) does not fit beside the"
+            f" newest one ({valid[0].nbytes() / 1e9:.2f} GB) in {budget / 1e9:.2f} GB; raise the budget"
+        )
     used = sum(c.nbytes() for c in valid)
     spare = {valid[0].path}
     best = _best(valid, keep_best_mode)
@@ -226,9 +235,18 @@ def read_manifest(path: Path) -> Optional[dict]:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "files" not in manifest:
-        return None
-    return manifest
+    return manifest if _manifest_ok(manifest) else None
+
+
+def _manifest_ok(manifest: Any) -> bool:
+    """A manifest damaged into other valid JSON (a flipped bit in a key) counts as no manifest."""
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return False
+    step, files = manifest.get("step"), manifest.get("files")
+    if type(step) is not int or step < 0 or not isinstance(files, dict) or STATE_FILE not in files:
+        return False
+    return all(isinstance(info, dict) and type(info.get("bytes")) is int and isinstance(info.get("sha256"), str)
+               for info in files.values())
 
 
 def list_valid(*roots: Path, verify_hashes: bool = False) -> list[Checkpoint]:
@@ -322,11 +340,15 @@ def export_atomic(out_dir: Path, write: Callable[[Path], Any]) -> None:
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    write(tmp)
-    for f in tmp.iterdir():
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+    try:
+        write(tmp)
+        for f in tmp.iterdir():
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous export stays as it was
+        raise
     old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
     if out_dir.exists():
         os.rename(out_dir, old)

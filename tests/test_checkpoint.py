@@ -1,0 +1,337 @@
+"""Checkpoints: atomic save, fallback past a corrupt or incomplete newest, retention, disk budget, safe loading,
+atomic export. Real files; corruption is done to the bytes on disk."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import load_toy_spec
+from relay.session import checkpoint as ck
+from relay.session.run import run_session
+
+N = 50_000  # floats per checkpoint: ~200 kB state files
+
+
+class Payload:  # an arbitrary class: pickle would import and build it; weights_only must refuse
+    pass
+
+
+def state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(N, generator=g), "b": torch.zeros(3)}, "step": step,
+            "rng": {"numpy": [1, 2, 3]}}
+
+
+def best(step: int, value: float) -> dict:
+    return {"run_id": "r", "best": {"metric": "mse", "value": value, "step": step}}
+
+
+def save(root: Path, step: int, meta: dict | None = None, **kwargs) -> ck.Checkpoint:
+    kwargs.setdefault("keep_last", 100)
+    return ck.save(root, state(step), step=step, meta=meta or {"run_id": "r"}, **kwargs)
+
+
+def names(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+def latest_step(*roots: Path) -> int:
+    found = ck.load_latest(*roots)
+    assert found is not None
+    checkpoint, loaded = found
+    assert loaded["step"] == checkpoint.step
+    assert torch.equal(loaded["model"]["w"], state(checkpoint.step)["model"]["w"])
+    return checkpoint.step
+
+
+# -- atomic save ------------------------------------------------------------------------------------
+def test_save_writes_state_and_manifest_with_hashes(tmp_path):
+    c = save(tmp_path, 7, {"run_id": "run-1", "code_version": "abc", "epoch": 0})
+    assert c.path == tmp_path / "step-00000007" and names(c.path) == ["manifest.json", "state.pt"]
+    manifest = json.loads((c.path / "manifest.json").read_text())
+    info = manifest["files"]["state.pt"]
+    assert info == {"bytes": (c.path / "state.pt").stat().st_size, "sha256": ck.sha256_file(c.path / "state.pt")}
+    assert (manifest["format"], manifest["step"], manifest["run_id"], manifest["code_version"]) == (1, 7, "run-1", "abc")
+    assert names(tmp_path) == ["step-00000007"]  # no temp folder left behind
+
+
+def test_folder_without_manifest_is_ignored(tmp_path):
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    (tmp_path / "step-00000002" / "manifest.json").unlink()  # as if killed before the manifest was written
+    assert [c.step for c in ck.list_valid(tmp_path)] == [1]
+    assert latest_step(tmp_path) == 1
+
+
+def test_stale_tmp_folder_is_ignored_and_removed_at_next_save(tmp_path):
+    save(tmp_path, 1)
+    stale = tmp_path / ".tmp-step-00000002-99999"  # a save killed half-way (even with a manifest inside)
+    shutil.copytree(tmp_path / "step-00000001", stale)
+    assert [c.step for c in ck.list_valid(tmp_path)] == [1]
+    save(tmp_path, 3)
+    assert not stale.exists()
+    assert names(tmp_path) == ["step-00000001", "step-00000003"]
+
+
+def test_failed_save_leaves_no_folder_and_keeps_older(tmp_path):
+    save(tmp_path, 1)
+    with pytest.raises(Exception):
+        ck.save(tmp_path, {"bad": lambda: 0}, step=2, meta={})  # torch.save cannot pickle this
+    assert names(tmp_path) == ["step-00000001"]
+    assert latest_step(tmp_path) == 1
+
+
+def test_several_saves_at_one_step_are_ordered(tmp_path):
+    save(tmp_path, 5)
+    save(tmp_path, 5)
+    c = save(tmp_path, 5)
+    assert c.path.name == "step-00000005.2" and c.seq == 2
+    assert [x.path.name for x in ck.list_valid(tmp_path)] == ["step-00000005.2", "step-00000005.1", "step-00000005"]
+
+
+# -- corrupt newest falls back ---------------------------------------------------------------------
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+def missing_manifest(path: Path) -> None:
+    (path.parent / "manifest.json").unlink()
+
+
+def missing_state(path: Path) -> None:
+    path.unlink()
+
+
+def garbage_manifest(path: Path) -> None:
+    (path.parent / "manifest.json").write_bytes(os.urandom(200))
+
+
+def manifest_of_wrong_shape(path: Path) -> None:  # valid JSON, damaged: a flipped bit in a key name
+    m = path.parent / "manifest.json"
+    m.write_text(m.read_text().replace('"files"', '"filez"'))
+
+
+def manifest_files_not_a_mapping(path: Path) -> None:
+    m = path.parent / "manifest.json"
+    data = json.loads(m.read_text())
+    data["files"] = "state.pt"
+    m.write_text(json.dumps(data))
+
+
+def manifest_without_sizes(path: Path) -> None:
+    m = path.parent / "manifest.json"
+    data = json.loads(m.read_text())
+    data["files"]["state.pt"] = {}
+    m.write_text(json.dumps(data))
+
+
+def manifest_wrong_format(path: Path) -> None:
+    m = path.parent / "manifest.json"
+    data = json.loads(m.read_text())
+    data["format"] = 99
+    m.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("damage", [flip_byte, truncate, missing_manifest, missing_state, garbage_manifest,
+                                    manifest_of_wrong_shape, manifest_files_not_a_mapping,
+                                    manifest_without_sizes, manifest_wrong_format])
+def test_corrupt_newest_falls_back_to_previous(tmp_path, damage, caplog):
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    save(tmp_path, 3)
+    damage(tmp_path / "step-00000003" / "state.pt")
+    with caplog.at_level(logging.WARNING):
+        assert latest_step(tmp_path) == 2
+    if damage is flip_byte:  # same size: only the hash tells; the loader says why it skipped it
+        assert "sha256 does not match" in caplog.text
+
+
+def test_all_corrupt_means_no_checkpoint(tmp_path):
+    save(tmp_path, 1)
+    flip_byte(tmp_path / "step-00000001" / "state.pt")
+    assert ck.load_latest(tmp_path) is None
+    assert ck.load_latest(tmp_path / "nowhere") is None
+
+
+def test_newest_across_roots_and_layouts(tmp_path):
+    """A workdir (checkpoints/step-*), a mounted dataset of step-* folders, and a single checkpoint folder."""
+    own, mounted, single = tmp_path / "work", tmp_path / "mounted", tmp_path / "single"
+    save(own / "checkpoints", 4)
+    save(mounted, 9)
+    shutil.copytree(save(tmp_path / "x", 6).path, single)
+    assert [len(ck.find_checkpoints(r)) for r in (own, mounted, single)] == [1, 1, 1]
+    assert latest_step(own, single) == 6
+    assert latest_step(own, mounted, single) == 9
+    flip_byte(mounted / "step-00000009" / "state.pt")
+    assert latest_step(own, mounted, single) == 6
+
+
+# -- retention --------------------------------------------------------------------------------------
+def test_retention_keeps_last_n(tmp_path):
+    for step in range(1, 6):
+        save(tmp_path, step, keep_last=2)
+    assert names(tmp_path) == ["step-00000004", "step-00000005"]
+
+
+def test_retention_keeps_the_checkpoint_of_the_best_step(tmp_path):
+    """As a run writes them: every manifest carries the best-so-far record; only step 20's weights scored it."""
+    evals = {10: 0.5, 20: 0.3, 30: 0.4, 40: 0.45, 50: 0.6}
+    best_so_far = None
+    for step, value in evals.items():
+        if best_so_far is None or value < best_so_far[1]:
+            best_so_far = (step, value)
+        save(tmp_path, step, best(*best_so_far), keep_last=1, keep_best_mode="min")
+    assert names(tmp_path) == ["step-00000020", "step-00000050"]
+    # "max" mode keeps the highest instead
+    other = tmp_path / "max"
+    for step, value in [(1, 0.1), (2, 0.9), (3, 0.5)]:
+        save(other, step, best(2 if step >= 2 else 1, 0.9 if step >= 2 else 0.1), keep_last=1, keep_best_mode="max")
+    assert names(other) == ["step-00000002", "step-00000003"]
+
+
+def test_retention_without_keep_best(tmp_path):
+    for step, value in [(1, 0.1), (2, 0.9), (3, 0.8)]:
+        save(tmp_path, step, best(1, 0.1), keep_last=1, keep_best_mode=None)
+    assert names(tmp_path) == ["step-00000003"]
+
+
+def test_prune_never_deletes_newest_valid_and_leaves_incomplete_alone(tmp_path):
+    for step in (1, 2, 3):
+        save(tmp_path, step)
+    (tmp_path / "step-00000003" / "manifest.json").unlink()  # newest incomplete
+    removed = ck.prune(tmp_path, keep_last=1)
+    assert removed == [tmp_path / "step-00000001"]
+    assert names(tmp_path) == ["step-00000002", "step-00000003"]
+    assert latest_step(tmp_path) == 2
+
+
+def test_failed_save_prunes_nothing(tmp_path):
+    for step in (1, 2):
+        save(tmp_path, step, keep_last=2)
+    with pytest.raises(Exception):
+        ck.save(tmp_path, {"bad": lambda: 0}, step=3, meta={}, keep_last=1)
+    assert names(tmp_path) == ["step-00000001", "step-00000002"]
+
+
+# -- disk budget ------------------------------------------------------------------------------------
+def sized_run(root: Path) -> int:
+    """Four checkpoints; the best (by its own eval) is step 2. Returns one checkpoint's size in bytes."""
+    for step, meta in [(1, best(1, 0.5)), (2, best(2, 0.2)), (3, best(2, 0.2)), (4, best(2, 0.2))]:
+        save(root, step, meta, keep_last=100, keep_best_mode="min")
+    return ck.list_valid(root)[0].nbytes()
+
+
+def test_disk_budget_prunes_oldest_first_sparing_best_and_newest(tmp_path):
+    size = sized_run(tmp_path)
+    save(tmp_path, 5, best(2, 0.2), disk_budget_bytes=int(3.5 * size), keep_best_mode="min")
+    assert names(tmp_path) == ["step-00000002", "step-00000004", "step-00000005"]
+
+
+def test_disk_budget_gives_up_the_best_before_the_newest(tmp_path):
+    size = sized_run(tmp_path)
+    save(tmp_path, 5, best(2, 0.2), disk_budget_bytes=int(2.5 * size), keep_best_mode="min")
+    assert names(tmp_path) == ["step-00000004", "step-00000005"]
+    assert latest_step(tmp_path) == 5
+
+
+def test_disk_budget_too_small_for_newest_plus_new_raises_and_deletes_nothing(tmp_path):
+    size = sized_run(tmp_path)
+    before = names(tmp_path)
+    with pytest.raises(ck.DiskBudgetError) as err:
+        save(tmp_path, 5, best(2, 0.2), disk_budget_bytes=int(1.5 * size), keep_best_mode="min")
+    message = str(err.value)
+    assert message.startswith("checkpoints.disk_budget_gb: a new checkpoint (~0.00 GB) does not fit beside the"
+                              " newest one") and message.endswith("; raise the budget")
+    assert "\n" not in message
+    assert names(tmp_path) == before  # a save that cannot fit must not cost the fallbacks
+    assert isinstance(err.value, ck.InputError)  # the CLI turns it into one line, exit 2
+
+
+def test_disk_budget_with_room_deletes_nothing(tmp_path):
+    size = sized_run(tmp_path)
+    save(tmp_path, 5, best(2, 0.2), disk_budget_bytes=10 * size, keep_best_mode="min")
+    assert len(names(tmp_path)) == 5
+
+
+# -- safe loading -----------------------------------------------------------------------------------
+def test_real_training_state_loads_with_weights_only(tmp_path):
+    """Everything the Trainer saves (model, AdamW, scheduler, scaler, torch/numpy/python RNG, trainer state)
+    is plain data and tensors: torch.load(weights_only=True) reads it without allowlisting anything."""
+    spec = load_toy_spec(optim={"epochs": None, "max_steps": 6})
+    progress = run_session(spec, tmp_path, budget=None)
+    assert progress["status"] == "done"
+    loaded = torch.load(tmp_path / progress["checkpoint"] / "state.pt", weights_only=True)
+    assert set(loaded) == {"model", "optimizer", "scheduler", "scaler", "rng", "trainer"}
+    assert set(loaded["rng"]) >= {"torch", "numpy", "python"}
+    assert loaded["trainer"]["global_step"] == 6
+    assert ck.weights_sha256(loaded["model"]) == progress["weights_sha256"]
+
+
+def test_load_refuses_pickled_objects(tmp_path):
+    c = save(tmp_path, 1)
+    evil = tmp_path / "evil"
+    shutil.copytree(c.path, evil)
+
+    torch.save({"x": Payload()}, evil / "state.pt")
+    manifest = json.loads((evil / "manifest.json").read_text())
+    manifest["files"]["state.pt"] = {"bytes": (evil / "state.pt").stat().st_size,
+                                     "sha256": ck.sha256_file(evil / "state.pt")}
+    (evil / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ck.CheckpointError, match="cannot be loaded"):
+        ck.load(ck.list_valid(evil)[0])
+
+
+def test_weights_sha256_is_order_independent_and_bit_sensitive():
+    a = {"x": torch.ones(3), "y": torch.zeros(2, 2)}
+    b = {"y": torch.zeros(2, 2), "x": torch.ones(3)}
+    assert ck.weights_sha256(a) == ck.weights_sha256(b)
+    c = {"x": torch.ones(3), "y": torch.zeros(2, 2)}
+    c["y"][1, 1] = -0.0  # a different bit pattern, equal value
+    assert ck.weights_sha256(a) != ck.weights_sha256(c)
+
+
+# -- export -----------------------------------------------------------------------------------------
+def test_export_atomic_replaces_the_previous_export(tmp_path):
+    out = tmp_path / "export"
+    ck.export_atomic(out, lambda d: (d / "model.safetensors").write_text("v1"))
+    ck.export_atomic(out, lambda d: (d / "config.json").write_text("{}"))
+    assert names(out) == ["config.json"]
+    assert names(tmp_path) == ["export"]
+
+
+def test_export_atomic_keeps_the_old_export_when_writing_fails(tmp_path):
+    out = tmp_path / "export"
+    ck.export_atomic(out, lambda d: (d / "model.safetensors").write_text("v1"))
+
+    def broken(d: Path) -> None:
+        (d / "model.safetensors").write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        ck.export_atomic(out, broken)
+    assert (out / "model.safetensors").read_text() == "v1"
+    assert names(tmp_path) == ["export"]  # no half-written export left beside it
+
+
+def test_run_exports_weights_only_model(tmp_path):
+    from safetensors.torch import load_file
+
+    spec = load_toy_spec(optim={"epochs": None, "max_steps": 4})
+    progress = run_session(spec, tmp_path, budget=None)
+    tensors = load_file(tmp_path / "export" / "model.safetensors")
+    final = torch.load(tmp_path / progress["checkpoint"] / "state.pt", weights_only=True)["model"]
+    assert set(tensors) == set(final)
+    assert all(torch.equal(tensors[k], final[k]) for k in final)
