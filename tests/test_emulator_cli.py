@@ -107,6 +107,10 @@ def test_kaggle_cli_datasets_kernels_quota_and_restart(served, tmp_path):
     one = run_kaggle(env, "datasets", "download", "alice/stage-0-ckpt", "-f", "meta.csv", "-p", str(work / "one"))
     assert one.returncode == 0, one.stderr
     assert (work / "one" / "meta.csv").read_text() == "a,b\n1,2\n"
+    meta = run_kaggle(env, "datasets", "metadata", "alice/stage-0-ckpt", "-p", str(work / "meta"))
+    assert "Downloaded metadata" in meta.stdout, meta.stderr
+    info = json.loads((work / "meta" / "dataset-metadata.json").read_text())["info"]
+    assert info["title"] == "Stage 0 checkpoint" and info["licenses"] == [{"name": "CC0-1.0"}]
 
     kern = work / "kern"
     kern.mkdir()

@@ -95,7 +95,7 @@ def test_every_operation_ends_right_under_faults(make_emulator, tmp_path):
     assert injected.get("lost", 0) >= 1 and injected.get("upload_midfile", 0) >= 1
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_publish_and_status_survive_other_seeds(make_emulator, tmp_path, seed):
     emu = make_emulator(faults={"seed": seed, "methods": {"*": {"rate": 0.35}}, "upload_fail_midfile": 0.4})
     backend = backend_for(emu, seed=seed, attempts=16)
@@ -104,3 +104,6 @@ def test_publish_and_status_survive_other_seeds(make_emulator, tmp_path, seed):
     stored = emu.store.dataset_dir(f"{USER}/seeded-{seed}-ckpt", result.version)
     assert {n: sha(stored / n) for n in result.files} == {n: m["sha256"] for n, m in result.files.items()}
     assert result.version == 1 and len(emu.store.datasets[f"{USER}/seeded-{seed}-ckpt"]["versions"]) == 1
+    second = backend.publish_folder(make_folder(tmp_path / "g", seed + 10), f"{USER}/seeded-{seed}-ckpt",
+                                    "Seeded checkpoint", "")
+    assert second.version == 2 and len(emu.store.datasets[f"{USER}/seeded-{seed}-ckpt"]["versions"]) == 2
