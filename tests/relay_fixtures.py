@@ -1,0 +1,362 @@
+"""Fixtures for the relay tests: the whole relay (Prefect flow -> Kaggle emulator -> kernels running
+`relay train`) on the small `toy` recipe.
+
+Import into a test module with `from relay_fixtures import *` (it re-exports kaggle_fixtures' isolated_env and
+make_emulator, which give every test its own HOME/TMPDIR and stop the emulators at teardown).
+
+- `prefect_api` (session): one ephemeral Prefect server for the whole run (prefect_test_harness costs 14-18 s
+  per entry); PREFECT_HOME in a temporary folder, analytics off. Yields its API URL, which flow processes
+  started by a test (`FlowProcess`) use too.
+- `relay_env`: an emulator + the spec + helpers for one test (see RelayEnv).
+- `reference`: uninterrupted `relay train` runs of a spec, started in the background at first use and shared
+  by the session; `reference.weights(spec)` waits for the run and returns its weights_sha256.
+- Deterministic session lengths (TEST-ONLY): kernels get a `sitecustomize.py` on PYTHONPATH that, when
+  RELAY_TEST_STEPS_PER_SESSION=N is set, makes the session clock say "budget" after N optimizer steps in
+  a session. Sessions then end after exactly N steps whatever the load on this shared 2-core box, so the
+  number of sessions is a fact the tests can compare, and a slow start-up can never eat a whole session's
+  budget. The stop still goes through the runtime's normal budget path (final save, progress.json).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import pytest
+import yaml
+
+from kaggle_fixtures import FAKE_KEY, KERNEL_ENV, USER, backend_for, isolated_env, make_emulator  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+# Small and fast: ~100 optimizer steps/s on one CPU thread; no transformers import, no data dataset.
+TOY_RELAY: dict = {
+    "name": "toy-relay",
+    "recipe": "toy",
+    "seed": 3,
+    "params": {"n_train": 256, "n_eval": 64, "hidden": 64},
+    "optim": {"micro_batch": 8, "grad_accum": 2, "lr": 0.003, "max_steps": 450, "warmup_steps": 5,
+              "log_every_steps": 10, "eval_every_steps": 100},
+    "data": {"num_workers": 0},
+    # budget: generous, the step cap ends sessions; save_every: small, so a SIGKILL always finds saves
+    "session": {"threads": 1, "budget": "90s", "save_every": "0.3s", "safety_margin": "0.5s"},
+    "checkpoints": {"keep_last": 2},
+    "kaggle": {"session_timeout": "5m", "startup_overhead": "1s", "max_failed_sessions": 2},
+}
+STEPS_PER_SESSION = 150
+
+STEP_CAP_HOOK = '''\
+"""TEST-ONLY (tests/relay_fixtures.py): with RELAY_TEST_STEPS_PER_SESSION=N, a relay session stops for
+"budget" after N optimizer steps, so session lengths do not depend on the machine's load."""
+import os
+import sys
+
+_N = int(os.environ.get("RELAY_TEST_STEPS_PER_SESSION") or 0)
+
+
+class _StepCapFinder:
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "relay.session.budget":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def patched(module):
+            exec_module(module)
+            _cap(module.SessionClock)
+
+        spec.loader.exec_module = patched
+        return spec
+
+
+def _cap(cls):
+    should_stop, record_step = cls.should_stop, cls.record_step
+
+    def record(self, seconds):
+        self._test_steps = getattr(self, "_test_steps", 0) + 1
+        return record_step(self, seconds)
+
+    def stop(self, eval_due=False):
+        reason = should_stop(self, eval_due)
+        if reason is None and getattr(self, "_test_steps", 0) >= _N:
+            return "budget"
+        return reason
+
+    cls.record_step, cls.should_stop = record, stop
+
+
+if _N > 0:
+    sys.meta_path.insert(0, _StepCapFinder())
+'''
+
+
+def spec_dict(**overrides) -> dict:
+    """TOY_RELAY with dotted-key overrides ({"optim.max_steps": 600}); None deletes a key."""
+    data = json.loads(json.dumps(TOY_RELAY))
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        node = data
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return data
+
+
+def write_spec(directory: Path, **overrides) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec_dict(**overrides), sort_keys=False))
+    return path
+
+
+def clean_env(**extra: str) -> dict:
+    """The environment of a child process: offline, one thread, no KAGGLE_* of the developer's shell."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("KAGGLE_", "PYTEST_", "RELAY_")) and k.lower() not in ("http_proxy", "https_proxy")}
+    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", RELAY_DEVICE="cpu", **KERNEL_ENV)
+    env.update(extra)
+    return env
+
+
+# -- Prefect ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect-home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PREFECT_HOME", str(home))
+    mp.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    mp.setenv("DO_NOT_TRACK", "1")
+    mp.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    mp.setenv("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    try:
+        with prefect_test_harness(server_startup_timeout=120):
+            yield PREFECT_API_URL.value()
+    finally:
+        mp.undo()
+
+
+# -- uninterrupted reference runs -------------------------------------------------------------------------
+class References:
+    """`relay train SPEC --budget none` in the background, once per distinct spec text."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.runs: Dict[str, tuple] = {}
+        self.lock = threading.Lock()
+
+    def start(self, spec: Path) -> str:
+        key = hashlib.sha256(Path(spec).read_bytes()).hexdigest()[:12]
+        with self.lock:
+            if key not in self.runs:
+                workdir = self.root / key
+                workdir.mkdir(parents=True)
+                (workdir / "spec.yaml").write_bytes(Path(spec).read_bytes())
+                log = open(workdir / "train.log", "w")
+                proc = subprocess.Popen(
+                    [PYTHON, "-m", "relay", "train", str(workdir / "spec.yaml"), "--workdir", str(workdir / "run"),
+                     "--budget", "none"], cwd=workdir, env=clean_env(HOME=str(workdir), TMPDIR=str(workdir)),
+                    stdout=log, stderr=subprocess.STDOUT)
+                self.runs[key] = (proc, workdir)
+        return key
+
+    def weights(self, spec: Path, timeout: float = 300) -> str:
+        proc, workdir = self.runs[self.start(spec)]
+        rc = proc.wait(timeout)
+        assert rc == 0, f"reference run failed:\n{(workdir / 'train.log').read_text()[-3000:]}"
+        progress = json.loads((workdir / "run" / "progress.json").read_text())
+        assert progress["status"] == "done" and len(progress["sessions"]) == 1
+        return progress["weights_sha256"]
+
+    def stop(self) -> None:
+        for proc, _ in self.runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    refs = References(tmp_path_factory.mktemp("reference"))
+    yield refs
+    refs.stop()
+
+
+# -- one relay on an emulator -----------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def step_cap_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("step-cap-hook")
+    (folder / "sitecustomize.py").write_text(STEP_CAP_HOOK)
+    return folder
+
+
+@dataclass
+class KernelRun:
+    version: int
+    run_id: Optional[str]
+    status: str
+    pushed: float
+    started: Optional[float]
+    ended: Optional[float]
+    failure: str
+
+
+@dataclass
+class RelayEnv:
+    root: Path
+    step_cap_dir: Path
+    make_emulator: Callable
+    prefect_api: str
+    emu: object = None
+    spec: Optional[Path] = None
+    processes: List[subprocess.Popen] = field(default_factory=list)
+
+    # setup
+    def start(self, steps_per_session: Optional[int] = STEPS_PER_SESSION, **emulator_settings):
+        kernel_env = dict(KERNEL_ENV)
+        if steps_per_session:
+            kernel_env.update(PYTHONPATH=str(self.step_cap_dir), RELAY_TEST_STEPS_PER_SESSION=str(steps_per_session))
+        self.emu = self.make_emulator(self.root / "emulator", kernel_env=kernel_env, **emulator_settings)
+        return self.emu
+
+    def write_spec(self, **overrides) -> Path:
+        self.spec = write_spec(self.root / "spec", **overrides)
+        return self.spec
+
+    @property
+    def name(self) -> str:
+        return yaml.safe_load(self.spec.read_text())["name"]
+
+    @property
+    def kernel(self) -> str:
+        return f"{USER}/{self.name}-session"
+
+    @property
+    def ckpt(self) -> str:
+        return f"{USER}/{self.name}-ckpt"
+
+    def backend(self, seed: int = 0):
+        return backend_for(self.emu, seed=seed, attempts=14)
+
+    # driving the flow
+    def run_flow(self, monkeypatch, mode: str = "watch", state_dir: str = "orchestrator", seed: int = 0,
+                 poll_seconds: float = 0.3) -> dict:
+        """The `relay` flow in this process (the session's Prefect server), with a fast retry policy."""
+        import flows.relay_flow as relay_flow
+
+        monkeypatch.setattr(relay_flow, "make_backend", lambda credentials_block=None: self.backend(seed))
+        return relay_flow.relay(spec=str(self.spec), mode=mode, poll_seconds=poll_seconds,
+                                state_dir=str(self.root / state_dir))
+
+    def flow_process(self, mode: str = "watch", state_dir: str = "orchestrator", seed: int = 0,
+                     log_name: str = "flow.log") -> subprocess.Popen:
+        """The `relay` flow in a child process (so a test can SIGKILL it), against the same Prefect server."""
+        driver = self.root / "flow_driver.py"
+        driver.write_text(FLOW_DRIVER)
+        env = clean_env(HOME=str(self.root / "flow-home"), TMPDIR=str(self.root / "flow-tmp"),
+                        PREFECT_API_URL=self.prefect_api, PREFECT_HOME=os.environ.get("PREFECT_HOME", ""),
+                        PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
+                        RELAY_TEST_ENDPOINT=self.emu.url, RELAY_TEST_USER=USER, RELAY_TEST_KEY=FAKE_KEY)
+        for d in ("flow-home", "flow-tmp"):
+            (self.root / d).mkdir(exist_ok=True)
+        log = open(self.root / log_name, "a")
+        proc = subprocess.Popen([PYTHON, str(driver), str(self.spec), mode, str(self.root / state_dir), str(seed)],
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.processes.append(proc)
+        return proc
+
+    # what the emulator holds
+    def kernel_runs(self) -> List[KernelRun]:
+        from relay.kaggle.kernel_source import find_run_id
+
+        with self.emu.store.lock:
+            kernel = json.loads(json.dumps(self.emu.store.kernels.get(self.kernel) or {"versions": []}))
+        runs = []
+        for v in kernel["versions"]:
+            source = (self.emu.store.kernel_dir(self.kernel, v["number"]) / "source.py").read_text()
+            runs.append(KernelRun(v["number"], find_run_id(source), v["status"], v["pushed"], v.get("started"),
+                                  v.get("ended"), v.get("failure", "")))
+        return runs
+
+    def ckpt_versions(self) -> List[dict]:
+        with self.emu.store.lock:
+            return json.loads(json.dumps((self.emu.store.datasets.get(self.ckpt) or {}).get("versions", [])))
+
+    def published_progress(self) -> dict:
+        versions = self.ckpt_versions()
+        return json.loads((self.emu.store.dataset_dir(self.ckpt, versions[-1]["number"]) / "progress.json").read_text())
+
+    def stop(self) -> None:
+        for proc in self.processes:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture
+def relay_env(tmp_path, isolated_env, make_emulator, step_cap_dir, prefect_api):  # noqa: F811
+    env = RelayEnv(tmp_path / "relay", step_cap_dir, make_emulator, prefect_api)
+    env.root.mkdir()
+    yield env
+    env.stop()
+
+
+FLOW_DRIVER = '''\
+"""TEST-ONLY (tests/relay_fixtures.py): run the relay flow in a child process the test may SIGKILL.
+The backend is the emulator's, with a fast retry policy (the production default backs off for seconds)."""
+import json
+import os
+import random
+import sys
+
+import flows.relay_flow as relay_flow
+from relay.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
+
+
+def make_backend(credentials_block=None):
+    policy = RetryPolicy(attempts=14, base_delay_s=0.01, multiplier=2.0, max_delay_s=0.2,
+                         rng=random.Random(int(sys.argv[4])))
+    return ClientBackend(KaggleCredentials(os.environ["RELAY_TEST_USER"], key=os.environ["RELAY_TEST_KEY"]),
+                         os.environ["RELAY_TEST_ENDPOINT"], policy, dataset_poll_s=0.1, dataset_wait_s=60)
+
+
+relay_flow.make_backend = make_backend
+summary = relay_flow.relay(spec=sys.argv[1], mode=sys.argv[2], poll_seconds=0.3, state_dir=sys.argv[3])
+print("RELAY-SUMMARY " + json.dumps(summary), flush=True)
+'''
+
+
+def run_ids_pushed(runs: List[KernelRun]) -> List[str]:
+    return [r.run_id for r in runs]
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.01):
+    """Poll `predicate` until it returns something truthy (returned); fail the test after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")

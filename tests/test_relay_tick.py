@@ -1,0 +1,56 @@
+"""`tick` (observe, advance at most one step, return) repeated until done reaches the same end as `watch`:
+the same sessions, the same final weights, which are those of an uninterrupted run."""
+from __future__ import annotations
+
+import time
+
+from relay_fixtures import *  # noqa: F401,F403
+from relay_fixtures import STEPS_PER_SESSION, spec_dict
+
+MAX_STEPS = 3 * STEPS_PER_SESSION  # three sessions
+
+
+def test_tick_reaches_the_same_end_as_watch(relay_env, reference, monkeypatch, tmp_path):
+    relay_env.start()
+    spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS})
+    reference.start(spec)
+
+    # watch: one flow run loops until the work is done
+    watched = relay_env.run_flow(monkeypatch, mode="watch", state_dir="watch")
+    assert watched["state"] == "done", watched
+    watch_runs = relay_env.kernel_runs()
+    watch_progress = relay_env.published_progress()
+
+    # tick: a fresh relay (new emulator, so nothing carries over), advanced by one short flow run at a time
+    relay_env.root = tmp_path / "relay-tick"
+    relay_env.root.mkdir()
+    relay_env.start()
+    relay_env.write_spec(**{"optim.max_steps": MAX_STEPS})
+    states = []
+    for _ in range(200):
+        ticked = relay_env.run_flow(monkeypatch, mode="tick", state_dir="tick")
+        states.append(ticked["state"])
+        if ticked["state"] == "done":
+            break
+        assert ticked["state"] in ("pushed", "running", "handed-over"), ticked
+        if ticked["state"] == "running":
+            time.sleep(0.5)  # a cron schedule's interval, shortened
+    assert states[-1] == "done", states
+    tick_runs = relay_env.kernel_runs()
+    tick_progress = relay_env.published_progress()
+
+    # each tick did one step: every session was pushed by one tick and handed over by another
+    sessions = MAX_STEPS // STEPS_PER_SESSION
+    assert states.count("pushed") == sessions and states.count("handed-over") == sessions, states
+    # the same end
+    expected = [f"toy-relay-s{i:03d}-a1" for i in range(1, sessions + 1)]
+    assert [r.run_id for r in watch_runs] == [r.run_id for r in tick_runs] == expected
+    assert all(r.status == "COMPLETE" for r in watch_runs + tick_runs)
+    for progress in (watch_progress, tick_progress):
+        assert progress["status"] == "done" and progress["global_step"] == MAX_STEPS
+        assert [s["run_id"] for s in progress["sessions"]] == expected
+        assert [s["step_end"] for s in progress["sessions"]] == [STEPS_PER_SESSION * i for i in range(1, sessions + 1)]
+    assert ticked["weights_sha256"] == watched["weights_sha256"] == tick_progress["weights_sha256"]
+    assert ticked["sessions"] == watched["sessions"] == sessions
+    assert watched["weights_sha256"] == reference.weights(spec)
+    assert spec_dict()["session"]["threads"] == 1  # exact resume needs one thread count throughout
