@@ -1,0 +1,211 @@
+"""OOM back-off and the non-finite-loss guard, driven in-process through run_session with test recipes.
+
+CUDA out-of-memory cannot happen on this CPU-only machine, so it is simulated: the recipe's loss raises
+torch.cuda.OutOfMemoryError (a real exception type, constructible without CUDA) when the micro-batch is
+larger than a limit. Non-finite losses are made by multiplying the loss by NaN on chosen optimizer steps.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+
+import pytest
+import torch
+
+from conftest import load_toy_spec
+from relay.recipes.toy import ToyRecipe
+from relay.session import checkpoint
+from relay.session.loop import NonFiniteLossError
+from relay.session.run import run_session
+
+
+class Script:
+    """What the test recipe does, by loss call; reset for every test."""
+
+    def reset(self, accum: int = 2) -> None:
+        self.accum = accum  # micro-batches per optimizer step (while no OOM changes it)
+        self.oom_above = None  # raise OOM when the micro-batch is larger than this...
+        self.oom_skip_calls = 0  # ...but only after this many oversized calls went through
+        self.nan_steps: set[int] = set()
+        self.sigterm_at_call = None
+        self.calls: list[tuple[int, str]] = []  # (micro-batch size, autocast dtype or "fp32")
+
+
+SCRIPT = Script()
+
+
+class ScriptedRecipe(ToyRecipe):
+    name = "scripted-toy"
+
+    def loss(self, model, batch):
+        n = len(batch["y"])
+        call = len(SCRIPT.calls)
+        mode = str(torch.get_autocast_dtype("cpu")).removeprefix("torch.") if torch.is_autocast_enabled("cpu") else "fp32"
+        SCRIPT.calls.append((n, mode))
+        if SCRIPT.sigterm_at_call is not None and call == SCRIPT.sigterm_at_call:
+            os.kill(os.getpid(), signal.SIGTERM)  # the session finishes this step, saves and returns
+        if SCRIPT.oom_above is not None and n > SCRIPT.oom_above:
+            if SCRIPT.oom_skip_calls > 0:
+                SCRIPT.oom_skip_calls -= 1
+            else:
+                raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (simulated: micro-batch {n})")
+        loss = super().loss(model, batch)
+        if self._step_of(call) in SCRIPT.nan_steps:
+            loss = loss * float("nan")
+        return loss
+
+    @staticmethod
+    def _step_of(call: int) -> int:
+        return call // SCRIPT.accum
+
+
+@pytest.fixture
+def scripted(register_recipe):
+    register_recipe(ScriptedRecipe.name, ScriptedRecipe)
+    SCRIPT.reset()
+    yield SCRIPT
+    SCRIPT.reset()
+
+
+def spec(**overrides):
+    overrides.setdefault("recipe", ScriptedRecipe.name)
+    overrides.setdefault("optim", {})
+    overrides["optim"] = {"epochs": None, "max_steps": 6, "schedule": "constant", "warmup_steps": 0,
+                          **overrides["optim"]}
+    return load_toy_spec(**overrides)
+
+
+def final_state(workdir) -> dict:
+    progress = json.loads((workdir / "progress.json").read_text())
+    return torch.load(workdir / progress["checkpoint"] / "state.pt", weights_only=True)
+
+
+def assert_same_weights(a, b) -> None:
+    sa, sb = final_state(a), final_state(b)
+    for part in ("model", "optimizer"):
+        for k, v in sa[part].items() if part == "model" else sa[part]["state"].items():
+            if part == "model":
+                assert torch.equal(v, sb[part][k]), k
+            else:
+                for name, t in v.items():
+                    assert torch.equal(t, sb[part]["state"][k][name]), (k, name)
+
+
+# -- OOM back-off -----------------------------------------------------------------------------------
+def test_oom_halves_micro_batch_doubles_accumulation_and_retries_the_same_step(scripted, tmp_path, caplog):
+    scripted.oom_above = 4
+    with caplog.at_level(logging.WARNING):
+        progress = run_session(spec(optim={"micro_batch": 8, "grad_accum": 2}), tmp_path / "oom")
+    assert progress["status"] == "done" and progress["global_step"] == 6
+    assert (progress["micro_batch"], progress["grad_accum"]) == (4, 4)  # effective batch stays 16
+    sizes = [n for n, _ in scripted.calls]
+    assert sizes[:2] == [8, 4] and set(sizes[1:]) == {4} and len(sizes) == 1 + 6 * 4
+    assert "out of memory at micro-batch 8: retrying step 0 with micro-batch 4 x accumulation 4" in caplog.text
+    assert final_state(tmp_path / "oom")["trainer"]["micro_batch"] == 4
+    # The retried step saw the same samples and the same dropout masks: identical to running 4 x 4 throughout.
+    scripted.reset(accum=4)
+    run_session(spec(optim={"micro_batch": 4, "grad_accum": 4}), tmp_path / "plain")
+    assert_same_weights(tmp_path / "oom", tmp_path / "plain")
+
+
+def test_oom_after_a_half_accumulated_step_discards_its_gradient(scripted, tmp_path):
+    """The first 8-sample micro-batch goes through (forward, backward, dropout RNG used); the second runs out
+    of memory. The retry must start from clean gradients and the step's RNG state."""
+    scripted.oom_above, scripted.oom_skip_calls = 4, 1
+    run_session(spec(optim={"micro_batch": 8, "grad_accum": 2}), tmp_path / "oom")
+    assert [n for n, _ in scripted.calls][:3] == [8, 8, 4]
+    scripted.reset(accum=4)
+    run_session(spec(optim={"micro_batch": 4, "grad_accum": 4}), tmp_path / "plain")
+    assert_same_weights(tmp_path / "oom", tmp_path / "plain")
+
+
+def test_oom_size_is_carried_to_the_next_session(scripted, tmp_path):
+    scripted.oom_above = 2
+    scripted.sigterm_at_call = 5  # stop after step 1 (calls: 8 OOM, 4 OOM, then 2 x 8 per step)
+    first = run_session(spec(optim={"micro_batch": 8, "grad_accum": 2}), tmp_path / "w")
+    assert first["status"] == "paused" and first["stop_reason"] == "sigterm"
+    assert (first["micro_batch"], first["grad_accum"]) == (2, 8)
+    progress_file = json.loads((tmp_path / "w" / "progress.json").read_text())
+    assert (progress_file["micro_batch"], progress_file["grad_accum"]) == (2, 8)
+    # A new session never tries the size that failed, even with the limit lifted.
+    scripted.reset(accum=8)
+    second = run_session(spec(optim={"micro_batch": 8, "grad_accum": 2}), tmp_path / "w")
+    assert second["status"] == "done" and second["sessions"][-1]["step_start"] == first["global_step"]
+    assert {n for n, _ in scripted.calls} == {2}
+    assert (second["micro_batch"], second["grad_accum"]) == (2, 8)
+
+
+def test_oom_at_micro_batch_one_is_raised(scripted, tmp_path):
+    scripted.oom_above = 0
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        run_session(spec(optim={"micro_batch": 4, "grad_accum": 1}), tmp_path / "w")
+    assert [n for n, _ in scripted.calls] == [4, 2, 1]
+
+
+def test_other_errors_are_not_mistaken_for_oom(scripted, tmp_path, monkeypatch):
+    def broken(self, model, batch):
+        raise ValueError("shape mismatch")
+
+    monkeypatch.setattr(ScriptedRecipe, "loss", broken)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        run_session(spec(), tmp_path / "w")
+
+
+# -- non-finite guard -------------------------------------------------------------------------------
+def test_nonfinite_steps_are_skipped_without_touching_weights(scripted, tmp_path):
+    """Step 5 (the last) is NaN: the final weights and optimizer moments equal a 5-step run's."""
+    scripted.nan_steps = {1, 3, 5}
+    progress = run_session(spec(optim={"max_steps": 6}), tmp_path / "nan")
+    assert progress["status"] == "done" and progress["precision"] == "fp32"
+    trainer = final_state(tmp_path / "nan")["trainer"]
+    assert trainer["skipped_steps"] == 3 and trainer["nonfinite_streak"] == 1
+    assert all(torch.isfinite(v).all() for v in final_state(tmp_path / "nan")["model"].values())
+    losses = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["loss"] == r["loss"] for r in losses if r.get("kind") == "train")  # skipped steps not averaged in
+    scripted.reset()
+    scripted.nan_steps = {1, 3}
+    run_session(spec(optim={"max_steps": 5}), tmp_path / "ref")
+    assert_same_weights(tmp_path / "nan", tmp_path / "ref")
+
+
+def test_k_nonfinite_in_a_row_under_bf16_falls_back_to_fp32(scripted, tmp_path, caplog):
+    scripted.nan_steps = {1, 2, 3}
+    with caplog.at_level(logging.WARNING):
+        progress = run_session(spec(optim={"precision": "bf16", "nonfinite_patience": 3, "max_steps": 7}),
+                               tmp_path / "w")
+    assert progress["status"] == "done" and progress["precision"] == "fp32"
+    modes = [m for _, m in scripted.calls]
+    assert modes[:8] == ["bfloat16"] * 8 and modes[8:] == ["fp32"] * 6  # steps 0-3 bf16, 4-6 fp32
+    assert "falling back from bf16 to fp32 after 3 non-finite losses" in caplog.text
+    trainer = final_state(tmp_path / "w")["trainer"]
+    assert (trainer["precision"], trainer["skipped_steps"], trainer["nonfinite_streak"]) == ("fp32", 3, 0)
+
+
+def test_fewer_than_k_in_a_row_keeps_bf16(scripted, tmp_path):
+    scripted.nan_steps = {1, 2, 4, 5}
+    progress = run_session(spec(optim={"precision": "bf16", "nonfinite_patience": 3, "max_steps": 7}),
+                           tmp_path / "w")
+    assert progress["precision"] == "bf16"
+    assert {m for _, m in scripted.calls} == {"bfloat16"}
+
+
+def test_k_nonfinite_in_a_row_in_fp32_raises_a_clear_error(scripted, tmp_path):
+    scripted.nan_steps = {2, 3, 4}
+    with pytest.raises(NonFiniteLossError) as err:
+        run_session(spec(optim={"precision": "fp32", "nonfinite_patience": 3}), tmp_path / "w")
+    assert str(err.value) == ("loss was non-finite for 3 steps in a row in fp32 at step 4;"
+                              " lower optim.lr or check the data")
+
+
+def test_nonfinite_streak_survives_a_session_boundary(scripted, tmp_path):
+    """Two NaN steps, stop, one more NaN step in the next session: that is 3 in a row."""
+    scripted.nan_steps = {2, 3}
+    scripted.sigterm_at_call = 7  # during step 3
+    first = run_session(spec(optim={"nonfinite_patience": 3}), tmp_path / "w")
+    assert first["stop_reason"] == "sigterm" and first["global_step"] == 4
+    scripted.reset()
+    scripted.nan_steps = {0}  # the first step of the new session (global step 4)
+    with pytest.raises(NonFiniteLossError, match="non-finite for 3 steps in a row in fp32 at step 4"):
+        run_session(spec(optim={"nonfinite_patience": 3}), tmp_path / "w")
