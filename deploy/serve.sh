@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# `make serve`: a local Prefect server, the `relay-pool` process work pool, a Kaggle emulator holding the
+# demo data, the deployments of deploy/prefect.yaml and a worker, all in the foreground; Ctrl-C stops them.
+# Then, in another terminal (the script prints it):
+#   export PREFECT_API_URL=http://127.0.0.1:4200/api
+#   .venv/bin/prefect deployment run 'relay/price-model-demo' --watch
+#
+# Settings (environment): RELAY_PREFECT_PORT (4200), RELAY_EMULATOR_PORT (8765), PREFECT_HOME (.prefect/),
+# RELAY_SERVE_KEEP=1 keeps the emulator's state (runs/serve/) from the last time instead of starting fresh.
+# See docs/prefect.md.
+set -euo pipefail
+set -m  # each background job in its own process group: SIGINT/SIGTERM reach them, and we can stop a whole group
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+BIN="$ROOT/.venv/bin"
+[ -x "$BIN/prefect" ] || { echo "serve: $BIN/prefect not found: run 'make setup' first" >&2; exit 1; }
+PY="$BIN/python"
+export PATH="$BIN:$PATH"
+
+PORT="${RELAY_PREFECT_PORT:-4200}"
+EMU_PORT="${RELAY_EMULATOR_PORT:-8765}"
+STATE="$ROOT/runs/serve"
+LOGS="$STATE/logs"
+export PREFECT_HOME="${PREFECT_HOME:-$ROOT/.prefect}"
+export PREFECT_API_URL="http://127.0.0.1:$PORT/api"
+export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 PREFECT_CLI_PROMPT=false
+unset PREFECT_API_KEY PREFECT_API_AUTH_STRING
+
+for p in "$PORT" "$EMU_PORT"; do
+  if "$PY" -c "import socket,sys; s=socket.socket(); sys.exit(s.connect_ex(('127.0.0.1', $p)) != 0)"; then
+    echo "serve: something already listens on 127.0.0.1:$p (another 'make serve'?)." \
+         "Stop it, or set RELAY_PREFECT_PORT / RELAY_EMULATOR_PORT." >&2
+    exit 1
+  fi
+done
+
+[ "${RELAY_SERVE_KEEP:-0}" = 1 ] || rm -rf "$STATE"
+mkdir -p "$STATE/home" "$STATE/tmp" "$LOGS" "$PREFECT_HOME"
+
+SERVER_PID="" EMU_PID="" WORKER_PID=""
+stop_group() {  # stop_group PID SECONDS: SIGTERM the process group, SIGKILL it if still there after SECONDS
+  local pid="$1" n
+  [ -n "$pid" ] || return 0
+  kill -TERM -- "-$pid" 2>/dev/null || return 0
+  for ((n = 0; n < $2 * 5; n++)); do
+    kill -0 -- "-$pid" 2>/dev/null || return 0
+    sleep 0.2
+  done
+  kill -KILL -- "-$pid" 2>/dev/null || true
+}
+stop_all() {
+  trap - INT TERM EXIT
+  echo
+  echo "serve: stopping the worker, the emulator and the Prefect server..."
+  # In this order: the worker deregisters while the server still answers; the emulator stops its kernels.
+  stop_group "$WORKER_PID" 20
+  stop_group "$EMU_PID" 15
+  stop_group "$SERVER_PID" 15
+  wait 2>/dev/null || true
+  echo "serve: stopped (server, emulator and deploy logs in $LOGS)"
+}
+trap 'stop_all; exit 130' INT
+trap 'stop_all; exit 143' TERM
+trap 'stop_all' EXIT
+
+# 1. Prefect server (SQLite in $PREFECT_HOME): healthy in 7-25 s here.
+echo "serve: Prefect server on http://127.0.0.1:$PORT (PREFECT_HOME=$PREFECT_HOME, log $LOGS/server.log)"
+"$BIN/prefect" server start --host 127.0.0.1 --port "$PORT" >"$LOGS/server.log" 2>&1 &
+SERVER_PID=$!
+"$PY" - "$PREFECT_API_URL/health" "$SERVER_PID" <<'EOF' || { tail -n 30 "$LOGS/server.log" >&2; exit 1; }
+import os, sys, time, urllib.request
+url, pid, deadline = sys.argv[1], int(sys.argv[2]), time.monotonic() + 120
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit("serve: the Prefect server exited")
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            if r.status == 200:
+                sys.exit(0)
+    except OSError:
+        pass
+    time.sleep(0.5)
+sys.exit("serve: the Prefect server was not healthy after 120 s")
+EOF
+echo "serve: server healthy"
+
+# 2. The process work pool (kept in the server's database across restarts).
+"$BIN/prefect" work-pool inspect relay-pool >/dev/null 2>&1 \
+  || "$BIN/prefect" work-pool create relay-pool --type process >/dev/null
+echo "serve: work pool relay-pool (process)"
+
+# 3. The Kaggle emulator, user `demo` (the owner of demo/price-data in examples/price-demo.yaml), a fresh key.
+KEY="$("$PY" -c 'import secrets; print(secrets.token_hex(16))')"
+printf '{"kernel_env": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}}\n' \
+  >"$STATE/emulator.json"
+# HOME/TMPDIR inside runs/serve: the kaggle client keeps upload state in $TMPDIR and reads ~/.kaggle.
+unset KAGGLE_API_TOKEN KAGGLE_CONFIG_DIR
+export HOME="$STATE/home" TMPDIR="$STATE/tmp"
+export RELAY_KAGGLE_ENDPOINT="http://127.0.0.1:$EMU_PORT" KAGGLE_USERNAME=demo KAGGLE_KEY="$KEY"
+"$PY" -m relay.kaggle.emulator serve --port "$EMU_PORT" --state "$STATE/emulator" --config "$STATE/emulator.json" \
+  --user demo --key "$KEY" >"$LOGS/emulator.log" 2>&1 &
+EMU_PID=$!
+"$PY" deploy/seed_emulator.py --data "$STATE/data" || { tail -n 30 "$LOGS/emulator.log" >&2; exit 1; }
+echo "serve: Kaggle emulator on $RELAY_KAGGLE_ENDPOINT (state $STATE/emulator, log $LOGS/emulator.log)"
+
+# 4. The deployments (relay/price-model-demo, relay/price-model-kaggle, relay/price-model-tick).
+"$BIN/prefect" deploy --all --no-prompt --prefect-file deploy/prefect.yaml >"$LOGS/deploy.log" 2>&1 \
+  || { cat "$LOGS/deploy.log" >&2; exit 1; }
+echo "serve: deployed $(grep -c '^  - name:' deploy/prefect.yaml) deployments from deploy/prefect.yaml"
+
+# 5. The worker, printing here (its flow runs' logs too); they inherit the emulator's endpoint and account.
+export OMP_NUM_THREADS=1 PREFECT_WORKER_QUERY_SECONDS="${PREFECT_WORKER_QUERY_SECONDS:-5}"
+"$BIN/prefect" worker start --pool relay-pool --name relay-local-worker &
+WORKER_PID=$!
+
+cat <<EOF
+
+================================================================================
+ Prefect UI:  http://127.0.0.1:$PORT
+ In another terminal, from $ROOT:
+
+   export PREFECT_API_URL=$PREFECT_API_URL
+   .venv/bin/prefect deployment run 'relay/price-model-demo' --watch
+
+ (a whole relay of several emulated Kaggle sessions; re-running it on the same emulator finds the relay
+  done: restart 'make serve' for a fresh one). Ctrl-C here stops the worker, the emulator and the server.
+================================================================================
+
+EOF
+
+# Until Ctrl-C, or until one of them dies (then stop the others too).
+set +e
+wait -n "$SERVER_PID" "$EMU_PID" "$WORKER_PID"
+status=$?
+echo "serve: a process exited (status $status); stopping the rest" >&2
+exit 1
