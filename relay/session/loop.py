@@ -164,6 +164,41 @@ class Trainer:
         set_rng_state(sd["rng"], self.device)
 
     # -- the loop -------------------------------------------------------------------------------
+    def preflight(self) -> dict:
+        """One forward/backward at the working micro-batch before training, so an OOM shows (and is backed
+        off) now rather than hours in, and the memory it took is reported against the device. It leaves no
+        trace: RNG forked, buffers restored, gradients dropped, no optimizer step."""
+        st = self.state
+        if st.global_step >= self.total_steps:
+            return {}
+        buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
+        self._step_rng = rng_state(self.device)  # what a back-off restores
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        while True:
+            idx = self.schedule.indices(st.global_step)[: st.micro_batch]
+            batch = data.to_device(self.recipe.collate([self.train_set[i] for i in idx]), self.device, False)
+            try:
+                with torch.random.fork_rng(devices=devices), self._autocast():
+                    self.recipe.loss(self.model, batch).backward()
+                break
+            except Exception as err:  # noqa: BLE001 - only OOM is handled
+                if not memory.is_oom(err):
+                    raise
+                self._back_off(err)
+            finally:
+                self.optimizer.zero_grad(set_to_none=True)
+                with torch.no_grad():
+                    for name, b in self.model.named_buffers():
+                        b.copy_(buffers[name])
+        sample = self.monitor.sample()
+        used = (f"GPU peak {self.monitor.peak_mb():.0f} MB" if self.device.type == "cuda"
+                else f"RSS {sample['rss_mb']:.0f} MB, RAM {sample['ram_pct']:.0f} %")
+        log.info("pre-flight at micro-batch %d x %d: %s on %s", st.micro_batch, st.grad_accum, used,
+                 memory.describe_device(self.device))
+        return sample
+
     def fit(self) -> str:
         """Train until done or told to stop; returns "done", "budget" or "sigterm"."""
         self.model.train()
@@ -228,8 +263,9 @@ class Trainer:
             self._recent_losses.append(loss)
         if st.global_step % spec.optim.log_every_steps == 0 or st.global_step == self.total_steps:
             self._log_train()
-        if spec.session.empty_cache_every_steps and st.global_step % spec.session.empty_cache_every_steps == 0:
-            memory.free_cached(self.device) if self.device.type == "cuda" else None
+        every = spec.session.empty_cache_every_steps
+        if every and self.device.type == "cuda" and st.global_step % every == 0:
+            memory.free_cached(self.device)
         if self._eval_due(st.global_step):
             improved = self.evaluate()
             if improved and spec.checkpoints.keep_best:

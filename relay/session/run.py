@@ -148,6 +148,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id) -> d
              memory.describe_device(device), state.global_step, total, state.micro_batch, state.grad_accum,
              state.precision, "none" if clock.limit == float("inf") else f"{clock.limit:.0f}s")
 
+    trainer.preflight()
     reason = trainer.fit()
     trainer.save(reason if reason != "done" else "final")
     status = "done" if reason == "done" else "paused"
