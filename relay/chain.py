@@ -122,9 +122,17 @@ _CODE_ERRORS = re.compile(
     r"NonFiniteLossError|DiskBudgetError|ValueError)\b", re.M)
 
 
+# `relay train` reports an InputError (SpecError, DiskBudgetError, bad --data ...) as one line and exits 2,
+# without a traceback: a bad spec or input, which the same session pushed again would hit again.
+_CLI_ERROR = re.compile(r"^relay: error: .*$", re.M)
+
+
 def looks_like_code_error(log_tail: str) -> Optional[str]:
     """The offending exception line if the log shows a code error, None when it looks transient
     (killed, timed out, CUDA/driver errors, lost connection)."""
+    reported = list(_CLI_ERROR.finditer(log_tail))
+    if reported:
+        return reported[-1].group(0).strip()
     if "Traceback (most recent call last)" not in log_tail:
         return None
     matches = list(_CODE_ERRORS.finditer(log_tail))
