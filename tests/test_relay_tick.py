@@ -7,7 +7,7 @@ import time
 from relay_fixtures import *  # noqa: F401,F403
 from relay_fixtures import STEPS_PER_SESSION, spec_dict
 
-MAX_STEPS = 3 * STEPS_PER_SESSION  # three sessions
+MAX_STEPS = 2 * STEPS_PER_SESSION  # two sessions each way (each kernel costs ~10-20 s of start-up here)
 
 
 def test_tick_reaches_the_same_end_as_watch(relay_env, reference, monkeypatch, tmp_path):
