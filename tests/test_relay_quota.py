@@ -1,0 +1,86 @@
+"""Running out of the weekly GPU quota mid-relay is a wait, not an error: a tick reports "waiting", the watch
+flow sleeps until quotaRefreshTime and then carries on to the same weights as an uninterrupted run. And a code
+error in a kernel stops the relay at once, with the kernel's log tail in the exception."""
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timezone
+
+import pytest
+
+from relay_fixtures import *  # noqa: F401,F403
+from relay_fixtures import STEPS_PER_SESSION
+
+TIME_SCALE = 10.0            # Kaggle seconds per wall second in this emulator
+GPU_QUOTA_S = 50.0           # Kaggle seconds: any one session (>= 5 wall s of start-up alone) spends it
+QUOTA_PERIOD_S = 36000.0     # Kaggle seconds: 1 h of wall time; the test moves the refresh closer itself
+REFRESH_IN_S = 6.0           # wall seconds from the "waiting" tick to the quota refresh
+
+
+def test_quota_exhaustion_waits_for_the_refresh_and_continues(relay_env, reference, monkeypatch):
+    emu = relay_env.start(time_scale=TIME_SCALE, gpu_quota_s=GPU_QUOTA_S, quota_period_s=QUOTA_PERIOD_S)
+    spec = relay_env.write_spec(**{"optim.max_steps": 2 * STEPS_PER_SESSION, "kaggle.session_timeout": "1h"})
+    reference.start(spec)
+
+    # tick until the first session is handed over; the next tick finds the quota spent and reports "waiting"
+    states = []
+    for _ in range(200):
+        ticked = relay_env.run_flow(monkeypatch, mode="tick")
+        states.append(ticked["state"])
+        if ticked["state"] not in ("pushed", "running", "handed-over"):
+            break
+        time.sleep(0.3 if ticked["state"] == "running" else 0)
+    assert states[-1] == "waiting" and states.count("handed-over") == 1, states
+    assert ticked["step"] == STEPS_PER_SESSION
+    assert relay_env.backend().quota().remaining_s == 0
+    assert [r.run_id for r in relay_env.kernel_runs()] == ["toy-relay-s001-a1"]
+    # waiting is idempotent: another tick neither pushes nor fails
+    assert relay_env.run_flow(monkeypatch, mode="tick")["state"] == "waiting"
+
+    # the week ends in a few seconds: move the emulator's quota window so its refresh comes REFRESH_IN_S from now
+    with emu.store.lock:
+        period_wall = QUOTA_PERIOD_S / TIME_SCALE
+        emu.store.data["created"] = time.time() + REFRESH_IN_S - period_wall
+    refresh = relay_env.backend().quota().refresh_time.replace(tzinfo=timezone.utc).timestamp()
+
+    # watch: sleeps until the refresh, then pushes session 2 and finishes
+    warnings = _Records()
+    logging.getLogger("prefect.flow_runs").addHandler(warnings)  # the flow's run logger does not propagate
+    try:
+        watched = relay_env.run_flow(monkeypatch, mode="watch")
+    finally:
+        logging.getLogger("prefect.flow_runs").removeHandler(warnings)
+    assert watched["state"] == "done" and watched["step"] == 2 * STEPS_PER_SESSION, watched
+    runs = relay_env.kernel_runs()
+    assert [r.run_id for r in runs] == ["toy-relay-s001-a1", "toy-relay-s002-a1"]
+    assert all(r.status == "COMPLETE" for r in runs)
+    assert runs[1].pushed >= refresh - 1.0, (runs[1].pushed, refresh)  # Kaggle's refresh time is whole seconds
+    assert any("quota spent; waiting until" in m for m in warnings.messages), warnings.messages
+    assert watched["weights_sha256"] == reference.weights(spec)
+
+
+def test_a_code_error_in_a_kernel_stops_the_relay_with_the_log_tail(relay_env, monkeypatch):
+    from flows.relay_flow import RelayFailed
+
+    relay_env.start()
+    # 8 x 4 samples per step from a training set of 16: the session runtime raises ValueError at start
+    relay_env.write_spec(**{"name": "toy-broken", "params.n_train": 16, "optim.grad_accum": 4})
+    with pytest.raises(RelayFailed) as failed:
+        relay_env.run_flow(monkeypatch, mode="watch")
+    message = str(failed.value)
+    # (a ValueError with its traceback, or `relay train`'s one-line "relay: error:" report of an InputError)
+    first, _, tail = message.partition("\n--- log tail ---\n")
+    assert first.startswith("session 1 failed with a code error: ") and "micro_batch x optim.grad_accum (32)" in first
+    assert "run toy-broken-s001-a1" in tail and "is larger than the training set (16 samples)" in tail
+    runs = relay_env.kernel_runs()
+    assert [(r.run_id, r.status) for r in runs] == [("toy-broken-s001-a1", "ERROR")]  # not retried
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
