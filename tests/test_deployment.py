@@ -1,0 +1,178 @@
+"""What a user runs, end to end: a real Prefect server, the `relay-pool` process work pool, the deployments of
+deploy/prefect.yaml (`prefect deploy --all`), a process worker, a Kaggle emulator holding the demo data, and
+`prefect deployment run 'relay/price-model-demo' --watch` completing a short relay of >= 2 sessions.
+
+Every process runs in its own process group with an isolated HOME, TMPDIR and PREFECT_HOME, on free ports of
+127.0.0.1, and is stopped at the end. About 2-3 minutes on 2 CPU cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kaggle_fixtures import isolated_env, make_emulator  # noqa: F401
+from relay.kaggle import ClientBackend, KaggleCredentials
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+PREFECT = str(BIN / "prefect")
+USER = "demo"  # owner of demo/price-data, which examples/price-demo.yaml mounts
+sys.path.insert(0, str(REPO / "deploy"))
+import seed_emulator  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def short_spec(path: Path) -> Path:
+    """examples/price-demo.yaml cut to 40 steps with sessions of 15 s (start-up included): 2-4 sessions."""
+    spec = yaml.safe_load((REPO / "examples" / "price-demo.yaml").read_text())
+    spec["name"] = "price-deploy-test"
+    spec["optim"].pop("epochs")
+    spec["optim"]["max_steps"] = 40
+    spec["session"]["budget"] = "15s"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+class Processes:
+    """Popen in new sessions (own process groups), logs in files, all stopped by stop_all()."""
+
+    def __init__(self, logs: Path):
+        self.logs, self.started = logs, []
+
+    def start(self, name: str, args: list, env: dict) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "w")
+        proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.started.append((name, proc))
+        return proc
+
+    def stop_all(self) -> None:
+        for _, proc in reversed(self.started):  # the worker before the server, so it can deregister
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left in the group
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+    def tails(self, n: int = 40) -> str:
+        out = []
+        for path in sorted(self.logs.glob("*.log")):
+            lines = path.read_text(errors="replace").splitlines()[-n:]
+            out.append(f"--- {path.name} ---\n" + "\n".join(lines))
+        return "\n".join(out)
+
+
+def wait_healthy(api_url: str, server: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert server.poll() is None, "the Prefect server exited"
+        try:
+            with urllib.request.urlopen(f"{api_url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"Prefect server not healthy after {timeout} s")
+
+
+def api_post(api_url: str, path: str, body: dict):
+    request = urllib.request.Request(f"{api_url}{path}", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def run_cli(args: list, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
+    t0 = time.monotonic()
+    key = secrets.token_hex(16)
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    (tmp_path / "logs").mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PREFECT_", "KAGGLE_")) and k.lower() not in ("http_proxy", "https_proxy")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_API_URL=api_url,
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1", PREFECT_CLI_PROMPT="false",
+               HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    procs = Processes(tmp_path / "logs")
+    try:
+        server = procs.start("server", [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                             env)
+        # While the server migrates its fresh database: the emulator and the data a user would upload.
+        emulator = make_emulator(users={USER: key})
+        backend = ClientBackend(KaggleCredentials(USER, key=key), emulator.url, dataset_poll_s=0.1)
+        published = seed_emulator.seed(backend, tmp_path / "data")
+        assert published.dataset == "demo/price-data" and published.version == 1
+        spec = short_spec(tmp_path / "price-deploy-test.yaml")
+
+        wait_healthy(api_url, server)
+        t_healthy = time.monotonic() - t0
+        made = run_cli([PREFECT, "work-pool", "create", "relay-pool", "--type", "process"], env, 60)
+        assert made.returncode == 0, made.stdout + made.stderr
+        worker_env = dict(env, RELAY_KAGGLE_ENDPOINT=emulator.url, KAGGLE_USERNAME=USER, KAGGLE_KEY=key,
+                          PREFECT_WORKER_QUERY_SECONDS="2")
+        procs.start("worker", [PREFECT, "worker", "start", "--pool", "relay-pool", "--name", "test-worker"],
+                    worker_env)
+
+        deployed = run_cli([PREFECT, "deploy", "--all", "--no-prompt", "--prefect-file", "deploy/prefect.yaml"],
+                           env, 120)
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        deployments = {d["name"]: d for d in api_post(api_url, "/deployments/filter", {})}
+        assert set(deployments) == {"price-model-demo", "price-model-kaggle", "price-model-tick"}
+        assert all(d["work_pool_name"] == "relay-pool" for d in deployments.values())
+        tick = deployments["price-model-tick"]
+        assert tick["parameters"]["mode"] == "tick"
+        assert [(s["schedule"]["cron"], s["active"]) for s in tick["schedules"]] == [("*/15 * * * *", False)]
+        assert deployments["price-model-kaggle"]["job_variables"]["env"]["RELAY_KAGGLE_ENDPOINT"] == ""
+        assert deployments["price-model-demo"]["pull_steps"] == [
+            {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+        t_ready = time.monotonic() - t0
+
+        run = run_cli([PREFECT, "deployment", "run", "relay/price-model-demo", "--watch",
+                       "--param", f"spec={spec}", "--param", f"state_dir={tmp_path / 'orchestrator'}",
+                       "--param", "poll_seconds=0.5", "--param", "max_hours=0.1"], env, 300)
+        t_run = time.monotonic() - t0 - t_ready
+        assert run.returncode == 0, f"{run.stdout[-4000:]}\n{run.stderr[-2000:]}\n{procs.tails()}"
+        assert "Completed" in run.stdout
+
+        # What Kaggle (the emulator) holds: the checkpoint dataset says done, after >= 2 sessions.
+        progress_file = backend.download_dataset_file("demo/price-deploy-test-ckpt", "progress.json",
+                                                      tmp_path / "check")
+        progress = json.loads(progress_file.read_text())
+        assert progress["status"] == "done" and progress["global_step"] == progress["total_steps"] == 40
+        assert len(progress["sessions"]) >= 2, progress["sessions"]
+        print([(s["step_start"], s["step_end"], round(s["seconds"], 1)) for s in progress["sessions"]])
+        run_id, version = backend.current_run("demo/price-deploy-test-session")
+        assert version >= len(progress["sessions"]) and run_id == progress["run_id"]
+        print(f"server healthy at {t_healthy:.0f} s, deployed at {t_ready:.0f} s; relay of {len(progress['sessions'])} sessions in {t_run:.0f} s")
+    finally:
+        procs.stop_all()
+    for name, proc in procs.started:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(proc.pid, 0)  # nothing left of any process group
