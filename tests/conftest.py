@@ -150,8 +150,8 @@ def register_recipe(monkeypatch):
     return register
 
 
-def load_toy_spec(**overrides):
+def load_toy_spec(*layers: dict, **overrides):
     """A validated RunSpec of the toy recipe (for driving relay.session.run.run_session in-process)."""
     from relay import spec
 
-    return spec.validate(toy_spec_dict(**overrides), source="test-spec")
+    return spec.validate(toy_spec_dict(*layers, **overrides), source="test-spec")

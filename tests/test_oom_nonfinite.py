@@ -17,20 +17,21 @@ import torch
 from conftest import load_toy_spec
 from relay.recipes.toy import ToyRecipe
 from relay.session import checkpoint
-from relay.session.loop import NonFiniteLossError
+from relay.session.loop import NonFiniteLossError, Trainer
 from relay.session.run import run_session
 
 
 class Script:
-    """What the test recipe does, by loss call; reset for every test."""
+    """What the test recipe does, keyed by the optimizer step the Trainer is in; reset for every test."""
 
-    def reset(self, accum: int = 2) -> None:
-        self.accum = accum  # micro-batches per optimizer step (while no OOM changes it)
+    def reset(self) -> None:
         self.oom_above = None  # raise OOM when the micro-batch is larger than this...
         self.oom_skip_calls = 0  # ...but only after this many oversized calls went through
-        self.nan_steps: set[int] = set()
-        self.sigterm_at_call = None
-        self.calls: list[tuple[int, str]] = []  # (micro-batch size, autocast dtype or "fp32")
+        self.nan_steps: set[int] = set()  # global steps whose loss is NaN
+        self.sigterm_at = None  # (global step, micro-batch index): send SIGTERM during it
+        self.step = None  # the global step of the running Trainer._step; None outside it (the pre-flight)
+        self.micro = 0
+        self.calls: list[tuple[str, int, str]] = []  # (step or "preflight", micro-batch size, precision)
 
 
 SCRIPT = Script()
@@ -41,32 +42,43 @@ class ScriptedRecipe(ToyRecipe):
 
     def loss(self, model, batch):
         n = len(batch["y"])
-        call = len(SCRIPT.calls)
         mode = str(torch.get_autocast_dtype("cpu")).removeprefix("torch.") if torch.is_autocast_enabled("cpu") else "fp32"
-        SCRIPT.calls.append((n, mode))
-        if SCRIPT.sigterm_at_call is not None and call == SCRIPT.sigterm_at_call:
+        SCRIPT.calls.append(("preflight" if SCRIPT.step is None else SCRIPT.step, n, mode))
+        if SCRIPT.step is not None and SCRIPT.sigterm_at == (SCRIPT.step, SCRIPT.micro):
             os.kill(os.getpid(), signal.SIGTERM)  # the session finishes this step, saves and returns
+        if SCRIPT.step is not None:
+            SCRIPT.micro += 1
         if SCRIPT.oom_above is not None and n > SCRIPT.oom_above:
             if SCRIPT.oom_skip_calls > 0:
                 SCRIPT.oom_skip_calls -= 1
             else:
                 raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (simulated: micro-batch {n})")
         loss = super().loss(model, batch)
-        if self._step_of(call) in SCRIPT.nan_steps:
+        if SCRIPT.step in SCRIPT.nan_steps:
             loss = loss * float("nan")
         return loss
 
-    @staticmethod
-    def _step_of(call: int) -> int:
-        return call // SCRIPT.accum
-
 
 @pytest.fixture
-def scripted(register_recipe):
+def scripted(register_recipe, monkeypatch):
     register_recipe(ScriptedRecipe.name, ScriptedRecipe)
+    real_step = Trainer._step
+
+    def step(self):  # tell the recipe which optimizer step it is in (an OOM retry re-enters the same step)
+        SCRIPT.step, SCRIPT.micro = self.state.global_step, 0
+        try:
+            return real_step(self)
+        finally:
+            SCRIPT.step = None
+
+    monkeypatch.setattr(Trainer, "_step", step)
     SCRIPT.reset()
     yield SCRIPT
     SCRIPT.reset()
+
+
+def sizes(phase="step"):
+    return [n for s, n, _ in SCRIPT.calls if (s == "preflight") == (phase == "preflight")]
 
 
 def spec(**overrides):
@@ -100,40 +112,40 @@ def test_oom_halves_micro_batch_doubles_accumulation_and_retries_the_same_step(s
         progress = run_session(spec(optim={"micro_batch": 8, "grad_accum": 2}), tmp_path / "oom")
     assert progress["status"] == "done" and progress["global_step"] == 6
     assert (progress["micro_batch"], progress["grad_accum"]) == (4, 4)  # effective batch stays 16
-    sizes = [n for n, _ in scripted.calls]
-    assert sizes[:2] == [8, 4] and set(sizes[1:]) == {4} and len(sizes) == 1 + 6 * 4
+    # The pre-flight (one forward/backward before training) hits the OOM and backs off before step 0.
+    assert sizes("preflight") == [8, 4] and sizes() == [4] * (6 * 4)
     assert "out of memory at micro-batch 8: retrying step 0 with micro-batch 4 x accumulation 4" in caplog.text
     assert final_state(tmp_path / "oom")["trainer"]["micro_batch"] == 4
     # The retried step saw the same samples and the same dropout masks: identical to running 4 x 4 throughout.
-    scripted.reset(accum=4)
+    scripted.reset()
     run_session(spec(optim={"micro_batch": 4, "grad_accum": 4}), tmp_path / "plain")
     assert_same_weights(tmp_path / "oom", tmp_path / "plain")
 
 
 def test_oom_after_a_half_accumulated_step_discards_its_gradient(scripted, tmp_path):
-    """The first 8-sample micro-batch goes through (forward, backward, dropout RNG used); the second runs out
-    of memory. The retry must start from clean gradients and the step's RNG state."""
-    scripted.oom_above, scripted.oom_skip_calls = 4, 1
+    """The pre-flight and step 0's first 8-sample micro-batch go through (forward, backward, dropout RNG used);
+    the second runs out of memory. The retry must start from clean gradients and the step's RNG state."""
+    scripted.oom_above, scripted.oom_skip_calls = 4, 2
     run_session(spec(optim={"micro_batch": 8, "grad_accum": 2}), tmp_path / "oom")
-    assert [n for n, _ in scripted.calls][:3] == [8, 8, 4]
-    scripted.reset(accum=4)
+    assert sizes("preflight") == [8] and sizes()[:6] == [8, 8, 4, 4, 4, 4]
+    scripted.reset()
     run_session(spec(optim={"micro_batch": 4, "grad_accum": 4}), tmp_path / "plain")
     assert_same_weights(tmp_path / "oom", tmp_path / "plain")
 
 
 def test_oom_size_is_carried_to_the_next_session(scripted, tmp_path):
     scripted.oom_above = 2
-    scripted.sigterm_at_call = 5  # stop after step 1 (calls: 8 OOM, 4 OOM, then 2 x 8 per step)
+    scripted.sigterm_at = (1, 0)  # stop after step 1
     first = run_session(spec(optim={"micro_batch": 8, "grad_accum": 2}), tmp_path / "w")
     assert first["status"] == "paused" and first["stop_reason"] == "sigterm"
     assert (first["micro_batch"], first["grad_accum"]) == (2, 8)
     progress_file = json.loads((tmp_path / "w" / "progress.json").read_text())
     assert (progress_file["micro_batch"], progress_file["grad_accum"]) == (2, 8)
     # A new session never tries the size that failed, even with the limit lifted.
-    scripted.reset(accum=8)
+    scripted.reset()
     second = run_session(spec(optim={"micro_batch": 8, "grad_accum": 2}), tmp_path / "w")
-    assert second["status"] == "done" and second["sessions"][-1]["step_start"] == first["global_step"]
-    assert {n for n, _ in scripted.calls} == {2}
+    assert second["status"] == "done" and second["sessions"][-1]["step_start"] == first["global_step"] == 2
+    assert set(sizes("preflight")) == set(sizes()) == {2}
     assert (second["micro_batch"], second["grad_accum"]) == (2, 8)
 
 
@@ -141,7 +153,7 @@ def test_oom_at_micro_batch_one_is_raised(scripted, tmp_path):
     scripted.oom_above = 0
     with pytest.raises(torch.cuda.OutOfMemoryError):
         run_session(spec(optim={"micro_batch": 4, "grad_accum": 1}), tmp_path / "w")
-    assert [n for n, _ in scripted.calls] == [4, 2, 1]
+    assert sizes("preflight") == [4, 2, 1] and sizes() == []  # found before training started
 
 
 def test_other_errors_are_not_mistaken_for_oom(scripted, tmp_path, monkeypatch):
@@ -176,8 +188,8 @@ def test_k_nonfinite_in_a_row_under_bf16_falls_back_to_fp32(scripted, tmp_path, 
         progress = run_session(spec(optim={"precision": "bf16", "nonfinite_patience": 3, "max_steps": 7}),
                                tmp_path / "w")
     assert progress["status"] == "done" and progress["precision"] == "fp32"
-    modes = [m for _, m in scripted.calls]
-    assert modes[:8] == ["bfloat16"] * 8 and modes[8:] == ["fp32"] * 6  # steps 0-3 bf16, 4-6 fp32
+    modes = [(s, m) for s, _, m in scripted.calls if s != "preflight"]
+    assert modes == [(s, "bfloat16") for s in (0, 0, 1, 1, 2, 2, 3, 3)] + [(s, "fp32") for s in (4, 4, 5, 5, 6, 6)]
     assert "falling back from bf16 to fp32 after 3 non-finite losses" in caplog.text
     trainer = final_state(tmp_path / "w")["trainer"]
     assert (trainer["precision"], trainer["skipped_steps"], trainer["nonfinite_streak"]) == ("fp32", 3, 0)
@@ -188,7 +200,7 @@ def test_fewer_than_k_in_a_row_keeps_bf16(scripted, tmp_path):
     progress = run_session(spec(optim={"precision": "bf16", "nonfinite_patience": 3, "max_steps": 7}),
                            tmp_path / "w")
     assert progress["precision"] == "bf16"
-    assert {m for _, m in scripted.calls} == {"bfloat16"}
+    assert {m for *_, m in scripted.calls} == {"bfloat16"}
 
 
 def test_k_nonfinite_in_a_row_in_fp32_raises_a_clear_error(scripted, tmp_path):
@@ -202,10 +214,10 @@ def test_k_nonfinite_in_a_row_in_fp32_raises_a_clear_error(scripted, tmp_path):
 def test_nonfinite_streak_survives_a_session_boundary(scripted, tmp_path):
     """Two NaN steps, stop, one more NaN step in the next session: that is 3 in a row."""
     scripted.nan_steps = {2, 3}
-    scripted.sigterm_at_call = 7  # during step 3
+    scripted.sigterm_at = (3, 1)
     first = run_session(spec(optim={"nonfinite_patience": 3}), tmp_path / "w")
     assert first["stop_reason"] == "sigterm" and first["global_step"] == 4
     scripted.reset()
-    scripted.nan_steps = {0}  # the first step of the new session (global step 4)
+    scripted.nan_steps = {4}  # the first step of the new session
     with pytest.raises(NonFiniteLossError, match="non-finite for 3 steps in a row in fp32 at step 4"):
         run_session(spec(optim={"nonfinite_patience": 3}), tmp_path / "w")

@@ -14,6 +14,8 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from relay.errors import InputError
+
 
 @dataclass(frozen=True)
 class StepSchedule:
@@ -23,7 +25,7 @@ class StepSchedule:
 
     def __post_init__(self):
         if self.n_samples < self.effective_batch:
-            raise ValueError(
+            raise InputError(  # a user-fixable setting: the CLI prints one line and exits 2
                 f"optim.micro_batch x optim.grad_accum ({self.effective_batch}) is larger than the"
                 f" training set ({self.n_samples} samples)"
             )

@@ -1,0 +1,110 @@
+"""Run every benchmark, write bench/results.json with the named figures, print them with ratios and targets.
+
+    python bench/run.py [--only loop,checkpoint,features] [--quick]
+
+Each bench module has `run() -> dict` of figures (bench_loop, bench_checkpoint, bench_features). Timings are
+of this machine at this moment: the results file records the host, CPU count, torch version and load average.
+Exit status 0 when every target is met, 1 otherwise (the figures are written either way).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+BENCHES = {
+    "loop": ("bench_loop", {}, {"steps": 150, "repeats": 3}),
+    "checkpoint": ("bench_checkpoint", {}, {"layers": 3, "repeats": 3}),
+    "features": ("bench_features", {}, {"n_train": 10_000, "n_test": 2_500}),
+}
+
+
+def _lines(name: str, f: dict) -> list[str]:
+    if name == "loop":
+        return [
+            f"loop ({f['loop_steps']} optimizer steps x {f['loop_samples_per_step']} samples, median of "
+            f"{f['loop_repeats']}, training only; ratios of process CPU seconds, wall in brackets):",
+            f"  relay {f['loop_relay_steps_per_cpu_s']} steps/cpu-s [{f['loop_relay_steps_per_s']} steps/s], "
+            f"hand-written {f['loop_hand_steps_per_cpu_s']} [{f['loop_hand_steps_per_s']}], "
+            f"HF Trainer {f['loop_hf_steps_per_cpu_s']} [{f['loop_hf_steps_per_s']}]",
+            f"  relay/hand-written {f['loop_relay_vs_hand']:.3f} [wall {f['loop_relay_vs_hand_wall']:.3f}] "
+            f"(target <= {f['loop_target_vs_hand']})  {_ok(f['loop_relay_vs_hand'] <= f['loop_target_vs_hand'])}",
+            f"  relay/HF Trainer   {f['loop_relay_vs_hf']:.3f} [wall {f['loop_relay_vs_hf_wall']:.3f}] "
+            f"(target < {f['loop_target_vs_hf']})  {_ok(f['loop_relay_vs_hf'] < f['loop_target_vs_hf'])}",
+        ]
+    if name == "checkpoint":
+        return [
+            f"checkpoint ({f['ckpt_state_mb']} MB model + AdamW state, median of {f['ckpt_repeats']}):",
+            f"  save    relay {f['ckpt_save_relay_s']} s vs torch.save {f['ckpt_save_bare_s']} s: "
+            f"{f['ckpt_save_ratio']:.3f}x (target <= {f['ckpt_target_ratio']})  "
+            f"{_ok(f['ckpt_save_ratio'] <= f['ckpt_target_ratio'])}   "
+            f"[vs torch.save+fsync {f['ckpt_save_bare_fsync_s']} s: {f['ckpt_save_ratio_vs_fsync']:.3f}x]",
+            f"  restore relay {f['ckpt_load_relay_s']} s vs torch.load {f['ckpt_load_bare_s']} s: "
+            f"{f['ckpt_load_ratio']:.3f}x (target <= {f['ckpt_target_ratio']})  "
+            f"{_ok(f['ckpt_load_ratio'] <= f['ckpt_target_ratio'])}",
+            f"  sha256 throughput here {f.get('ckpt_sha256_mb_per_s', '?')} MB/s (relay hashes every byte on save"
+            " and on restore)",
+            f"  resume: first batch at step 100k {f['resume_first_batch_step100k_s']} s vs step 0 "
+            f"{f['resume_first_batch_step0_s']} s: +{f['resume_extra_s']} s (target <= "
+            f"{f['resume_target_extra_s']} s)  {_ok(f['resume_extra_s'] <= f['resume_target_extra_s'])}",
+        ]
+    if name == "features":
+        return [
+            f"features ({f['features_rows']} rows):",
+            f"  first {f['features_first_s']} s, second {f['features_second_s']} s: {f['features_speedup']}x "
+            f"faster (target >= {f['features_target_speedup']}x)  "
+            f"{_ok(f['features_speedup'] >= f['features_target_speedup'])}   "
+            f"[from a published read-only cache: {f['features_published_speedup']}x]",
+        ]
+    return [json.dumps(f)]
+
+
+def _ok(good: bool) -> str:
+    return "OK" if good else "MISSED"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(BENCHES), help="comma-separated: " + ",".join(BENCHES))
+    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (a smoke run)")
+    parser.add_argument("--out", default=str(HERE / "results.json"))
+    args = parser.parse_args(argv)
+
+    results: dict = {
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count(),
+        "load_average_before": [round(x, 2) for x in os.getloadavg()], "quick": args.quick, "figures": {},
+    }
+    all_ok = True
+    for name in args.only.split(","):
+        module_name, full, quick = BENCHES[name]
+        module = importlib.import_module(module_name)
+        t0 = time.perf_counter()
+        figures = module.run(**(quick if args.quick else full))
+        figures[f"{name}_bench_seconds"] = round(time.perf_counter() - t0, 1)
+        results["figures"].update(figures)
+        all_ok &= all(v for k, v in figures.items() if k.endswith("meets_target"))
+        print("\n".join(_lines(name, figures)), flush=True)
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")  # after each bench: partial results survive
+    import torch
+
+    results["torch"] = torch.__version__
+    results["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {args.out} (load average {results['load_average_before']} -> {results['load_average_after']}"
+          f" on {results['cpus']} CPUs)")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
