@@ -1,5 +1,6 @@
 """What a user runs, end to end: a real Prefect server, the `relay-pool` process work pool, the deployments of
-deploy/prefect.yaml (`prefect deploy --all`), a process worker, a Kaggle emulator holding the demo data, and
+deploy/prefect.yaml (`prefect deploy --all`), a process worker, a Kaggle emulator holding the demo data, the emulator's
+credentials in a Prefect Secret block (as production keeps Kaggle's), and
 `prefect deployment run 'relay/price-model-demo' --watch` completing a short relay of >= 2 sessions.
 
 Every process runs in its own process group with an isolated HOME, TMPDIR and PREFECT_HOME, on free ports of
@@ -32,6 +33,10 @@ sys.path.insert(0, str(REPO / "deploy"))
 import seed_emulator  # noqa: E402
 
 
+SAVE_SECRET = ("import os; from prefect.blocks.system import Secret; "
+               "Secret(value=os.environ['SECRET_JSON']).save('emulator-credentials', overwrite=True)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -39,12 +44,13 @@ def free_port() -> int:
 
 
 def short_spec(path: Path) -> Path:
-    """examples/price-demo.yaml cut to 40 steps with sessions of 15 s (start-up included): 2-4 sessions."""
+    """examples/price-demo.yaml cut to 60 steps, with sessions of 20 s (start-up and a reserved save included):
+    2 sessions on an idle 2-core machine (~30 steps each), up to ~5 when other jobs load it."""
     spec = yaml.safe_load((REPO / "examples" / "price-demo.yaml").read_text())
     spec["name"] = "price-deploy-test"
     spec["optim"].pop("epochs")
-    spec["optim"]["max_steps"] = 40
-    spec["session"]["budget"] = "15s"
+    spec["optim"]["max_steps"] = 60
+    spec["session"]["budget"] = "20s"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
 
@@ -135,28 +141,34 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
         t_healthy = time.monotonic() - t0
         made = run_cli([PREFECT, "work-pool", "create", "relay-pool", "--type", "process"], env, 60)
         assert made.returncode == 0, made.stdout + made.stderr
-        worker_env = dict(env, RELAY_KAGGLE_ENDPOINT=emulator.url, KAGGLE_USERNAME=USER, KAGGLE_KEY=key,
-                          PREFECT_WORKER_QUERY_SECONDS="2")
+        # The worker knows where Kaggle is but holds no credential: the run reads them from a Secret block.
         procs.start("worker", [PREFECT, "worker", "start", "--pool", "relay-pool", "--name", "test-worker"],
-                    worker_env)
-
+                    dict(env, RELAY_KAGGLE_ENDPOINT=emulator.url, PREFECT_WORKER_QUERY_SECONDS="2"))
+        secret = procs.start("secret", [sys.executable, "-c", SAVE_SECRET],
+                             dict(env, SECRET_JSON=json.dumps({"username": USER, "key": key})))
         deployed = run_cli([PREFECT, "deploy", "--all", "--no-prompt", "--prefect-file", "deploy/prefect.yaml"],
                            env, 120)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        assert secret.wait(60) == 0, procs.tails()
         deployments = {d["name"]: d for d in api_post(api_url, "/deployments/filter", {})}
         assert set(deployments) == {"price-model-demo", "price-model-kaggle", "price-model-tick"}
         assert all(d["work_pool_name"] == "relay-pool" for d in deployments.values())
         tick = deployments["price-model-tick"]
         assert tick["parameters"]["mode"] == "tick"
         assert [(s["schedule"]["cron"], s["active"]) for s in tick["schedules"]] == [("*/15 * * * *", False)]
+        assert tick["global_concurrency_limit"]["limit"] == 1  # two ticks never race
         assert deployments["price-model-kaggle"]["job_variables"]["env"]["RELAY_KAGGLE_ENDPOINT"] == ""
         assert deployments["price-model-demo"]["pull_steps"] == [
             {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
         t_ready = time.monotonic() - t0
 
-        run = run_cli([PREFECT, "deployment", "run", "relay/price-model-demo", "--watch",
-                       "--param", f"spec={spec}", "--param", f"state_dir={tmp_path / 'orchestrator'}",
-                       "--param", "poll_seconds=0.5", "--param", "max_hours=0.1"], env, 300)
+        try:
+            run = run_cli([PREFECT, "deployment", "run", "relay/price-model-demo", "--watch",
+                           "--param", f"spec={spec}", "--param", f"state_dir={tmp_path / 'orchestrator'}",
+                           "--param", "poll_seconds=0.5", "--param", "max_hours=0.1",
+                           "--param", "credentials_block=emulator-credentials"], env, 300)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the relay did not complete in 300 s\n{procs.tails()}")
         t_run = time.monotonic() - t0 - t_ready
         assert run.returncode == 0, f"{run.stdout[-4000:]}\n{run.stderr[-2000:]}\n{procs.tails()}"
         assert "Completed" in run.stdout
@@ -165,12 +177,13 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
         progress_file = backend.download_dataset_file("demo/price-deploy-test-ckpt", "progress.json",
                                                       tmp_path / "check")
         progress = json.loads(progress_file.read_text())
-        assert progress["status"] == "done" and progress["global_step"] == progress["total_steps"] == 40
+        assert progress["status"] == "done" and progress["global_step"] == progress["total_steps"] == 60
         assert len(progress["sessions"]) >= 2, progress["sessions"]
         print([(s["step_start"], s["step_end"], round(s["seconds"], 1)) for s in progress["sessions"]])
         run_id, version = backend.current_run("demo/price-deploy-test-session")
         assert version >= len(progress["sessions"]) and run_id == progress["run_id"]
-        print(f"server healthy at {t_healthy:.0f} s, deployed at {t_ready:.0f} s; relay of {len(progress['sessions'])} sessions in {t_run:.0f} s")
+        print(f"server healthy at {t_healthy:.0f} s, deployed at {t_ready:.0f} s;"
+              f" relay of {len(progress['sessions'])} sessions in {t_run:.0f} s")
     finally:
         procs.stop_all()
     for name, proc in procs.started:
