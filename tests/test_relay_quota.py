@@ -9,8 +9,9 @@ from datetime import timezone
 
 import pytest
 
-from relay_fixtures import *  # noqa: F401,F403
-from relay_fixtures import STEPS_PER_SESSION
+pytest.register_assert_rewrite("relay_fixtures")
+pytest_plugins = ["relay_fixtures"]  # its session fixtures (Prefect server, reference runs) shared by all modules
+from relay_fixtures import STEPS_PER_SESSION  # noqa: E402
 
 TIME_SCALE = 10.0            # Kaggle seconds per wall second in this emulator
 GPU_QUOTA_S = 50.0           # Kaggle seconds: any one session (>= 5 wall s of start-up alone) spends it
