@@ -106,6 +106,8 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
                                   f"--- log tail ---\n{result.log_tail}")
             action = chain.retry_action(run_spec.name, action, run_spec.kaggle.max_failed_sessions + 1,
                                         result.reason)
+            if action.do is Do.FAILED:
+                raise RelayFailed(f"{action.reason}\n--- log tail ---\n{result.log_tail}")
 
         if action.do is Do.DONE:
             return _summary("done", obs.published, action)
