@@ -166,9 +166,9 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
             run = run_cli([PREFECT, "deployment", "run", "relay/price-model-demo", "--watch",
                            "--param", f"spec={spec}", "--param", f"state_dir={tmp_path / 'orchestrator'}",
                            "--param", "poll_seconds=0.5", "--param", "max_hours=0.1",
-                           "--param", "credentials_block=emulator-credentials"], env, 300)
+                           "--param", "credentials_block=emulator-credentials"], env, 600)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the relay did not complete in 300 s\n{procs.tails()}")
+            pytest.fail(f"the relay did not complete in 600 s\n{procs.tails()}")
         t_run = time.monotonic() - t0 - t_ready
         assert run.returncode == 0, f"{run.stdout[-4000:]}\n{run.stderr[-2000:]}\n{procs.tails()}"
         assert "Completed" in run.stdout
