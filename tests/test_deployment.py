@@ -165,7 +165,7 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
         try:
             run = run_cli([PREFECT, "deployment", "run", "relay/price-model-demo", "--watch",
                            "--param", f"spec={spec}", "--param", f"state_dir={tmp_path / 'orchestrator'}",
-                           "--param", "poll_seconds=0.5", "--param", "max_hours=0.1",
+                           "--param", "poll_seconds=0.5", "--param", "max_hours=0.25",
                            "--param", "credentials_block=emulator-credentials"], env, 600)
         except subprocess.TimeoutExpired:
             pytest.fail(f"the relay did not complete in 600 s\n{procs.tails()}")
