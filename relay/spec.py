@@ -122,6 +122,7 @@ class CheckpointConfig(_Section):
     keep_last: PositiveInt = 2
     keep_best: bool = True  # also keep the checkpoint with the best recipe metric
     disk_budget_gb: PositiveFloat = 20.0
+    digest: Literal["crc32", "sha256"] = "crc32"  # manifest checksum; sha256 costs ~2x a save without SHA-NI
 
 
 class KaggleConfig(_Section):

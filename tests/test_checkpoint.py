@@ -38,6 +38,7 @@ def save(root: Path, step: int, meta: dict | None = None, **kwargs) -> ck.Checkp
 
 
 def names(root: Path) -> list[str]:
+    ck.wait_for_deletions()  # retired checkpoints are deleted in the background
     return sorted(p.name for p in root.iterdir())
 
 
@@ -56,7 +57,7 @@ def test_save_writes_state_and_manifest_with_hashes(tmp_path):
     assert c.path == tmp_path / "step-00000007" and names(c.path) == ["manifest.json", "state.pt"]
     manifest = json.loads((c.path / "manifest.json").read_text())
     info = manifest["files"]["state.pt"]
-    assert info == {"bytes": (c.path / "state.pt").stat().st_size, "sha256": ck.sha256_file(c.path / "state.pt")}
+    assert info == {"bytes": (c.path / "state.pt").stat().st_size, "crc32": ck.file_digest(c.path / "state.pt", "crc32")}
     assert (manifest["format"], manifest["step"], manifest["run_id"], manifest["code_version"]) == (1, 7, "run-1", "abc")
     assert names(tmp_path) == ["step-00000007"]  # no temp folder left behind
 
@@ -155,8 +156,27 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, damage, caplog):
     damage(tmp_path / "step-00000003" / "state.pt")
     with caplog.at_level(logging.WARNING):
         assert latest_step(tmp_path) == 2
-    if damage is flip_byte:  # same size: only the hash tells; the loader says why it skipped it
-        assert "sha256 does not match" in caplog.text
+    if damage is flip_byte:  # same size: only the checksum tells; the loader says why it skipped it
+        assert "crc32 does not match" in caplog.text
+
+
+def test_sha256_digest_is_recorded_written_inline_and_checked(tmp_path):
+    # the opt-in cryptographic digest (checkpoints.digest: sha256): same protocol, other checksum
+    c = ck.save(tmp_path, {"w": torch.arange(1000.0)}, step=1, meta={}, digest="sha256")
+    info = json.loads((c.path / "manifest.json").read_text())["files"]["state.pt"]
+    assert set(info) == {"bytes", "sha256"} and info["sha256"] == ck.sha256_file(c.path / "state.pt")
+    ck.save(tmp_path, {"w": torch.arange(1000.0) + 1}, step=2, meta={}, digest="sha256")
+    flip_byte(tmp_path / "step-00000002" / "state.pt")
+    assert [x.step for x in ck.list_valid(tmp_path, verify_hashes=True)] == [1]
+    assert torch.equal(ck.load_latest(tmp_path)[1]["w"], torch.arange(1000.0))
+
+
+def test_retired_checkpoint_stops_counting_at_once_and_is_gone_after_the_wait(tmp_path):
+    for step in range(1, 4):
+        save(tmp_path, step, keep_last=1)
+        assert [c.step for c in ck.list_valid(tmp_path)] == [step]  # before any background deletion ends
+    ck.wait_for_deletions()
+    assert names(tmp_path) == ["step-00000003"]
 
 
 def test_all_corrupt_means_no_checkpoint(tmp_path):
@@ -288,7 +308,7 @@ def test_load_refuses_pickled_objects(tmp_path):
     torch.save({"x": Payload()}, evil / "state.pt")
     manifest = json.loads((evil / "manifest.json").read_text())
     manifest["files"]["state.pt"] = {"bytes": (evil / "state.pt").stat().st_size,
-                                     "sha256": ck.sha256_file(evil / "state.pt")}
+                                     "crc32": ck.file_digest(evil / "state.pt", "crc32")}
     (evil / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ck.CheckpointError, match="cannot be loaded"):
         ck.load(ck.list_valid(evil)[0])

@@ -134,7 +134,8 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id) -> d
             meta={"run_id": run_id, "code_version": code_version(), "reason": reason,
                   "epoch": schedule.epoch_of(max(0, state.global_step - 1)), "best": state.best},
             disk_budget_bytes=int(spec.checkpoints.disk_budget_gb * 1e9), keep_last=spec.checkpoints.keep_last,
-            keep_best_mode=recipe.metric_mode if spec.checkpoints.keep_best else None)
+            keep_best_mode=recipe.metric_mode if spec.checkpoints.keep_best else None,
+            digest=spec.checkpoints.digest)
         session["save_seconds"] = round(time.perf_counter() - t0, 3)
         _write_progress(workdir, spec, state, total, schedule, ckpt, status="paused", reason=reason,
                         run_id=run_id)
@@ -156,6 +157,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id) -> d
     if status == "done":
         checkpoint.export_atomic(workdir / "export", lambda out: recipe.export(model, out))
         recipe.predict(model, workdir / "export")
+    checkpoint.wait_for_deletions()
     return _write_progress(workdir, spec, state, total, schedule, checkpoint.list_valid(ckpt_root)[0],
                            status=status, reason=reason, run_id=run_id, weights=weights)
 
