@@ -54,7 +54,8 @@ def parse_duration(value: Any) -> Optional[float]:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: `micro_batch: true` or `lr: "0.1"` is a wrong type, not something to coerce
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class OptimConfig(_Section):
