@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 class RecipeParams(BaseModel):
     """Base for each recipe's own validated parameters (the spec's `params:` section)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Recipe(ABC):
