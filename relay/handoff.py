@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from relay import chain
 from relay.chain import Action, Names, Observation
 from relay.kaggle.backend import KaggleBackend
 from relay.kaggle.types import NotFound, PushResult, SessionKernel

@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from relay import handoff
 from relay.chain import Action, Names, Observation
-from relay.kaggle.types import KernelState, PushResult, Quota, SessionKernel
+from relay.kaggle.types import PushResult, Quota, SessionKernel
 
 RETRY = dict(retries=3, retry_delay_seconds=[2, 10, 30], retry_jitter_factor=0.5, cache_policy=NO_CACHE)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from relay.errors import InputError
 from relay.session.features import FeatureCache, fingerprint, source_version
 
 
@@ -190,7 +191,7 @@ def test_bad_usage_is_a_clear_error(setup):
     source, build, cache_dir = setup
     with pytest.raises(ValueError, match="feature cache name"):
         FeatureCache([cache_dir]).get_or_build("bad/name", [source], {}, "v", build)
-    with pytest.raises(FileNotFoundError, match="missing.csv"):
+    with pytest.raises(InputError, match="missing.csv"):
         FeatureCache([cache_dir]).get_or_build("feats", [source.parent / "missing.csv"], {}, "v", build)
     with pytest.raises(TypeError, match="expected pyarrow.Table"):
         FeatureCache([cache_dir]).get_or_build("feats", [source], {}, "v", lambda: {"a": [1]})

@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
+from relay.errors import InputError  # noqa: E402
 from relay.recipes import price_data  # noqa: E402
 from relay.recipes.price_model import PriceModelParams, PriceModelRecipe, load_exported, smape  # noqa: E402
 
@@ -124,7 +125,7 @@ def test_bad_csv_is_a_one_line_error_naming_file_and_column(tmp_path):
         tmp_path / "train.csv", index=False)
     with pytest.raises(ValueError, match=r"train\.csv: price must be a number >= 0 \(line 3"):
         price_data.read_split(tmp_path / "train.csv", price_data.TRAIN_COLUMNS)
-    with pytest.raises(FileNotFoundError, match=r"nowhere[/\\]train\.csv: file not found"):
+    with pytest.raises(InputError, match=r"nowhere[/\\]train\.csv: file not found"):
         make_recipe(tmp_path / "nowhere", tmp_path / "cache")
 
 

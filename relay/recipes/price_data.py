@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from relay.errors import InputError
+
 TRAIN_COLUMNS = ("sample_id", "catalog_content", "price")
 TEST_COLUMNS = ("sample_id", "catalog_content")
 
@@ -25,17 +27,17 @@ TEST_COLUMNS = ("sample_id", "catalog_content")
 def read_split(path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
     """Read a challenge CSV; a missing file or column is a one-line error naming both."""
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: file not found (expected columns {', '.join(columns)})")
+        raise InputError(f"{path}: file not found (expected a CSV with columns {', '.join(columns)})")
     frame = pd.read_csv(path, usecols=lambda c: c in columns, dtype={"catalog_content": str}, keep_default_na=False,
                         na_values={"price": [""]})
     missing = [c for c in columns if c not in frame.columns]
     if missing:
-        raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; expected {', '.join(columns)}")
+        raise InputError(f"{path}: missing column(s) {', '.join(missing)}; expected {', '.join(columns)}")
     if "price" in columns:
         price = pd.to_numeric(frame["price"], errors="coerce")
         bad = price.isna() | (price < 0)
         if bad.any():
-            raise ValueError(f"{path}: price must be a number >= 0 (line {int(bad.to_numpy().argmax()) + 2} is not)")
+            raise InputError(f"{path}: price must be a number >= 0 (line {int(bad.to_numpy().argmax()) + 2} is not)")
         frame["price"] = price
     return frame[list(columns)]
 

@@ -21,6 +21,7 @@ from pydantic import Field, model_validator
 from torch import nn
 from torch.utils.data import Dataset
 
+from relay.errors import InputError
 from relay.recipes import price_data
 from relay.recipes.base import Recipe, RecipeParams
 from relay.session.features import FeatureCache, source_version
@@ -238,7 +239,7 @@ class PriceModelRecipe(Recipe):
         p = self.params
         train_path, test_path = self.data_dir / p.train_file, self.data_dir / p.test_file
         if not train_path.is_file():
-            raise FileNotFoundError(f"{train_path}: file not found (expected columns "
+            raise InputError(f"{train_path}: file not found (expected a CSV with columns "
                                     f"{', '.join(price_data.TRAIN_COLUMNS)})")
         has_test = test_path.is_file()
         # Resolved before the cache lookup and part of the key: features tokenized by a fallback tokenizer
@@ -284,7 +285,7 @@ class PriceModelRecipe(Recipe):
         order = np.random.default_rng(self.params.eval_seed).permutation(len(labelled))
         n_eval = max(1, int(round(self.params.eval_fraction * len(labelled))))
         if n_eval >= len(labelled):
-            raise ValueError(f"{self.params.train_file}: {len(labelled)} rows leave nothing to train on with "
+            raise InputError(f"{self.params.train_file}: {len(labelled)} rows leave nothing to train on with "
                              f"eval_fraction={self.params.eval_fraction}")
         self.eval_rows, self.train_rows = np.sort(labelled[order[:n_eval]]), np.sort(labelled[order[n_eval:]])
         self.test_rows = np.flatnonzero(split == 1)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from relay.errors import InputError
+from relay.session import atomic
 
 log = logging.getLogger(__name__)
 
@@ -63,26 +64,6 @@ class Checkpoint:
 
 
 # -- durability helpers ---------------------------------------------------------------------------
-def _fsync(path: Path) -> None:
-    """Flush a file's data, or a folder's entries (a rename is durable only once its folder is synced)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Replace `path` with `data` so readers see the old or the new file, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync(path.parent)
-
-
 DIGESTS = ("crc32", "sha256")
 
 
@@ -160,7 +141,7 @@ def save(root: Path, state: dict, *, step: int, meta: dict, disk_budget_bytes: O
         # the disk: both off the critical path of each other.
         with ThreadPoolExecutor(max_workers=1) as pool:
             checksum = pool.submit(file_digest, state_file, digest)
-            _fsync(state_file)
+            atomic.fsync(state_file)
             files = {STATE_FILE: {"bytes": state_file.stat().st_size, digest: checksum.result()}}
         manifest = {
             "format": FORMAT,
@@ -170,9 +151,9 @@ def save(root: Path, state: dict, *, step: int, meta: dict, disk_budget_bytes: O
             "files": files,
         }
         # The manifest is the commit marker: written last, then the folder appears under its name.
-        write_json_atomic(tmp / MANIFEST, manifest)
+        atomic.write_json(tmp / MANIFEST, manifest)
         os.rename(tmp, root / name)
-        _fsync(root)
+        atomic.fsync(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -391,4 +372,4 @@ def export_atomic(out_dir: Path, write: Callable[[Path], Any]) -> None:
         os.rename(out_dir, old)
     os.rename(tmp, out_dir)
     shutil.rmtree(old, ignore_errors=True)
-    _fsync(out_dir.parent)
+    atomic.fsync(out_dir.parent)

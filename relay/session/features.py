@@ -37,6 +37,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from relay.errors import InputError
+from relay.session import atomic
+
 log = logging.getLogger(__name__)
 
 FORMAT = 1
@@ -72,7 +75,7 @@ def _input_files(inputs: Iterable[str | os.PathLike]) -> list[tuple[str, Path]]:
         elif path.is_file():
             files.append((path.name, path))
         else:
-            raise FileNotFoundError(f"feature cache input {path}: no such file or directory")
+            raise InputError(f"feature cache input {path}: no such file or directory")
     return files
 
 
@@ -90,28 +93,6 @@ def fingerprint(
     }
     canonical = json.dumps(detail, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest(), detail
-
-
-# ------------------------------------------------------------------------------------------ atomic file I/O
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # some filesystems/platforms cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 class _HashMemo:
@@ -143,7 +124,7 @@ class _HashMemo:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            _atomic_write_bytes(self.path, json.dumps(self.entries, indent=0, sort_keys=True).encode())
+            atomic.write_bytes(self.path, json.dumps(self.entries, indent=0, sort_keys=True).encode())
             self.dirty = False
         except OSError as exc:
             log.warning("feature cache: could not save %s (%s); inputs will be re-hashed", self.path, exc)
@@ -239,7 +220,7 @@ class FeatureCache:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, parquet_path)
-        _fsync_dir(directory)
+        atomic.fsync(directory)
         meta = {
             "format": FORMAT,
             "name": name,
@@ -252,7 +233,7 @@ class FeatureCache:
             "build_seconds": round(build_seconds, 3),
             "fingerprint": detail,
         }
-        _atomic_write_bytes(meta_path, json.dumps(meta, indent=1).encode())
+        atomic.write_bytes(meta_path, json.dumps(meta, indent=1).encode())
         return parquet_path
 
     def _record(self, name: str, key: str, hit: bool, path: Path, start: float) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from relay import recipes
-from relay.session import checkpoint, data, memory
+from relay.session import atomic, checkpoint, data, memory
 from relay.session.budget import SessionClock
 from relay.session.loop import Trainer, TrainState, resolve_precision
 from relay.spec import RunSpec
@@ -207,5 +207,5 @@ def _write_progress(workdir: Path, spec: RunSpec, state: TrainState, total: int,
         "sessions": state.sessions,
         "total_seconds": round(sum(s.get("seconds", 0.0) for s in state.sessions), 3),
     }
-    checkpoint.write_json_atomic(workdir / "progress.json", progress)
+    atomic.write_json(workdir / "progress.json", progress)
     return progress
