@@ -14,7 +14,7 @@ from typing import Optional
 
 from relay.chain import Action, Names, Observation
 from relay.kaggle.backend import KaggleBackend
-from relay.kaggle.types import NotFound, PushResult, SessionKernel
+from relay.kaggle.types import NotFound, SessionKernel
 from relay.session import checkpoint
 from relay.spec import RunSpec
 from relay.version import code_version
@@ -83,10 +83,6 @@ def session_kernel(spec: RunSpec, spec_text: str, names: Names, action: Action, 
         session_timeout_s=int(k.session_timeout),
         workdir_name=WORKDIR,
     )
-
-
-def push(backend: KaggleBackend, session: SessionKernel) -> PushResult:
-    return backend.push_session(session)
 
 
 @dataclass

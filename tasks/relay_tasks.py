@@ -31,7 +31,7 @@ def read_quota(backend) -> Optional[Quota]:
 
 @task(name="push-session", **RETRY)
 def push_session(backend, session: SessionKernel) -> PushResult:
-    result = handoff.push(backend, session)
+    result = backend.push_session(session)
     logger = get_run_logger()
     if result.refusal:
         logger.warning("push of %s refused (%s): %s", session.run_id, result.refusal.value, result.message)
