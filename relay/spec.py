@@ -75,7 +75,6 @@ class OptimConfig(_Section):
     eval_every_steps: Optional[PositiveInt] = None  # None: at the end of every epoch
     log_every_steps: PositiveInt = 10
     nonfinite_patience: PositiveInt = 3  # skipped non-finite steps in a row before falling back to fp32
-    compile: bool = False
 
     @model_validator(mode="after")
     def _one_length(self) -> "OptimConfig":
