@@ -129,7 +129,7 @@ class KaggleConfig(_Section):
     """What each session kernel mounts and runs on (used by the orchestrator only)."""
 
     dataset_sources: list[str] = Field(default_factory=list)  # "owner/slug" of the raw data
-    competition_sources: list[str] = Field(default_factory=list)
+    competition_sources: list[str] = Field(default_factory=list)  # slugs; point params.data_dir at one
     data_mount: Optional[str] = None  # which mounted source is the recipe's data_dir (default: first)
     machine_shape: Optional[str] = None  # e.g. NvidiaTeslaT4; None lets Kaggle choose
     enable_gpu: bool = True

@@ -114,7 +114,8 @@ class ClientBackend:
             "enable_gpu": session.enable_gpu, "enable_tpu": False,
             # the client defaults enable_internet to true: always say it
             "enable_internet": session.enable_internet,
-            "dataset_sources": list(dict.fromkeys(sources)), "kernel_sources": [], "competition_sources": [],
+            "dataset_sources": list(dict.fromkeys(sources)), "kernel_sources": [],
+            "competition_sources": list(session.competitions),
         }
         if session.machine_shape and session.enable_gpu:
             meta["machine_shape"] = session.machine_shape

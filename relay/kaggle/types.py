@@ -56,6 +56,7 @@ class SessionKernel:
     data_dataset: Optional[str] = None        # mounted and passed as --data
     features_datasets: tuple = ()             # mounted and passed as --features
     extra_datasets: tuple = ()                # mounted, not passed
+    competitions: tuple = ()                  # competition slugs, mounted at <input>/<slug>
     enable_gpu: bool = True
     enable_internet: bool = False
     machine_shape: Optional[str] = "NvidiaTeslaT4"
