@@ -182,6 +182,8 @@ def _update_session(session: dict, trainer: Trainer, clock: SessionClock, metric
         peak_mem_mb=round(trainer.monitor.peak_mb() or trainer.monitor.sample()["rss_mb"], 1),
         loss_end=metrics_log.last_train_loss,
         stop_reason=reason if reason in ("budget", "sigterm", "done", "final") else "running",
+        # this save's own time is known only after it; the checkpoint carries the last measured one
+        save_seconds=session.get("save_seconds", round(clock.save_seconds or 0.0, 3)),
     )
 
 
