@@ -173,6 +173,15 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, out_png: str | Path) -> Path:
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
+
+
 def _eval_metric(evals: list[dict], metric: str | None) -> str | None:
     if metric:
         return metric
@@ -264,12 +273,7 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
     ax_metric.set_xlabel("global step")
     n_sessions = len({r.get("session") for r in records if r.get("session") is not None})
     fig.suptitle(f"{title} ({n_sessions} sessions, dashed lines = session starts)", fontsize=13)
-    fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
+    return _save(plt, fig, out_png)
 
 
 OUTCOME_COLORS = {  # stop reason or status -> (legend label, color)
@@ -364,9 +368,4 @@ def plot_timeline(sessions: Iterable[Mapping[str, Any]], out_png: str | Path, *,
     ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper center", fontsize=9,
               bbox_to_anchor=(0.5, -0.12 - 0.5 / len(bars)), ncol=7, frameon=False)
     ax.set_title(title, fontsize=13)
-    fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
+    return _save(plt, fig, out_png)
