@@ -19,6 +19,9 @@ from typing import Any, Optional, Sequence
 import pytest
 import yaml
 
+# Session fixtures of the relay tests (one Prefect server, reference runs), loaded once with assert rewriting.
+pytest_plugins = ["relay_fixtures"]
+
 for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                       "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(_name, _value)

@@ -19,10 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from relay.chain import parse_run_id
-import pytest  # noqa: E402
 
-pytest.register_assert_rewrite("relay_fixtures")
-pytest_plugins = ["relay_fixtures"]  # its session fixtures (Prefect server, reference runs) shared by all modules
 from relay_fixtures import STEPS_PER_SESSION, wait_for  # noqa: E402
 
 FAULT_RATE = 0.25

@@ -9,8 +9,6 @@ from datetime import timezone
 
 import pytest
 
-pytest.register_assert_rewrite("relay_fixtures")
-pytest_plugins = ["relay_fixtures"]  # its session fixtures (Prefect server, reference runs) shared by all modules
 from relay_fixtures import STEPS_PER_SESSION  # noqa: E402
 
 TIME_SCALE = 10.0            # Kaggle seconds per wall second in this emulator

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import time
 
-import pytest  # noqa: E402
 
-pytest.register_assert_rewrite("relay_fixtures")
-pytest_plugins = ["relay_fixtures"]  # its session fixtures (Prefect server, reference runs) shared by all modules
 from relay_fixtures import STEPS_PER_SESSION, spec_dict  # noqa: E402
 
 MAX_STEPS = 2 * STEPS_PER_SESSION  # two sessions each way (each kernel costs ~10-20 s of start-up here)
