@@ -1,7 +1,7 @@
 """`make demo`: a whole relay on a local Kaggle emulator, on CPU, through the same code as production.
 
 1. generate synthetic price data and publish it to the emulator as a dataset (as a user uploads theirs);
-2. run the `relay` Prefect flow (ephemeral Prefect: no server) on examples/price-demo.yaml, whose 14 s
+2. run the `relay` Prefect flow (ephemeral Prefect: no server) on examples/price-demo.yaml, whose 9 s
    sessions force a relay of several Kaggle sessions that hand checkpoints over as dataset versions;
 3. meanwhile train the same spec uninterrupted in one process, and compare the final weights.
 """

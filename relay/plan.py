@@ -355,13 +355,15 @@ def plan_from_progress(
 # ---------------------------------------------------------------- presentation
 
 def format_duration(seconds: float) -> str:
-    """'11h35m', '45m', '2d 3h' for a human reading a plan."""
+    """'11h35m', '45m', '40s', '2d 3h' for a human reading a plan."""
     seconds = max(0, int(round(seconds)))
     days, rest = divmod(seconds, 86400)
     hours, minutes = rest // 3600, (rest % 3600) // 60
     if days:
         return f"{days}d {hours}h"
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m" if minutes else f"{seconds}s"
 
 
 def _when(t: datetime) -> str:
