@@ -280,7 +280,8 @@ OUTCOME_COLORS = {  # stop reason or status -> (legend label, color)
     "done": ("done", "#2ca25f"),
     "budget": ("paused at budget", "#3182bd"),
     "deadline": ("paused at deadline", "#3182bd"),
-    "sigterm": ("killed (SIGTERM)", "#fd8d3c"),
+    "sigterm": ("stopped by SIGTERM", "#fd8d3c"),
+    "killed": ("killed (resumed from its last save)", "#fdae6b"),
     "error": ("failed", "#de2d26"),
     "running": ("running", "#9e9ac8"),
     "planned": ("planned", "#d9d9d9"),
@@ -291,6 +292,8 @@ def _outcome(session: Mapping[str, Any]) -> str:
     value = str(session.get("outcome") or session.get("stop_reason") or session.get("status") or "").lower()
     if value in OUTCOME_COLORS:
         return value
+    if value == "final":  # older progress files named the last session's save "final"
+        return "done"
     if value in ("failed", "crash", "oom", "cancelled", "stale"):
         return "error"
     return "running" if session.get("ended") is None else "error"

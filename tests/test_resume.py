@@ -181,7 +181,7 @@ def test_budget_split_into_five_or_more_sessions_is_bit_identical(relay_cli, ref
     relay_cli.train(spec, workdir, "none")
     progress = assert_same_as_reference(workdir, reference)
     stops = [s["stop_reason"] for s in progress["sessions"] if s["step_end"] > s["step_start"]]
-    assert stops[-1] == "final" and stops.count("budget") >= 5, stops
+    assert stops[-1] == "done" and stops.count("budget") >= 5, stops
     steps = [(s["step_start"], s["step_end"]) for s in progress["sessions"]]
     assert steps[0][0] == 0 and all(a[1] == b[0] for a, b in zip(steps, steps[1:])), steps  # no step lost or redone
     assert [s["index"] for s in progress["sessions"]] == list(range(1, len(steps) + 1))
@@ -207,7 +207,7 @@ def test_sigterm_at_random_instants_with_0_and_2_workers_is_bit_identical(spec_p
     assert reasons == ["sigterm"] * 3
     relay_cli.train(spec_path, workdir, "none")
     progress = assert_same_as_reference(workdir, reference)
-    assert [s["stop_reason"] for s in progress["sessions"]] == ["sigterm"] * 3 + ["final"]
+    assert [s["stop_reason"] for s in progress["sessions"]] == ["sigterm"] * 3 + ["done"]
 
 
 # -- SIGKILL -----------------------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def test_sigkill_at_random_instants_and_mid_save_is_bit_identical(spec_path, rel
     assert mid_save >= 1, "no kill landed inside a save"
     relay_cli.train(spec_path, workdir, "none")
     progress = assert_same_as_reference(workdir, reference)
-    assert progress["sessions"][-1]["stop_reason"] == "final"
+    assert progress["sessions"][-1]["stop_reason"] == "done"
 
 
 # -- the data position is derived, not replayed ------------------------------------------------------

@@ -162,7 +162,7 @@ def test_progress_and_metrics_files(counting, tmp_path):
     assert progress["best"]["metric"] == "mse" and progress["best"]["step"] in (16, 32, 48)
     s1, s2 = progress["sessions"]
     assert (s1["index"], s1["stop_reason"], s1["step_start"], s1["step_end"]) == (1, "sigterm", 0, 10)
-    assert (s2["index"], s2["stop_reason"], s2["step_start"], s2["step_end"]) == (2, "final", 10, 48)
+    assert (s2["index"], s2["stop_reason"], s2["step_start"], s2["step_end"]) == (2, "done", 10, 48)
     for s in (s1, s2):
         assert {"run_id", "started", "ended", "seconds", "samples_per_s", "peak_mem_mb", "loss_end"} <= set(s)
     assert s2["save_seconds"] >= 0  # (an earlier session's entry is stored in its checkpoint before its save ends)

@@ -151,7 +151,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id) -> d
 
     trainer.preflight()
     reason = trainer.fit()
-    trainer.save(reason if reason != "done" else "final")
+    trainer.save(reason)
     status = "done" if reason == "done" else "paused"
     weights = checkpoint.weights_sha256(model.state_dict())
     if status == "done":
@@ -181,7 +181,7 @@ def _update_session(session: dict, trainer: Trainer, clock: SessionClock, metric
         samples_per_s=round(trainer.session_samples / max(1e-9, trainer.train_seconds), 2),
         peak_mem_mb=round(trainer.monitor.peak_mb() or trainer.monitor.sample()["rss_mb"], 1),
         loss_end=metrics_log.last_train_loss,
-        stop_reason=reason if reason in ("budget", "sigterm", "done", "final") else "running",
+        stop_reason=reason if reason in ("budget", "sigterm", "done") else "running",
         # this save's own time is known only after it; the checkpoint carries the last measured one
         save_seconds=session.get("save_seconds", round(clock.save_seconds or 0.0, 3)),
     )
