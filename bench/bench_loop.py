@@ -195,40 +195,24 @@ def run(steps: int = 400, repeats: int = 5, workdir: Path | None = None) -> dict
                 if r:  # round 0 warms up allocators, the dynamo import, transformers' lazy modules
                     wall[name].append(w)
                     cpu[name].append(c)
-    mw = {k: statistics.median(v) for k, v in wall.items()}
-    mc = {k: statistics.median(v) for k, v in cpu.items()}
     figures = {
         "loop_steps": steps,
         "loop_repeats": repeats,
         "loop_samples_per_step": MICRO * ACCUM,
-        # CPU seconds of this process (one torch thread, no loader workers): the work each loop does, robust
-        # to other tenants of a shared machine preempting us. The ratios use these.
-        "loop_relay_cpu_s": round(mc["relay"], 3),
-        "loop_hand_cpu_s": round(mc["hand"], 3),
-        "loop_hf_cpu_s": round(mc["hf"], 3),
-        "loop_relay_steps_per_cpu_s": round(steps / mc["relay"], 1),
-        "loop_hand_steps_per_cpu_s": round(steps / mc["hand"], 1),
-        "loop_hf_steps_per_cpu_s": round(steps / mc["hf"], 1),
-        "loop_relay_vs_hand": round(mc["relay"] / mc["hand"], 3),
-        "loop_relay_vs_hf": round(mc["relay"] / mc["hf"], 3),
-        # Wall-clock seconds, as a user would see them on this machine at this moment.
-        "loop_relay_s": round(mw["relay"], 3),
-        "loop_hand_s": round(mw["hand"], 3),
-        "loop_hf_s": round(mw["hf"], 3),
-        "loop_relay_steps_per_s": round(steps / mw["relay"], 1),
-        "loop_hand_steps_per_s": round(steps / mw["hand"], 1),
-        "loop_hf_steps_per_s": round(steps / mw["hf"], 1),
-        "loop_relay_vs_hand_wall": round(mw["relay"] / mw["hand"], 3),
-        "loop_relay_vs_hf_wall": round(mw["relay"] / mw["hf"], 3),
         "loop_target_vs_hand": TARGET_VS_HAND,
         "loop_target_vs_hf": TARGET_VS_HF,
-        "loop_samples_relay_cpu_s": [round(x, 3) for x in cpu["relay"]],
-        "loop_samples_hand_cpu_s": [round(x, 3) for x in cpu["hand"]],
-        "loop_samples_hf_cpu_s": [round(x, 3) for x in cpu["hf"]],
-        "loop_samples_relay_s": [round(x, 3) for x in wall["relay"]],
-        "loop_samples_hand_s": [round(x, 3) for x in wall["hand"]],
-        "loop_samples_hf_s": [round(x, 3) for x in wall["hf"]],
     }
+    # CPU seconds of this process (one torch thread, no loader workers) are the work each loop does, robust
+    # to other tenants of a shared machine preempting us: the ratios use them. Wall seconds are what a user
+    # would see on this machine at this moment.
+    for samples, seconds, rate, ratio in ((cpu, "cpu_s", "steps_per_cpu_s", ""), (wall, "s", "steps_per_s", "_wall")):
+        medians = {name: statistics.median(v) for name, v in samples.items()}
+        for name in ("relay", "hand", "hf"):
+            figures[f"loop_samples_{name}_{seconds}"] = [round(x, 3) for x in samples[name]]
+            figures[f"loop_{name}_{seconds}"] = round(medians[name], 3)
+            figures[f"loop_{name}_{rate}"] = round(steps / medians[name], 1)
+        for other in ("hand", "hf"):
+            figures[f"loop_relay_vs_{other}{ratio}"] = round(medians["relay"] / medians[other], 3)
     figures["loop_meets_target"] = (figures["loop_relay_vs_hand"] <= TARGET_VS_HAND
                                     and figures["loop_relay_vs_hf"] < TARGET_VS_HF)
     return figures

@@ -88,15 +88,19 @@ class KaggleClient:
 
         return retried
 
-    @staticmethod
-    def _strict_upload(upload_file: Callable) -> Callable:
+    def _strict_upload(self, upload_file: Callable) -> Callable:
         """The client silently leaves a file out of a dataset version when its upload fails (a PUT answered
-        500): fail the whole call instead, so it is retried and no incomplete version is created."""
+        500). Upload that one file again first (the client resumes it); if it keeps failing, fail the whole
+        call, so it is retried and no incomplete version is created. Retrying per file matters: restarting
+        the whole version for one flaky PUT re-sends every file, and under heavy faults never finishes."""
         def strict(file_name: str, *args: Any, **kwargs: Any) -> Any:
-            result = upload_file(file_name, *args, **kwargs)
-            if result is None:
-                raise UploadIncomplete(f"upload of {file_name} failed")
-            return result
+            for attempt in range(1, self.policy.attempts + 1):
+                result = upload_file(file_name, *args, **kwargs)
+                if result is not None:
+                    return result
+                if attempt < self.policy.attempts:
+                    self.policy.sleep(self.policy.delay(attempt))
+            raise UploadIncomplete(f"upload of {file_name} failed {self.policy.attempts} times")
 
         return strict
 
