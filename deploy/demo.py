@@ -1,8 +1,8 @@
 """`make demo`: a whole relay on a local Kaggle emulator, on CPU, through the same code as production.
 
 1. generate synthetic price data and publish it to the emulator as a dataset (as a user uploads theirs);
-2. run the `relay` Prefect flow (ephemeral Prefect: no server) on examples/price-demo.yaml, whose 9 s
-   sessions force a relay of several Kaggle sessions that hand checkpoints over as dataset versions;
+2. run the `relay` Prefect flow (ephemeral Prefect: no server) on examples/price-demo.yaml, whose
+   sessions of 40 optimizer steps (`session.max_steps`) make a relay of 5 Kaggle sessions on any machine that hand checkpoints over as dataset versions;
 3. meanwhile train the same spec uninterrupted in one process, and compare the final weights.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def main() -> int:
     # The uninterrupted reference run trains on the other core while the relay runs.
     reference = subprocess.Popen(
         [sys.executable, "-m", "relay", "train", str(SPEC), "--workdir", str(RUN / "reference"),
-         "--budget", "none", "--data", str(data)],
+         "--budget", "none", "--max-steps", "none", "--data", str(data)],
         stdout=subprocess.DEVNULL, stderr=open(RUN / "reference.log", "w"))
 
     from relay.kaggle.emulator import Emulator, EmulatorConfig

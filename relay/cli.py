@@ -19,6 +19,18 @@ def _budget(value: str) -> Optional[float]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _steps(value: str) -> Optional[int]:
+    if value.strip().lower() == "none":
+        return None
+    try:
+        steps = int(value)
+    except ValueError:
+        steps = 0
+    if steps <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of steps or 'none' (got {value!r})")
+    return steps
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from relay import spec as spec_mod
     from relay.session.run import run_session
@@ -26,6 +38,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = {}
     if args.budget is not _UNSET:
         overrides["session.budget"] = args.budget
+    if args.max_steps is not _UNSET:
+        overrides["session.max_steps"] = args.max_steps
     spec = spec_mod.load(args.spec, overrides)
     progress = run_session(
         spec, Path(args.workdir), budget=spec.session.budget, deadline=args.deadline,
@@ -118,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--budget", type=_budget, default=_UNSET,
                    help="wall-clock seconds (or 11h30m) for this session, 'none' to run to the end;"
                         " default: the spec's session.budget")
+    t.add_argument("--max-steps", type=_steps, default=_UNSET, metavar="N|none",
+                   help="optimizer steps for this session, 'none' for no cap; default: the spec's session.max_steps")
     t.add_argument("--deadline", type=float, help="absolute unix time the session must end by")
     t.add_argument("--resume-from", action="append", default=[], metavar="DIR",
                    help="read-only checkpoint location (a mounted dataset); repeatable")

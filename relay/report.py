@@ -280,6 +280,7 @@ OUTCOME_COLORS = {  # stop reason or status -> (legend label, color)
     "done": ("done", "#2ca25f"),
     "budget": ("paused at budget", "#3182bd"),
     "deadline": ("paused at deadline", "#3182bd"),
+    "steps": ("paused at session.max_steps", "#6baed6"),
     "sigterm": ("stopped by SIGTERM", "#fd8d3c"),
     "killed": ("killed (resumed from its last save)", "#fdae6b"),
     "error": ("failed", "#de2d26"),

@@ -93,6 +93,7 @@ class DataConfig(_Section):
 
 class SessionConfig(_Section):
     budget: Optional[float] = None  # seconds of wall time per session; None runs to the end
+    max_steps: Optional[PositiveInt] = None  # optimizer steps per session (a count that no machine speed changes)
     save_every: float = 1800.0  # periodic save as insurance against SIGKILL
     safety_margin: float = 60.0  # reserved before the deadline on top of the measured save time
     empty_cache_every_steps: Optional[PositiveInt] = 50

@@ -10,11 +10,9 @@ make_emulator, which give every test its own HOME/TMPDIR and stop the emulators 
 - `relay_env`: an emulator + the spec + helpers for one test (see RelayEnv).
 - `reference`: uninterrupted `relay train` runs of a spec, started in the background at first use and shared
   by the session; `reference.weights(spec)` waits for the run and returns its weights_sha256.
-- Deterministic session lengths (TEST-ONLY): kernels get a `sitecustomize.py` on PYTHONPATH that, when
-  RELAY_TEST_STEPS_PER_SESSION=N is set, makes the session clock say "budget" after N optimizer steps in
-  a session. Sessions then end after exactly N steps whatever the load on this shared 2-core box, so the
-  number of sessions is a fact the tests can compare, and a slow start-up can never eat a whole session's
-  budget. The stop still goes through the runtime's normal budget path (final save, progress.json).
+- Deterministic session lengths: the toy spec sets `session.max_steps`, so every session ends after exactly
+  that many optimizer steps whatever the load on the machine; the number of sessions is a fact the tests can
+  compare, and a slow start-up can never eat a whole session. Reference runs pass `--max-steps none`.
 """
 from __future__ import annotations
 
@@ -47,64 +45,12 @@ TOY_RELAY: dict = {
     "optim": {"micro_batch": 8, "grad_accum": 2, "lr": 0.003, "max_steps": 450, "warmup_steps": 5,
               "log_every_steps": 10, "eval_every_steps": 100},
     "data": {"num_workers": 0},
-    # budget: generous, the step cap ends sessions; save_every: small, so a SIGKILL always finds saves
-    "session": {"threads": 1, "budget": "90s", "save_every": "0.3s", "safety_margin": "0.5s"},
+    # max_steps ends sessions; budget: generous backstop; save_every: small, so a SIGKILL always finds saves
+    "session": {"threads": 1, "max_steps": 150, "budget": "10m", "save_every": "0.3s", "safety_margin": "0.5s"},
     "checkpoints": {"keep_last": 2},
     "kaggle": {"session_timeout": "5m", "startup_overhead": "1s", "max_failed_sessions": 2},
 }
-STEPS_PER_SESSION = 150
-
-STEP_CAP_HOOK = '''\
-"""TEST-ONLY (tests/relay_fixtures.py): with RELAY_TEST_STEPS_PER_SESSION=N, a relay session stops for
-"budget" after N optimizer steps, so session lengths do not depend on the machine's load."""
-import os
-import sys
-
-_N = int(os.environ.get("RELAY_TEST_STEPS_PER_SESSION") or 0)
-
-
-class _StepCapFinder:
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != "relay.session.budget":
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        exec_module = spec.loader.exec_module
-
-        def patched(module):
-            exec_module(module)
-            _cap(module.SessionClock)
-
-        spec.loader.exec_module = patched
-        return spec
-
-
-def _cap(cls):
-    should_stop, record_step = cls.should_stop, cls.record_step
-
-    def record(self, seconds):
-        self._test_steps = getattr(self, "_test_steps", 0) + 1
-        return record_step(self, seconds)
-
-    def stop(self, eval_due=False):
-        reason = should_stop(self, eval_due)
-        if reason is None and getattr(self, "_test_steps", 0) >= _N:
-            return "budget"
-        return reason
-
-    cls.record_step, cls.should_stop = record, stop
-
-
-if _N > 0:
-    sys.meta_path.insert(0, _StepCapFinder())
-'''
-
+STEPS_PER_SESSION = TOY_RELAY["session"]["max_steps"]
 
 def spec_dict(**overrides) -> dict:
     """TOY_RELAY with dotted-key overrides ({"optim.max_steps": 600}); None deletes a key."""
@@ -176,7 +122,7 @@ class References:
                 log = open(workdir / "train.log", "w")
                 proc = subprocess.Popen(
                     [PYTHON, "-m", "relay", "train", str(workdir / "spec.yaml"), "--workdir", str(workdir / "run"),
-                     "--budget", "none"], cwd=workdir, env=clean_env(HOME=str(workdir), TMPDIR=str(workdir)),
+                     "--budget", "none", "--max-steps", "none"], cwd=workdir, env=clean_env(HOME=str(workdir), TMPDIR=str(workdir)),
                     stdout=log, stderr=subprocess.STDOUT)
                 self.runs[key] = (proc, workdir)
         return key
@@ -204,13 +150,6 @@ def reference(tmp_path_factory):
 
 
 # -- one relay on an emulator -----------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def step_cap_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("step-cap-hook")
-    (folder / "sitecustomize.py").write_text(STEP_CAP_HOOK)
-    return folder
-
-
 @dataclass
 class KernelRun:
     version: int
@@ -225,7 +164,6 @@ class KernelRun:
 @dataclass
 class RelayEnv:
     root: Path
-    step_cap_dir: Path
     make_emulator: Callable
     prefect_api: str
     emu: object = None
@@ -233,11 +171,8 @@ class RelayEnv:
     processes: List[subprocess.Popen] = field(default_factory=list)
 
     # setup
-    def start(self, steps_per_session: Optional[int] = STEPS_PER_SESSION, **emulator_settings):
-        kernel_env = dict(KERNEL_ENV)
-        if steps_per_session:
-            kernel_env.update(PYTHONPATH=str(self.step_cap_dir), RELAY_TEST_STEPS_PER_SESSION=str(steps_per_session))
-        self.emu = self.make_emulator(self.root / "emulator", kernel_env=kernel_env, **emulator_settings)
+    def start(self, **emulator_settings):
+        self.emu = self.make_emulator(self.root / "emulator", kernel_env=dict(KERNEL_ENV), **emulator_settings)
         return self.emu
 
     def write_spec(self, **overrides) -> Path:
@@ -315,8 +250,8 @@ class RelayEnv:
 
 
 @pytest.fixture
-def relay_env(tmp_path, isolated_env, make_emulator, step_cap_dir, prefect_api):  # noqa: F811
-    env = RelayEnv(tmp_path / "relay", step_cap_dir, make_emulator, prefect_api)
+def relay_env(tmp_path, isolated_env, make_emulator, prefect_api):  # noqa: F811
+    env = RelayEnv(tmp_path / "relay", make_emulator, prefect_api)
     env.root.mkdir()
     yield env
     env.stop()

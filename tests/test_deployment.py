@@ -23,7 +23,6 @@ import pytest
 import yaml
 
 from kaggle_fixtures import KERNEL_ENV, isolated_env, make_emulator  # noqa: F401
-from relay_fixtures import STEP_CAP_HOOK
 from relay.kaggle import ClientBackend, KaggleCredentials
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,13 +47,14 @@ STEPS_PER_SESSION = 25  # 60 steps -> 3 sessions on any machine (time-based sess
 
 
 def short_spec(path: Path) -> Path:
-    """examples/price-demo.yaml cut to 60 steps; sessions end after STEPS_PER_SESSION steps (the test-only
-    step cap of tests/relay_fixtures.py), the 10 min budget being only a backstop."""
+    """examples/price-demo.yaml cut to 60 steps; sessions end after STEPS_PER_SESSION steps
+    (`session.max_steps`), the 10 min budget being only a backstop."""
     spec = yaml.safe_load((REPO / "examples" / "price-demo.yaml").read_text())
     spec["name"] = "price-deploy-test"
     spec["optim"].pop("epochs")
     spec["optim"]["max_steps"] = 60
     spec["session"]["budget"] = "10m"
+    spec["session"]["max_steps"] = STEPS_PER_SESSION
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
 
@@ -135,11 +135,7 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
         server = procs.start("server", [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                              env)
         # While the server migrates its fresh database: the emulator and the data a user would upload.
-        hook = tmp_path / "step-cap"
-        hook.mkdir()
-        (hook / "sitecustomize.py").write_text(STEP_CAP_HOOK)
-        emulator = make_emulator(users={USER: key}, kernel_env=dict(
-            KERNEL_ENV, PYTHONPATH=str(hook), RELAY_TEST_STEPS_PER_SESSION=str(STEPS_PER_SESSION)))
+        emulator = make_emulator(users={USER: key}, kernel_env=dict(KERNEL_ENV))
         backend = ClientBackend(KaggleCredentials(USER, key=key), emulator.url, dataset_poll_s=0.1)
         published = seed_emulator.seed(backend, tmp_path / "data")
         assert published.dataset == "demo/price-data" and published.version == 1

@@ -22,8 +22,10 @@ class SessionClock:
         deadline: Optional[float] = None,
         safety_margin: float = 60.0,
         now: Optional[float] = None,
+        max_steps: Optional[int] = None,
     ):
-        """`budget`: seconds from now; `deadline`: absolute unix time; the earlier one wins."""
+        """`budget`: seconds from now; `deadline`: absolute unix time; the earlier one wins.
+        `max_steps`: optimizer steps this session may take (a step-bounded session, whatever the speed)."""
         self.started = time.time() if now is None else now
         self._t0 = time.monotonic()
         limits = [b for b in (budget,) if b is not None]
@@ -31,6 +33,8 @@ class SessionClock:
             limits.append(deadline - self.started)
         self.limit: float = min(limits) if limits else math.inf
         self.safety_margin = safety_margin
+        self.max_steps = max_steps
+        self.steps_taken = 0
         self._step_times: collections.deque[float] = collections.deque(maxlen=20)
         self.eval_seconds = 0.0
         self.save_seconds: Optional[float] = None
@@ -47,6 +51,7 @@ class SessionClock:
 
     def record_step(self, seconds: float) -> None:
         self._step_times.append(seconds)
+        self.steps_taken += 1
 
     def record_save(self, seconds: float) -> None:
         self.save_seconds = seconds if self.save_seconds is None else max(seconds, 0.5 * self.save_seconds)
@@ -65,9 +70,11 @@ class SessionClock:
         )
 
     def should_stop(self, eval_due: bool = False) -> Optional[str]:
-        """The reason to stop now ("sigterm" or "budget"), or None to go on."""
+        """The reason to stop now ("sigterm", "steps" or "budget"), or None to go on."""
         if self.stop_signal:
             return "sigterm"
+        if self.max_steps is not None and self.steps_taken >= self.max_steps:
+            return "steps"
         if self.remaining() < self.time_needed(eval_due):
             return "budget"
         return None

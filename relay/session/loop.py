@@ -200,7 +200,7 @@ class Trainer:
         return sample
 
     def fit(self) -> str:
-        """Train until done or told to stop; returns "done", "budget" or "sigterm"."""
+        """Train until done or told to stop; returns "done", "budget", "steps" or "sigterm"."""
         self.model.train()
         st = self.state
         bar = tqdm(total=self.total_steps, initial=st.global_step, desc=f"session {st.sessions[-1]['index']}",

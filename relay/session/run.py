@@ -74,7 +74,8 @@ def run_session(
     run_id: Optional[str] = None,
 ) -> dict:
     """Run one session and return its progress dict (also written to workdir/progress.json)."""
-    clock = SessionClock(budget, deadline, spec.session.safety_margin)  # start-up counts against the budget
+    # start-up counts against the budget
+    clock = SessionClock(budget, deadline, spec.session.safety_margin, max_steps=spec.session.max_steps)
     clock.install_signal_handlers()
     try:
         return _run(spec, Path(workdir), clock, resume_from, data_dir, feature_dirs, run_id)
@@ -181,7 +182,7 @@ def _update_session(session: dict, trainer: Trainer, clock: SessionClock, metric
         samples_per_s=round(trainer.session_samples / max(1e-9, trainer.train_seconds), 2),
         peak_mem_mb=round(trainer.monitor.peak_mb() or trainer.monitor.sample()["rss_mb"], 1),
         loss_end=metrics_log.last_train_loss,
-        stop_reason=reason if reason in ("budget", "sigterm", "done") else "running",
+        stop_reason=reason if reason in ("budget", "steps", "sigterm", "done") else "running",
         # this save's own time is known only after it; the checkpoint carries the last measured one
         save_seconds=session.get("save_seconds", round(clock.save_seconds or 0.0, 3)),
     )
