@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import (
@@ -99,6 +99,8 @@ class SessionConfig(_Section):
     empty_cache_every_steps: Optional[PositiveInt] = 50
     memory_log_every_steps: PositiveInt = 50
     threads: Optional[PositiveInt] = None  # torch CPU threads; exact resume needs the same count
+    # processes training together: "auto" is every visible GPU (both T4s of a T4 x2), 1 on CPU
+    devices: Union[Literal["auto"], PositiveInt] = "auto"
 
     @field_validator("budget", "save_every", "safety_margin", mode="before")
     @classmethod

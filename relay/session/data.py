@@ -52,22 +52,31 @@ class StepSchedule:
         return self.permutation(self.epoch_of(step))[start : start + self.effective_batch].tolist()
 
 
-class MicroBatchSampler(Sampler[list[int]]):
-    """Yields the micro-batches of optimizer steps start_step, start_step+1, ..., end_step-1."""
+def rank_indices(schedule: StepSchedule, step: int, rank: int = 0, world_size: int = 1) -> list[int]:
+    """Rank `rank`'s equal slice of optimizer step `step`'s effective batch (all of it with one process)."""
+    share = schedule.effective_batch // world_size
+    return schedule.indices(step)[rank * share : (rank + 1) * share]
 
-    def __init__(self, schedule: StepSchedule, start_step: int, end_step: int, micro_batch: int):
-        if schedule.effective_batch % micro_batch:
-            raise ValueError(f"micro-batch {micro_batch} does not divide the effective batch")
+
+class MicroBatchSampler(Sampler[list[int]]):
+    """Yields the micro-batches of optimizer steps start_step, start_step+1, ..., end_step-1 (of this rank's
+    slice of each step when several processes train together)."""
+
+    def __init__(self, schedule: StepSchedule, start_step: int, end_step: int, micro_batch: int,
+                 rank: int = 0, world_size: int = 1):
+        if schedule.effective_batch % (micro_batch * world_size):
+            raise ValueError(f"micro-batch {micro_batch} x {world_size} processes does not divide the effective batch")
         self.schedule, self.start, self.end, self.micro = schedule, start_step, end_step, micro_batch
+        self.rank, self.world_size = rank, world_size
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.start, self.end):
-            idx = self.schedule.indices(step)
+            idx = rank_indices(self.schedule, step, self.rank, self.world_size)
             for i in range(0, len(idx), self.micro):
                 yield idx[i : i + self.micro]
 
     def __len__(self) -> int:
-        return (self.end - self.start) * (self.schedule.effective_batch // self.micro)
+        return (self.end - self.start) * (self.schedule.effective_batch // (self.micro * self.world_size))
 
 
 def make_loader(

@@ -21,7 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from relay.recipes.base import Recipe
-from relay.session import data, memory
+from relay.session import data, distributed, memory
 from relay.session.budget import SessionClock
 from relay.spec import RunSpec
 
@@ -45,6 +45,8 @@ class TrainState:
     best: Optional[dict] = None  # {"metric", "value", "step"}
     last_eval: dict = field(default_factory=dict)
     threads: int = 1
+    world_size: int = 1  # processes training together; micro_batch x grad_accum x world_size is the spec's batch
+    exactness_lost: Optional[dict] = None  # {"step", "why"}: from that step on, not bit-identical to one run
     sessions: list = field(default_factory=list)
 
     @classmethod
@@ -123,8 +125,9 @@ class Trainer:
     def __init__(self, spec: RunSpec, recipe: Recipe, model: nn.Module, device: torch.device,
                  clock: SessionClock, state: TrainState, *, total_steps: int,
                  schedule: data.StepSchedule, log_metrics: Callable[[dict], None],
-                 save: Callable[[str], None]):
+                 save: Callable[[str], None], world: distributed.World = distributed.SINGLE):
         self.spec, self.recipe, self.model, self.device, self.clock = spec, recipe, model, device, clock
+        self.world = world
         self.state, self.total_steps, self.schedule = state, total_steps, schedule
         self.log_metrics, self._save = log_metrics, save
         self.optimizer = build_optimizer(model, spec, device)
@@ -144,15 +147,23 @@ class Trainer:
         enabled = self.state.precision == "fp16" and self.device.type == "cuda"
         return torch.amp.GradScaler(self.device.type, enabled=enabled)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        """The resume state, on rank 0 (None on the others: the replicas are equal, only RNG differs, and every
+        rank's RNG is gathered into `rng_ranks`). All ranks must call it."""
+        rngs = distributed.gather(self.world, rng_state(self.device))
+        if not self.world.main:
+            return None
+        sd = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "rng": rng_state(self.device),
+            "rng": rngs[0],
             "trainer": asdict(self.state),
         }
+        if self.world.size > 1:
+            sd["rng_ranks"] = rngs
+        return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.model.load_state_dict(sd["model"])
@@ -161,7 +172,11 @@ class Trainer:
         self.scaler = self._new_scaler()
         if sd["scaler"]:
             self.scaler.load_state_dict(sd["scaler"])
-        set_rng_state(sd["rng"], self.device)
+        rngs = sd.get("rng_ranks") or [sd["rng"]]
+        if self.world.rank < len(rngs):
+            set_rng_state(rngs[self.world.rank], self.device)
+        else:  # a rank the saving session did not have (the world grew): exactness is already lost
+            torch.manual_seed(distributed.rank_seed(self.spec.seed + self.state.global_step, self.world.rank))
 
     # -- the loop -------------------------------------------------------------------------------
     def preflight(self) -> dict:
@@ -177,21 +192,25 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         while True:
-            idx = self.schedule.indices(st.global_step)[: st.micro_batch]
+            idx = data.rank_indices(self.schedule, st.global_step, self.world.rank, self.world.size)[: st.micro_batch]
             batch = data.to_device(self.recipe.collate([self.train_set[i] for i in idx]), self.device, False)
+            oom = None
             try:
                 with torch.random.fork_rng(devices=devices), self._autocast():
                     self.recipe.loss(self.model, batch).backward()
-                break
             except Exception as err:  # noqa: BLE001 - only OOM is handled
                 if not memory.is_oom(err):
                     raise
-                self._back_off(err)
+                oom = err
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
                 with torch.no_grad():
                     for name, b in self.model.named_buffers():
                         b.copy_(buffers[name])
+            oom = self._any_oom(oom)
+            if oom is None:
+                break
+            self._back_off(oom)
         sample = self.monitor.sample()
         used = (f"GPU peak {self.monitor.peak_mb():.0f} MB" if self.device.type == "cuda"
                 else f"RSS {sample['rss_mb']:.0f} MB, RAM {sample['ram_pct']:.0f} %")
@@ -204,12 +223,14 @@ class Trainer:
         self.model.train()
         st = self.state
         bar = tqdm(total=self.total_steps, initial=st.global_step, desc=f"session {st.sessions[-1]['index']}",
-                   unit="step", dynamic_ncols=True, mininterval=1.0)
+                   unit="step", dynamic_ncols=True, mininterval=1.0, disable=not self.world.main)
         try:
             while st.global_step < self.total_steps:
-                reason = self.clock.should_stop(eval_due=self._eval_due(st.global_step + 1))
+                reason, save_due = self._decide(eval_due=self._eval_due(st.global_step + 1))
                 if reason:
                     return reason
+                if save_due:
+                    self.save("periodic")
                 try:
                     loss = self._step()
                 except Exception as err:  # noqa: BLE001 - only OOM is handled, the rest re-raised
@@ -232,13 +253,25 @@ class Trainer:
         self._step_rng = self._torch_rng()  # an OOM retry replays the same dropout masks
         t0 = time.perf_counter()
         total = torch.zeros((), device=self.device)
-        for _ in range(st.grad_accum):
-            batch = data.to_device(next(self._batches), self.device, self.spec.data.non_blocking)
-            with self._autocast():
-                loss = self.recipe.loss(self.model, batch)
-            total += loss.detach().float()
-            self.scaler.scale(loss / st.grad_accum).backward()
+        oom = None
+        try:
+            for _ in range(st.grad_accum):
+                batch = data.to_device(next(self._batches), self.device, self.spec.data.non_blocking)
+                with self._autocast():
+                    loss = self.recipe.loss(self.model, batch)
+                total += loss.detach().float()
+                self.scaler.scale(loss / st.grad_accum).backward()
+        except Exception as err:  # noqa: BLE001 - an OOM on one rank is agreed on below, the rest re-raised
+            if not (self.world.active and memory.is_oom(err)):
+                raise
+            oom = err
         mean_loss = (total / st.grad_accum).item()  # the one host sync per optimizer step
+        if self.world.active:  # one small all-reduce: did any rank run out of memory, and the mean loss
+            n_oom, loss_sum = distributed.agree(self.world, [oom is not None, 0.0 if oom else mean_loss], self.device)
+            if n_oom:
+                raise oom or _peer_oom()
+            mean_loss = loss_sum / self.world.size
+            distributed.average_gradients(self.model, self.world)
         if math.isfinite(mean_loss):
             st.nonfinite_streak = 0
             if self.spec.optim.clip_grad_norm:
@@ -271,8 +304,6 @@ class Trainer:
             if improved and spec.checkpoints.keep_best:
                 self.save("best")
                 return
-        if time.monotonic() - self._last_save >= spec.session.save_every:
-            self.save("periodic")
 
     def _log_train(self) -> None:
         st = self.state
@@ -287,6 +318,19 @@ class Trainer:
             record.update(self.monitor.sample())
         self._recent_losses.clear()
         self.log_metrics(record)
+
+    def _decide(self, eval_due: bool) -> tuple[Optional[str], bool]:
+        """Stop now (the reason), and is a periodic save due? With several ranks, rank 0's clock decides the
+        budget and the save, a SIGTERM to any rank stops all, and every rank gets the same answer."""
+        reason = self.clock.should_stop(eval_due=eval_due)
+        save_due = time.monotonic() - self._last_save >= self.spec.session.save_every
+        if not self.world.active:
+            return reason, save_due
+        main = self.world.main
+        sig, steps, budget, save = distributed.agree(self.world, [
+            reason == "sigterm", reason == "steps", main and reason == "budget", main and save_due], self.device)
+        agreed = "sigterm" if sig else "steps" if steps else "budget" if budget else None
+        return agreed, bool(save) and agreed is None
 
     def save(self, reason: str) -> None:
         t0 = time.perf_counter()
@@ -344,6 +388,13 @@ class Trainer:
         st.precision, st.nonfinite_streak = "fp32", 0
         self.scaler = self._new_scaler()
 
+    def _any_oom(self, err: Optional[BaseException]) -> Optional[BaseException]:
+        """This rank's OOM, or a stand-in when another rank ran out: all ranks then back off together."""
+        if not self.world.active:
+            return err
+        (n_oom,) = distributed.agree(self.world, [err is not None], self.device)
+        return (err or _peer_oom()) if n_oom else None
+
     def _back_off(self, err: BaseException) -> None:
         st = self.state
         smaller = memory.back_off(st.micro_batch, st.grad_accum)
@@ -374,8 +425,13 @@ class Trainer:
 
     def _loader(self, start_step: int):
         d = self.spec.data
-        sampler = data.MicroBatchSampler(self.schedule, start_step, self.total_steps, self.state.micro_batch)
+        sampler = data.MicroBatchSampler(self.schedule, start_step, self.total_steps, self.state.micro_batch,
+                                         self.world.rank, self.world.size)
         pin = (self.device.type == "cuda") if d.pin_memory == "auto" else d.pin_memory
         return data.make_loader(self.train_set, sampler, self.recipe.collate, num_workers=d.num_workers,
                                 pin_memory=pin, prefetch_factor=d.prefetch_factor,
                                 persistent_workers=d.persistent_workers, seed=self.spec.seed + start_step)
+
+
+def _peer_oom() -> RuntimeError:
+    return RuntimeError("out of memory on another rank: every rank backs off together")

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from relay import recipes
-from relay.session import atomic, checkpoint, data, memory
+from relay.session import atomic, checkpoint, data, distributed, memory
 from relay.session.budget import SessionClock
 from relay.session.loop import Trainer, TrainState, resolve_precision
 from relay.spec import RunSpec
@@ -48,9 +48,10 @@ def seed_everything(seed: int) -> None:
 
 
 class MetricsLog:
-    """metrics.jsonl: one line per record, appended and flushed so a kill loses at most one line."""
+    """metrics.jsonl: one line per record, appended and flushed so a kill loses at most one line.
+    Without a path (ranks other than 0) it only keeps the last training loss."""
 
-    def __init__(self, path: Path, session: int):
+    def __init__(self, path: Optional[Path], session: int):
         self.path, self.session = path, session
         self.last_train_loss: Optional[float] = None
 
@@ -58,6 +59,8 @@ class MetricsLog:
         record = {"session": self.session, "time": round(time.time(), 3), **record}
         if record.get("kind") == "train":
             self.last_train_loss = record.get("loss")
+        if self.path is None:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -73,20 +76,44 @@ def run_session(
     feature_dirs: Sequence[Path] = (),
     run_id: Optional[str] = None,
 ) -> dict:
-    """Run one session and return its progress dict (also written to workdir/progress.json)."""
+    """Run one session and return its progress dict (also written to workdir/progress.json). With
+    `session.devices` resolving to N > 1, N processes train together (relay.session.distributed)."""
+    args = (spec, Path(workdir), budget, deadline, resume_from, data_dir, feature_dirs, run_id)
+    world_size = distributed.world_size_for(spec.session.devices, pick_device().type)
+    if world_size > 1:
+        started = time.time()
+        distributed.launch(_rank_main, world_size, (started, *args))
+        return json.loads((Path(workdir) / "progress.json").read_text())
+    return _session(distributed.SINGLE, time.time(), *args)
+
+
+def _rank_main(rank: int, world_size: int, port: int, started: float, spec: RunSpec, *args) -> None:
+    """One rank of a data-parallel session (a spawned process)."""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
+    world = distributed.init(rank, world_size, port, pick_device().type)
+    try:
+        _session(world, started, spec, *args)
+    finally:
+        distributed.shutdown(world)
+
+
+def _session(world, started, spec, workdir, budget, deadline, resume_from, data_dir, feature_dirs, run_id) -> dict:
     # start-up counts against the budget
-    clock = SessionClock(budget, deadline, spec.session.safety_margin, max_steps=spec.session.max_steps)
+    clock = SessionClock(budget, deadline, spec.session.safety_margin, now=started, max_steps=spec.session.max_steps)
     clock.install_signal_handlers()
     try:
-        return _run(spec, Path(workdir), clock, resume_from, data_dir, feature_dirs, run_id)
+        return _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, world)
     finally:
         clock.restore_signal_handlers()
 
 
-def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id) -> dict:
+def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, world=distributed.SINGLE) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt_root = workdir / "checkpoints"
     device = pick_device()
+    if device.type == "cuda" and world.size > 1:
+        device = torch.device("cuda", world.rank)
     configure_backends(spec, device)
 
     params = spec.recipe_params()
@@ -94,10 +121,16 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id) -> d
         data_dir = Path(params.data_dir)
     recipe = recipes.get(spec.recipe)(params, data_dir=Path(data_dir or "."),
                                       cache_dirs=[workdir / "cache", *feature_dirs], seed=spec.seed)
+    if not world.main:
+        distributed.barrier(world)  # rank 0 fills the feature cache first; the others then read it
     recipe.prepare()
+    if world.main:
+        distributed.barrier(world)
 
     seed_everything(spec.seed)
-    model = recipe.build_model()
+    model = recipe.build_model()  # the same initial weights on every rank
+    if world.rank:
+        torch.manual_seed(distributed.rank_seed(spec.seed, world.rank))  # each rank its own dropout masks
     if spec.optim.activation_checkpointing and not recipe.enable_activation_checkpointing(model):
         log.warning("optim.activation_checkpointing: recipe %s has no checkpointable modules", spec.recipe)
     model.to(device)
@@ -113,25 +146,33 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id) -> d
             log.warning("resuming with %d threads, saved with %d: results will not be bit-identical",
                         torch.get_num_threads(), state.threads)
     else:
-        state = TrainState(micro_batch=spec.optim.micro_batch, grad_accum=spec.optim.grad_accum,
+        micro, accum = distributed.split_batch(spec.optim.micro_batch * spec.optim.grad_accum, world.size,
+                                               spec.optim.micro_batch)
+        state = TrainState(micro_batch=micro, grad_accum=accum, world_size=world.size,
                            precision=resolve_precision(spec.optim.precision, device))
     state.threads = torch.get_num_threads()
+    if state.world_size != world.size:
+        _change_world(state, world.size)
 
     train_len = len(recipe.train_dataset())
     schedule = data.StepSchedule(train_len, spec.optim.micro_batch * spec.optim.grad_accum, spec.seed)
     total = data.total_steps(schedule, spec.optim.epochs, spec.optim.max_steps)
-    metrics_log = MetricsLog(workdir / "metrics.jsonl", session=len(state.sessions) + 1)
+    metrics_log = MetricsLog(workdir / "metrics.jsonl" if world.main else None, session=len(state.sessions) + 1)
     run_id = run_id or (state.sessions[-1].get("run_id") if state.sessions else None)
 
     session = {"index": len(state.sessions) + 1, "run_id": run_id, "started": clock.started,
-               "step_start": state.global_step, "stop_reason": "running"}
+               "step_start": state.global_step, "stop_reason": "running", "world_size": world.size}
     state.sessions.append(session)
 
     def save(reason: str) -> None:
         t0 = time.perf_counter()
         _update_session(session, trainer, clock, metrics_log, reason)
+        resume_state = trainer.state_dict()  # every rank takes part (RNG is gathered); rank 0 writes
+        if not world.main:
+            distributed.barrier(world)
+            return
         ckpt = checkpoint.save(
-            ckpt_root, trainer.state_dict(), step=state.global_step,
+            ckpt_root, resume_state, step=state.global_step,
             meta={"run_id": run_id, "code_version": code_version(), "reason": reason,
                   "epoch": schedule.epoch_of(max(0, state.global_step - 1)), "best": state.best},
             disk_budget_bytes=int(spec.checkpoints.disk_budget_gb * 1e9), keep_last=spec.checkpoints.keep_last,
@@ -140,19 +181,23 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id) -> d
         session["save_seconds"] = round(time.perf_counter() - t0, 3)
         _write_progress(workdir, spec, state, total, schedule, ckpt, status="paused", reason=reason,
                         run_id=run_id)
+        distributed.barrier(world)
 
     trainer = Trainer(spec, recipe, model, device, clock, state, total_steps=total, schedule=schedule,
-                      log_metrics=metrics_log, save=save)
+                      log_metrics=metrics_log, save=save, world=world)
     if restored:
         trainer.load_state_dict(restored[1])
         del restored  # free the loaded copy before training (seed 002's "load to CPU, then del")
-    log.info("session %d on %s: step %d of %d, micro-batch %d x %d, %s, budget %s", session["index"],
-             memory.describe_device(device), state.global_step, total, state.micro_batch, state.grad_accum,
-             state.precision, "none" if clock.limit == float("inf") else f"{clock.limit:.0f}s")
+    log.info("session %d on %s: step %d of %d, micro-batch %d x %d x %d processes, %s, budget %s",
+             session["index"], memory.describe_device(device), state.global_step, total, state.micro_batch,
+             state.grad_accum, world.size, state.precision,
+             "none" if clock.limit == float("inf") else f"{clock.limit:.0f}s")
 
     trainer.preflight()
     reason = trainer.fit()
     trainer.save(reason)
+    if not world.main:
+        return {}
     status = "done" if reason == "done" else "paused"
     weights = checkpoint.weights_sha256(model.state_dict())
     if status == "done":
@@ -161,6 +206,19 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id) -> d
     checkpoint.wait_for_deletions()
     return _write_progress(workdir, spec, state, total, schedule, checkpoint.list_valid(ckpt_root)[0],
                            status=status, reason=reason, run_id=run_id, weights=weights)
+
+
+def _change_world(state: TrainState, world_size: int) -> None:
+    """Resume with another number of processes (T4 x2 one week, one GPU the next): keep the effective batch,
+    and say from which step the run is no longer bit-identical to an uninterrupted one."""
+    effective = state.micro_batch * state.grad_accum * state.world_size
+    why = f"world size changed from {state.world_size} to {world_size} processes"
+    log.warning("%s at step %d: the effective batch stays %d, but the run is no longer bit-identical to an"
+                " uninterrupted one", why, state.global_step, effective)
+    state.micro_batch, state.grad_accum = distributed.split_batch(effective, world_size, state.micro_batch)
+    state.world_size = world_size
+    if state.exactness_lost is None:
+        state.exactness_lost = {"step": state.global_step, "why": why}
 
 
 def _carry_metrics(workdir: Path, resume_from: Sequence[Path]) -> None:
@@ -205,6 +263,8 @@ def _write_progress(workdir: Path, spec: RunSpec, state: TrainState, total: int,
         "micro_batch": state.micro_batch,
         "grad_accum": state.grad_accum,
         "precision": state.precision,
+        "world_size": state.world_size,
+        "exactness_lost": state.exactness_lost,
         "checkpoint": str(ckpt.path.relative_to(workdir)) if ckpt.path.is_relative_to(workdir) else str(ckpt.path),
         "weights_sha256": weights,
         "sessions": state.sessions,

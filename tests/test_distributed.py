@@ -1,0 +1,163 @@
+"""Data-parallel sessions (both GPUs of a Kaggle T4 x2), proved on CPU with gloo and 2 processes: a run split
+into sessions by step caps, a SIGKILL in the middle of a save and a SIGTERM sent to rank 1 alone ends
+bit-identical to an uninterrupted 2-process run; a 2 -> 1 change of world size resumes with the same effective
+batch and says from which step exactness is lost; and the relay on the emulator completes with 2-process
+sessions. Every stop is triggered by an event (a save folder appearing, a logged step), never by a sleep."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from conftest import toy_spec_dict, write_spec
+from relay.session import checkpoint
+from relay.session.distributed import split_batch
+from relay_fixtures import wait_for
+
+# 256 samples / 16 = 16 steps per epoch; 64 steps; eval every 16 (best saves); hidden 512 so a save takes a
+# few ms and a poll can land inside it; periodic saves every 0.2 s
+DDP = dict(name="ddp-toy", seed=5, params={"n_train": 256, "n_eval": 64, "hidden": 512, "dropout": 0.2},
+           optim={"epochs": None, "max_steps": 64, "eval_every_steps": 16, "log_every_steps": 1},
+           session={"devices": 2, "save_every": 0.2}, checkpoints={"keep_last": 2})
+TOTAL = 64
+
+
+def load_final(workdir: Path) -> tuple[dict, dict]:
+    progress = json.loads((workdir / "progress.json").read_text())
+    return progress, torch.load(workdir / progress["checkpoint"] / checkpoint.STATE_FILE, weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def spec_path(tmp_path_factory) -> Path:
+    return write_spec(tmp_path_factory.mktemp("ddp-spec"), toy_spec_dict(DDP))
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(spec_path, relay_cli, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("ddp-reference")
+    relay_cli.train(spec_path, workdir, "none", "--max-steps", "none")
+    progress, state = load_final(workdir)
+    assert progress["status"] == "done" and progress["world_size"] == 2 and len(progress["sessions"]) == 1
+    assert len(state["rng_ranks"]) == 2 and not torch.equal(state["rng_ranks"][0]["torch"],
+                                                           state["rng_ranks"][1]["torch"])
+    return progress, state
+
+
+def ranks(proc) -> list[psutil.Process]:
+    """The spawned rank processes of a `relay train` process, rank 0 first (started in rank order)."""
+    kids = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    return sorted(kids, key=lambda p: p.create_time())
+
+
+def metrics_steps(workdir: Path) -> int:
+    try:
+        lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    return max((json.loads(l).get("step", 0) for l in lines if l.strip().endswith("}")), default=0)
+
+
+def test_split_by_steps_sigkill_mid_save_and_sigterm_to_rank_1_is_bit_identical(spec_path, relay_cli,
+                                                                                  ddp_reference, tmp_path):
+    workdir, ckpts = tmp_path / "w", tmp_path / "w" / "checkpoints"
+
+    # session 1: SIGKILL to every process as soon as a checkpoint folder is being written (after step 16)
+    proc = relay_cli.popen(*relay_cli.train_args(spec_path, workdir, "none"), start_new_session=True,
+                           stdout=open(tmp_path / "s1.log", "w"), stderr=open(tmp_path / "s1.err", "w"))
+    in_save = False
+    while proc.poll() is None and not in_save:
+        tmps = [n for n in os.listdir(ckpts) if n.startswith(".tmp-")] if ckpts.is_dir() else []
+        if tmps and metrics_steps(workdir) >= 16:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            in_save = any((ckpts / t).exists() for t in tmps)
+        time.sleep(0.0005)
+    assert in_save, "the kill did not land in a save"
+    killed_at = max(c.step for c in checkpoint.list_valid(ckpts))
+    assert 0 < killed_at < TOTAL
+
+    # session 2: ends after 12 steps (session.max_steps, any machine speed)
+    relay_cli.train(spec_path, workdir, "none", "--max-steps", "12")
+    progress = json.loads((workdir / "progress.json").read_text())
+    assert progress["global_step"] == killed_at + 12 and progress["sessions"][-1]["stop_reason"] == "steps"
+
+    # session 3: SIGTERM to rank 1 only, once training is under way: both ranks stop at the same step
+    proc = relay_cli.popen(*relay_cli.train_args(spec_path, workdir, "none"), start_new_session=True,
+                           stdout=open(tmp_path / "s3.log", "w"), stderr=open(tmp_path / "s3.err", "w"))
+    start = progress["global_step"]
+    wait_for(lambda: metrics_steps(workdir) >= start + 2 or proc.poll() is not None, 120, "session 3 training")
+    assert proc.poll() is None, (tmp_path / "s3.err").read_text()[-2000:]
+    ranks(proc)[1].send_signal(signal.SIGTERM)
+    assert proc.wait(120) == 0, (tmp_path / "s3.err").read_text()[-3000:]
+    progress = json.loads((workdir / "progress.json").read_text())
+    assert progress["sessions"][-1]["stop_reason"] == "sigterm" and progress["global_step"] < TOTAL
+
+    # session 4: to the end
+    relay_cli.train(spec_path, workdir, "none", "--max-steps", "none")
+    progress, state = load_final(workdir)
+    ref_progress, ref_state = ddp_reference
+    assert progress["status"] == "done" and len(progress["sessions"]) == 4
+    assert progress["weights_sha256"] == ref_progress["weights_sha256"]
+    for part in ("model", "optimizer", "scheduler"):
+        for key, value in _flat(ref_state[part]).items():
+            assert torch.equal(_flat(state[part])[key], value) if torch.is_tensor(value) else True, f"{part}.{key}"
+    assert all(torch.equal(a["torch"], b["torch"]) for a, b in zip(state["rng_ranks"], ref_state["rng_ranks"]))
+    assert progress["exactness_lost"] is None and progress["world_size"] == 2
+
+
+def test_world_size_2_to_1_keeps_the_effective_batch_and_says_exactness_is_lost(relay_cli, tmp_path):
+    two = write_spec(tmp_path, toy_spec_dict(DDP, session={"save_every": "1h"}), "two.yaml")
+    one = write_spec(tmp_path, toy_spec_dict(DDP, session={"devices": 1, "save_every": "1h"}), "one.yaml")
+    workdir = tmp_path / "w"
+    relay_cli.train(two, workdir, "none", "--max-steps", "20")
+    first = json.loads((workdir / "progress.json").read_text())
+    assert (first["micro_batch"], first["grad_accum"], first["world_size"]) == (8, 1, 2)  # 8 x 1 x 2 = 16
+    relay_cli.train(one, workdir, "none", "--max-steps", "none")
+    progress = json.loads((workdir / "progress.json").read_text())
+    assert progress["status"] == "done" and progress["global_step"] == TOTAL
+    assert (progress["micro_batch"], progress["grad_accum"], progress["world_size"]) == (8, 2, 1)  # 8 x 2 x 1
+    assert progress["exactness_lost"] == {"step": 20, "why": "world size changed from 2 to 1 processes"}
+    assert [s["world_size"] for s in progress["sessions"]] == [2, 1]
+
+
+def test_split_batch_keeps_the_effective_batch():
+    assert split_batch(16, 2, 8) == (8, 1)
+    assert split_batch(16, 1, 8) == (8, 2)
+    assert split_batch(8, 2, 8) == (4, 1)   # the micro-batch shrinks when one rank's share is smaller
+    assert split_batch(36, 2, 8) == (6, 3)  # the largest micro-batch <= 8 that divides a rank's 18
+    from relay.errors import InputError
+
+    with pytest.raises(InputError, match="divisible by the number of processes"):
+        split_batch(9, 2, 3)
+
+
+def test_relay_on_the_emulator_with_two_process_sessions(relay_env, reference, monkeypatch):
+    relay_env.start()
+    spec = relay_env.write_spec(**{"name": "toy-ddp-relay", "optim.max_steps": 60, "session.max_steps": 20,
+                                   "session.devices": 2})
+    reference.start(spec)
+    done = relay_env.run_flow(monkeypatch, mode="watch")
+    assert done["state"] == "done" and done["sessions"] == 3, done
+    progress = relay_env.published_progress()
+    assert [s["world_size"] for s in progress["sessions"]] == [2, 2, 2]
+    assert done["weights_sha256"] == reference.weights(spec)
+
+
+def _flat(tree, prefix="") -> dict:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    if isinstance(tree, (list, tuple)):
+        out = {}
+        for i, v in enumerate(tree):
+            out.update(_flat(v, f"{prefix}{i}."))
+        return out
+    return {prefix.rstrip("."): tree}
