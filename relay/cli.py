@@ -91,7 +91,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except planner.PlanError as err:
         raise InputError(f"relay plan: {err} (see relay plan --help)") from None
     print(planner.format_plan(plan))
+    procs = spec.session.devices if spec.session.devices != "auto" else GPUS_PER_SHAPE.get(spec.kaggle.machine_shape, 1)
+    print(f"processes per session: {procs} (session.devices: {spec.session.devices}, machine {spec.kaggle.machine_shape});"
+          " step times are of one optimizer step with all of them")
     return 0
+
+
+# GPUs a Kaggle machine shape brings ("GPU T4 x2"); session.devices: auto trains on all of them
+GPUS_PER_SHAPE = {"NvidiaTeslaT4": 2, "NvidiaTeslaT4Highmem": 2}
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -90,7 +90,7 @@ def _coerce_records(metrics: Any) -> list[dict[str, Any]]:
 
 COLUMNS = [  # (row key, terminal heading)
     ("session", "session"), ("run_id", "run id"), ("start", "start (UTC)"), ("duration_s", "duration"),
-    ("billed_gpu_s", "billed GPU"), ("steps", "steps"), ("samples_per_s", "samples/s"),
+    ("billed_gpu_s", "billed GPU"), ("steps", "steps"), ("world_size", "procs"), ("samples_per_s", "samples/s"),
     ("peak_mem_mb", "peak mem"), ("loss_end", "loss at end"), ("stop_reason", "stop"),
 ]
 
@@ -121,6 +121,7 @@ def session_table(progress: Mapping[str, Any], billed_s: Mapping[Any, float] | N
             "duration_s": _round(seconds, 1),
             "billed_gpu_s": _round(billed, 1),
             "steps": steps,
+            "world_size": s.get("world_size", 1),
             "samples_per_s": _round(s.get("samples_per_s"), 1),
             "peak_mem_mb": _round(s.get("peak_mem_mb"), 0),
             "loss_end": _round(s.get("loss_end"), 5),
