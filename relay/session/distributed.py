@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
@@ -86,8 +87,20 @@ def launch(worker: Callable[..., Any], world_size: int, args: Sequence[Any]) -> 
     If any process dies (an exception, a SIGKILL), the others are terminated and this raises."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(worker, args=(world_size, free_port(), *args), nprocs=world_size, join=True,
-                       start_method="spawn")
+    context = mp.start_processes(worker, args=(world_size, free_port(), *args), nprocs=world_size, join=False,
+                                 start_method="spawn")
+
+    def forward(signum, frame):  # Kaggle may signal only this process: every rank must see the SIGTERM
+        for proc in context.processes:
+            if proc.is_alive():
+                os.kill(proc.pid, signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        while not context.join():
+            pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def init(rank: int, size: int, port: int, device_type: str) -> World:
