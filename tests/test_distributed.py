@@ -161,3 +161,23 @@ def _flat(tree, prefix="") -> dict:
             out.update(_flat(v, f"{prefix}{i}."))
         return out
     return {prefix.rstrip("."): tree}
+
+
+def test_an_oom_on_one_rank_backs_off_every_rank_together(tmp_path, monkeypatch):
+    """Rank 1 alone runs out of memory mid-run: both ranks halve the micro-batch at the same step (no rank is
+    left waiting in a collective), the effective batch is kept, and the run finishes."""
+    import ddp_oom_worker
+    from conftest import load_toy_spec
+    from relay.session import distributed
+
+    from relay import recipes
+
+    monkeypatch.setitem(recipes._REGISTRY, ddp_oom_worker.NAME, ddp_oom_worker.PATH)
+    spec = load_toy_spec(DDP, recipe=ddp_oom_worker.NAME, session={"save_every": "1h"})
+    distributed.launch(ddp_oom_worker.worker, 2, (spec, str(tmp_path / "w")))
+    progress = json.loads((tmp_path / "w" / "progress.json").read_text())
+    assert progress["status"] == "done" and progress["global_step"] == TOTAL
+    assert (progress["micro_batch"], progress["grad_accum"], progress["world_size"]) == (4, 2, 2)  # rank 0 too
+    records = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    micro = [(r["step"], r["micro_batch"]) for r in records if r.get("kind") == "train"]
+    assert micro[0][1] == 8 and micro[-1][1] == 4
