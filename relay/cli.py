@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -29,6 +30,23 @@ def _steps(value: str) -> Optional[int]:
     if steps <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of steps or 'none' (got {value!r})")
     return steps
+
+
+def _deadline(value: str) -> float:
+    try:
+        deadline = float(value)
+    except ValueError:
+        deadline = float("nan")
+    if not math.isfinite(deadline) or deadline <= 0:
+        raise argparse.ArgumentTypeError(f"expected a unix time in seconds, e.g. 1767225600 (got {value!r})")
+    return deadline
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad argument is one line on stderr, like every other bad input (argparse prints its usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -122,7 +140,7 @@ _UNSET = object()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="relay", description=__doc__)
+    parser = _OneLineParser(prog="relay", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -134,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                         " default: the spec's session.budget")
     t.add_argument("--max-steps", type=_steps, default=_UNSET, metavar="N|none",
                    help="optimizer steps for this session, 'none' for no cap; default: the spec's session.max_steps")
-    t.add_argument("--deadline", type=float, help="absolute unix time the session must end by")
+    t.add_argument("--deadline", type=_deadline, help="absolute unix time the session must end by")
     t.add_argument("--resume-from", action="append", default=[], metavar="DIR",
                    help="read-only checkpoint location (a mounted dataset); repeatable")
     t.add_argument("--data", help="recipe data folder (overrides params.data_dir)")

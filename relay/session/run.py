@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from relay import recipes
+from relay.errors import InputError
 from relay.session import atomic, checkpoint, data, memory
 from relay.session.budget import SessionClock
 from relay.session.loop import Trainer, TrainState, resolve_precision
@@ -74,6 +75,8 @@ def run_session(
     run_id: Optional[str] = None,
 ) -> dict:
     """Run one session and return its progress dict (also written to workdir/progress.json)."""
+    workdir = Path(workdir)
+    _check_workdir(workdir)
     # start-up counts against the budget
     clock = SessionClock(budget, deadline, spec.session.safety_margin, max_steps=spec.session.max_steps)
     clock.install_signal_handlers()
@@ -83,18 +86,45 @@ def run_session(
         clock.restore_signal_handlers()
 
 
+def _check_workdir(workdir: Path) -> None:
+    for path in (workdir, *workdir.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise InputError(f"{workdir}: {'it' if path == workdir else path} is a file;"
+                                 " --workdir expects a folder (or a path that does not exist yet)")
+            return
+
+
+def _outermost_missing(path: Path) -> Optional[Path]:
+    """The folder `path.mkdir(parents=True)` would create first, or None when path exists."""
+    missing = None
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            break
+        missing = candidate
+    return missing
+
+
 def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id) -> dict:
-    workdir.mkdir(parents=True, exist_ok=True)
-    ckpt_root = workdir / "checkpoints"
+    # Nothing is written before the inputs are validated: a data error (a missing column, a file that is
+    # not UTF-8) must leave no workdir behind. prepare() writes only its feature cache, and only on success;
+    # a later check that fails removes what this session created.
+    created = _outermost_missing(workdir)
     device = pick_device()
     configure_backends(spec, device)
-
     params = spec.recipe_params()
     if data_dir is None and hasattr(params, "data_dir"):
         data_dir = Path(params.data_dir)
     recipe = recipes.get(spec.recipe)(params, data_dir=Path(data_dir or "."),
                                       cache_dirs=[workdir / "cache", *feature_dirs], seed=spec.seed)
-    recipe.prepare()
+    try:
+        recipe.prepare()
+    except InputError:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    workdir.mkdir(parents=True, exist_ok=True)
+    ckpt_root = workdir / "checkpoints"
 
     seed_everything(spec.seed)
     model = recipe.build_model()
