@@ -86,7 +86,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from relay import spec as spec_mod
 
     spec = spec_mod.load(args.spec)
-    progress = report.load_progress(args.progress) if args.progress else {}
+    progress = _load_progress(args.progress) if args.progress else {}
     total = None
     if not progress:
         if spec.optim.max_steps:
@@ -115,10 +115,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from relay import report
 
-    try:
-        progress = report.load_progress(args.dir)
-    except FileNotFoundError as err:
-        raise InputError(str(err)) from None
+    progress = _load_progress(args.dir)
     print(report.format_table(report.session_table(progress)))
     best = progress.get("best") or {}
     print(f"\n{progress['status']}: step {progress['global_step']}/{progress['total_steps']},"
@@ -128,6 +125,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     timeline = report.plot_timeline(progress["sessions"], out / "timeline.png")
     print(f"curves: {curves}\ntimeline: {timeline}")
     return 0
+
+
+def _load_progress(path: str) -> dict:
+    from relay import report
+
+    try:
+        return report.load_progress(path)
+    except (FileNotFoundError, ValueError) as err:  # none there, or one that is not JSON
+        raise InputError(f"{err}; expected a workdir or harvested outputs with a progress.json") from None
 
 
 def cmd_emulator(args: argparse.Namespace) -> int:

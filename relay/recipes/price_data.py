@@ -11,6 +11,7 @@ Usage: `relay data price-model --out DIR --train N --test N --seed S` (or `pytho
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import re
 from pathlib import Path
@@ -42,7 +43,7 @@ def read_split(path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
         raise InputError(f"{path}: line {line} is not UTF-8 text (byte 0x{byte:02x}); expected a CSV saved as"
                          " UTF-8") from None
     except pd.errors.ParserError as err:
-        detail = str(err).strip().removeprefix("Error tokenizing data. C error: ")
+        detail = _csv_problem(path) or str(err).strip().removeprefix("Error tokenizing data. C error: ")
         raise InputError(f"{path}: not a valid CSV ({detail}; {expected})") from None
     missing = [c for c in columns if c not in frame.columns]
     if missing:
@@ -63,6 +64,24 @@ def read_split(path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
                              f" {_shown(frame['price'].iloc[row])})")
         frame["price"] = price
     return frame[list(columns)]
+
+
+def _csv_problem(path: Path) -> str | None:
+    """Where a CSV pandas refused goes wrong, by file line (pandas counts records, and catalog_content
+    holds quoted newlines): a record with the wrong number of fields, or a quote never closed."""
+    start = 1
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f, strict=True)
+        try:
+            header = next(reader)
+            start = reader.line_num + 1
+            for record in reader:
+                if record and len(record) != len(header):
+                    return f"line {start} has {len(record)} fields, the header {len(header)}"
+                start = reader.line_num + 1
+        except csv.Error as err:
+            return f"line {start}: {err}"
+    return None
 
 
 def _shown(value) -> str:
