@@ -154,7 +154,7 @@ CASES = [
          "{root}/spec.yaml: data.num_workers: duplicate key at line 12 (first set at line 12)"),
     Case("spec-missing", train("nope.yaml"), "{root}/nope.yaml: cannot read the spec (No such file or directory)"),
     Case("spec-is-a-directory", lambda root: (root / "spec.yaml").mkdir() or train()(root),
-         "{root}/spec.yaml: cannot read the spec (Is a directory)", sub=True),
+         "{root}/spec.yaml: cannot read the spec (Is a directory)"),
     Case("spec-empty", raw(""), "{root}/spec.yaml: expected a mapping of spec keys at the top level"),
     Case("spec-bad-yaml", raw("name: x\n\tfoo: 1\n"), "{root}/spec.yaml: not valid YAML at line 2"),
     # beyond what Kaggle allows
@@ -211,7 +211,7 @@ CASES = [
     Case("kaggle-timeout-mapping", toy(**{"kaggle.session_timeout": {"h": 1}}),
          "kaggle.session_timeout: expected seconds or a duration like '11h30m' (got {'h': 1})"),
     Case("params-int-string", toy(**{"params.n_train": "lots"}),
-         "params.n_train: Input should be a valid integer (got 'lots')", sub=True),
+         "params.n_train: Input should be a valid integer (got 'lots')"),
     Case("params-float-string", toy(**{"params.dropout": "0.1"}),
          "params.dropout: Input should be a valid number (got '0.1')"),
     # the CLI's own arguments
@@ -223,7 +223,7 @@ CASES = [
     Case("cli-max-steps-0", toy_args("--max-steps", "0"),
          "argument --max-steps: expected a positive number of steps or 'none' (got '0')"),
     Case("cli-max-steps-fraction", toy_args("--max-steps", "2.5"),
-         "argument --max-steps: expected a positive number of steps or 'none' (got '2.5')", sub=True),
+         "argument --max-steps: expected a positive number of steps or 'none' (got '2.5')"),
     Case("cli-deadline-words", toy_args("--deadline", "tomorrow"),
          "argument --deadline: expected a unix time in seconds, e.g. 1767225600 (got 'tomorrow')"),
     Case("cli-no-workdir", lambda root: toy_text(root, TOY_YAML) and ["train", str(root / "spec.yaml")],
@@ -246,8 +246,7 @@ CASES = [
          "relay plan: no session has measured a step yet: pass --step-seconds S"),
     # the price recipe's data files
     Case("data-train-missing", price("train.csv", None),
-         "{root}/data/train.csv: file not found (expected a CSV with columns sample_id, catalog_content, price)",
-         sub=True),
+         "{root}/data/train.csv: file not found (expected a CSV with columns sample_id, catalog_content, price)"),
     Case("data-missing-column", price("train.csv", "sample_id,catalog_content\n1,x\n2,y\n"),
          "{root}/data/train.csv: missing column(s) price; expected sample_id, catalog_content, price"),
     Case("data-price-not-a-number", price("train.csv", with_row('999,"Item Name: X",cheap\n')),
