@@ -45,13 +45,16 @@ def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_te
     closed fence, each PNG an image node (a data URI: the UI cannot reach files on the worker)."""
     done, total = progress.get("global_step", 0), max(1, progress.get("total_steps", 1))
     best = progress.get("best") or {}
+    sessions = len(progress.get("sessions", []))
     last_eval = {k: round(v, 4) for k, v in (progress.get("metrics") or {}).items()}
     md = [f"# {name}: {state or progress.get('status', '')}",
           f"step **{done} / {total}** (epoch {progress.get('epoch', 0) + 1}), "
-          f"{len(progress.get('sessions', []))} sessions, {progress.get('total_seconds', 0) / 3600:.2f} h of sessions",
+          f"{sessions} session{'' if sessions == 1 else 's'},"
+          f" {progress.get('total_seconds', 0) / 3600:.2f} h of sessions",
           f"last eval: `{last_eval}`"]
     if best:
-        md.append(f"best {best.get('metric', '')}: {best.get('value', float('nan')):.4g} at step {best.get('step', '-')}")
+        md.append(f"best {best.get('metric', '')}: {best.get('value', float('nan')):.4g}"
+                  f" at step {best.get('step', '-')}")
     if plan_text.strip():
         fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", plan_text)), default=0))
         md.append(f"## Plan and ETA\n\n{fence}text\n{plan_text.strip(chr(10))}\n{fence}")
