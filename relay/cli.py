@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from relay.errors import InputError
+from relay.inputs import OneLineArgumentParser
 
 
 def _budget(value: str) -> Optional[float]:
@@ -40,13 +41,6 @@ def _deadline(value: str) -> float:
     if not math.isfinite(deadline) or deadline <= 0:
         raise argparse.ArgumentTypeError(f"expected a unix time in seconds, e.g. 1767225600 (got {value!r})")
     return deadline
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """A bad argument is one line on stderr, like every other bad input (argparse prints its usage first)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -146,7 +140,7 @@ _UNSET = object()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="relay", description=__doc__)
+    parser = OneLineArgumentParser(prog="relay", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 

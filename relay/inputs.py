@@ -6,6 +6,7 @@ Runs inside the Kaggle kernel too (the price recipe reads its CSVs through `non_
 """
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,6 +37,14 @@ def non_utf8_line(path: Path) -> Optional[tuple[int, int]]:
             except UnicodeDecodeError as err:
                 return number, line[err.start]
     return None
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """A bad argument is one line on stderr, exit 2, like every other bad input (argparse prints its usage
+    first). Subcommand parsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class DuplicateKey(InputError):

@@ -244,6 +244,12 @@ CASES = [
     Case("cli-plan-no-step-time",
          lambda root: ["plan", toy_text(root, TOY_YAML.replace("  epochs: 2\n", "  max_steps: 10\n"))[1]],
          "relay plan: no session has measured a step yet: pass --step-seconds S"),
+    Case("cli-plan-negative-step-time",
+         lambda root: ["plan", toy_text(root, TOY_YAML.replace("  epochs: 2\n", "  max_steps: 10\n"))[1],
+                       "--step-seconds", "-1"],
+         "relay: error: relay plan: step_seconds must be a finite number > 0, got -1.0"),
+    Case("cli-data-no-rows", lambda root: ["data", "price-model", "--out", str(root / "gen"), "--train", "0"],
+         "relay data price-model: error: price data: need n_train >= 1 and n_test >= 0, got 0, 500", sub=True),
     # the price recipe's data files
     Case("data-train-missing", price("train.csv", None),
          "{root}/data/train.csv: file not found (expected a CSV with columns sample_id, catalog_content, price)"),
@@ -302,8 +308,7 @@ def check_refusal(case: Case, root: Path, returncode, stdout: str, stderr: str, 
     assert returncode == 2, (returncode, stderr)
     lines = stderr.splitlines()
     assert len(lines) == 1, f"expected one stderr line, got:\n{stderr}"
-    assert lines[0].startswith(("relay: error: ", "relay train: error: ", "relay plan: error: ",
-                                "relay status: error: ")), lines[0]
+    assert lines[0].startswith(("relay: error: ", "relay train: error: ", "relay data price-model: error: ")), lines[0]
     assert expected in lines[0], f"\n  got:      {lines[0]}\n  expected: ...{expected}..."
     assert stdout == ""
     assert snapshot(root) == before, "a refused input created or changed files"

@@ -10,7 +10,6 @@ Usage: `relay data price-model --out DIR --train N --test N --seed S` (or `pytho
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import re
@@ -20,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from relay.errors import InputError
-from relay.inputs import non_utf8_line
+from relay.inputs import OneLineArgumentParser, non_utf8_line
 
 TRAIN_COLUMNS = ("sample_id", "catalog_content", "price")
 TEST_COLUMNS = ("sample_id", "catalog_content")
@@ -305,8 +304,8 @@ def make_frames(n_train: int, n_test: int, seed: int) -> tuple[pd.DataFrame, pd.
 def generate(out_dir: str | Path, n_train: int, n_test: int, seed: int = 0) -> tuple[Path, Path]:
     """Write out_dir/train.csv and out_dir/test.csv; same arguments give byte-identical files."""
     out_dir = Path(out_dir)
+    train, test = make_frames(n_train, n_test, seed)  # refuses bad sizes before anything is created
     out_dir.mkdir(parents=True, exist_ok=True)
-    train, test = make_frames(n_train, n_test, seed)
     train_path, test_path = out_dir / "train.csv", out_dir / "test.csv"
     train.to_csv(train_path, index=False)
     test.to_csv(test_path, index=False)
@@ -314,7 +313,7 @@ def generate(out_dir: str | Path, n_train: int, n_test: int, seed: int = 0) -> t
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="relay data price-model", description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(prog="relay data price-model", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for train.csv and test.csv")
     parser.add_argument("--train", type=int, default=2000, help="training rows (with price)")
     parser.add_argument("--test", type=int, default=500, help="test rows (without price)")
