@@ -364,3 +364,18 @@ def test_good_worlds_train(case_root, capsys, monkeypatch):
     write_price_world(case_root)
     assert relay_main(["train", str(case_root / "price.yaml"), "--workdir", str(case_root / "price")]) == 0
     assert (case_root / "price" / "progress.json").is_file()
+
+
+def test_yaml_merge_keys_may_be_overridden(case_root):
+    """Not a duplicate: a `<<: *anchor` merge brings keys in that the mapping may set again, as YAML intends."""
+    from relay import spec as spec_mod
+
+    text = TOY_YAML.replace("optim:\n", "defaults: &d {lr: 0.1, micro_batch: 4}\noptim:\n  <<: *d\n")
+    path = case_root / "merge.yaml"
+    path.write_text(text.replace("defaults: &d", "x-defaults: &d"))
+    with pytest.raises(spec_mod.SpecError, match="x-defaults: unknown key"):  # parsed fine; only the key is foreign
+        spec_mod.load(path)
+    from relay.inputs import load_yaml
+
+    data = load_yaml(text)
+    assert data["optim"]["lr"] == 0.003 and data["optim"]["micro_batch"] == 8
