@@ -44,7 +44,7 @@ def _train(devices: int, steps: int, root: Path) -> float:
     return json.loads((workdir / "progress.json").read_text())["sessions"][0]["samples_per_s"]
 
 
-def _sync_worker(rank: int, world_size: int, port: int, iters: int, out: str) -> None:
+def _sync_worker(rank: int, world_size: int, port: int, errors, iters: int, out: str) -> None:
     import torch
 
     from relay.recipes.toy import ToyParams, ToyRecipe

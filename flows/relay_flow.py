@@ -91,7 +91,9 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
         logger.info("decide: %s %s (%s)", action.do.value, action.run_id or "", action.reason)
         if obs.published and obs.published.get("run_id") != reported:
             metrics = handoff.published_metrics(backend, names, local, obs.published)
-            artifacts.publish_report(run_spec.name, obs.published, local, metrics, state=action.do.value)
+            plan = plan_text(run_spec, obs.published, t.read_quota(backend), datetime.now(timezone.utc))
+            artifacts.publish_report(run_spec.name, obs.published, local, metrics, plan_text=plan,
+                                     state=action.do.value)
             reported = obs.published.get("run_id")
 
         if action.do in (Do.HARVEST, Do.SALVAGE):

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 from relay.errors import InputError
+from relay.inputs import OneLineArgumentParser
 
 
 def _budget(value: str) -> Optional[float]:
@@ -29,6 +31,16 @@ def _steps(value: str) -> Optional[int]:
     if steps <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of steps or 'none' (got {value!r})")
     return steps
+
+
+def _deadline(value: str) -> float:
+    try:
+        deadline = float(value)
+    except ValueError:
+        deadline = float("nan")
+    if not math.isfinite(deadline) or deadline <= 0:
+        raise argparse.ArgumentTypeError(f"expected a unix time in seconds, e.g. 1767225600 (got {value!r})")
+    return deadline
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -68,7 +80,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from relay import spec as spec_mod
 
     spec = spec_mod.load(args.spec)
-    progress = report.load_progress(args.progress) if args.progress else {}
+    progress = _load_progress(args.progress) if args.progress else {}
     total = None
     if not progress:
         if spec.optim.max_steps:
@@ -104,10 +116,7 @@ GPUS_PER_SHAPE = {"NvidiaTeslaT4": 2, "NvidiaTeslaT4Highmem": 2}
 def cmd_status(args: argparse.Namespace) -> int:
     from relay import report
 
-    try:
-        progress = report.load_progress(args.dir)
-    except FileNotFoundError as err:
-        raise InputError(str(err)) from None
+    progress = _load_progress(args.dir)
     print(report.format_table(report.session_table(progress)))
     best = progress.get("best") or {}
     print(f"\n{progress['status']}: step {progress['global_step']}/{progress['total_steps']},"
@@ -117,6 +126,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     timeline = report.plot_timeline(progress["sessions"], out / "timeline.png")
     print(f"curves: {curves}\ntimeline: {timeline}")
     return 0
+
+
+def _load_progress(path: str) -> dict:
+    from relay import report
+
+    try:
+        return report.load_progress(path)
+    except (FileNotFoundError, ValueError) as err:  # none there, or one that is not JSON
+        raise InputError(f"{err}; expected a workdir or harvested outputs with a progress.json") from None
 
 
 def cmd_emulator(args: argparse.Namespace) -> int:
@@ -129,7 +147,7 @@ _UNSET = object()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="relay", description=__doc__)
+    parser = OneLineArgumentParser(prog="relay", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -141,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                         " default: the spec's session.budget")
     t.add_argument("--max-steps", type=_steps, default=_UNSET, metavar="N|none",
                    help="optimizer steps for this session, 'none' for no cap; default: the spec's session.max_steps")
-    t.add_argument("--deadline", type=float, help="absolute unix time the session must end by")
+    t.add_argument("--deadline", type=_deadline, help="absolute unix time the session must end by")
     t.add_argument("--resume-from", action="append", default=[], metavar="DIR",
                    help="read-only checkpoint location (a mounted dataset); repeatable")
     t.add_argument("--data", help="recipe data folder (overrides params.data_dir)")

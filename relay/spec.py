@@ -25,11 +25,17 @@ from pydantic import (
 
 from relay import recipes
 from relay.errors import InputError
+from relay.inputs import DuplicateKey, decode_utf8, load_yaml
 
 
 class SpecError(InputError):
     """A spec problem, already phrased as one line for the user."""
 
+
+# What Kaggle allows (kaggle-api.md, "More platform facts"): a spec asking for more is refused, not clipped.
+KAGGLE_SESSION_LIMIT_S = 12 * 3600.0  # the longest a GPU session runs
+KAGGLE_OUTPUT_LIMIT_GB = 20.0  # /kaggle/working kept as a session's output
+WEEK_S = 7 * 24 * 3600.0  # the weekly GPU quota cannot exceed the week itself
 
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
 
@@ -42,6 +48,8 @@ def parse_duration(value: Any) -> Optional[float]:
         raise ValueError("expected seconds or a duration like '11h30m'")
     if isinstance(value, (int, float)):
         return float(value)
+    if not isinstance(value, str):  # a list or mapping: float() would raise TypeError, a traceback
+        raise ValueError(f"expected seconds or a duration like '11h30m' (got {value!r})")
     try:
         return float(value)
     except ValueError:
@@ -53,9 +61,18 @@ def parse_duration(value: Any) -> Optional[float]:
     return h * 3600 + m * 60 + s
 
 
+def format_duration(seconds: float) -> str:
+    """12h, 12h30m, 90s: the way durations are written in a spec."""
+    if seconds < 60:
+        return f"{seconds:g}s"
+    h, rest = divmod(round(seconds), 3600)
+    m, s = divmod(rest, 60)
+    return "".join(f"{v}{unit}" for v, unit in ((h, "h"), (m, "m"), (s, "s")) if v)
+
+
 class _Section(BaseModel):
     # strict: `micro_batch: true` or `lr: "0.1"` is a wrong type, not something to coerce
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class OptimConfig(_Section):
@@ -127,6 +144,14 @@ class CheckpointConfig(_Section):
     disk_budget_gb: PositiveFloat = 20.0
     digest: Literal["crc32", "sha256"] = "crc32"  # manifest checksum; sha256 costs ~2x a save without SHA-NI
 
+    @field_validator("disk_budget_gb")
+    @classmethod
+    def _kaggle_output(cls, value: float) -> float:
+        if value > KAGGLE_OUTPUT_LIMIT_GB:
+            raise ValueError(f"must be at most {KAGGLE_OUTPUT_LIMIT_GB:g}, the GB of output Kaggle keeps"
+                             f" (got {value:g})")
+        return value
+
 
 class KaggleConfig(_Section):
     """What each session kernel mounts and runs on (used by the orchestrator only)."""
@@ -155,6 +180,23 @@ class KaggleConfig(_Section):
                 raise ValueError(f"expected 'owner/slug' (got {slug!r})")
         return value
 
+    @model_validator(mode="after")
+    def _within_kaggle_limits(self) -> "KaggleConfig":
+        timeout, quota, startup = self.session_timeout, self.weekly_gpu_quota, self.startup_overhead
+        if not 0 < timeout <= KAGGLE_SESSION_LIMIT_S:
+            raise ValueError("kaggle.session_timeout: must be a duration > 0 and at most 12h, the longest"
+                             f" Kaggle session (got {format_duration(timeout)})")
+        if not 0 < quota <= WEEK_S:
+            raise ValueError("kaggle.weekly_gpu_quota: must be a duration > 0 and at most 168h, one week"
+                             f" (got {format_duration(quota)})")
+        if timeout > quota:
+            raise ValueError(f"kaggle.session_timeout: must be at most kaggle.weekly_gpu_quota"
+                             f" ({format_duration(quota)}) (got {format_duration(timeout)})")
+        if not 0 <= startup < timeout:
+            raise ValueError(f"kaggle.startup_overhead: must be a duration >= 0 and shorter than"
+                             f" kaggle.session_timeout ({format_duration(timeout)}) (got {format_duration(startup)})")
+        return self
+
 
 _NAME = r"^[a-z0-9][a-z0-9-]{2,49}$"
 
@@ -163,7 +205,7 @@ class RunSpec(_Section):
     name: str = Field(pattern=_NAME)  # also the Kaggle kernel/dataset slug stem
     recipe: str
     params: dict[str, Any] = Field(default_factory=dict)
-    seed: NonNegativeInt = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1)  # numpy's seed range
     optim: OptimConfig
     data: DataConfig = DataConfig()
     session: SessionConfig = SessionConfig()
@@ -185,6 +227,15 @@ class RunSpec(_Section):
             recipe_cls.Params.model_validate(self.params)
         except ValidationError as err:
             raise SpecError(_first_error(err, prefix="params")) from None
+        return self
+
+    @model_validator(mode="after")
+    def _session_fits_kaggle(self) -> "RunSpec":
+        budget, limit = self.session.budget, min(KAGGLE_SESSION_LIMIT_S, self.kaggle.weekly_gpu_quota)
+        if budget is not None and budget > limit:
+            why = "the longest Kaggle session" if limit == KAGGLE_SESSION_LIMIT_S else "kaggle.weekly_gpu_quota"
+            raise ValueError(f"session.budget: must be at most {format_duration(limit)}, {why};"
+                             f" 'none' runs to the end (got {format_duration(budget)})")
         return self
 
     def recipe_params(self):
@@ -225,14 +276,24 @@ def load(path: str | Path, overrides: dict[str, Any] | None = None) -> RunSpec:
     """Read and validate a YAML spec. `overrides` are dotted keys (`session.budget`) applied first."""
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as err:
         raise SpecError(f"{path}: cannot read the spec ({err.strerror})") from None
     try:
-        data = yaml.safe_load(text)
+        text = decode_utf8(raw, path)
+        data = load_yaml(text)
+    except DuplicateKey as err:
+        raise SpecError(f"{path}: {err}") from None
+    except InputError as err:
+        raise SpecError(str(err)) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
+        if mark is not None:
+            where = f" at line {mark.line + 1}"
+        elif isinstance(getattr(err, "position", None), int):  # a ReaderError: a control character
+            where = f" at line {text.count(chr(10), 0, err.position) + 1}"
+        else:
+            where = ""
         raise SpecError(f"{path}: not valid YAML{where}") from None
     for dotted, value in (overrides or {}).items():
         _set_dotted(data if isinstance(data, dict) else {}, dotted, value)

@@ -13,6 +13,9 @@ from prefect.cache_policies import NO_CACHE
 from relay import report
 
 
+_TITLES = {"curves": "Loss curves", "timeline": "Sessions timeline"}
+
+
 def _key(name: str, what: str) -> str:
     return re.sub(r"[^a-z0-9-]", "-", f"{name}-{what}".lower())
 
@@ -32,16 +35,30 @@ def publish_report(name: str, progress: dict, local: Path, metrics: Optional[Pat
         images["curves"] = report.plot_curves(metrics, local / "curves.png", progress=progress) or local / "curves.png"
     if progress.get("sessions"):
         images["timeline"] = report.plot_timeline(progress["sessions"], local / "timeline.png") or local / "timeline.png"
+    create_markdown_artifact(markdown=summary_markdown(name, progress, images, plan_text, state),
+                             key=_key(name, "summary"), description=f"{name}: plan, ETA and curves")
+    return {k: str(v) for k, v in images.items()}
+
+
+def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_text: str = "", state: str = "") -> str:
+    """The summary as CommonMark the Prefect UI renders: blocks separated by blank lines, the plan in a
+    closed fence, each PNG an image node (a data URI: the UI cannot reach files on the worker)."""
+    done, total = progress.get("global_step", 0), max(1, progress.get("total_steps", 1))
     best = progress.get("best") or {}
+    sessions = len(progress.get("sessions", []))
+    last_eval = {k: round(v, 4) for k, v in (progress.get("metrics") or {}).items()}
     md = [f"# {name}: {state or progress.get('status', '')}",
           f"step **{done} / {total}** (epoch {progress.get('epoch', 0) + 1}), "
-          f"{len(progress.get('sessions', []))} sessions, {progress.get('total_seconds', 0) / 3600:.2f} h of sessions",
-          f"last eval: `{ {k: round(v, 4) for k, v in (progress.get('metrics') or {}).items()} }`",
-          f"best {best.get('metric', '')}: {best.get('value', float('nan')):.4g} at step {best.get('step', '-')}"
-          if best else "", "", "```", plan_text, "```" if plan_text else ""]
+          f"{sessions} session{'' if sessions == 1 else 's'},"
+          f" {progress.get('total_seconds', 0) / 3600:.2f} h of sessions",
+          f"last eval: `{last_eval}`"]
+    if best:
+        md.append(f"best {best.get('metric', '')}: {best.get('value', float('nan')):.4g}"
+                  f" at step {best.get('step', '-')}")
+    if plan_text.strip():
+        fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", plan_text)), default=0))
+        md.append(f"## Plan and ETA\n\n{fence}text\n{plan_text.strip(chr(10))}\n{fence}")
     for label, png in images.items():
         data = base64.b64encode(Path(png).read_bytes()).decode()
-        md += ["", f"![{label}](data:image/png;base64,{data})", f"`{png}`"]
-    create_markdown_artifact(markdown="\n".join(line for line in md if line is not None), key=_key(name, "summary"),
-                             description=f"{name}: plan, ETA and curves")
-    return {k: str(v) for k, v in images.items()}
+        md.append(f"## {_TITLES.get(label, label)}\n\n![{label}](data:image/png;base64,{data})\n\n`{png}`")
+    return "\n\n".join(md) + "\n"

@@ -29,7 +29,7 @@ class OomOnRank1(ToyRecipe):
 NAME, PATH = "oom-on-rank-1", f"{__name__}:OomOnRank1"
 
 
-def worker(rank: int, world_size: int, port: int, spec, workdir: str) -> None:
+def worker(rank: int, world_size: int, port: int, errors, spec, workdir: str) -> None:
     from relay.session import distributed
     from relay.session.run import _session
 

@@ -181,3 +181,12 @@ def test_an_oom_on_one_rank_backs_off_every_rank_together(tmp_path, monkeypatch)
     records = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
     micro = [(r["step"], r["micro_batch"]) for r in records if r.get("kind") == "train"]
     assert micro[0][1] == 8 and micro[-1][1] == 4
+
+
+def test_a_refused_input_in_a_two_process_session_is_one_line_and_writes_nothing(relay_cli, tmp_path):
+    spec = write_spec(tmp_path, toy_spec_dict(DDP, params={"n_train": 16}, optim={"grad_accum": 4}))
+    proc = relay_cli.train(spec, tmp_path / "w", "none", check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == ("relay: error: optim.micro_batch x optim.grad_accum (32) is"
+                                                    " larger than the training set (16 samples)")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "w").exists()

@@ -10,7 +10,7 @@ Usage: `relay data price-model --out DIR --train N --test N --seed S` (or `pytho
 """
 from __future__ import annotations
 
-import argparse
+import csv
 import math
 import re
 from pathlib import Path
@@ -19,27 +19,79 @@ import numpy as np
 import pandas as pd
 
 from relay.errors import InputError
+from relay.inputs import OneLineArgumentParser, non_utf8_line
 
 TRAIN_COLUMNS = ("sample_id", "catalog_content", "price")
 TEST_COLUMNS = ("sample_id", "catalog_content")
 
 
 def read_split(path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
-    """Read a challenge CSV; a missing file or column is a one-line error naming both."""
+    """Read a challenge CSV; anything that is not one (a missing file or column, an empty file, text that is
+    not UTF-8, a ragged row, a sample_id or price of the wrong type) is a one-line error naming the file
+    and, where there is one, the line."""
+    expected = f"expected a CSV with columns {', '.join(columns)}"
     if not path.is_file():
-        raise InputError(f"{path}: file not found (expected a CSV with columns {', '.join(columns)})")
-    frame = pd.read_csv(path, usecols=lambda c: c in columns, dtype={"catalog_content": str}, keep_default_na=False,
-                        na_values={"price": [""]})
+        raise InputError(f"{path}: file not found ({expected})")
+    try:
+        # Every column is read (not usecols), so a row with too many fields is an error, not silently cut.
+        frame = pd.read_csv(path, dtype={"catalog_content": str}, keep_default_na=False, na_values={"price": [""]})
+    except pd.errors.EmptyDataError:
+        raise InputError(f"{path}: empty file ({expected})") from None
+    except UnicodeDecodeError:
+        line, byte = non_utf8_line(path) or (0, 0)
+        raise InputError(f"{path}: line {line} is not UTF-8 text (byte 0x{byte:02x}); expected a CSV saved as"
+                         " UTF-8") from None
+    except pd.errors.ParserError as err:
+        detail = _csv_problem(path) or str(err).strip().removeprefix("Error tokenizing data. C error: ")
+        raise InputError(f"{path}: not a valid CSV ({detail}; {expected})") from None
     missing = [c for c in columns if c not in frame.columns]
     if missing:
         raise InputError(f"{path}: missing column(s) {', '.join(missing)}; expected {', '.join(columns)}")
+    ids = pd.to_numeric(frame["sample_id"], errors="coerce")
+    bad = ids.isna() | (ids != ids.round())
+    if bad.any():
+        row = int(bad.to_numpy().argmax())
+        raise InputError(f"{path}: sample_id must be an integer (line {_line_of(frame, row)} has"
+                         f" {_shown(frame['sample_id'].iloc[row])})")
+    frame["sample_id"] = ids.astype("int64")
     if "price" in columns:
         price = pd.to_numeric(frame["price"], errors="coerce")
-        bad = price.isna() | (price < 0)
+        bad = price.isna() | ~np.isfinite(price) | (price < 0)
         if bad.any():
-            raise InputError(f"{path}: price must be a number >= 0 (line {int(bad.to_numpy().argmax()) + 2} is not)")
+            row = int(bad.to_numpy().argmax())
+            raise InputError(f"{path}: price must be a number >= 0 (line {_line_of(frame, row)} has"
+                             f" {_shown(frame['price'].iloc[row])})")
         frame["price"] = price
     return frame[list(columns)]
+
+
+def _csv_problem(path: Path) -> str | None:
+    """Where a CSV pandas refused goes wrong, by file line (pandas counts records, and catalog_content
+    holds quoted newlines): a record with the wrong number of fields, or a quote never closed."""
+    start = 1
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f, strict=True)
+        try:
+            header = next(reader)
+            start = reader.line_num + 1
+            for record in reader:
+                if record and len(record) != len(header):
+                    return f"line {start} has {len(record)} fields, the header {len(header)}"
+                start = reader.line_num + 1
+        except csv.Error as err:
+            return f"line {start}: {err}"
+    return None
+
+
+def _shown(value) -> str:
+    return "nothing" if pd.isna(value) else repr(str(value))
+
+
+def _line_of(frame: pd.DataFrame, row: int) -> int:
+    """The file line where data row `row` starts: catalog_content holds quoted newlines, so rows != lines."""
+    before = frame.iloc[:row].select_dtypes(exclude="number")
+    newlines = sum(int(before[c].astype(str).str.count("\n").sum()) for c in before.columns)
+    return row + 2 + newlines
 
 
 # ---------------------------------------------------------------------------------- parsing catalog_content
@@ -252,8 +304,8 @@ def make_frames(n_train: int, n_test: int, seed: int) -> tuple[pd.DataFrame, pd.
 def generate(out_dir: str | Path, n_train: int, n_test: int, seed: int = 0) -> tuple[Path, Path]:
     """Write out_dir/train.csv and out_dir/test.csv; same arguments give byte-identical files."""
     out_dir = Path(out_dir)
+    train, test = make_frames(n_train, n_test, seed)  # refuses bad sizes before anything is created
     out_dir.mkdir(parents=True, exist_ok=True)
-    train, test = make_frames(n_train, n_test, seed)
     train_path, test_path = out_dir / "train.csv", out_dir / "test.csv"
     train.to_csv(train_path, index=False)
     test.to_csv(test_path, index=False)
@@ -261,7 +313,7 @@ def generate(out_dir: str | Path, n_train: int, n_test: int, seed: int = 0) -> t
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="relay data price-model", description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(prog="relay data price-model", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for train.csv and test.csv")
     parser.add_argument("--train", type=int, default=2000, help="training rows (with price)")
     parser.add_argument("--test", type=int, default=500, help="test rows (without price)")

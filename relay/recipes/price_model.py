@@ -248,6 +248,7 @@ class PriceModelRecipe(Recipe):
 
         def build() -> pa.Table:  # only on a cache miss: a hit never parses the CSVs
             train = price_data.read_split(train_path, price_data.TRAIN_COLUMNS)
+            self._eval_rows(len(train), train_path)  # refuse before anything is built or cached
             test = price_data.read_split(test_path, price_data.TEST_COLUMNS) if has_test else train.iloc[:0, :2]
             return build_feature_table(train, test, p, tokenizer)
 
@@ -283,13 +284,17 @@ class PriceModelRecipe(Recipe):
         split = table.column("split").to_numpy()
         labelled = np.flatnonzero(split == 0)
         order = np.random.default_rng(self.params.eval_seed).permutation(len(labelled))
-        n_eval = max(1, int(round(self.params.eval_fraction * len(labelled))))
-        if n_eval >= len(labelled):
-            raise InputError(f"{self.params.train_file}: {len(labelled)} rows leave nothing to train on with "
-                             f"eval_fraction={self.params.eval_fraction}")
+        n_eval = self._eval_rows(len(labelled), self.data_dir / self.params.train_file)
         self.eval_rows, self.train_rows = np.sort(labelled[order[:n_eval]]), np.sort(labelled[order[n_eval:]])
         self.test_rows = np.flatnonzero(split == 1)
         self.log_price_mean = float(self.log_price[self.train_rows].mean())
+
+    def _eval_rows(self, n_labelled: int, train_path: Path) -> int:
+        n_eval = max(1, int(round(self.params.eval_fraction * n_labelled)))
+        if n_eval >= n_labelled:
+            raise InputError(f"{train_path}: {n_labelled} data rows leave nothing to train on with"
+                             f" params.eval_fraction={self.params.eval_fraction}; expected at least {n_eval + 1}")
+        return n_eval
 
     def train_dataset(self) -> Dataset:
         return PriceRows(self, self.train_rows)

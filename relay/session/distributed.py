@@ -83,12 +83,15 @@ def free_port() -> int:
 
 
 def launch(worker: Callable[..., Any], world_size: int, args: Sequence[Any]) -> None:
-    """Run `worker(rank, world_size, port, *args)` in `world_size` spawned processes and wait for all.
-    If any process dies (an exception, a SIGKILL), the others are terminated and this raises."""
+    """Run `worker(rank, world_size, port, errors, *args)` in `world_size` spawned processes and wait for all.
+    If any process dies (an exception, a SIGKILL), the others are terminated and this raises. A rank that
+    refuses its input puts the one-line message on `errors` and returns: it is raised here as an InputError,
+    so `relay train` exits 2 with one line as in one process."""
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(worker, args=(world_size, free_port(), *args), nprocs=world_size, join=False,
-                                 start_method="spawn")
+    errors = mp.get_context("spawn").SimpleQueue()
+    context = mp.start_processes(worker, args=(world_size, free_port(), errors, *args), nprocs=world_size,
+                                 join=False, start_method="spawn")
 
     def forward(signum, frame):  # Kaggle may signal only this process: every rank must see the SIGTERM
         for proc in context.processes:
@@ -101,6 +104,8 @@ def launch(worker: Callable[..., Any], world_size: int, args: Sequence[Any]) -> 
             pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if not errors.empty():
+        raise InputError(errors.get())
 
 
 def init(rank: int, size: int, port: int, device_type: str) -> World:

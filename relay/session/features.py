@@ -168,13 +168,14 @@ class FeatureCache:
             raise ValueError(f"feature cache name {name!r}: expected letters, digits, '_', '.', '-' only")
         start = time.perf_counter()
         key, detail = self.key(inputs, params, version)
-        self._memo.save()
         for directory in self.dirs:
             table = self._read(directory, name, key)
             if table is not None:
+                self._memo.save()
                 self._record(name, key, True, _paths(directory, name, key)[0], start)
                 return table
-        table = build()
+        table = build()  # may refuse the inputs (InputError): then nothing is written, not even the memo
+        self._memo.save()
         if not isinstance(table, pa.Table):
             raise TypeError(f"feature cache build for {name!r} returned {type(table).__name__}, expected pyarrow.Table")
         path = self._write(name, key, detail, table, build_seconds=time.perf_counter() - start)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from relay import recipes
+from relay.errors import InputError
 from relay.session import atomic, checkpoint, data, distributed, memory
 from relay.session.budget import SessionClock
 from relay.session.loop import Trainer, TrainState, resolve_precision
@@ -78,7 +79,9 @@ def run_session(
 ) -> dict:
     """Run one session and return its progress dict (also written to workdir/progress.json). With
     `session.devices` resolving to N > 1, N processes train together (relay.session.distributed)."""
-    args = (spec, Path(workdir), budget, deadline, resume_from, data_dir, feature_dirs, run_id)
+    workdir = Path(workdir)
+    _check_workdir(workdir)
+    args = (spec, workdir, budget, deadline, resume_from, data_dir, feature_dirs, run_id)
     world_size = distributed.world_size_for(spec.session.devices, pick_device().type)
     if world_size > 1:
         started = time.time()
@@ -87,13 +90,15 @@ def run_session(
     return _session(distributed.SINGLE, time.time(), *args)
 
 
-def _rank_main(rank: int, world_size: int, port: int, started: float, spec: RunSpec, *args) -> None:
+def _rank_main(rank: int, world_size: int, port: int, errors, started: float, spec: RunSpec, *args) -> None:
     """One rank of a data-parallel session (a spawned process)."""
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
     world = distributed.init(rank, world_size, port, pick_device().type)
     try:
         _session(world, started, spec, *args)
+    except InputError as err:  # reported once by the launcher, as one line
+        errors.put(str(err))
     finally:
         distributed.shutdown(world)
 
@@ -108,14 +113,34 @@ def _session(world, started, spec, workdir, budget, deadline, resume_from, data_
         clock.restore_signal_handlers()
 
 
+def _check_workdir(workdir: Path) -> None:
+    for path in (workdir, *workdir.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise InputError(f"{workdir}: {'it' if path == workdir else path} is a file;"
+                                 " --workdir expects a folder (or a path that does not exist yet)")
+            return
+
+
+def _outermost_missing(path: Path) -> Optional[Path]:
+    """The folder `path.mkdir(parents=True)` would create first, or None when path exists."""
+    missing = None
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            break
+        missing = candidate
+    return missing
+
+
 def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, world=distributed.SINGLE) -> dict:
-    workdir.mkdir(parents=True, exist_ok=True)
-    ckpt_root = workdir / "checkpoints"
+    # Nothing is written before the inputs are validated: a data error (a missing column, a file that is
+    # not UTF-8) must leave no workdir behind. prepare() writes only its feature cache, and only on success;
+    # a later check that fails removes what this session created.
+    created = _outermost_missing(workdir)
     device = pick_device()
     if device.type == "cuda" and world.size > 1:
         device = torch.device("cuda", world.rank)
     configure_backends(spec, device)
-
     params = spec.recipe_params()
     if data_dir is None and hasattr(params, "data_dir"):
         data_dir = Path(params.data_dir)
@@ -123,9 +148,19 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
                                       cache_dirs=[workdir / "cache", *feature_dirs], seed=spec.seed)
     if not world.main:
         distributed.barrier(world)  # rank 0 fills the feature cache first; the others then read it
-    recipe.prepare()
-    if world.main:
-        distributed.barrier(world)
+    try:
+        recipe.prepare()
+        schedule = data.StepSchedule(len(recipe.train_dataset()), spec.optim.micro_batch * spec.optim.grad_accum,
+                                     spec.seed)
+    except InputError:
+        if created is not None and world.main:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    finally:
+        if world.main:
+            distributed.barrier(world)
+    workdir.mkdir(parents=True, exist_ok=True)
+    ckpt_root = workdir / "checkpoints"
 
     seed_everything(spec.seed)
     model = recipe.build_model()  # the same initial weights on every rank
@@ -154,8 +189,6 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     if state.world_size != world.size:
         _change_world(state, world.size)
 
-    train_len = len(recipe.train_dataset())
-    schedule = data.StepSchedule(train_len, spec.optim.micro_batch * spec.optim.grad_accum, spec.seed)
     total = data.total_steps(schedule, spec.optim.epochs, spec.optim.max_steps)
     metrics_log = MetricsLog(workdir / "metrics.jsonl" if world.main else None, session=len(state.sessions) + 1)
     run_id = run_id or (state.sessions[-1].get("run_id") if state.sessions else None)

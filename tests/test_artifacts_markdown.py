@@ -1,0 +1,116 @@
+"""What the Prefect UI shows in the `<name>-summary` artifact: the markdown is parsed as CommonMark (what the UI's
+renderer does), and the loss-curve and timeline PNGs must be image nodes (not text in a code block), the plan
+and its ETA must be there in a closed fence, with or without a plan.
+
+The progress, metrics and PNGs come from a real two-session toy run (relay.session.run), the plan from the
+flow's own `plan_text`, and one test stores the artifact in a real Prefect server and parses what it serves.
+"""
+from __future__ import annotations
+
+import base64
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+from markdown_it import MarkdownIt
+
+from conftest import load_toy_spec
+from relay import report
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A workdir after two sessions of the toy recipe (6 steps each): progress.json, metrics.jsonl, PNGs."""
+    from relay.session.run import run_session
+
+    workdir = tmp_path_factory.mktemp("artifacts") / "work"
+    spec = load_toy_spec({"optim.epochs": None, "optim.max_steps": 12, "optim.eval_every_steps": 4,
+                          "optim.log_every_steps": 2, "session.max_steps": 6})
+    run_session(spec, workdir)
+    progress = run_session(spec, workdir)
+    assert len(progress["sessions"]) == 2 and progress["status"] == "done"
+    images = {"curves": report.plot_curves(workdir / "metrics.jsonl", workdir / "curves.png", progress=progress),
+              "timeline": report.plot_timeline(progress["sessions"], workdir / "timeline.png")}
+    return spec, workdir, progress, images
+
+
+def plan_for(spec, progress) -> str:
+    from flows.relay_flow import plan_text
+
+    halfway = {**progress, "status": "paused", "global_step": 6, "sessions": progress["sessions"][:1]}
+    return plan_text(spec, halfway, None, datetime.now(timezone.utc))
+
+
+def parse(markdown: str):
+    tokens = MarkdownIt("commonmark").parse(markdown)
+    images = [child for token in tokens if token.type == "inline" for child in token.children if child.type == "image"]
+    fences = [token for token in tokens if token.type in ("fence", "code_block")]
+    headings = [tokens[i + 1].content for i, token in enumerate(tokens) if token.type == "heading_open"]
+    return tokens, images, fences, headings
+
+
+def assert_images_render(images, expected: dict[str, Path]) -> None:
+    assert [image.content for image in images] == list(expected)  # alt text: curves, timeline
+    for image, png in zip(images, expected.values()):
+        src = image.attrGet("src")
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1]) == Path(png).read_bytes()
+
+
+def test_summary_has_image_nodes_and_the_plan(run):
+    from tasks.artifacts import summary_markdown
+
+    spec, workdir, progress, images = run
+    plan = plan_for(spec, progress)
+    assert "finish" in plan and "sessions" in plan  # a real plan with an ETA, not "(no plan yet: ...)"
+    markdown = summary_markdown(spec.name, progress, images, plan, state="done")
+    tokens, image_nodes, fences, headings = parse(markdown)
+    assert_images_render(image_nodes, images)
+    assert len(fences) == 1 and fences[0].type == "fence" and fences[0].content == plan.strip("\n") + "\n"
+    assert not any("base64" in f.content or "![" in f.content for f in fences)  # nothing swallowed by the fence
+    assert headings == [f"{spec.name}: done", "Plan and ETA", "Loss curves", "Sessions timeline"]
+    html = MarkdownIt("commonmark").render(markdown)
+    assert html.count('<img src="data:image/png;base64,') == 2 and "![" not in html
+    assert f"step <strong>{progress['global_step']} / {progress['total_steps']}</strong>" in html
+
+
+@pytest.mark.parametrize("plan", ["", "\n", "(no plan yet: no session measured a step)\nline with ``` inside"])
+def test_summary_is_well_formed_whatever_the_plan(run, plan):
+    """The bug this guards: an empty plan opened a fence that was never closed, so the images became text."""
+    from tasks.artifacts import summary_markdown
+
+    spec, _, progress, images = run
+    tokens, image_nodes, fences, headings = parse(summary_markdown(spec.name, progress, images, plan))
+    assert_images_render(image_nodes, images)
+    if plan.strip():
+        assert [f.content for f in fences] == [plan.strip("\n") + "\n"]
+    else:
+        assert fences == [] and "Plan and ETA" not in headings
+
+
+def test_the_artifact_prefect_serves_renders(run, prefect_api):
+    """publish_report inside a flow on a real Prefect server; the markdown read back from its API parses
+    to the same image nodes and plan."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from tasks.artifacts import publish_report
+
+    spec, workdir, progress, images = run
+    plan = plan_for(spec, progress)
+    out = workdir.parent / "flow-out"
+    out.mkdir(exist_ok=True)
+
+    @flow(name="artifact-check")
+    def publish() -> dict:
+        return publish_report(spec.name, progress, out, workdir / "metrics.jsonl", plan_text=plan, state="done")
+
+    written = publish()
+    with get_client(sync_client=True) as client:
+        stored = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[
+            f"{spec.name}-summary"])))
+    assert stored and stored[0].type == "markdown"
+    _, image_nodes, fences, _ = parse(stored[0].data)
+    assert_images_render(image_nodes, {k: Path(v) for k, v in written.items()})
+    assert [f.content for f in fences] == [plan.strip("\n") + "\n"]
