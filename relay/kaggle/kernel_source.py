@@ -72,9 +72,11 @@ import base64, hashlib, io, json, os, signal, subprocess, sys, tempfile, time, z
 
 
 def mounted(input_dir, ref):
-    """Where Kaggle mounted dataset or kernel output `ref` (owner/slug); None when absent."""
+    """Where Kaggle mounted dataset or kernel output `ref` (owner/slug); None when absent. Searched, not
+    assumed: datasets/<owner>/<slug> and notebooks/<owner>/<slug> since 2026-08, <slug> on older images."""
     owner, slug = ref.split("/", 1)
-    for path in (os.path.join(input_dir, slug), os.path.join(input_dir, "datasets", owner, slug)):
+    for path in (os.path.join(input_dir, "datasets", owner, slug), os.path.join(input_dir, "notebooks", owner, slug),
+                 os.path.join(input_dir, slug)):
         if os.path.isdir(path):
             return path
     return None
