@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Protocol, Tuple
 
 from relay.errors import InputError
+from relay.spec import DEFAULT_GPU_SHAPE
 from relay.kaggle import kernel_source, output
 from relay.kaggle.bundle import build_bundle
 from relay.kaggle.client import KaggleClient
@@ -127,8 +128,8 @@ class ClientBackend:
             "dataset_sources": list(dict.fromkeys(sources)), "kernel_sources": [],
             "competition_sources": list(session.competitions),
         }
-        if session.machine_shape and session.enable_gpu:
-            meta["machine_shape"] = session.machine_shape
+        if session.enable_gpu:  # without a shape Kaggle gives a P100, which fails on its current image
+            meta["machine_shape"] = session.machine_shape or DEFAULT_GPU_SHAPE
         return meta
 
     def _active_version(self, kernel: str) -> Optional[Tuple[int, KernelState]]:
