@@ -70,6 +70,13 @@ def plan_text(spec, progress: Optional[dict], quota, now: datetime) -> str:
         return f"(no plan yet: {err})" + _limit_warning(spec, progress)
 
 
+def _budget_lowered(backend, names: chain.Names, spec) -> bool:
+    """After a session stopped at the limit left nothing to hand over: retry it only once the spec asks for
+    a shorter session than the stopped attempt was pushed with (the budget is in the kernel's source)."""
+    pushed = (backend.current_plan(names.kernel) or {}).get("budget")
+    return pushed is not None and session_budget(spec, None) < float(pushed) - 1
+
+
 def _limit_warning(spec, progress: Optional[dict]) -> str:
     """The plan says so when the last handed-over session was stopped at Kaggle's session limit."""
     if (progress or {}).get("stop_reason") != handoff.SESSION_LIMIT:
@@ -106,7 +113,8 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
 
         if action.do in (Do.HARVEST, Do.SALVAGE):
             result = t.hand_over(backend, run_spec, names, action, obs, local)
-            if chain.hit_session_limit(obs.kernel_state, obs.failure_message):
+            if chain.hit_session_limit(obs.kernel_state, obs.failure_message) and \
+                    (result.ok or not _budget_lowered(backend, names, run_spec)):
                 # not transient: the same budget would hit the limit again; what it saved is handed over
                 k = run_spec.kaggle
                 advice = chain.session_limit_advice(action.session, session_budget(run_spec, None),

@@ -53,3 +53,37 @@ def test_a_session_stopped_at_the_limit_is_handed_over_and_stops_the_relay_with_
     spec = spec_mod.load(relay_env.spec)
     plan = relay_flow.plan_text(spec, published, None, datetime.now(timezone.utc))
     assert "warning: session 1 was stopped by Kaggle at its session limit" in plan
+
+
+def test_a_limit_hit_with_nothing_saved_is_retried_only_once_the_budget_is_lowered(relay_env, monkeypatch):
+    """/kaggle/working of a run stopped at the limit may not be kept: nothing to hand over. The relay stops
+    (the same budget would hit the limit again) until the spec asks for less; then it pushes a new attempt."""
+    import flows.relay_flow as relay_flow
+
+    emu = relay_env.start(timeout_keeps_output=False)  # disputed on Kaggle: here the working folder is lost
+    relay_env.write_spec(**{"optim.max_steps": 10 ** 6, "session.max_steps": None, "session.budget": "4m"})
+
+    def expire_after_first_checkpoint() -> None:
+        folder = emu.store.kernel_dir(relay_env.kernel, 1) / "working" / "relay" / "checkpoints"
+        wait_for(lambda: folder.is_dir() and any(p.name.startswith("step-") for p in folder.iterdir()), 300,
+                 "the first committed checkpoint")
+        emu.runner.expire_now(relay_env.kernel, 1)
+
+    trigger = threading.Thread(target=expire_after_first_checkpoint, daemon=True)
+    trigger.start()
+    for _ in range(2):  # running it again with the same spec changes nothing
+        with pytest.raises(relay_flow.RelayFailed) as failed:
+            relay_env.run_flow(monkeypatch, mode="watch")
+        assert "session 1 was stopped by Kaggle at its session limit" in str(failed.value)
+        assert "Nothing was handed over" in str(failed.value)
+        assert [r.run_id for r in relay_env.kernel_runs()] == ["toy-relay-s001-a1"]
+    trigger.join(5)
+    assert relay_env.ckpt_versions() == []
+
+    # the budget lowered (and, to keep the test short, the whole run): the next run retries session 1
+    relay_env.write_spec(**{"optim.max_steps": 150, "session.max_steps": None, "session.budget": "3m"})
+    done = relay_env.run_flow(monkeypatch, mode="watch")
+    assert done["state"] == "done" and done["step"] == 150
+    runs = relay_env.kernel_runs()
+    assert [(r.run_id, r.status) for r in runs] == [("toy-relay-s001-a1", "CANCEL_ACKNOWLEDGED"),
+                                                     ("toy-relay-s001-a2", "COMPLETE")]

@@ -37,6 +37,7 @@ class KaggleBackend(Protocol):
     def quota(self) -> Quota: ...
     def list_dataset_files(self, dataset: str, version: Optional[int] = None) -> List[DatasetFile]: ...
     def current_run(self, kernel: str) -> Optional[Tuple[str, Optional[int]]]: ...
+    def current_plan(self, kernel: str) -> Optional[dict]: ...
     def download_dataset_file(self, dataset: str, name: str, dest: Path) -> Path: ...
     username: str
 
@@ -182,6 +183,12 @@ class ClientBackend:
         if found is None:
             return None
         return found, (response.metadata.current_version_number if response.metadata else None)
+
+    def current_plan(self, kernel: str) -> Optional[dict]:
+        """The plan (run id, training budget, mounts) embedded in the kernel's current source."""
+        owner, slug = split_ref(kernel, "kernel")
+        response = self._get_kernel(owner, slug)
+        return kernel_source.find_plan((response.blob.source if response and response.blob else "") or "")
 
     def download_dataset_file(self, dataset: str, name: str, dest: Path) -> Path:
         """One file of a dataset's current version into `dest`; NotFound when either is absent."""

@@ -28,6 +28,7 @@ class EmulatorConfig:
     # where mounts appear under KAGGLE_INPUT_DIR: "flat" = <slug>/ (older images); "nested" = datasets/<owner>/
     # <slug>/ and notebooks/<owner>/<slug>/ for kernel outputs (Kaggle since 2026-08)
     mount_layout: str = "flat"
+    timeout_keeps_output: bool = True             # whether a run stopped at the limit keeps /kaggle/working (disputed)
     retry_after: str = "1"                        # Retry-After header sent with an injected 429
     kernel_env: Dict[str, str] = field(default_factory=dict)  # extra environment for kernel processes
     users: Dict[str, str] = field(default_factory=dict)       # username -> key (held only in memory)

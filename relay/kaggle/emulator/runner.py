@@ -101,6 +101,9 @@ class KernelRunner:
         if reason is None and rc == 0:
             return self._finish(ref, number, "COMPLETE", "", rc, entries)
         if reason == SESSION_LIMIT_MESSAGE:
+            if not self.config.timeout_keeps_output:
+                shutil.rmtree(working, ignore_errors=True)
+                working.mkdir()
             return self._finish(ref, number, SESSION_LIMIT_STATUS, reason, rc, entries)
         message = reason or f"Kernel exited with code {rc}"
         return self._finish(ref, number, "ERROR", message, rc, entries)
