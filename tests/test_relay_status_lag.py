@@ -5,7 +5,7 @@ twice, on quota. The relay pins every observation to the version it pushed (vers
 
 The emulator's `status_lag` fault here lags by call count, not by seconds, so it bites on any machine: every
 unpinned status/output call after a push answers the previous version. Orchestrator kills are triggered by
-events (a new kernel version appeared), never by sleeps. This relay also mounts in Kaggle's nested layout
+events (a new kernel version appeared, a checkpoint version was created), never by sleeps. This relay also mounts in Kaggle's nested layout
 (`datasets/<owner>/<slug>`), so the kernel's mount search is exercised end to end.
 """
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 from relay.kaggle.types import KernelState
@@ -23,12 +25,34 @@ SESSIONS = 3
 MAX_STEPS = SESSIONS * STEPS_PER_SESSION
 LAG = {"calls": 10 ** 9}  # unpinned status/output never see the newest version
 # the second SaveKernel call is refused the way Kaggle refuses (HTTP 200, versionNumber 0, an error)
-FAULTS = {"seed": 11, "status_lag": LAG, "methods": {"SaveKernel": {"script": ["ok", "refused"]}}}
+# (GetKernel: counted, never failed, so the test can see an orchestrator's first observation)
+FAULTS = {"seed": 11, "status_lag": LAG,
+          "methods": {"SaveKernel": {"script": ["ok", "refused"]}, "GetKernel": {"rate": 0}}}
+
+
+class DatasetProcessing(threading.Thread):
+    """Kaggle's dataset processing, driven by the test: every new dataset version becomes READY at once,
+    except those the test holds (a publish the orchestrator is left waiting on)."""
+
+    def __init__(self, emu):
+        super().__init__(daemon=True, name="dataset-processing")
+        self.emu, self.held, self.done = emu, set(), threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.02):
+            with self.emu.store.lock:
+                for ref, dataset in self.emu.store.datasets.items():
+                    for version in dataset["versions"]:
+                        if (ref, version["number"]) not in self.held and version["ready_at"] > time.time():
+                            version["ready_at"] = time.time()
 
 
 def test_relay_under_status_lag_pushes_each_session_once_through_orchestrator_kills(relay_env, reference):
-    emu = relay_env.start(faults=FAULTS, mount_layout="nested")
+    emu = relay_env.start(faults=FAULTS, mount_layout="nested", dataset_processing_delay=3600)
     spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS})
+    processing = DatasetProcessing(emu)
+    processing.held.add((relay_env.ckpt, 3))
+    processing.start()
     reference.start(spec)
     backend = relay_env.backend()
 
@@ -44,9 +68,24 @@ def test_relay_under_status_lag_pushes_each_session_once_through_orchestrator_ki
         lagged = backend.kernel_status(relay_env.kernel)
         assert lagged.state is KernelState.COMPLETE, lagged
         assert relay_env.kernel_runs()[-1].run_id == f"toy-relay-s{pushed:03d}-a1"
-    last = relay_env.flow_process(log_name="flow-3.log")
-    assert last.wait(300) == 0, _log(relay_env, "flow-3.log")
-    summary = json.loads(_log(relay_env, "flow-3.log").split("RELAY-SUMMARY ", 1)[1].splitlines()[0])
+    # 3. a third one dies mid-publish: the checkpoint dataset version of session 3 is created but Kaggle is
+    #    slow to process it (it stays unconfirmed) when the orchestrator is killed
+    third = relay_env.flow_process(log_name="flow-3.log")
+    created = wait_for(lambda: (relay_env.ckpt_versions()[2:] or None) or third.poll() is not None, 300,
+                       "the checkpoint version of session 3")
+    os.killpg(third.pid, signal.SIGKILL)
+    assert third.wait() == -signal.SIGKILL and created[0]["number"] == 3, _log(relay_env, "flow-3.log")
+
+    # 4. a fourth one still sees session 2 as the published one and Kaggle's latest status still lags; it
+    #    hands session 3 over again, finds the version already created, and finishes
+    get_kernel_calls = emu.faults._counts["GetKernel"]
+    last = relay_env.flow_process(log_name="flow-4.log")
+    wait_for(lambda: emu.faults._counts["GetKernel"] > get_kernel_calls or last.poll() is not None, 120,
+             "the fourth orchestrator's first observation")
+    processing.held.clear()
+    assert last.wait(300) == 0, _log(relay_env, "flow-4.log")
+    processing.done.set()
+    summary = json.loads(_log(relay_env, "flow-4.log").split("RELAY-SUMMARY ", 1)[1].splitlines()[0])
     assert summary["state"] == "done" and summary["step"] == MAX_STEPS
 
     # each session pushed exactly once (no retry attempt, no duplicate), every version ran to completion
@@ -57,14 +96,14 @@ def test_relay_under_status_lag_pushes_each_session_once_through_orchestrator_ki
     for earlier, later in zip(runs, runs[1:]):
         assert earlier.ended is not None and later.pushed >= earlier.ended, (earlier, later)
     assert emu.faults.injected["refused"] == 1 and emu.faults.injected["status_lag"] >= 2
-    logs = "".join(_log(relay_env, f"flow-{i}.log", 10 ** 7) for i in (1, 2, 3))
+    logs = "".join(_log(relay_env, f"flow-{i}.log", 10 ** 7) for i in (1, 2, 3, 4))
     assert "push refused (other): Notebook push failed" in logs
     assert "stale output" not in logs
 
     # each session handed over once, in the nested mount layout, ending with the uninterrupted run's weights
     published = [json.loads((emu.store.dataset_dir(relay_env.ckpt, v["number"]) / "progress.json").read_text())
                  for v in relay_env.ckpt_versions()]
-    assert [p["run_id"] for p in published] == [r.run_id for r in runs]
+    assert [p["run_id"] for p in published] == [r.run_id for r in runs]  # session 3 not published twice
     assert (emu.store.kernel_dir(relay_env.kernel, 2) / "input" / "datasets" / "alice" / "toy-relay-ckpt").is_dir()
     assert [s["step_start"] for s in published[-1]["sessions"]] == [0, STEPS_PER_SESSION, 2 * STEPS_PER_SESSION]
     assert summary["weights_sha256"] == published[-1]["weights_sha256"] == reference.weights(spec)
