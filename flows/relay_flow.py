@@ -65,9 +65,26 @@ def plan_text(spec, progress: Optional[dict], quota, now: datetime) -> str:
         p = planner.plan_from_progress(progress or {}, q, now, limits=limits, step_seconds_estimate=None,
                                        total_steps=(progress or {}).get("total_steps"),
                                        steps_per_epoch=(progress or {}).get("steps_per_epoch"))
-        return planner.format_plan(p)
+        return planner.format_plan(p) + _limit_warning(spec, progress)
     except (planner.PlanError, KeyError, TypeError, ValueError) as err:
-        return f"(no plan yet: {err})"
+        return f"(no plan yet: {err})" + _limit_warning(spec, progress)
+
+
+def _budget_lowered(backend, names: chain.Names, spec) -> bool:
+    """After a session stopped at the limit left nothing to hand over: retry it only once the spec asks for
+    a shorter session than the stopped attempt was pushed with (the budget is in the kernel's source)."""
+    pushed = (backend.current_plan(names.kernel) or {}).get("budget")
+    return pushed is not None and session_budget(spec, None) < float(pushed) - 1
+
+
+def _limit_warning(spec, progress: Optional[dict]) -> str:
+    """The plan says so when the last handed-over session was stopped at Kaggle's session limit."""
+    if (progress or {}).get("stop_reason") != handoff.SESSION_LIMIT:
+        return ""
+    k = spec.kaggle
+    session = len(progress.get("sessions", [])) or 1
+    return "\nwarning: " + chain.session_limit_advice(session, session_budget(spec, None), k.session_timeout,
+                                                      k.startup_overhead)
 
 
 @flow(name="relay", log_prints=True)
@@ -98,6 +115,15 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
 
         if action.do in (Do.HARVEST, Do.SALVAGE):
             result = t.hand_over(backend, run_spec, names, action, obs, local)
+            if chain.hit_session_limit(obs.kernel_state, obs.failure_message) and \
+                    (result.ok or not _budget_lowered(backend, names, run_spec)):
+                # not transient: the same budget would hit the limit again; what it saved is handed over
+                k = run_spec.kaggle
+                advice = chain.session_limit_advice(action.session, session_budget(run_spec, None),
+                                                    k.session_timeout, k.startup_overhead)
+                saved = (f"Its checkpoint at step {result.step} is handed over." if result.ok else
+                         f"Nothing was handed over ({result.reason}).")
+                raise RelayFailed(f"{advice}. {saved}\n--- log tail ---\n{result.log_tail}")
             if result.ok:
                 if mode == "tick":
                     return _summary("handed-over", result.progress, action)
@@ -146,7 +172,7 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
             return _summary("running", obs.published, action)
         if time.monotonic() > give_up:
             raise RelayFailed(f"gave up after {max_hours} h waiting for {action.run_id}")
-        t.wait_for_kernel(backend, names.kernel, max_seconds=600, poll_seconds=poll_seconds)
+        t.wait_for_kernel(backend, names.kernel, obs.kernel_version, max_seconds=600, poll_seconds=poll_seconds)
 
 
 def _utc(value: datetime) -> datetime:

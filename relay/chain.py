@@ -58,6 +58,9 @@ class Observation:
     kernel_state: Optional[str]    # "queued" | "running" | "complete" | "error" | "cancelled" | None
     failure_message: str = ""
     features_published: bool = False
+    # the kernel version that carries kernel_run: the state and the output are read for this version only
+    # (versionLabel "v<N>"), never for "the latest", which lags a push; None: not known yet ("starting")
+    kernel_version: Optional[int] = None
 
     @property
     def handed_over(self) -> int:
@@ -102,8 +105,30 @@ def decide(name: str, obs: Observation) -> Action:
         return Action(Do.WAIT, obs.kernel_run, session, attempt, f"kernel is {obs.kernel_state or 'starting'}")
     if obs.kernel_state == "complete":
         return Action(Do.HARVEST, obs.kernel_run, session, attempt, "kernel complete")
+    if hit_session_limit(obs.kernel_state, obs.failure_message):
+        return Action(Do.SALVAGE, obs.kernel_run, session, attempt,
+                      f"kernel stopped at Kaggle's session limit: {obs.failure_message}")
     return Action(Do.SALVAGE, obs.kernel_run, session, attempt,
                   f"kernel {obs.kernel_state}: {obs.failure_message}".rstrip(": "))
+
+
+# A batch run past the session limit ends CANCEL_ACKNOWLEDGED with this message (../shared/docs/kaggle-api.md).
+SESSION_LIMIT_MESSAGE = "exceeded the max allowed execution duration"
+
+
+def hit_session_limit(state: Optional[str], failure_message: str) -> bool:
+    """Kaggle stopped the session at its maximum duration: the budget was set too long for the session (or
+    the start-up took longer than `kaggle.startup_overhead`). Not transient: the same push would hit it again."""
+    return state == "cancelled" and SESSION_LIMIT_MESSAGE in (failure_message or "").lower()
+
+
+def session_limit_advice(session: int, budget_s: Optional[float], timeout_s: float, startup_s: float) -> str:
+    """What to change after a session hit the limit (the relay's message and the plan say it)."""
+    asked = f"a training budget of {budget_s:.0f} s" if budget_s else "its training budget"
+    return (f"session {session} was stopped by Kaggle at its session limit ({SESSION_LIMIT_MESSAGE}): "
+            f"{asked} plus start-up and the final save did not fit in kaggle.session_timeout {timeout_s:.0f} s. "
+            f"A budget set too long, not a transient failure: lower session.budget or raise "
+            f"kaggle.startup_overhead (now {startup_s:.0f} s), then run the relay again")
 
 
 def retry_action(name: str, failed: Action, max_attempts: int, why: str) -> Action:

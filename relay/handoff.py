@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from relay.chain import Action, Names, Observation
+from relay.chain import Action, Names, Observation, hit_session_limit
 from relay.kaggle.backend import KaggleBackend
 from relay.kaggle.types import NotFound, SessionKernel
 from relay.session import checkpoint
@@ -23,17 +23,26 @@ log = logging.getLogger(__name__)
 
 WORKDIR = "relay"  # the session workdir inside the kernel's working folder
 PUBLISHED_FILES = ("progress.json", "metrics.jsonl")
+SESSION_LIMIT = "session_limit"  # stop reason of a session Kaggle stopped at its maximum duration
 
 
 def observe(backend: KaggleBackend, names: Names, local: Path) -> Observation:
+    """What Kaggle shows. The kernel's state is read for the version that carries its run id, by version
+    label: for about a minute after a push Kaggle's "latest" status and output still show the previous
+    version's final state, which would read as "finished" before the new run has even started. A version
+    whose status is not available yet (no number, not found) is "starting" (None), never finished."""
     published = read_published_progress(backend, names.checkpoint_dataset, local / "published")
     current = backend.current_run(names.kernel)
+    run, version = current if current is not None else (None, None)
     state, failure = None, ""
-    if current is not None:
-        status = backend.kernel_status(names.kernel)
-        state, failure = status.state.value, status.failure_message
-    return Observation(published, current[0] if current else None, state, failure,
-                       features_published=_exists(backend, names.features_dataset))
+    if run is not None and version:
+        try:
+            status = backend.kernel_status(names.kernel, version)
+            state, failure = status.state.value, status.failure_message
+        except NotFound:
+            log.info("kernel %s v%s: no status yet (starting)", names.kernel, version)
+    return Observation(published, run, state, failure, features_published=_exists(backend, names.features_dataset),
+                       kernel_version=version or None)
 
 
 def read_published_progress(backend: KaggleBackend, dataset: str, dest: Path) -> Optional[dict]:
@@ -101,9 +110,11 @@ class HandOver:
 
 def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Action, obs: Observation,
               local: Path) -> HandOver:
-    """Download the kernel's output, verify it is this run's, and publish its newest valid checkpoint as
-    the next version of the checkpoint dataset (plus the features once, and the model when done)."""
-    out = backend.download_output(names.kernel, local / "outputs" / action.run_id, action.run_id, WORKDIR)
+    """Download the kernel's output (of the observed version), verify it is this run's, and publish its
+    newest valid checkpoint as the next version of the checkpoint dataset (plus the features once, and the
+    model when done)."""
+    out = backend.download_output(names.kernel, local / "outputs" / action.run_id, action.run_id, WORKDIR,
+                                  version=obs.kernel_version)
     tail = _log_tail(out.log_path)
     if out.stale:
         return HandOver(False, f"stale output: it belongs to run {out.found_run_id}, not {action.run_id}",
@@ -117,7 +128,8 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
     if newest.step <= before and out.progress.get("status") != "done":
         return HandOver(False, f"no progress: newest checkpoint is step {newest.step}, published {before}",
                         log_tail=tail)
-    stage = _stage(local / "stage" / action.run_id, newest, workdir, out.progress)
+    limit = hit_session_limit(obs.kernel_state, obs.failure_message)
+    stage = _stage(local / "stage" / action.run_id, newest, workdir, out.progress, session_limit=limit)
     result = backend.publish_folder(stage, names.checkpoint_dataset, f"{spec.name} checkpoint",
                                     notes=f"run {action.run_id}, step {newest.step}, code {code_version()}")
     published = [f"{names.checkpoint_dataset} v{result.version}"]
@@ -133,7 +145,8 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
     return HandOver(True, "handed over", progress, newest.step, result.version, tail, published)
 
 
-def _stage(stage: Path, newest: checkpoint.Checkpoint, workdir: Path, progress: dict) -> Path:
+def _stage(stage: Path, newest: checkpoint.Checkpoint, workdir: Path, progress: dict,
+           session_limit: bool = False) -> Path:
     """One flat folder (datasets skip subfolders): the checkpoint's files, progress and metrics."""
     if stage.exists():
         shutil.rmtree(stage)
@@ -144,6 +157,11 @@ def _stage(stage: Path, newest: checkpoint.Checkpoint, workdir: Path, progress: 
     if progress.get("global_step") != newest.step:
         # the kernel died after its last save: the checkpoint is the truth, progress.json may be ahead
         progress.update(global_step=newest.step, status="paused", stop_reason="killed")
+    if session_limit and progress.get("status") != "done":
+        # kept in the published progress, so the next plan still warns that the budget is too long
+        progress["stop_reason"] = SESSION_LIMIT
+        if progress.get("sessions"):
+            progress["sessions"] = progress["sessions"][:-1] + [dict(progress["sessions"][-1], stop_reason=SESSION_LIMIT)]
     (stage / "progress.json").write_text(json.dumps(progress, indent=1, sort_keys=True))
     if (workdir / "metrics.jsonl").is_file():
         shutil.copy2(workdir / "metrics.jsonl", stage / "metrics.jsonl")

@@ -91,7 +91,7 @@ def _coerce_records(metrics: Any) -> list[dict[str, Any]]:
 COLUMNS = [  # (row key, terminal heading)
     ("session", "session"), ("run_id", "run id"), ("start", "start (UTC)"), ("duration_s", "duration"),
     ("billed_gpu_s", "billed GPU"), ("steps", "steps"), ("world_size", "procs"), ("samples_per_s", "samples/s"),
-    ("peak_mem_mb", "peak mem"), ("loss_end", "loss at end"), ("stop_reason", "stop"),
+    ("peak_mem_mb", "peak mem"), ("loss_end", "loss at end"), ("stop_reason", "stop"), ("gpus", "GPUs"),
 ]
 
 
@@ -126,8 +126,19 @@ def session_table(progress: Mapping[str, Any], billed_s: Mapping[Any, float] | N
             "peak_mem_mb": _round(s.get("peak_mem_mb"), 0),
             "loss_end": _round(s.get("loss_end"), 5),
             "stop_reason": s.get("stop_reason"),
+            "gpus": _gpus(s.get("gpus")),
         })
     return rows
+
+
+def _gpus(inventory: Any) -> str | None:
+    """"2 x Tesla T4" / "none" from a session's {"count", "names"}; None when the session did not record it."""
+    if not isinstance(inventory, Mapping):
+        return None
+    names = list(inventory.get("names") or [])
+    if not names:
+        return "none"
+    return f"{len(names)} x {names[0]}" if len(set(names)) == 1 else " + ".join(names)
 
 
 def _cell(key: str, value: Any) -> str:
@@ -151,7 +162,7 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     header = [heading for _, heading in COLUMNS]
     cells = [[_cell(key, row.get(key)) for key, _ in COLUMNS] for row in rows]
     widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header))]
-    left = {1, 2, 9}
+    left = {1, 2, 9, 10}
     def line(r: list[str]) -> str:
         return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
     total_s = sum(r.get("duration_s") or 0 for r in rows)

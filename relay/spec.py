@@ -5,6 +5,7 @@ Every bad input becomes one line naming the key path and what is expected (`Spec
 """
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -153,13 +154,16 @@ class CheckpointConfig(_Section):
         return value
 
 
+DEFAULT_GPU_SHAPE = "NvidiaTeslaT4"  # "GPU T4 x2"
+
+
 class KaggleConfig(_Section):
     """What each session kernel mounts and runs on (used by the orchestrator only)."""
 
     dataset_sources: list[str] = Field(default_factory=list)  # "owner/slug" of the raw data
     competition_sources: list[str] = Field(default_factory=list)  # slugs; point params.data_dir at one
     data_mount: Optional[str] = None  # which mounted source is the recipe's data_dir (default: first)
-    machine_shape: Optional[str] = None  # e.g. NvidiaTeslaT4; None lets Kaggle choose
+    machine_shape: Optional[str] = None  # NvidiaTeslaT4 (GPU T4 x2) when enable_gpu and unset, see below
     enable_gpu: bool = True
     enable_internet: bool = False
     session_timeout: float = 12 * 3600.0  # Kaggle's per-session cap
@@ -171,6 +175,22 @@ class KaggleConfig(_Section):
     @classmethod
     def _duration(cls, value: Any) -> Optional[float]:
         return parse_duration(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gpu_shape(cls, data: Any) -> Any:
+        # enable_gpu without a shape gets a P100, which fails on Kaggle's current CUDA 12.8 image (#821,
+        # PR #1156): always ask for a shape; warn on an explicit P100
+        if not isinstance(data, dict) or not data.get("enable_gpu", True):
+            return data
+        shape = data.get("machine_shape")
+        if shape is None:
+            return dict(data, machine_shape=DEFAULT_GPU_SHAPE)
+        if isinstance(shape, str) and "p100" in shape.lower():
+            logging.getLogger(__name__).warning(
+                "kaggle.machine_shape %s: P100s fail on Kaggle's current CUDA 12.8 image; use %s",
+                shape, DEFAULT_GPU_SHAPE)
+        return data
 
     @field_validator("dataset_sources")
     @classmethod

@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from relay import handoff
 from relay.chain import Action, Names, Observation
-from relay.kaggle.types import PushResult, Quota, SessionKernel
+from relay.kaggle.types import NotFound, PushResult, Quota, SessionKernel
 
 RETRY = dict(retries=3, retry_delay_seconds=[2, 10, 30], retry_jitter_factor=0.5, cache_policy=NO_CACHE)
 
@@ -53,13 +53,21 @@ def hand_over(backend, spec, names: Names, action: Action, obs: Observation, loc
 
 
 @task(name="wait-for-kernel", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=10)
-def wait_for_kernel(backend, kernel: str, max_seconds: float, poll_seconds: float) -> str:
-    """Poll until the kernel finishes or `max_seconds` pass (the flow loops, so no single task runs for
-    12 h); transient status errors are absorbed by the poll itself, with backoff."""
+def wait_for_kernel(backend, kernel: str, version: Optional[int], max_seconds: float, poll_seconds: float) -> str:
+    """Poll until kernel version `version` finishes or `max_seconds` pass (the flow loops, so no single task
+    runs for 12 h); transient status errors are absorbed by the poll itself, with backoff. Asked by version:
+    the unpinned status can show the previous version's final state for a while after a push."""
+    if not version:  # not visible yet: look again after one poll interval
+        time.sleep(poll_seconds)
+        return "starting"
     deadline = time.monotonic() + max_seconds
     delay = min(poll_seconds, 2.0)
     while True:
-        state = backend.kernel_status(kernel).state
+        try:
+            state = backend.kernel_status(kernel, version).state
+        except NotFound:  # the new version is not visible to the status call yet
+            time.sleep(poll_seconds)
+            return "starting"
         if state.finished or time.monotonic() + delay > deadline:
             return state.value
         time.sleep(delay)

@@ -60,7 +60,7 @@ def test_session_table_from_progress(tmp_path):
     first, second, third = rows
     assert first == {"session": 1, "run_id": "r1", "start": "2026-11-21 08:00:00", "duration_s": 7200.0,
                      "billed_gpu_s": 7500.0, "steps": 400, "world_size": 1, "samples_per_s": 851.3, "peak_mem_mb": 5123.0,
-                     "loss_end": 0.84281, "stop_reason": "budget"}
+                     "loss_end": 0.84281, "stop_reason": "budget", "gpus": None}
     # Missing optional keys: duration from started/ended, the rest unknown.
     assert second["duration_s"] == 6000.0 and second["samples_per_s"] is None and second["billed_gpu_s"] is None
     assert third["billed_gpu_s"] == 3700.0 and third["steps"] == 240

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Protocol, Tuple
 
 from relay.errors import InputError
+from relay.spec import DEFAULT_GPU_SHAPE
 from relay.kaggle import kernel_source, output
 from relay.kaggle.bundle import build_bundle
 from relay.kaggle.client import KaggleClient
@@ -29,12 +30,14 @@ log = logging.getLogger(__name__)
 
 class KaggleBackend(Protocol):
     def push_session(self, session: SessionKernel) -> PushResult: ...
-    def kernel_status(self, kernel: str) -> KernelStatus: ...
-    def download_output(self, kernel: str, dest: Path, run_id: str, workdir_name: str = "relay") -> SessionOutput: ...
+    def kernel_status(self, kernel: str, version: Optional[int] = None) -> KernelStatus: ...
+    def download_output(self, kernel: str, dest: Path, run_id: str, workdir_name: str = "relay",
+                        version: Optional[int] = None) -> SessionOutput: ...
     def publish_folder(self, folder: Path, dataset: str, title: str, notes: str = "") -> PublishResult: ...
     def quota(self) -> Quota: ...
     def list_dataset_files(self, dataset: str, version: Optional[int] = None) -> List[DatasetFile]: ...
     def current_run(self, kernel: str) -> Optional[Tuple[str, Optional[int]]]: ...
+    def current_plan(self, kernel: str) -> Optional[dict]: ...
     def download_dataset_file(self, dataset: str, name: str, dest: Path) -> Path: ...
     username: str
 
@@ -72,6 +75,11 @@ class ClientBackend:
         if found is not None:
             log.info("kernel %s: run %s already pushed (version %s)", session.kernel, session.run_id, found)
             return PushResult(True, found, already_pushed=True, code_version=bundle.code_version)
+        busy = self._active_version(session.kernel)
+        if busy is not None:
+            # a new version does not stop the one running (kaggle-api #388): pushing now would run twice
+            return PushResult(False, refusal=Refusal.BUSY, code_version=bundle.code_version,
+                              message=f"version {busy[0]} of {session.kernel} is still {busy[1].value}")
 
         class _Landed(Exception):
             def __init__(self, version: int):
@@ -96,9 +104,13 @@ class ClientBackend:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         error = getattr(response, "error", None)
-        if error:
-            return PushResult(False, refusal=classify_refusal(error), message=error, code_version=bundle.code_version)
         version = getattr(response, "version_number", None)
+        if error or not version:
+            # Kaggle answers a refused push with versionNumber 0 and an error (the CLI still exits 0): nothing
+            # runs, so it is a wait-and-retry state; the retry finds the run id marker if it landed after all
+            message = error or "push answered without a version number"
+            return PushResult(False, refusal=classify_refusal(message), message=message,
+                              code_version=bundle.code_version)
         log.info("kernel %s: pushed run %s as version %s", session.kernel, session.run_id, version)
         return PushResult(True, version, code_version=bundle.code_version)
 
@@ -117,9 +129,20 @@ class ClientBackend:
             "dataset_sources": list(dict.fromkeys(sources)), "kernel_sources": [],
             "competition_sources": list(session.competitions),
         }
-        if session.machine_shape and session.enable_gpu:
-            meta["machine_shape"] = session.machine_shape
+        if session.enable_gpu:  # without a shape Kaggle gives a P100, which fails on its current image
+            meta["machine_shape"] = session.machine_shape or DEFAULT_GPU_SHAPE
         return meta
+
+    def _active_version(self, kernel: str) -> Optional[Tuple[int, KernelState]]:
+        """(number, state) of the kernel's current version while it could still run, asked for by its
+        version label (an unpinned status can answer an older version's final state for a while)."""
+        owner, slug = split_ref(kernel, "kernel")
+        response = self._get_kernel(owner, slug)
+        number = response.metadata.current_version_number if response and response.metadata else None
+        if not number:
+            return None
+        state = self.kernel_status(kernel, number).state
+        return None if state.finished else (number, state)
 
     def _pushed_version(self, owner: str, slug: str, marker: str) -> Optional[int]:
         """The kernel's current version if its source carries `marker`, else None."""
@@ -161,6 +184,12 @@ class ClientBackend:
             return None
         return found, (response.metadata.current_version_number if response.metadata else None)
 
+    def current_plan(self, kernel: str) -> Optional[dict]:
+        """The plan (run id, training budget, mounts) embedded in the kernel's current source."""
+        owner, slug = split_ref(kernel, "kernel")
+        response = self._get_kernel(owner, slug)
+        return kernel_source.find_plan((response.blob.source if response and response.blob else "") or "")
+
     def download_dataset_file(self, dataset: str, name: str, dest: Path) -> Path:
         """One file of a dataset's current version into `dest`; NotFound when either is absent."""
         split_ref(dataset, "dataset")
@@ -175,23 +204,36 @@ class ClientBackend:
             raise
         return dest / name
 
-    def kernel_status(self, kernel: str) -> KernelStatus:
-        split_ref(kernel, "kernel")
+    def kernel_status(self, kernel: str, version: Optional[int] = None) -> KernelStatus:
+        """The status of `version` ("v<N>" on the wire); of whatever Kaggle calls current when None,
+        which for about a minute after a push can still be the previous version's final state."""
+        owner, slug = split_ref(kernel, "kernel")
+
+        def get(kaggle: Any) -> Any:
+            from kagglesdk.kernels.types.kernels_api_service import ApiGetKernelSessionStatusRequest
+
+            request = ApiGetKernelSessionStatusRequest()
+            request.user_name, request.kernel_slug = owner, slug
+            if version is not None:
+                request.version_label = f"v{version}"
+            return kaggle.kernels.kernels_api_client.get_kernel_session_status(request)
+
+        label = f" v{version}" if version is not None else ""
         try:
-            response = self.client.run(f"status {kernel}", lambda api: api.kernels_status(kernel))
-        except ValueError as exc:  # the client turns 401/403 into ValueError
-            raise NotFound(f"kernel {kernel}: not accessible") from exc
+            response = self.client.sdk(f"status {kernel}{label}", get)
         except Exception as exc:  # noqa: BLE001
-            if http_status(exc) == 404:
-                raise NotFound(f"kernel {kernel}: not found") from exc
+            if http_status(exc) in (401, 403, 404):
+                raise NotFound(f"kernel {kernel}{label}: not found or not accessible") from exc
             raise
         name = getattr(response.status, "name", str(response.status)).lower()
+        name = name.removeprefix("kernel_worker_status_")
         state = {"cancel_requested": KernelState.CANCELLED, "cancel_acknowledged": KernelState.CANCELLED}.get(name)
         return KernelStatus(state or KernelState(name), response.failure_message or "")
 
-    def download_output(self, kernel: str, dest: Path, run_id: str, workdir_name: str = "relay") -> SessionOutput:
+    def download_output(self, kernel: str, dest: Path, run_id: str, workdir_name: str = "relay",
+                        version: Optional[int] = None) -> SessionOutput:
         owner, slug = split_ref(kernel, "kernel")
-        return output.download(self.client, owner, slug, Path(dest), run_id, workdir_name)
+        return output.download(self.client, owner, slug, Path(dest), run_id, workdir_name, version)
 
     # -- datasets and quota ----------------------------------------------------------------------
     def publish_folder(self, folder: Path, dataset: str, title: str, notes: str = "") -> PublishResult:

@@ -9,6 +9,7 @@ records the code version and run id in relay-kernel.json, and runs `python -m re
 """
 from __future__ import annotations
 
+import ast
 import base64
 import hashlib
 import json
@@ -35,6 +36,18 @@ def find_run_id(source: str) -> Optional[str]:
     """The run id a kernel source was pushed for (see run_id_marker), None if it carries none."""
     m = _MARKER.search(source or "")
     return m.group(1) if m else None
+
+
+_PLAN = re.compile(r"^PLAN = (.+)$", re.M)
+
+
+def find_plan(source: str) -> Optional[dict]:
+    """The plan a relay kernel source was pushed with (run id, budget, mounts), None if it carries none."""
+    m = _PLAN.search(source or "")
+    try:
+        return json.loads(ast.literal_eval(m.group(1))) if m else None
+    except (ValueError, SyntaxError):
+        return None
 
 
 def validate_run_id(run_id: str) -> None:
@@ -72,9 +85,11 @@ import base64, hashlib, io, json, os, signal, subprocess, sys, tempfile, time, z
 
 
 def mounted(input_dir, ref):
-    """Where Kaggle mounted dataset or kernel output `ref` (owner/slug); None when absent."""
+    """Where Kaggle mounted dataset or kernel output `ref` (owner/slug); None when absent. Searched, not
+    assumed: datasets/<owner>/<slug> and notebooks/<owner>/<slug> since 2026-08, <slug> on older images."""
     owner, slug = ref.split("/", 1)
-    for path in (os.path.join(input_dir, slug), os.path.join(input_dir, "datasets", owner, slug)):
+    for path in (os.path.join(input_dir, "datasets", owner, slug), os.path.join(input_dir, "notebooks", owner, slug),
+                 os.path.join(input_dir, slug)):
         if os.path.isdir(path):
             return path
     return None

@@ -27,8 +27,10 @@ PAGE_SIZE = 200
 DOWNLOAD_MARK = ".relay-output"  # marks a folder this module may replace
 
 
-def list_output(client: KaggleClient, owner: str, slug: str) -> Tuple[List[Tuple[str, str]], str]:
-    """All (file name, url) pairs of the kernel's latest output, and its log."""
+def list_output(client: KaggleClient, owner: str, slug: str,
+                version: Optional[int] = None) -> Tuple[List[Tuple[str, str]], str]:
+    """All (file name, url) pairs of the output of kernel version `version` (the latest when None), and its
+    log. Pin the version: right after a push the unpinned listing can still show the previous version's."""
     from kagglesdk.kernels.types.kernels_api_service import ApiListKernelSessionOutputRequest
 
     files: List[Tuple[str, str]] = []
@@ -38,6 +40,8 @@ def list_output(client: KaggleClient, owner: str, slug: str) -> Tuple[List[Tuple
             request = ApiListKernelSessionOutputRequest()
             request.user_name, request.kernel_slug = owner, slug
             request.page_size, request.page_token = PAGE_SIZE, token
+            if version is not None:
+                request.version_label = f"v{version}"
             return kaggle.kernels.kernels_api_client.list_kernel_session_output(request)
 
         try:
@@ -79,8 +83,8 @@ def fetch(client: KaggleClient, url: str, target: Path) -> None:
 
 
 def download(client: KaggleClient, owner: str, slug: str, dest: Path, run_id: str,
-             workdir_name: str = "relay") -> SessionOutput:
-    files, log_text = list_output(client, owner, slug)
+             workdir_name: str = "relay", version: Optional[int] = None) -> SessionOutput:
+    files, log_text = list_output(client, owner, slug, version)
     if dest.exists() and any(dest.iterdir()) and not (dest / DOWNLOAD_MARK).exists():
         raise InputError(f"output folder {dest} exists and is not an earlier output download: not replacing it")
     dest.parent.mkdir(parents=True, exist_ok=True)

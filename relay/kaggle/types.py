@@ -40,6 +40,7 @@ class KernelState(str, enum.Enum):
 class Refusal(str, enum.Enum):
     CONCURRENCY = "concurrency"  # "Maximum batch GPU session count of 2 reached."
     QUOTA = "quota"              # weekly accelerator quota spent
+    BUSY = "busy"                # the kernel's current version is still queued or running (not pushed)
     OTHER = "other"              # any other error Kaggle put in the SaveKernel response
 
 

@@ -194,7 +194,9 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     run_id = run_id or (state.sessions[-1].get("run_id") if state.sessions else None)
 
     session = {"index": len(state.sessions) + 1, "run_id": run_id, "started": clock.started,
-               "step_start": state.global_step, "stop_reason": "running", "world_size": world.size}
+               "step_start": state.global_step, "stop_reason": "running", "world_size": world.size,
+               "gpus": memory.gpu_inventory()}
+    log.info("GPUs: %d %s", session["gpus"]["count"], session["gpus"]["names"])  # what Kaggle really gave
     state.sessions.append(session)
 
     def save(reason: str) -> None:

@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--gpu-quota-hours", type=float, help="weekly GPU quota (Kaggle hours)")
     serve.add_argument("--max-gpu-sessions", type=int, help="concurrent GPU sessions allowed")
     serve.add_argument("--output-cap-gb", type=float, help="kept output cap of /kaggle/working")
+    serve.add_argument("--mount-layout", choices=("flat", "nested"),
+                       help="mounts at <input>/<slug> (flat) or <input>/datasets|notebooks/<owner>/<slug> (nested)")
+    serve.add_argument("--status-lag", type=float,
+                       help="after a push, unpinned status/output answer the previous version for S seconds")
     serve.add_argument("--faults", help="JSON fault plan (see relay/kaggle/emulator/faults.py)")
     serve.add_argument("--fault-rate", type=float, default=0.0, help="fraction of calls failing (429/500/reset/lost)")
     serve.add_argument("--seed", type=int, default=0, help="fault seed, so a failing run replays")
@@ -53,6 +57,8 @@ def load_config(args: argparse.Namespace) -> EmulatorConfig:
             setattr(config, name, type(getattr(config, name))(value * scale))
     if args.output_cap_gb is not None:
         config.output_cap_bytes = int(args.output_cap_gb * 1e9)
+    if args.mount_layout:
+        config.mount_layout = args.mount_layout
     if args.faults:
         try:
             config.faults = json.loads(Path(args.faults).read_text())
@@ -62,6 +68,8 @@ def load_config(args: argparse.Namespace) -> EmulatorConfig:
         if not 0 <= args.fault_rate < 1:
             raise InputError(f"--fault-rate {args.fault_rate}: use a fraction in [0, 1)")
         config.faults = from_flags(args.fault_rate, args.seed)
+    if args.status_lag:
+        config.faults = dict(config.faults or {}, status_lag={"seconds": args.status_lag})
     return config.validate()
 
 

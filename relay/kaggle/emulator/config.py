@@ -25,6 +25,10 @@ class EmulatorConfig:
     dataset_processing_delay: float = 0.0         # wall seconds from CreateDataset(Version) to READY
     queue_delay: float = 0.0                      # wall seconds a pushed kernel stays QUEUED
     sigterm_grace: float = 5.0                    # wall seconds between SIGTERM and SIGKILL
+    # where mounts appear under KAGGLE_INPUT_DIR: "flat" = <slug>/ (older images); "nested" = datasets/<owner>/
+    # <slug>/ and notebooks/<owner>/<slug>/ for kernel outputs (Kaggle since 2026-08)
+    mount_layout: str = "flat"
+    timeout_keeps_output: bool = True             # whether a run stopped at the limit keeps /kaggle/working (disputed)
     retry_after: str = "1"                        # Retry-After header sent with an injected 429
     kernel_env: Dict[str, str] = field(default_factory=dict)  # extra environment for kernel processes
     users: Dict[str, str] = field(default_factory=dict)       # username -> key (held only in memory)
@@ -37,6 +41,8 @@ class EmulatorConfig:
     def validate(self) -> "EmulatorConfig":
         if self.time_scale <= 0:
             raise InputError(f"time_scale {self.time_scale}: must be > 0")
+        if self.mount_layout not in ("flat", "nested"):
+            raise InputError(f"mount_layout {self.mount_layout!r}: use flat or nested")
         if self.max_gpu_sessions < 0 or self.output_cap_bytes <= 0:
             raise InputError("max_gpu_sessions must be >= 0 and output_cap_bytes > 0")
         for name in ("session_timeout_s", "gpu_quota_s", "quota_period_s"):

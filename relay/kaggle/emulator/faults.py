@@ -7,9 +7,15 @@ Spec (JSON, or built from CLI flags):
                "GetKernelSessionStatus": {"429": 0.1, "500": 0.1, "slow": 0.1, "slow_s": 0.5}},
    "upload_fail_midfile": 0.3,      # an upload PUT keeps only part of the bytes and answers 503
    "stale_output": true,            # after a failed run, output shows the previous successful run's files
-   "kill_kernel": {"probability": 0.5, "min_s": 0.5, "max_s": 3}}   # SIGKILL at a random instant
+   "kill_kernel": {"probability": 0.5, "min_s": 0.5, "max_s": 3},   # SIGKILL at a random instant
+   "status_lag": {"seconds": 60, "calls": 5}}   # after a push, unpinned status/output answer the previous version
 Kinds: 429 (with Retry-After), 500, 503, reset (connection dropped before handling), lost (handled, then the
-connection dropped: the client cannot know it happened), slow (answered after slow_s seconds).
+connection dropped: the client cannot know it happened), slow (answered after slow_s seconds), refused (HTTP 200
+`{"versionNumber": 0, "error": ...}` without handling: a refused push; script it for SaveKernel).
+status_lag: GetKernelSessionStatus and ListKernelSessionOutput without a versionLabel answer the previous
+version while the newest was pushed less than `seconds` ago OR fewer than `calls` such calls have been
+answered since its push (`calls` alone is independent of the machine's speed). With a versionLabel they
+answer that version, as Kaggle does.
 Each decision draws from Random(f"{seed}/{key}/{n}"): the n-th call of a method gets the same fate whatever
 other threads do.
 """
@@ -23,7 +29,7 @@ from typing import Dict, Optional
 
 from relay.errors import InputError
 
-KINDS = ("429", "500", "503", "reset", "lost", "slow")
+KINDS = ("429", "500", "503", "reset", "lost", "slow", "refused")
 DEFAULT_RATE_KINDS = ("429", "500", "reset", "lost")
 
 
@@ -41,6 +47,11 @@ class FaultPlan:
         self.upload_fail_midfile = float(spec.get("upload_fail_midfile", 0.0))
         self.stale_output = bool(spec.get("stale_output", False))
         self.kill_kernel: Optional[dict] = spec.get("kill_kernel")
+        self.status_lag: dict = dict(spec.get("status_lag") or {})
+        unknown = set(self.status_lag) - {"seconds", "calls"}
+        if unknown:
+            raise InputError(f"faults: status_lag: unknown keys {sorted(unknown)} (use seconds, calls)")
+        self._lagged: Dict[str, int] = defaultdict(int)  # kernel version -> unpinned calls answered since push
         self._counts: Dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()
         self.injected: Dict[str, int] = defaultdict(int)  # kind -> count, for tests and logs
@@ -94,6 +105,21 @@ class FaultPlan:
         with self._lock:
             self.injected["upload_midfile"] += 1
         return max(1, min(size - 1, int(size * rng.uniform(0.1, 0.9))))
+
+    def lagging(self, kernel_ref: str, version: int, pushed: float, now: float) -> bool:
+        """Whether an unpinned status/output call now answers the version before `version` (status_lag)."""
+        if not self.status_lag:
+            return False
+        key = f"{kernel_ref}/v{version}"
+        with self._lock:
+            calls = self._lagged[key]
+            self._lagged[key] += 1
+        lag = (now - pushed < float(self.status_lag.get("seconds", 0))
+               or calls < int(self.status_lag.get("calls", 0)))
+        if lag:
+            with self._lock:
+                self.injected["status_lag"] += 1
+        return lag
 
     def kill_at(self, kernel_ref: str, version: int) -> Optional[float]:
         """Wall seconds after start at which to SIGKILL this kernel version, or None."""

@@ -113,7 +113,7 @@ class KernelsService:
         return None
 
     # -- reading ---------------------------------------------------------------------------------
-    def _lookup(self, call: "Call") -> tuple:
+    def _lookup(self, call: "Call", lag: bool = False) -> tuple:
         owner = call.body.get("userName") or call.user
         slug = slug_of(call.body, "kernelSlug")
         label = call.body.get("versionLabel")
@@ -122,18 +122,22 @@ class KernelsService:
         ref = f"{owner}/{slug}"
         version = self.store.kernel_version(ref, label)
         if version is None:
-            raise ApiError(404, f"Kernel {ref} not found")
+            raise ApiError(404, f"Kernel {ref} not found" + (f" (version {label})" if label else ""))
+        if lag and not label and version["number"] > 1 and \
+                self.emu.faults.lagging(ref, version["number"], version["pushed"], time.time()):
+            # status_lag: Kaggle's "latest" still answers the previous version for a while after a push
+            version = self.store.kernel_version(ref, f"v{version['number'] - 1}")
         return ref, version
 
     def GetKernelSessionStatus(self, call: "Call") -> dict:
-        _, version = self._lookup(call)
+        _, version = self._lookup(call, lag=True)
         reply = {"status": version["status"]}
         if version.get("failure"):
             reply["failureMessage"] = version["failure"]
         return reply
 
     def ListKernelSessionOutput(self, call: "Call") -> dict:
-        ref, version = self._lookup(call)
+        ref, version = self._lookup(call, lag=True)
         served = version
         if self.emu.faults.stale_output and version["status"] == "ERROR":
             # Kaggle has been seen to return the previous successful run's files after a failure

@@ -27,6 +27,9 @@ from relay.kaggle.emulator.store import Store, write_json
 
 log = logging.getLogger(__name__)
 NO_INTERNET_PROXY = "http://127.0.0.1:9"  # a closed port: well-behaved HTTP clients fail fast, as offline
+# What Kaggle shows for a batch run stopped at the session limit: status CANCEL_ACKNOWLEDGED and this message
+SESSION_LIMIT_STATUS = "CANCEL_ACKNOWLEDGED"
+SESSION_LIMIT_MESSAGE = "Your notebook was stopped because it exceeded the max allowed execution duration"
 
 
 class KernelRunner:
@@ -35,6 +38,7 @@ class KernelRunner:
         self.stopping = threading.Event()
         self.threads: Dict[str, threading.Thread] = {}
         self.logs: Dict[str, List[dict]] = {}   # live logs of versions in flight
+        self.expired: set = set()               # versions whose session limit was moved to now (expire_now)
         self.lock = threading.Lock()
 
     def start(self, ref: str, number: int) -> None:
@@ -44,6 +48,12 @@ class KernelRunner:
             self.threads[key] = thread
             self.logs[key] = []
         thread.start()
+
+    def expire_now(self, ref: str, number: int) -> None:
+        """Reach version `number`'s session limit now (SIGTERM, grace, SIGKILL, CANCEL_ACKNOWLEDGED), as if its
+        time were up: tests trigger the timeout on an event instead of waiting a machine-dependent time."""
+        with self.lock:
+            self.expired.add(f"{ref}/v{number}")
 
     def live_log(self, ref: str, number: int) -> Optional[List[dict]]:
         with self.lock:
@@ -90,6 +100,11 @@ class KernelRunner:
         rc = proc.returncode
         if reason is None and rc == 0:
             return self._finish(ref, number, "COMPLETE", "", rc, entries)
+        if reason == SESSION_LIMIT_MESSAGE:
+            if not self.config.timeout_keeps_output:
+                shutil.rmtree(working, ignore_errors=True)
+                working.mkdir()
+            return self._finish(ref, number, SESSION_LIMIT_STATUS, reason, rc, entries)
         message = reason or f"Kernel exited with code {rc}"
         return self._finish(ref, number, "ERROR", message, rc, entries)
 
@@ -98,11 +113,12 @@ class KernelRunner:
         deadline = started + self.config.wall(timeout_s)
         kill_at = self.faults.kill_at(ref, number)
         next_size_check = 0.0
+        key = f"{ref}/v{number}"
         while proc.poll() is None:
             now = time.time()
-            if now >= deadline:
+            if now >= deadline or key in self.expired:
                 self._terminate(proc)
-                return f"Session exceeded its time limit of {timeout_s:.0f} seconds."
+                return SESSION_LIMIT_MESSAGE
             if kill_at is not None and now - started >= kill_at:
                 _signal_group(proc, signal.SIGKILL)
                 proc.wait()
@@ -154,8 +170,13 @@ class KernelRunner:
     # -- environment -----------------------------------------------------------------------------
     def _mount(self, version: dict, inputs: Path) -> None:
         for source in version["sources"]:
-            slug = source["ref"].split("/", 1)[1]
-            target = inputs / slug
+            owner, slug = source["ref"].split("/", 1)
+            if self.config.mount_layout == "nested":  # Kaggle's layout since 2026-08
+                folder = "datasets" if source["kind"] == "dataset" else "notebooks"
+                target = inputs / folder / owner / slug
+            else:                                     # older images: <input>/<slug>
+                target = inputs / slug
+            target.parent.mkdir(parents=True, exist_ok=True)
             if target.exists():
                 continue
             if source["kind"] == "dataset":

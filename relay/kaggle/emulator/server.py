@@ -189,6 +189,8 @@ class _Handler(BaseHTTPRequestHandler):
             message = {"429": "Too many requests", "500": "Internal error", "503": "Service unavailable"}[fault.kind]
             return self._send(error_reply(int(fault.kind), message,
                                           self.emu.config.retry_after if fault.kind == "429" else None))
+        if fault.kind == "refused":  # how Kaggle refuses a push: HTTP 200, version 0, an error
+            return self._send(json_reply({"versionNumber": 0, "error": "Notebook push failed, try again later."}))
         try:
             reply = handle()
         except ApiError as err:
