@@ -92,6 +92,7 @@ COLUMNS = [  # (row key, terminal heading)
     ("session", "session"), ("run_id", "run id"), ("start", "start (UTC)"), ("duration_s", "duration"),
     ("billed_gpu_s", "billed GPU"), ("steps", "steps"), ("samples_per_s", "samples/s"),
     ("peak_mem_mb", "peak mem"), ("loss_end", "loss at end"), ("stop_reason", "stop"),
+    ("stage", "stage"), ("memory_rungs", "OOM rungs"),
 ]
 
 
@@ -125,6 +126,8 @@ def session_table(progress: Mapping[str, Any], billed_s: Mapping[Any, float] | N
             "peak_mem_mb": _round(s.get("peak_mem_mb"), 0),
             "loss_end": _round(s.get("loss_end"), 5),
             "stop_reason": s.get("stop_reason"),
+            "stage": s.get("stage"),  # curriculum stage(s) the session trained in, when the recipe has them
+            "memory_rungs": ", ".join(s["memory_rungs"]) if s.get("memory_rungs") else None,
         })
     return rows
 
@@ -150,7 +153,7 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     header = [heading for _, heading in COLUMNS]
     cells = [[_cell(key, row.get(key)) for key, _ in COLUMNS] for row in rows]
     widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header))]
-    left = {1, 2, 9}
+    left = {1, 2, 9, 10, 11}
     def line(r: list[str]) -> str:
         return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
     total_s = sum(r.get("duration_s") or 0 for r in rows)
@@ -205,6 +208,18 @@ def _session_starts(records: list[dict], progress: Mapping[str, Any] | None) -> 
                 first[r["session"]] = min(first.get(r["session"], r["step"]), r["step"])
         starts = sorted(first.items())
     return starts[1:]
+
+
+def stage_changes(records: list[dict]) -> list[tuple[int, str]]:
+    """(step, new stage) wherever the curriculum stage differs from the one before ("stage" records are
+    written at every change and at each session's start; repeats are not changes)."""
+    changes, current = [], None
+    for r in sorted((r for r in records if r.get("kind") == "stage"), key=lambda r: r["step"]):
+        if r.get("stage") != current:
+            if current is not None:
+                changes.append((r["step"], str(r.get("stage"))))
+            current = r.get("stage")
+    return changes
 
 
 def _series(records: list[dict], kind: str, key: str) -> tuple[list[float], list[float]]:
@@ -270,6 +285,11 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
     for session, step in boundaries:
         ax_loss.annotate(f"S{session}", (step, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12),
                          textcoords="offset points", fontsize=9, color="0.25")
+    for step, stage in stage_changes(records):
+        for ax in (ax_loss, ax_metric):
+            ax.axvline(step, color="#756bb1", ls=":", lw=1.4)
+        ax_loss.annotate(stage, (step, 0.0), xycoords=("data", "axes fraction"), xytext=(3, 4),
+                         textcoords="offset points", fontsize=9, color="#54278f", rotation=90)
     ax_metric.set_xlabel("global step")
     n_sessions = len({r.get("session") for r in records if r.get("session") is not None})
     fig.suptitle(f"{title} ({n_sessions} sessions, dashed lines = session starts)", fontsize=13)
