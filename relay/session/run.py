@@ -84,7 +84,6 @@ def run_session(
 
 
 def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id) -> dict:
-    workdir.mkdir(parents=True, exist_ok=True)
     ckpt_root = workdir / "checkpoints"
     device = pick_device()
     configure_backends(spec, device)
@@ -95,6 +94,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id) -> d
     recipe = recipes.get(spec.recipe)(params, data_dir=Path(data_dir or "."),
                                       cache_dirs=[workdir / "cache", *feature_dirs], seed=spec.seed)
     recipe.prepare()
+    workdir.mkdir(parents=True, exist_ok=True)  # after prepare: bad data leaves nothing written
 
     seed_everything(spec.seed)
     model = recipe.build_model()
