@@ -94,6 +94,7 @@ COLUMNS = [  # (row key, terminal heading)
     ("peak_mem_mb", "peak mem"), ("loss_end", "loss at end"), ("stop_reason", "stop"),
     ("stage", "stage"), ("memory_rungs", "OOM rungs"),
 ]
+OPTIONAL_COLUMNS = ("stage", "memory_rungs")  # shown only when some session has them
 
 
 def _round(value: Any, digits: int) -> Any:
@@ -126,9 +127,12 @@ def session_table(progress: Mapping[str, Any], billed_s: Mapping[Any, float] | N
             "peak_mem_mb": _round(s.get("peak_mem_mb"), 0),
             "loss_end": _round(s.get("loss_end"), 5),
             "stop_reason": s.get("stop_reason"),
-            "stage": s.get("stage"),  # curriculum stage(s) the session trained in, when the recipe has them
-            "memory_rungs": ", ".join(s["memory_rungs"]) if s.get("memory_rungs") else None,
         })
+        # optional columns, only for runs that have them: curriculum stage(s), OOM rungs taken
+        if s.get("stage") is not None:
+            rows[-1]["stage"] = s["stage"]
+        if s.get("memory_rungs"):
+            rows[-1]["memory_rungs"] = ", ".join(s["memory_rungs"])
     return rows
 
 
@@ -150,10 +154,11 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The session table for a terminal: aligned columns, '-' where unknown, a totals line."""
     if not rows:
         return "no sessions yet"
-    header = [heading for _, heading in COLUMNS]
-    cells = [[_cell(key, row.get(key)) for key, _ in COLUMNS] for row in rows]
+    columns = [(k, h) for k, h in COLUMNS if k not in OPTIONAL_COLUMNS or any(r.get(k) for r in rows)]
+    header = [heading for _, heading in columns]
+    cells = [[_cell(key, row.get(key)) for key, _ in columns] for row in rows]
     widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header))]
-    left = {1, 2, 9, 10, 11}
+    left = {i for i, (k, _) in enumerate(columns) if k in ("run_id", "start", "stop_reason", *OPTIONAL_COLUMNS)}
     def line(r: list[str]) -> str:
         return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
     total_s = sum(r.get("duration_s") or 0 for r in rows)
@@ -292,7 +297,8 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
                          textcoords="offset points", fontsize=9, color="#54278f", rotation=90)
     ax_metric.set_xlabel("global step")
     n_sessions = len({r.get("session") for r in records if r.get("session") is not None})
-    fig.suptitle(f"{title} ({n_sessions} sessions, dashed lines = session starts)", fontsize=13)
+    dotted = ", dotted = stage changes" if stage_changes(records) else ""
+    fig.suptitle(f"{title} ({n_sessions} sessions, dashed lines = session starts{dotted})", fontsize=13)
     return _save(plt, fig, out_png)
 
 
