@@ -16,6 +16,7 @@ import yaml
 
 from conftest import REPO, deep_merge
 from relay import cli, report
+from relay.errors import InputError
 from relay import spec as spec_mod
 from relay.recipes import vqa_data
 from relay.recipes.vqa_student import VQAStudentRecipe
@@ -283,3 +284,31 @@ def test_generated_data_is_deterministic_and_answers_depend_on_the_image(tmp_pat
         answer = s.teacher or s.answer
         assert vqa_data.COLORS[answer] in pixels  # the answer is the colour drawn
         assert vqa_data.pixel_values(s.image, 16).shape == (3, 16, 16)
+
+
+def test_pretrained_folders_are_loaded_with_their_tokenizers(data_dir, uninterrupted, tmp_path):
+    """The real-data path: params.*_pretrained name mounted save_pretrained folders (here: the parts of a
+    trained tiny student) and replace the random-init models and the trained tokenizer."""
+    spec = load(data_dir)
+    recipe = VQAStudentRecipe(spec.recipe_params(), data_dir=data_dir, cache_dirs=[], seed=0)
+    recipe.prepare()
+    torch.manual_seed(5)
+    source = recipe.build_model()
+    for part in ("vision", "question", "decoder"):
+        getattr(source, part).save_pretrained(tmp_path / part)
+    recipe.q_tokenizer.save_pretrained(tmp_path / "question")
+    recipe.a_tokenizer.save_pretrained(tmp_path / "decoder")
+    params = {"vision_pretrained": str(tmp_path / "vision"), "question_pretrained": str(tmp_path / "question"),
+              "decoder_pretrained": str(tmp_path / "decoder")}
+    spec = load(data_dir, params=params)
+    loaded = VQAStudentRecipe(spec.recipe_params(), data_dir=data_dir, cache_dirs=[], seed=0)
+    loaded.prepare()
+    assert loaded.q_tokenizer.get_vocab() == recipe.q_tokenizer.get_vocab()
+    torch.manual_seed(6)  # a different init: only the projections may differ
+    model = loaded.build_model()
+    for part in ("vision", "question", "decoder"):
+        for name, tensor in getattr(source, part).state_dict().items():
+            assert torch.equal(tensor, getattr(model, part).state_dict()[name]), (part, name)
+    missing = load(data_dir, params={"vision_pretrained": str(tmp_path / "nowhere")})
+    with pytest.raises(InputError, match=r"params.vision_pretrained: .*nowhere is not a folder"):
+        VQAStudentRecipe(missing.recipe_params(), data_dir=data_dir, cache_dirs=[], seed=0).prepare()

@@ -70,6 +70,10 @@ def _vision(p, pretrained: Optional[str]) -> nn.Module:
     from transformers import AutoModel, BlipVisionConfig, BlipVisionModel, ViTConfig, ViTModel
 
     if pretrained:
+        from transformers import AutoConfig
+
+        if AutoConfig.from_pretrained(pretrained).model_type == "vit":  # its pooler is unused here
+            return ViTModel.from_pretrained(pretrained, add_pooling_layer=False)
         model = AutoModel.from_pretrained(pretrained)
         return getattr(model, "vision_model", model)  # a full BLIP checkpoint: keep its vision tower
     shape = dict(image_size=p.image_size, patch_size=p.patch_size, hidden_size=p.vision_hidden,

@@ -157,6 +157,8 @@ class VQAStudentRecipe(Recipe):
     # ------------------------------------------------------------------------------------------- data
     def prepare(self) -> None:
         p = self.params
+        for key in ("vision_pretrained", "question_pretrained", "decoder_pretrained"):
+            _mounted(getattr(p, key), key)  # a missing mount fails before any data is read
         self.samples = vqa_data.load(self.data_dir, p.images_dir, p.questions_file, p.teacher_file)
         q_tok, a_tok = self._tokenizers()
         self.q_tokenizer, self.a_tokenizer = q_tok, a_tok
