@@ -252,6 +252,9 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
     if not records:
         raise ValueError("plot_curves: no metrics records to draw")
     evals = [r for r in records if r.get("kind") == "eval"]
+    best = (progress or {}).get("best") or {}
+    if metric is None and best.get("metric"):  # the recipe's watched metric and its direction (e.g. f1, max)
+        metric, metric_mode = best["metric"], best.get("mode", metric_mode)
     metric = _eval_metric(evals, metric)
     fig, (ax_loss, ax_metric) = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True,
                                              gridspec_kw={"height_ratios": [3, 2]})

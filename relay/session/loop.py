@@ -337,7 +337,7 @@ class Trainer:
             return False
         better = st.best is None or (value < st.best["value"] if mode == "min" else value > st.best["value"])
         if better:
-            st.best = {"metric": name, "value": value, "step": st.global_step}
+            st.best = {"metric": name, "value": value, "step": st.global_step, "mode": mode}
         return better
 
     # -- failure handling -----------------------------------------------------------------------
