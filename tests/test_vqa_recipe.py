@@ -217,6 +217,8 @@ def _stages(*ranges):
                               "end at 2: an overlap; stages must be contiguous from epoch 0"),
     (_stages((0, 2), (2, 3)), "spec.yaml: params.curriculum: the stages end at epoch 3 but optim.epochs is 4: "
                               "they must cover the run exactly"),
+    ([{**_stages((0, 4))[0], "answer_max_len": 13}], "spec.yaml: params.curriculum.0.answer_max_len: 13 is longer "
+                                                     "than params.answer_max_len (12)"),
     ([{**_stages((0, 4))[0], "filter": "long_answer"}], "spec.yaml: params.curriculum.0.filter: Input should be "
                                                         "'all', 'short_answer' or 'has_logits' (got 'long_answer')"),
 ])

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Literal, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -98,6 +98,14 @@ class VQAStudentParams(RecipeParams):
             end = s.epochs[1]
         return stages
 
+    @model_validator(mode="after")
+    def _stage_lengths(self) -> "VQAStudentParams":
+        for i, s in enumerate(self.curriculum):
+            if s.answer_max_len > self.answer_max_len:
+                raise ValueError(f"params.curriculum.{i}.answer_max_len: {s.answer_max_len} is longer than "
+                                 f"params.answer_max_len ({self.answer_max_len})")
+        return self
+
 
 class VQARows(Dataset):
     """Item i is a pure function of i: the image read from disk, ids tokenized in prepare()."""
@@ -164,6 +172,7 @@ class VQAStudentRecipe(Recipe):
         self.q_tokenizer, self.a_tokenizer = q_tok, a_tok
         q_path = self.data_dir / p.questions_file
         self.question_ids, self.answer_ids, self.soft = [], [], []
+        self._word_tokens: dict[str, list[int]] = {}  # teacher candidate word -> student token ids
         cls_id, sep_id = q_tok.cls_token_id, q_tok.sep_token_id
         eos = a_tok.eos_token_id
         for s in self.samples:
@@ -200,14 +209,16 @@ class VQAStudentRecipe(Recipe):
         one token of the student's vocabulary are left out of the candidates."""
         if not logits:
             return None
-        k = self.params.soft_top_k
+        k, token_of = self.params.soft_top_k, self._word_tokens
         ids = np.zeros((len(logits), k), dtype=np.int64)
         values = np.full((len(logits), k), NO_LOGIT, dtype=np.float32)
         for pos, candidates in enumerate(logits):
             best = sorted(candidates.items(), key=lambda kv: (-kv[1], kv[0]))
             j = 0
             for word, logit in best:
-                token = tok(word, add_special_tokens=False)["input_ids"]
+                if word not in token_of:
+                    token_of[word] = tok(word, add_special_tokens=False)["input_ids"]
+                token = token_of[word]
                 if len(token) == 1 and j < k:
                     ids[pos, j], values[pos, j], j = token[0], logit, j + 1
         return ids, values
