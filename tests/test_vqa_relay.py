@@ -5,7 +5,6 @@ completes across the ANSWER_FOCUS -> FORMAT_LEARNING change (step 60) with the w
 """
 from __future__ import annotations
 
-import json
 
 import yaml
 
@@ -61,4 +60,4 @@ def test_vqa_demo_relays_across_the_stage_change_with_a_kernel_killed_mid_save(r
     last = relay_env.ckpt_versions()[-1]["number"]
     metrics = report.dedupe_metrics(report.read_metrics(emu.store.dataset_dir(relay_env.ckpt, last) / "metrics.jsonl"))
     assert report.stage_changes(metrics) == [(60, "FORMAT_LEARNING")]
-    assert json.loads(json.dumps(published["memory_rungs"])) == []
+    assert published["memory_rungs"] == []  # no OOM on CPU: the ladder was never needed
