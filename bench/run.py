@@ -27,6 +27,7 @@ BENCHES = {
     "checkpoint": ("bench_checkpoint", {}, {"layers": 3, "repeats": 3}),
     "features": ("bench_features", {}, {"n_train": 10_000, "n_test": 2_500}),
     "relay": ("bench_relay", {"epochs": 12}, {"session_s": 20.0, "epochs": 4}),  # several sessions each
+    "vqa": ("bench_vqa", {}, {"steps": 6, "repeats": 2}),
 }
 
 
@@ -72,6 +73,16 @@ def _lines(name: str, f: dict) -> list[str]:
 
         return ["relay quota efficiency (emulated relay vs the seeds' save-every-epoch policy):",
                 bench_relay.format_side_by_side(f)]
+    if name == "vqa":
+        lines = [f"vqa student, tiny, CPU ({f['vqa_cpu_steps']} steps x micro-batch {f['vqa_cpu_micro_batch']}, median "
+                 f"of {f['vqa_cpu_repeats']} alternating rounds; process CPU, wall in brackets):",
+                 f"  plain {f['vqa_cpu_samples_per_cpu_s']} samples/cpu-s [{f['vqa_cpu_samples_per_s']}/s], "
+                 f"decoder checkpointing {f['vqa_cpu_ckpt_samples_per_cpu_s']} [{f['vqa_cpu_ckpt_samples_per_s']}/s]: "
+                 f"time x{f['vqa_cpu_ckpt_time_ratio']} (the seed expects ~1.2 on a T4)"]
+        if "vqa_gpu_device" in f:
+            lines.append(f"  real size on {f['vqa_gpu_device']}, micro-batch 3: " + ", ".join(
+                f"{m} {f[f'vqa_gpu_{m}_samples_per_s']}/s {f[f'vqa_gpu_{m}_peak_gb']} GB" for m in ("fp32", "amp", "amp_ckpt")))
+        return lines
     return [json.dumps(f)]
 
 

@@ -92,7 +92,9 @@ COLUMNS = [  # (row key, terminal heading)
     ("session", "session"), ("run_id", "run id"), ("start", "start (UTC)"), ("duration_s", "duration"),
     ("billed_gpu_s", "billed GPU"), ("steps", "steps"), ("world_size", "procs"), ("samples_per_s", "samples/s"),
     ("peak_mem_mb", "peak mem"), ("loss_end", "loss at end"), ("stop_reason", "stop"), ("gpus", "GPUs"),
+    ("stage", "stage"), ("memory_rungs", "OOM rungs"),
 ]
+OPTIONAL_COLUMNS = ("stage", "memory_rungs")  # shown only when some session has them
 
 
 def _round(value: Any, digits: int) -> Any:
@@ -128,6 +130,11 @@ def session_table(progress: Mapping[str, Any], billed_s: Mapping[Any, float] | N
             "stop_reason": s.get("stop_reason"),
             "gpus": _gpus(s.get("gpus")),
         })
+        # optional columns, only for runs that have them: curriculum stage(s), OOM rungs taken
+        if s.get("stage") is not None:
+            rows[-1]["stage"] = s["stage"]
+        if s.get("memory_rungs"):
+            rows[-1]["memory_rungs"] = ", ".join(s["memory_rungs"])
     return rows
 
 
@@ -159,10 +166,12 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The session table for a terminal: aligned columns, '-' where unknown, a totals line."""
     if not rows:
         return "no sessions yet"
-    header = [heading for _, heading in COLUMNS]
-    cells = [[_cell(key, row.get(key)) for key, _ in COLUMNS] for row in rows]
+    columns = [(k, h) for k, h in COLUMNS if k not in OPTIONAL_COLUMNS or any(r.get(k) for r in rows)]
+    header = [heading for _, heading in columns]
+    cells = [[_cell(key, row.get(key)) for key, _ in columns] for row in rows]
     widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header))]
-    left = {1, 2, 9, 10}
+    left = {i for i, (k, _) in enumerate(columns)
+            if k in ("run_id", "start", "stop_reason", "gpus", *OPTIONAL_COLUMNS)}
     def line(r: list[str]) -> str:
         return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
     total_s = sum(r.get("duration_s") or 0 for r in rows)
@@ -219,6 +228,18 @@ def _session_starts(records: list[dict], progress: Mapping[str, Any] | None) -> 
     return starts[1:]
 
 
+def stage_changes(records: list[dict]) -> list[tuple[int, str]]:
+    """(step, new stage) wherever the curriculum stage differs from the one before ("stage" records are
+    written at every change and at each session's start; repeats are not changes)."""
+    changes, current = [], None
+    for r in sorted((r for r in records if r.get("kind") == "stage"), key=lambda r: r["step"]):
+        if r.get("stage") != current:
+            if current is not None:
+                changes.append((r["step"], str(r.get("stage"))))
+            current = r.get("stage")
+    return changes
+
+
 def _series(records: list[dict], kind: str, key: str) -> tuple[list[float], list[float]]:
     points = [(r["step"], r[key]) for r in records if (r.get("kind") or "train") == kind
               and isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
@@ -244,6 +265,9 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
     if not records:
         raise ValueError("plot_curves: no metrics records to draw")
     evals = [r for r in records if r.get("kind") == "eval"]
+    best = (progress or {}).get("best") or {}
+    if metric is None and best.get("metric"):  # the recipe's watched metric and its direction (e.g. f1, max)
+        metric, metric_mode = best["metric"], best.get("mode", metric_mode)
     metric = _eval_metric(evals, metric)
     fig, (ax_loss, ax_metric) = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True,
                                              gridspec_kw={"height_ratios": [3, 2]})
@@ -282,9 +306,15 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
     for session, step in boundaries:
         ax_loss.annotate(f"S{session}", (step, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12),
                          textcoords="offset points", fontsize=9, color="0.25")
+    for step, stage in stage_changes(records):
+        for ax in (ax_loss, ax_metric):
+            ax.axvline(step, color="#756bb1", ls=":", lw=1.4)
+        ax_loss.annotate(stage, (step, 0.0), xycoords=("data", "axes fraction"), xytext=(3, 4),
+                         textcoords="offset points", fontsize=9, color="#54278f", rotation=90)
     ax_metric.set_xlabel("global step")
     n_sessions = len({r.get("session") for r in records if r.get("session") is not None})
-    fig.suptitle(f"{title} ({n_sessions} sessions, dashed lines = session starts)", fontsize=13)
+    dotted = ", dotted = stage changes" if stage_changes(records) else ""
+    fig.suptitle(f"{title} ({n_sessions} sessions, dashed lines = session starts{dotted})", fontsize=13)
     return _save(plt, fig, out_png)
 
 

@@ -244,9 +244,13 @@ class RunSpec(_Section):
         # Validated by the recipe's own Params model, reported under `params.`.
         recipe_cls = recipes.get(self.recipe)
         try:
-            recipe_cls.Params.model_validate(self.params)
+            params = recipe_cls.Params.model_validate(self.params)
         except ValidationError as err:
             raise SpecError(_first_error(err, prefix="params")) from None
+        try:
+            recipe_cls.validate_spec(params, self)
+        except ValueError as err:
+            raise SpecError(str(err)) from None
         return self
 
     @model_validator(mode="after")

@@ -8,6 +8,7 @@ from relay.recipes.base import Recipe, RecipeParams
 _REGISTRY = {
     "price_model": "relay.recipes.price_model:PriceModelRecipe",
     "toy": "relay.recipes.toy:ToyRecipe",
+    "vqa_student": "relay.recipes.vqa_student:VQAStudentRecipe",
 }
 
 

@@ -8,13 +8,24 @@ and the prepared features), so the data position is a pure function of the optim
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 from torch.utils.data import Dataset
+
+
+@dataclass(frozen=True)
+class MemoryRung:
+    """One step down a recipe's OOM ladder: `apply()` lowers a setting for the rest of the run and returns a
+    description for the log. `phases` says which out-of-memory errors it can help ("train", "eval")."""
+
+    name: str
+    phases: frozenset
+    apply: Callable[[], str]
 
 
 class RecipeParams(BaseModel):
@@ -68,6 +79,22 @@ class Recipe(ABC):
     def enable_activation_checkpointing(self, model: nn.Module) -> bool:
         """Turn on activation checkpointing where the model supports it; return whether it did."""
         return False
+
+    @classmethod
+    def validate_spec(cls, params: RecipeParams, spec: Any) -> None:
+        """Cross-checks between the recipe's params and the rest of the spec (e.g. a curriculum covering
+        optim.epochs). Raise ValueError("params.key: what is expected"); the spec loader reports it."""
+
+    def on_step(self, step: int, epoch: int) -> Optional[dict[str, Any]]:
+        """Called before every optimizer step (and the pre-flight) with the step about to be taken. Anything
+        the recipe changes here must be a pure function of (step, epoch), so a resumed session lands on the
+        same state. Returns what to show (e.g. {"stage": name}); the runtime logs every change."""
+        return None
+
+    def memory_rungs(self) -> list["MemoryRung"]:
+        """Extra out-of-memory fallbacks, tried in order after the runtime's own micro-batch halving is
+        exhausted. Taken rungs are recorded in the checkpoint and re-applied in every later session."""
+        return []
 
     def export(self, model: nn.Module, out_dir: Path) -> None:
         """Write weights-only inference files (safetensors + config) into out_dir."""

@@ -48,6 +48,7 @@ class TrainState:
     world_size: int = 1  # processes training together; micro_batch x grad_accum x world_size is the spec's batch
     exactness_lost: Optional[dict] = None  # {"step", "why"}: from that step on, not bit-identical to one run
     sessions: list = field(default_factory=list)
+    memory_rungs: list = field(default_factory=list)  # names of the recipe's OOM rungs taken, in order
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainState":
@@ -141,6 +142,10 @@ class Trainer:
         self.session_samples = 0
         self.train_seconds = 0.0
         self._recent_losses: list[float] = []
+        self._shown: Optional[dict] = None  # what recipe.on_step last reported (e.g. the curriculum stage)
+        rungs = {r.name: r for r in recipe.memory_rungs()}
+        for name in state.memory_rungs:  # an earlier session's OOM fallbacks hold for the rest of the run
+            log.info("memory rung %r kept from an earlier session: %s", name, rungs[name].apply())
 
     # -- state ----------------------------------------------------------------------------------
     def _new_scaler(self) -> torch.amp.GradScaler:
@@ -191,6 +196,7 @@ class Trainer:
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        self._recipe_step(st.global_step)
         while True:
             idx = data.rank_indices(self.schedule, st.global_step, self.world.rank, self.world.size)[: st.micro_batch]
             batch = data.to_device(self.recipe.collate([self.train_set[i] for i in idx]), self.device, False)
@@ -251,6 +257,7 @@ class Trainer:
         if self._batches is None:
             self._batches = iter(self._loader(st.global_step))
         self._step_rng = self._torch_rng()  # an OOM retry replays the same dropout masks
+        self._recipe_step(st.global_step)
         t0 = time.perf_counter()
         total = torch.zeros((), device=self.device)
         oom = None
@@ -312,7 +319,7 @@ class Trainer:
             "loss": sum(self._recent_losses) / max(1, len(self._recent_losses)),
             "lr": self.scheduler.get_last_lr()[0],
             "samples_per_s": self.session_samples / max(1e-9, self.train_seconds),
-            "micro_batch": st.micro_batch, "grad_accum": st.grad_accum,
+            "micro_batch": st.micro_batch, "grad_accum": st.grad_accum, **(self._shown or {}),
         }
         if st.global_step % self.spec.session.memory_log_every_steps == 0:
             record.update(self.monitor.sample())
@@ -350,13 +357,20 @@ class Trainer:
         loader = data.eval_loader(self.recipe.eval_dataset(), self.recipe.collate, self.spec.optim.eval_batch,
                                   0, False, seed=self.spec.seed)
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), self._autocast():
-            self.model.eval()
+        while True:
             try:
-                batches = (data.to_device(b, self.device, self.spec.data.non_blocking) for b in loader)
-                metrics = {k: float(v) for k, v in self.recipe.evaluate(self.model, batches).items()}
-            finally:
-                self.model.train()
+                with torch.random.fork_rng(devices=devices), torch.no_grad(), self._autocast():
+                    self.model.eval()
+                    try:
+                        batches = (data.to_device(b, self.device, self.spec.data.non_blocking) for b in loader)
+                        metrics = {k: float(v) for k, v in self.recipe.evaluate(self.model, batches).items()}
+                    finally:
+                        self.model.train()
+                break
+            except Exception as err:  # noqa: BLE001 - only OOM is handled
+                if not memory.is_oom(err):
+                    raise
+                self._back_off(err, phase="eval")
         self.clock.eval_seconds = max(self.clock.eval_seconds, time.perf_counter() - t0)
         st = self.state
         st.last_eval = {"step": st.global_step, **metrics}
@@ -367,7 +381,7 @@ class Trainer:
             return False
         better = st.best is None or (value < st.best["value"] if mode == "min" else value > st.best["value"])
         if better:
-            st.best = {"metric": name, "value": value, "step": st.global_step}
+            st.best = {"metric": name, "value": value, "step": st.global_step, "mode": mode}
         return better
 
     # -- failure handling -----------------------------------------------------------------------
@@ -395,22 +409,50 @@ class Trainer:
         (n_oom,) = distributed.agree(self.world, [err is not None], self.device)
         return (err or _peer_oom()) if n_oom else None
 
-    def _back_off(self, err: BaseException) -> None:
+    def _back_off(self, err: BaseException, phase: str = "train") -> None:
+        """The OOM ladder: halve the micro-batch (training only) until 1, then the recipe's own rungs in order,
+        skipping those that cannot help this phase. Every rung holds for the rest of the run."""
         st = self.state
-        smaller = memory.back_off(st.micro_batch, st.grad_accum)
-        if smaller is None:
-            raise err
-        log.warning("out of memory at micro-batch %d: retrying step %d with micro-batch %d x accumulation %d",
-                    st.micro_batch, st.global_step, *smaller)
-        st.micro_batch, st.grad_accum = smaller
+        smaller = memory.back_off(st.micro_batch, st.grad_accum) if phase == "train" else None
+        if smaller is not None:
+            log.warning("out of memory at micro-batch %d: retrying step %d with micro-batch %d x accumulation %d",
+                        st.micro_batch, st.global_step, *smaller)
+            st.micro_batch, st.grad_accum = smaller
+            rung, detail = "micro_batch", f"micro-batch {smaller[0]} x accumulation {smaller[1]}"
+        else:
+            taken = memory.next_rung(self.recipe.memory_rungs(), st.memory_rungs, phase)
+            if taken is None:
+                raise err
+            rung, detail = taken.name, taken.apply()
+            st.memory_rungs.append(rung)
+            log.warning("out of memory in %s at step %d: %s (kept for the rest of the run)", phase,
+                        st.global_step, detail)
+        session = st.sessions[-1] if st.sessions else {}
+        session["memory_rungs"] = [*session.get("memory_rungs", []), rung]
+        self.log_metrics({"kind": "memory", "step": st.global_step, "phase": phase, "rung": rung, "detail": detail})
+        memory.free_cached(self.device)
+        if phase != "train":
+            return
         self.optimizer.zero_grad(set_to_none=True)
         torch.set_rng_state(self._step_rng[0])
         if self._step_rng[1] is not None:
             torch.cuda.set_rng_state_all(self._step_rng[1])
         self._batches = None  # rebuilt at the same step with the new micro-batch
-        memory.free_cached(self.device)
 
     # -- helpers --------------------------------------------------------------------------------
+    def _recipe_step(self, step: int) -> None:
+        """Let the recipe set up the step (a curriculum stage); log when what it reports changes."""
+        shown = self.recipe.on_step(step, self.schedule.epoch_of(step))
+        if not shown or shown == self._shown:
+            return
+        self._shown = dict(shown)
+        self.log_metrics({"kind": "stage", "step": step, "epoch": self.schedule.epoch_of(step), **shown})
+        session = self.state.sessions[-1] if self.state.sessions else {}
+        for key, value in shown.items():  # e.g. "A" or "A -> B" for a session that crossed a stage change
+            if session.get(key) not in (None, value) and not str(session[key]).endswith(f"-> {value}"):
+                value = f"{session[key]} -> {value}"
+            session[key] = value
+
     def _torch_rng(self) -> tuple:
         """The generators a forward/backward draws from (dropout): ~3 us, against ~150 us for the full
         rng_state (numpy's get_state dominates), taken every step. Recipes keep numpy/python randomness

@@ -80,6 +80,11 @@ def back_off(micro_batch: int, grad_accum: int) -> Optional[tuple[int, int]]:
     return None
 
 
+def next_rung(rungs: list, taken: list[str], phase: str):
+    """The first rung of a recipe's ladder not taken yet that can help an OOM in `phase`, or None."""
+    return next((r for r in rungs if r.name not in taken and phase in r.phases), None)
+
+
 def free_cached(device: torch.device) -> None:
     """Periodic cleanup (seed 002): returns cached blocks so fragmentation does not end in an OOM."""
     gc.collect()

@@ -1,0 +1,63 @@
+"""The VQA demo spec relayed on the Kaggle emulator: the Prefect flow pushes step-bounded sessions (40 optimizer
+steps each, 120 in all) that mount the published data dataset; one kernel of session >= 2 is SIGKILLed in the
+middle of a checkpoint save (frozen the moment a `.tmp-step-*` folder exists beside a committed one). The relay
+completes across the ANSWER_FOCUS -> FORMAT_LEARNING change (step 60) with the weights of an uninterrupted run.
+"""
+from __future__ import annotations
+
+
+import yaml
+
+from conftest import REPO
+from relay import report
+from relay.recipes import vqa_data
+
+from relay_fixtures import USER  # noqa: E402
+from test_relay_faults import MidSaveKiller  # noqa: E402
+
+
+def test_vqa_demo_relays_across_the_stage_change_with_a_kernel_killed_mid_save(relay_env, reference, monkeypatch,
+                                                                                tmp_path):
+    emu = relay_env.start()
+    data = tmp_path / "vqa-data"
+    vqa_data.main(["--out", str(data)])
+    relay_env.backend().publish_folder(data, f"{USER}/vqa-data", "VQA demo data", "synthetic")
+
+    spec = yaml.safe_load((REPO / "examples" / "vqa-demo.yaml").read_text())
+    spec["params"]["data_dir"] = str(data)  # the reference run reads it directly; kernels get the mount as --data
+    spec["session"].update(save_every="0.3s", safety_margin="0.5s")  # frequent saves: the killer finds one
+    spec["kaggle"].update(dataset_sources=[f"{USER}/vqa-data"], session_timeout="5m", startup_overhead="1s")
+    relay_env.spec = relay_env.root / "spec" / "spec.yaml"
+    relay_env.spec.parent.mkdir(parents=True)
+    relay_env.spec.write_text(yaml.safe_dump(spec, sort_keys=False))
+    reference.start(relay_env.spec)
+
+    killer = MidSaveKiller(relay_env)
+    killer.start()
+    try:
+        summary = relay_env.run_flow(monkeypatch)
+    finally:
+        killer.done.set()
+        killer.join(5)
+    assert killer.error is None and killer.killed, killer.error
+    assert summary["state"] == "done" and summary["step"] == 120
+
+    runs = relay_env.kernel_runs()
+    killed = next(r for r in runs if r.version == killer.killed["version"])
+    assert killed.status == "ERROR" and "-9" in killed.failure, killed
+    working = emu.store.kernel_dir(relay_env.kernel, killed.version) / "working" / "relay" / "checkpoints"
+    assert (working / killer.killed["torn"]).is_dir()  # the save really was torn
+    assert all(r.status == "COMPLETE" for r in runs if r.version != killed.version), runs
+    assert len([r for r in runs if r.status == "COMPLETE"]) >= 3
+
+    published = relay_env.published_progress()
+    assert published["status"] == "done" and published["global_step"] == 120
+    assert summary["weights_sha256"] == published["weights_sha256"] == reference.weights(relay_env.spec)
+    stages = [s.get("stage") for s in published["sessions"]]
+    assert stages[0] == "ANSWER_FOCUS" and stages[-1] == "FORMAT_LEARNING", stages
+    assert any(s and "->" in s for s in stages) or "FORMAT_LEARNING" in stages, stages
+
+    last = relay_env.ckpt_versions()[-1]["number"]
+    metrics = report.dedupe_metrics(report.read_metrics(emu.store.dataset_dir(relay_env.ckpt, last) / "metrics.jsonl"))
+    assert report.stage_changes(metrics) == [(60, "FORMAT_LEARNING")]
+    assert published["memory_rungs"] == []  # no OOM on CPU: the ladder was never needed
