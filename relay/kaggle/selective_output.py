@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 CHUNK = 1 << 20
 RESERVE_ENV = "RELAY_HANDOFF_DISK_RESERVE_MB"  # head room left free on the orchestrator's disk
 DEFAULT_RESERVE = 256 << 20
+disk_usage = shutil.disk_usage  # module-level, so a test can simulate a short disk
 _CKPT = re.compile(r"^checkpoints/(step-\d{8}(?:\.\d+)?)/(.+)$")
 
 
@@ -170,7 +171,7 @@ def free_bytes(path: Path) -> int:
     path = Path(path).resolve()
     while not path.exists():
         path = path.parent
-    return shutil.disk_usage(path).free
+    return disk_usage(path).free
 
 
 def ensure_space(where: Path, need: int, reserve: int, what: str) -> None:
