@@ -67,7 +67,11 @@ from relay import chain, handoff, spec as spec_mod
 from relay.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
 import requests
 watch = [local, os.environ["TMPDIR"]]
-peak = [0]
+peak, rss_peak = [0], [0]
+PAGE = os.sysconf("SC_PAGE_SIZE")
+def rss():  # current RSS from /proc (ru_maxrss would carry the forking parent's peak over exec)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
 def usage():
     total = 0
     for top in watch:
@@ -80,10 +84,24 @@ stop = threading.Event()
 def sample():
     while not stop.wait(0.02):
         peak[0] = max(peak[0], usage())
+        rss_peak[0] = max(rss_peak[0], rss())
 threading.Thread(target=sample, daemon=True).start()
-rss_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+rss_import = rss()
+rss_peak[0] = rss_import
+spent = {{"download_s": 0.0, "publish_s": 0.0}}
+def timed(fn, key):
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[key] += time.perf_counter() - t
+    return wrapper
 backend = ClientBackend(KaggleCredentials({user!r}, key={key!r}), endpoint,
                         RetryPolicy(attempts=8, base_delay_s=0.05, max_delay_s=0.5), dataset_poll_s=0.05, dataset_wait_s=600)
+from relay.kaggle import selective_output
+selective_output.stream_verified = timed(selective_output.stream_verified, "download_s")
+backend.publish_folder = timed(backend.publish_folder, "publish_s")
 t0 = time.perf_counter()
 if mode == "handoff":
     spec = spec_mod.load(sys.argv[4])
@@ -100,9 +118,12 @@ else:
     url = dict(files)["relay/checkpoints/step-00000100/state.pt"]
     target = os.path.join(local, "state.pt")
     os.makedirs(local, exist_ok=True)
+    t = time.perf_counter()
     with requests.get(url, stream=True) as r, open(target, "wb") as out:
         for chunk in r.iter_content(1 << 20):
             out.write(chunk)
+    spent["download_s"] = time.perf_counter() - t
+    t = time.perf_counter()
     def start(kaggle):
         req = ApiStartBlobUploadRequest()
         req.type, req.name, req.content_length = ApiBlobType.DATASET, "state.pt", os.path.getsize(target)
@@ -111,13 +132,14 @@ else:
     created = backend.client.sdk("start upload", start)
     with open(target, "rb") as f:
         requests.put(created.create_url, data=f).raise_for_status()
+    spent["publish_s"] = time.perf_counter() - t
     os.remove(target)
     moved = 0
 wall = time.perf_counter() - t0
 stop.set()
 peak[0] = max(peak[0], usage())
 print("FIGURES " + json.dumps({{"wall_s": wall, "peak_disk": peak[0], "rss_import": rss_import,
-      "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "step": moved}}))
+      "rss_peak": max(rss_peak[0], rss()), "step": moved, **spent}}))
 '''
 
 SPEC = """name: bench-handoff
@@ -181,6 +203,8 @@ def run(gb: float = 2.0, keep: bool = False) -> dict:
         "peak_disk_gb": round(handoff["peak_disk"] / 1e9, 3),
         "disk_ratio": round(handoff["peak_disk"] / size, 3),
         "baseline_disk_ratio": round(baseline["peak_disk"] / size, 3),
+        "handoff_download_s": round(handoff["download_s"], 2), "handoff_publish_s": round(handoff["publish_s"], 2),
+        "baseline_download_s": round(baseline["download_s"], 2), "baseline_upload_s": round(baseline["publish_s"], 2),
         "peak_rss_mb": round(handoff["rss_peak"] / 2**20), "import_rss_mb": round(handoff["rss_import"] / 2**20),
         "baseline_rss_mb": round(baseline["rss_peak"] / 2**20),
         "goals": {"disk_ratio <= 1.1": handoff["peak_disk"] <= 1.1 * size,

@@ -16,8 +16,10 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import re
 import shutil
+import threading
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,30 +209,59 @@ def stream_verified(client: KaggleClient, url: str, target: Path, expected_bytes
         with requests.get(url, stream=True, timeout=(10, 120)) as response:
             response.raise_for_status()
             length = response.headers.get("Content-Length")
-            sha, crc, got = hashlib.sha256(), 0, 0
-            with open(partial, "wb") as out:
-                for chunk in response.iter_content(CHUNK):
-                    got += len(chunk)
-                    if expected_bytes is not None and got > expected_bytes:
-                        raise ChecksumMismatch(f"{target.name}: more than the manifest's {expected_bytes} bytes")
-                    sha.update(chunk)
-                    if algo == "crc32":
-                        crc = zlib.crc32(chunk, crc)
-                    out.write(chunk)
+            hasher, got = _Hasher(algo), 0
+            try:
+                with open(partial, "wb") as out:
+                    for chunk in response.iter_content(CHUNK):
+                        got += len(chunk)
+                        if expected_bytes is not None and got > expected_bytes:
+                            raise ChecksumMismatch(f"{target.name}: more than the manifest's {expected_bytes} bytes")
+                        hasher.feed(chunk)
+                        out.write(chunk)
+            finally:
+                sha, digest = hasher.result()
             if length is not None and got != int(length):
                 raise requests.ConnectionError(f"short read: {got} of {length} bytes")
             if expected_bytes is not None and got != expected_bytes:
                 raise ChecksumMismatch(f"{target.name}: {got} bytes, the manifest says {expected_bytes}")
-            digest = sha.hexdigest() if algo in (None, "sha256") else f"{crc:08x}"
             if expected is not None and digest != expected:
                 raise ChecksumMismatch(f"{target.name}: {algo} does not match its manifest")
             os.replace(partial, target)
-            return sha.hexdigest()
+            return sha
 
     try:
         return call(get, client.policy, f"download {target.name}")
     finally:
         partial.unlink(missing_ok=True)
+
+
+class _Hasher:
+    """sha256 (and crc32 when the manifest uses it) on a second thread, so hashing overlaps receiving and
+    writing (hashlib and zlib release the GIL). A bounded queue keeps memory constant: at most QUEUED chunks."""
+
+    QUEUED = 8
+
+    def __init__(self, algo: Optional[str]):
+        self.algo, self.sha, self.crc = algo, hashlib.sha256(), 0
+        self.queue: "queue.Queue[Optional[bytes]]" = queue.Queue(self.QUEUED)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (chunk := self.queue.get()) is not None:
+            self.sha.update(chunk)
+            if self.algo == "crc32":
+                self.crc = zlib.crc32(chunk, self.crc)
+
+    def feed(self, chunk: bytes) -> None:
+        self.queue.put(chunk)
+
+    def result(self) -> Tuple[str, str]:
+        """(sha256, the digest in the manifest's algorithm) once every chunk fed is hashed."""
+        self.queue.put(None)
+        self.thread.join()
+        sha = self.sha.hexdigest()
+        return sha, (f"{self.crc:08x}" if self.algo == "crc32" else sha)
 
 
 def split_kernel(kernel: str) -> Tuple[str, str]:
