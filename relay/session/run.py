@@ -83,6 +83,15 @@ def run_session(
         clock.restore_signal_handlers()
 
 
+def _besides(workdir: Path, ckpt_root: Path, model, reason: str) -> int:
+    """What shares the output's disk budget with the checkpoints: the cache and export already there, and
+    at the final save of a finished run the export about to be written (about the weights' size)."""
+    used = checkpoint.bytes_besides(workdir, ckpt_root)
+    if reason == "done":
+        used += sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return used
+
+
 def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt_root = workdir / "checkpoints"
@@ -136,7 +145,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id) -> d
                   "epoch": schedule.epoch_of(max(0, state.global_step - 1)), "best": state.best},
             disk_budget_bytes=int(spec.checkpoints.disk_budget_gb * 1e9), keep_last=spec.checkpoints.keep_last,
             keep_best_mode=recipe.metric_mode if spec.checkpoints.keep_best else None,
-            digest=spec.checkpoints.digest)
+            digest=spec.checkpoints.digest, besides_bytes=_besides(workdir, ckpt_root, model, reason))
         session["save_seconds"] = round(time.perf_counter() - t0, 3)
         _write_progress(workdir, spec, state, total, schedule, ckpt, status="paused", reason=reason,
                         run_id=run_id)
