@@ -70,6 +70,8 @@ def test_three_relays_share_the_cap_and_one_quota_wait(relay_env, reference, mon
         if not res["pushed"] and not res["handed_over"]:
             time.sleep(0.3)
     assert spent_at is not None and res["state"] == "waiting", ticks[-3:]
+    # once a session was measured, the joint plan gives an ETA for all (the quota was still whole then)
+    assert ticks[spent_at - 1]["eta_all"] is not None, ticks[spent_at - 1]
     # after the quota ran out: sessions in flight were still handed over, nothing was pushed
     assert all(not r["pushed"] for r in ticks[spent_at:]), [r["pushed"] for r in ticks]
     # one wait for all: every unfinished relay waits for the same refresh
