@@ -113,6 +113,8 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
     """Download the kernel's output (of the observed version), verify it is this run's, and publish its
     newest valid checkpoint as the next version of the checkpoint dataset (plus the features once, and the
     model when done)."""
+    if hasattr(backend, "open_handoff_output"):
+        return _hand_over_streamed(backend, spec, names, action, obs, local)
     out = backend.download_output(names.kernel, local / "outputs" / action.run_id, action.run_id, WORKDIR,
                                   version=obs.kernel_version)
     tail = _log_tail(out.log_path)
@@ -145,6 +147,96 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
     return HandOver(True, "handed over", progress, newest.step, result.version, tail, published)
 
 
+def _hand_over_streamed(backend: KaggleBackend, spec: RunSpec, names: Names, action: Action, obs: Observation,
+                        local: Path) -> HandOver:
+    """The same handoff, downloading only what it publishes (relay/kaggle/selective_output.py): the newest
+    valid checkpoint straight into the flat staging folder, verified as it arrives; the cache and the export
+    only when they are published. The checkpoint version is published last (it is what the next tick reads
+    as "handed over"), and every folder is deleted as soon as its version is confirmed."""
+    root = local / "handoff" / action.run_id
+    out = backend.open_handoff_output(names.kernel, root, WORKDIR, version=obs.kernel_version)
+    tail = _log_tail_text(out.log_text)
+    try:
+        if out.found_run_id != action.run_id:
+            return HandOver(False, f"stale output: it belongs to run {out.found_run_id}, not {action.run_id}",
+                            log_tail=tail)
+        before = int((obs.published or {}).get("global_step", 0))
+        if not out.candidates or out.progress is None:
+            return HandOver(False, "the session left no valid checkpoint", log_tail=tail)
+        newest = out.candidates[0]
+        if newest.step <= before and out.progress.get("status") != "done":
+            return HandOver(False, f"no progress: newest checkpoint is step {newest.step}, published {before}",
+                            log_tail=tail)
+        want_cache = not obs.features_published
+        want_export = out.progress.get("status") == "done" and out.progress.get("global_step") == newest.step
+        extra = max(out.size_of("cache") if want_cache else 0, out.size_of("export") if want_export else 0)
+        out.ensure_space(newest.nbytes + extra,
+                         f"run {action.run_id}'s checkpoint (step {newest.step})"
+                         + (" and its cache/export" if extra else ""))
+        stage = root / "stage"
+        newest = _fetch_newest_valid(out, stage)
+        if newest is None:
+            return HandOver(False, "the session left no valid checkpoint (every one failed verification)",
+                            log_tail=tail)
+        progress = _staged_progress(out.progress, newest.step,
+                                    hit_session_limit(obs.kernel_state, obs.failure_message))
+        (stage / "progress.json").write_text(json.dumps(progress, indent=1, sort_keys=True))
+        out.fetch_file("metrics.jsonl", stage / "metrics.jsonl")
+
+        published = []
+        if want_cache:
+            cache = out.fetch_tree("cache", root / "cache")
+            if cache is not None:
+                res = backend.publish_folder(cache, names.features_dataset, f"{spec.name} features",
+                                             notes=f"built by run {action.run_id}")
+                published.append(f"{names.features_dataset} v{res.version}")
+                shutil.rmtree(cache)
+        if progress.get("status") == "done":
+            export = out.fetch_tree("export", root / "export")
+            if export is not None:
+                res = backend.publish_folder(export, names.model_dataset, f"{spec.name} model",
+                                             notes=f"final weights of run {action.run_id}")
+                published.append(f"{names.model_dataset} v{res.version}")
+                shutil.rmtree(export)
+        known = {n: h for n, h in out.sha256.items() if (stage / n).is_file() and n != "progress.json"}
+        result = backend.publish_folder(stage, names.checkpoint_dataset, f"{spec.name} checkpoint",
+                                        notes=f"run {action.run_id}, step {newest.step}, code {code_version()}",
+                                        known_sha256=known)
+        published.insert(0, f"{names.checkpoint_dataset} v{result.version}")
+        return HandOver(True, "handed over", progress, newest.step, result.version, tail, published)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # confirmed or not: everything here can be fetched again
+
+
+def _fetch_newest_valid(out, stage: Path):
+    """The newest candidate whose files arrive intact; an older one when the newest fails its manifest."""
+    from relay.kaggle.selective_output import ChecksumMismatch
+
+    for cand in out.candidates:
+        if stage.exists():
+            shutil.rmtree(stage)
+        stage.mkdir(parents=True)
+        try:
+            out.fetch_checkpoint(cand, stage)
+            return cand
+        except ChecksumMismatch as err:
+            log.warning("checkpoint %s of the output fails verification (%s); trying an older one", cand.name, err)
+    return None
+
+
+def _staged_progress(progress: dict, step: int, session_limit: bool = False) -> dict:
+    progress = dict(progress, checkpoint=".")
+    if progress.get("global_step") != step:
+        # the kernel died after its last save: the checkpoint is the truth, progress.json may be ahead
+        progress.update(global_step=step, status="paused", stop_reason="killed")
+    if session_limit and progress.get("status") != "done":
+        # kept in the published progress, so the next plan still warns that the budget is too long
+        progress["stop_reason"] = SESSION_LIMIT
+        if progress.get("sessions"):
+            progress["sessions"] = progress["sessions"][:-1] + [dict(progress["sessions"][-1], stop_reason=SESSION_LIMIT)]
+    return progress
+
+
 def _stage(stage: Path, newest: checkpoint.Checkpoint, workdir: Path, progress: dict,
            session_limit: bool = False) -> Path:
     """One flat folder (datasets skip subfolders): the checkpoint's files, progress and metrics."""
@@ -153,15 +245,7 @@ def _stage(stage: Path, newest: checkpoint.Checkpoint, workdir: Path, progress: 
     stage.mkdir(parents=True)
     for f in newest.path.iterdir():
         shutil.copy2(f, stage / f.name)
-    progress = dict(progress, checkpoint=".")
-    if progress.get("global_step") != newest.step:
-        # the kernel died after its last save: the checkpoint is the truth, progress.json may be ahead
-        progress.update(global_step=newest.step, status="paused", stop_reason="killed")
-    if session_limit and progress.get("status") != "done":
-        # kept in the published progress, so the next plan still warns that the budget is too long
-        progress["stop_reason"] = SESSION_LIMIT
-        if progress.get("sessions"):
-            progress["sessions"] = progress["sessions"][:-1] + [dict(progress["sessions"][-1], stop_reason=SESSION_LIMIT)]
+    progress = _staged_progress(progress, newest.step, session_limit)
     (stage / "progress.json").write_text(json.dumps(progress, indent=1, sort_keys=True))
     if (workdir / "metrics.jsonl").is_file():
         shutil.copy2(workdir / "metrics.jsonl", stage / "metrics.jsonl")
@@ -171,7 +255,10 @@ def _stage(stage: Path, newest: checkpoint.Checkpoint, workdir: Path, progress: 
 def _log_tail(path: Optional[Path], lines: int = 40) -> str:
     if not path or not Path(path).is_file():
         return ""
-    text = Path(path).read_text(errors="replace")
+    return _log_tail_text(Path(path).read_text(errors="replace"), lines)
+
+
+def _log_tail_text(text: str, lines: int = 40) -> str:
     try:  # Kaggle's log is a JSON array of {stream_name, time, data}
         text = "".join(entry.get("data", "") for entry in json.loads(text))
     except (ValueError, AttributeError, TypeError):

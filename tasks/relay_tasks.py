@@ -41,7 +41,21 @@ def push_session(backend, session: SessionKernel) -> PushResult:
     return result
 
 
-@task(name="hand-over", **RETRY)
+def _retry_unless_disk_short(task, task_run, state) -> bool:
+    """A short disk is not transient within a tick: fail at once with its one-line message (the next tick
+    retries, after someone freed space)."""
+    from relay.kaggle.selective_output import DiskSpaceError
+
+    try:
+        state.result(raise_on_failure=True)
+    except DiskSpaceError:
+        return False
+    except BaseException:  # noqa: BLE001
+        return True
+    return True
+
+
+@task(name="hand-over", retry_condition_fn=_retry_unless_disk_short, **RETRY)
 def hand_over(backend, spec, names: Names, action: Action, obs: Observation, local: Path) -> handoff.HandOver:
     result = handoff.hand_over(backend, spec, names, action, obs, local)
     logger = get_run_logger()

@@ -155,7 +155,7 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         assert secret.wait(60) == 0, procs.tails()
         deployments = {d["name"]: d for d in api_post(api_url, "/deployments/filter", {})}
-        assert set(deployments) == {"price-model-demo", "price-model-kaggle", "price-model-tick"}
+        assert set(deployments) == {"price-model-demo", "price-model-kaggle", "price-model-tick", "relays-kaggle", "relays-tick"}
         assert all(d["work_pool_name"] == "relay-pool" for d in deployments.values())
         tick = deployments["price-model-tick"]
         assert tick["parameters"]["mode"] == "tick"

@@ -236,9 +236,19 @@ class ClientBackend:
         return output.download(self.client, owner, slug, Path(dest), run_id, workdir_name, version)
 
     # -- datasets and quota ----------------------------------------------------------------------
-    def publish_folder(self, folder: Path, dataset: str, title: str, notes: str = "") -> PublishResult:
+    def publish_folder(self, folder: Path, dataset: str, title: str, notes: str = "",
+                       known_sha256: Optional[dict] = None) -> PublishResult:
         split_ref(dataset, "dataset")
-        return self.publisher.publish(Path(folder), dataset, title, notes)
+        return self.publisher.publish(Path(folder), dataset, title, notes, known_sha256)
+
+    def open_handoff_output(self, kernel: str, root: Path, workdir_name: str = "relay",
+                            version: Optional[int] = None):
+        """The output of kernel version `version` for a selective, streamed handoff
+        (relay/kaggle/selective_output.py)."""
+        from relay.kaggle import selective_output
+
+        owner, slug = split_ref(kernel, "kernel")
+        return selective_output.open_output(self.client, owner, slug, Path(root), workdir_name, version=version)
 
     def list_dataset_files(self, dataset: str, version: Optional[int] = None) -> List[DatasetFile]:
         split_ref(dataset, "dataset")

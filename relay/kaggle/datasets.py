@@ -30,10 +30,16 @@ MANIFEST = "relay-publish.json"
 MAX_TOP_LEVEL = 50  # Kaggle keeps at most 50 top-level files per dataset
 
 
-def manifest_of(folder: Path) -> Dict[str, dict]:
+def manifest_of(folder: Path, known_sha256: Optional[Dict[str, str]] = None) -> Dict[str, dict]:
+    """{relative name: {bytes, sha256}}; `known_sha256` (computed by the caller as it wrote the files, e.g.
+    the handoff's streamed download) spares reading GBs a second time."""
     files = {}
     for path in sorted(folder.rglob("*")):
         if path.is_file() and path.name != MANIFEST:
+            rel = path.relative_to(folder).as_posix()
+            if known_sha256 and rel in known_sha256:
+                files[rel] = {"bytes": path.stat().st_size, "sha256": known_sha256[rel]}
+                continue
             digest = hashlib.sha256()
             with open(path, "rb") as f:
                 for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -65,7 +71,8 @@ class DatasetPublisher:
     def __init__(self, client: KaggleClient, wait_s: float = 1800.0, poll_s: float = 5.0):
         self.client, self.wait_s, self.poll_s = client, wait_s, poll_s
 
-    def publish(self, folder: Path, dataset: str, title: str, notes: str = "") -> PublishResult:
+    def publish(self, folder: Path, dataset: str, title: str, notes: str = "",
+                known_sha256: Optional[Dict[str, str]] = None) -> PublishResult:
         if not folder.is_dir():
             raise InputError(f"publish: {folder} is not a folder")
         if not 6 <= len(title) <= 50:
@@ -78,7 +85,7 @@ class DatasetPublisher:
             raise InputError(f"publish: {folder} is empty")
         if len(entries) + 1 > MAX_TOP_LEVEL:
             raise InputError(f"publish: {folder} has {len(entries)} top-level entries; Kaggle keeps {MAX_TOP_LEVEL}")
-        files = manifest_of(folder)
+        files = manifest_of(folder, known_sha256)
         marker = "relay-publish:" + hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
 
         info = self._info(dataset)

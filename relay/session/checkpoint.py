@@ -121,16 +121,19 @@ def _next_name(root: Path, step: int) -> str:
 
 
 def save(root: Path, state: dict, *, step: int, meta: dict, disk_budget_bytes: Optional[int] = None,
-         keep_last: int = 2, keep_best_mode: Optional[str] = None, digest: str = "crc32") -> Checkpoint:
+         keep_last: int = 2, keep_best_mode: Optional[str] = None, digest: str = "crc32",
+         besides_bytes: int = 0) -> Checkpoint:
     """Write `state` as a new checkpoint under `root`, then apply retention. Returns the new checkpoint.
 
     `meta` goes into the manifest (run_id, code_version, epoch, best={"metric","value","step"}).
     `keep_best_mode` ("min"/"max") keeps the checkpoint with the best `best.value` as well.
+    `besides_bytes`: the rest of the session's output (feature cache, export), which shares the disk budget
+    (Kaggle's 20 GB output cap counts everything under /kaggle/working).
     """
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(root)
     if disk_budget_bytes is not None:
-        _make_room(root, disk_budget_bytes, keep_best_mode)
+        _make_room(root, disk_budget_bytes - besides_bytes, keep_best_mode, besides_bytes)
     name = _next_name(root, step)
     tmp = root / f".tmp-{name}-{os.getpid()}"
     tmp.mkdir()
@@ -195,8 +198,23 @@ def wait_for_deletions() -> None:
         _deleting.pop().join()
 
 
-def _make_room(root: Path, budget: int, keep_best_mode: Optional[str]) -> None:
+def bytes_besides(workdir: Path, checkpoints: Path) -> int:
+    """Bytes of a session's output that are not checkpoints (feature cache, export, logs)."""
+    total = 0
+    for dirpath, dirnames, files in os.walk(workdir):
+        if Path(dirpath) == Path(workdir):
+            dirnames[:] = [d for d in dirnames if Path(dirpath, d) != Path(checkpoints)]
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _make_room(root: Path, budget: int, keep_best_mode: Optional[str], besides: int = 0) -> None:
     """Prune oldest-first (sparing the newest valid and the best) until a new checkpoint fits."""
+    note = f" (besides {besides / 1e9:.2f} GB of cache/export in the same output)" if besides else ""
     valid = list_valid(root)
     if not valid:
         return
@@ -204,7 +222,7 @@ def _make_room(root: Path, budget: int, keep_best_mode: Optional[str]) -> None:
     if valid[0].nbytes() + expected > budget:  # hopeless: refuse before deleting any fallback
         raise DiskBudgetError(
             f"checkpoints.disk_budget_gb: a new checkpoint (~{expected / 1e9:.2f} GB) does not fit beside the"
-            f" newest one ({valid[0].nbytes() / 1e9:.2f} GB) in {budget / 1e9:.2f} GB; raise the budget"
+            f" newest one ({valid[0].nbytes() / 1e9:.2f} GB) in {budget / 1e9:.2f} GB{note}; raise the budget"
         )
     used = sum(c.nbytes() for c in valid)
     spare = {valid[0].path}
@@ -223,7 +241,7 @@ def _make_room(root: Path, budget: int, keep_best_mode: Optional[str]) -> None:
     if used + expected > budget:
         raise DiskBudgetError(
             f"checkpoints.disk_budget_gb: a new checkpoint (~{expected / 1e9:.2f} GB) does not fit beside the"
-            f" newest one ({used / 1e9:.2f} GB) in {budget / 1e9:.2f} GB; raise the budget"
+            f" newest one ({used / 1e9:.2f} GB) in {budget / 1e9:.2f} GB{note}; raise the budget"
         )
 
 

@@ -113,6 +113,15 @@ def _session(world, started, spec, workdir, budget, deadline, resume_from, data_
         clock.restore_signal_handlers()
 
 
+def _besides(workdir: Path, ckpt_root: Path, model, reason: str) -> int:
+    """What shares the output's disk budget with the checkpoints: the cache and export already there, and
+    at the final save of a finished run the export about to be written (about the weights' size)."""
+    used = checkpoint.bytes_besides(workdir, ckpt_root)
+    if reason == "done":
+        used += sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return used
+
+
 def _check_workdir(workdir: Path) -> None:
     for path in (workdir, *workdir.parents):
         if path.exists():
@@ -212,7 +221,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
                   "epoch": schedule.epoch_of(max(0, state.global_step - 1)), "best": state.best},
             disk_budget_bytes=int(spec.checkpoints.disk_budget_gb * 1e9), keep_last=spec.checkpoints.keep_last,
             keep_best_mode=recipe.metric_mode if spec.checkpoints.keep_best else None,
-            digest=spec.checkpoints.digest)
+            digest=spec.checkpoints.digest, besides_bytes=_besides(workdir, ckpt_root, model, reason))
         session["save_seconds"] = round(time.perf_counter() - t0, 3)
         _write_progress(workdir, spec, state, total, schedule, ckpt, status="paused", reason=reason,
                         run_id=run_id)

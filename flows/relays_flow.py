@@ -1,0 +1,280 @@
+"""The relays flow: several run specs (folds, seeds, a sweep) trained at once under Kaggle's concurrent GPU
+session cap and one weekly GPU quota.
+
+Each round observes every relay (relay.chain.decide, as the `relay` flow does), hands over finished sessions
+(no slot or quota needed), then fills the free slots: `cap` minus the sessions in flight, given fairly to the
+relays waiting to push (fewest sessions so far first, then the one whose last session ended earliest, then the
+name). Every new session's budget is an equal share of the quota left among the unfinished relays (capped by
+its spec), so one relay cannot spend the week alone. When the quota is spent, every waiting relay waits for
+the same refresh (one wait for all), while sessions already running are still handed over.
+
+A relay that fails (a code error, its retries used up, a bad spec) is reported and left; the others go on.
+Like `relay`, it keeps no state: kill it anywhere and start it again. `mode="tick"` does one round and returns.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Dict, List, Literal, Optional
+
+from prefect import flow, get_run_logger
+
+from flows.relay_flow import RelayFailed, _utc, make_backend, session_budget
+from relay import chain, handoff, joint_plan, plan as planner, spec as spec_mod
+from relay.chain import Do
+from relay.errors import InputError
+from relay.kaggle.types import Refusal
+from tasks import relay_tasks as t
+from tasks import relays_artifacts
+
+MAX_ERROR_ROUNDS = 3  # a relay whose round raised this many times in a row (after task retries) is failed
+
+
+@dataclass
+class Relay:
+    spec_path: str
+    name: str
+    spec: Optional[object] = None
+    spec_text: str = ""
+    names: Optional[chain.Names] = None
+    local: Optional[Path] = None
+    failed: str = ""              # why it stopped for good (this flow run)
+    errors: int = 0               # rounds in a row that raised
+    state: str = "new"
+    progress: Optional[dict] = None
+    action: Optional[chain.Action] = None
+    obs: Optional[chain.Observation] = None
+    last_end: float = 0.0         # when its last handed-over session ended (fair order)
+
+
+@dataclass
+class Round:
+    rows: Dict[str, dict] = field(default_factory=dict)
+    in_flight: List[str] = field(default_factory=list)
+    pushed: List[str] = field(default_factory=list)
+    handed_over: List[str] = field(default_factory=list)
+    refused: int = 0
+    quota_wait: Optional[datetime] = None  # the refresh every waiting relay waits for
+
+
+def load_relays(specs: List[str], backend, state_dir: str) -> List[Relay]:
+    relays = []
+    for path in specs:
+        relay = Relay(path, Path(path).stem)
+        try:
+            relay.spec = spec_mod.load(path)
+            relay.spec_text = Path(path).read_text()
+        except (InputError, OSError) as err:  # one bad spec is that relay's failure, not everyone's
+            relay.failed, relay.state = f"bad spec: {err}", "failed"
+            relays.append(relay)
+            continue
+        relay.name = relay.spec.name
+        relay.names = chain.Names(backend.username, relay.spec.name)
+        relay.local = Path(state_dir) / relay.spec.name
+        relay.local.mkdir(parents=True, exist_ok=True)
+        relays.append(relay)
+    names = [r.name for r in relays]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise InputError(f"relays: spec names must differ (they name the kernels and datasets): {duplicates}")
+    return relays
+
+
+def _observe_and_hand_over(backend, relay: Relay, rnd: Round, logger) -> None:
+    """Observe one relay and hand over its finished session; leaves its next action in relay.action."""
+    spec = relay.spec
+    obs = t.observe(backend, relay.names, relay.local)
+    action = chain.decide(spec.name, obs)
+    if action.do in (Do.HARVEST, Do.SALVAGE):
+        result = t.hand_over(backend, spec, relay.names, action, obs, relay.local)
+        if result.ok:
+            rnd.handed_over.append(relay.name)
+            obs = t.observe(backend, relay.names, relay.local)
+            action = chain.decide(spec.name, obs)
+        else:
+            code_error = chain.looks_like_code_error(result.log_tail) if action.do is Do.SALVAGE else None
+            if code_error:
+                raise RelayFailed(f"session {action.session} failed with a code error: {code_error}")
+            action = chain.retry_action(spec.name, action, spec.kaggle.max_failed_sessions + 1, result.reason)
+    if action.do is Do.FAILED:
+        raise RelayFailed(action.reason)
+    relay.progress, relay.action = obs.published, action
+    sessions = (obs.published or {}).get("sessions") or []
+    relay.last_end = max([_ts(s.get("ended")) for s in sessions] or [0.0])
+    relay.state = {Do.DONE: "done", Do.WAIT: "running", Do.PUSH: "ready"}[action.do]
+    relay.obs = obs
+
+
+def _ts(value) -> float:
+    if value is None:
+        return 0.0
+    try:
+        return planner.as_utc(value).timestamp()
+    except (planner.PlanError, ValueError, TypeError):
+        return 0.0
+
+
+def run_round(backend, relays: List[Relay], cap: int, logger) -> Round:
+    rnd = Round()
+    for relay in relays:
+        if relay.failed:
+            continue
+        try:
+            _observe_and_hand_over(backend, relay, rnd, logger)
+            relay.errors = 0
+        except (RelayFailed, InputError) as err:
+            relay.failed, relay.state = str(err), "failed"
+            logger.error("relay %s failed: %s (the others go on)", relay.name, err)
+        except Exception as err:  # noqa: BLE001 - transient after the tasks' retries: try again next round
+            relay.errors += 1
+            relay.state = "error"
+            logger.warning("relay %s: %s (%d/%d)", relay.name, err, relay.errors, MAX_ERROR_ROUNDS)
+            if relay.errors >= MAX_ERROR_ROUNDS:
+                relay.failed, relay.state = f"{type(err).__name__}: {err}", "failed"
+        if relay.state == "running":
+            rnd.in_flight.append(relay.name)
+
+    ready = [r for r in relays if not r.failed and r.state == "ready"]
+    free = cap - len(rnd.in_flight)
+    if ready and free > 0:
+        quota = t.read_quota(backend)
+        unfinished = [r for r in relays if not r.failed and r.state in ("ready", "running")]
+        ready.sort(key=lambda r: (r.obs.handed_over, r.last_end, r.name))  # fair: fewest sessions first
+        for relay in ready[:free]:
+            budget = session_budget(relay.spec, quota)
+            if quota is not None and quota.allowed_s > 0:
+                budget = min(budget, quota.remaining_s / max(1, len(unfinished)))  # equal shares of what is left
+            if budget <= relay.spec.session.safety_margin or rnd.quota_wait:
+                rnd.quota_wait = _utc(quota.refresh_time) if quota is not None and quota.refresh_time else None
+                break
+            session = handoff.session_kernel(relay.spec, relay.spec_text, relay.names, relay.action, budget,
+                                             relay.obs.features_published,
+                                             has_checkpoint=relay.obs.published is not None)
+            pushed = t.push_session(backend, session)
+            if pushed.refusal is not None:
+                rnd.refused += 1
+                if pushed.refusal is Refusal.QUOTA and quota is not None:
+                    rnd.quota_wait = _utc(quota.refresh_time)
+                break  # the cap (or the quota) is reached on Kaggle's side: the rest wait their turn
+            relay.state = "pushed"
+            rnd.pushed.append(relay.name)
+            rnd.in_flight.append(relay.name)
+    for relay in relays:
+        if relay.state == "ready":
+            relay.state = "waiting for quota" if rnd.quota_wait else "waiting for a slot"
+    return rnd
+
+
+def joint_eta(relays: List[Relay], quota, cap: int, now: datetime) -> Optional[joint_plan.JointPlan]:
+    """One plan across the relays (relay/joint_plan.py) from each relay's own remaining-session plan."""
+    needs, done = {}, {}
+    for relay in relays:
+        if relay.failed or relay.state == "done" or not relay.progress:
+            continue
+        try:
+            k = relay.spec.kaggle
+            q = planner.QuotaState(quota.allowed_s, quota.used_s, quota.reserved_s, _utc(quota.refresh_time), now) \
+                if quota is not None and quota.refresh_time else \
+                planner.quota_from_ledger([], now, total_allowed_s=k.weekly_gpu_quota)
+            limits = planner.SessionLimits(session_cap_s=k.session_timeout, startup_s=k.startup_overhead,
+                                           save_s=relay.spec.session.safety_margin + 1, handoff_s=0, min_train_s=0)
+            p = planner.plan_from_progress(relay.progress, q, now, limits=limits,
+                                           total_steps=relay.progress.get("total_steps"))
+        except (planner.PlanError, KeyError, TypeError, ValueError):
+            continue  # no step time measured yet: no ETA for this relay
+        needs[relay.name] = [s.budget_s for s in p.sessions]
+        done[relay.name] = len(relay.progress.get("sessions") or [])
+    if not needs:
+        return None
+    allowed = quota.allowed_s if quota is not None and quota.allowed_s > 0 else 30 * 3600.0
+    left = quota.remaining_s if quota is not None and quota.allowed_s > 0 else allowed
+    refresh = _utc(quota.refresh_time) if quota is not None and quota.refresh_time else planner.next_weekly_reset(now)
+    running = [r.name for r in relays if r.state in ("running", "pushed")]
+    return joint_plan.plan_jointly(needs, now=now, cap=cap, quota_left_s=left, quota_allowed_s=allowed,
+                                   refresh_at=refresh, done_sessions=done, running=running)
+
+
+@flow(name="relays", log_prints=True)
+def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int = 2,
+           credentials_block: Optional[str] = None, poll_seconds: float = 30.0, max_hours: float = 24 * 28,
+           state_dir: str = "runs") -> dict:
+    """Advance (tick) or run to the end (watch) every relay in `specs`, at most `cap` sessions at once.
+    Returns {"state", "relays": {name: {...}}, "quota_wait", "refused"}; raises RelayFailed at the end of a
+    watch if any relay failed (after the others finished)."""
+    logger = get_run_logger()
+    if cap < 1:
+        raise InputError(f"relays: cap {cap}: at least 1 concurrent session")
+    backend = make_backend(credentials_block)
+    all_relays = load_relays(specs, backend, state_dir)
+    give_up = time.monotonic() + max_hours * 3600
+    announced_wait, refused = None, 0
+    while True:
+        rnd = run_round(backend, all_relays, cap, logger)
+        refused += rnd.refused
+        if rnd.quota_wait and rnd.quota_wait != announced_wait:
+            waiting = [r.name for r in all_relays if r.state == "waiting for quota"]
+            logger.warning("weekly GPU quota spent; %d relays wait until %s: %s", len(waiting), rnd.quota_wait,
+                           ", ".join(waiting))
+            announced_wait = rnd.quota_wait
+        quota = t.read_quota(backend) if any(r.progress for r in all_relays) else None
+        now = datetime.now(timezone.utc)
+        plan = joint_eta(all_relays, quota, cap, now)
+        relays_artifacts.publish_relays_report(_rows(all_relays, plan), _sessions(all_relays),
+                                               Path(state_dir), plan)
+        summary = _summary(all_relays, rnd, plan, refused)
+        active = [r for r in all_relays if not r.failed and r.state != "done"]
+        if mode == "tick" or not active:
+            failed = [r for r in all_relays if r.failed]
+            if mode == "watch" and failed:
+                raise RelayFailed("; ".join(f"{r.name}: {r.failed}" for r in failed))
+            return summary
+        if time.monotonic() > give_up:
+            raise RelayFailed(f"gave up after {max_hours} h")
+        delay = poll_seconds
+        if rnd.quota_wait and not rnd.in_flight:  # nothing to hand over meanwhile: sleep to the refresh
+            delay = max(poll_seconds, (rnd.quota_wait - now).total_seconds())
+        time.sleep(min(delay, 3600))
+
+
+def _rows(relays: List[Relay], plan) -> List[dict]:
+    rows = []
+    for r in relays:
+        p = r.progress or {}
+        eta = plan.eta.get(r.name) if plan else None
+        rows.append({"relay": r.name, "state": r.failed and f"failed: {r.failed}"[:200] or r.state,
+                     "sessions": len(p.get("sessions") or []),
+                     "step": f"{p.get('global_step', 0)} / {p.get('total_steps', '?')}",
+                     "eta": eta.strftime("%Y-%m-%d %H:%M UTC") if eta else ("-" if r.state == "done" else "unknown")})
+    return rows
+
+
+def _sessions(relays: List[Relay]) -> List[dict]:
+    """All relays' handed-over sessions on one timeline, labelled by relay."""
+    out = []
+    for r in relays:
+        for i, s in enumerate((r.progress or {}).get("sessions") or [], 1):
+            out.append(dict(s, index=f"{i} {r.name}"))
+    return sorted(out, key=lambda s: _ts(s.get("started")))
+
+
+def _summary(relays: List[Relay], rnd: Round, plan, refused: int) -> dict:
+    states = {r.name: ("failed" if r.failed else r.state) for r in relays}
+    overall = ("done" if all(s == "done" for s in states.values()) else
+               "failed" if all(s in ("done", "failed") for s in states.values()) else
+               "waiting" if rnd.quota_wait and not rnd.in_flight and not rnd.handed_over else "running")
+    return {"state": overall, "refused": refused, "pushed": rnd.pushed, "handed_over": rnd.handed_over,
+            "in_flight": rnd.in_flight, "quota_wait": rnd.quota_wait.isoformat() if rnd.quota_wait else None,
+            "eta_all": plan.eta_all.isoformat() if plan and plan.eta_all else None,
+            "relays": {r.name: {"state": states[r.name], "error": r.failed,
+                                "step": (r.progress or {}).get("global_step", 0),
+                                "sessions": len((r.progress or {}).get("sessions") or []),
+                                "weights_sha256": (r.progress or {}).get("weights_sha256")} for r in relays}}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(relays(sys.argv[1:]), indent=1, default=str))

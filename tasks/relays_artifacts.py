@@ -1,0 +1,36 @@
+"""The relays flow's combined Prefect artifacts: one row per relay and one timeline of every relay's sessions."""
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import List, Optional
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from relay import report
+
+KEY = "relays"
+
+
+@task(name="relays-report", cache_policy=NO_CACHE)
+def publish_relays_report(rows: List[dict], sessions: List[dict], local: Path, plan=None) -> Optional[str]:
+    """A table (relay, state, sessions, step, ETA) and a markdown summary with the joint timeline PNG.
+    Returns the PNG's path, None before any session was handed over."""
+    create_table_artifact(table=rows, key=f"{KEY}-table", description="relays: one row per relay")
+    md = ["# relays", "", "| relay | state | sessions | step | ETA |", "|---|---|---|---|---|"]
+    md += [f"| {r['relay']} | {r['state']} | {r['sessions']} | {r['step']} | {r['eta']} |" for r in rows]
+    if plan is not None and plan.eta_all is not None:
+        md += ["", f"all done (plan): **{plan.eta_all:%Y-%m-%d %H:%M} UTC**"
+               + (f"; waits for the quota refresh at {', '.join(f'{w:%Y-%m-%d %H:%M}' for w in plan.quota_waits)}"
+                  if plan.quota_waits else "")]
+    png = None
+    if any(s.get("started") is not None for s in sessions):
+        local.mkdir(parents=True, exist_ok=True)
+        png = report.plot_timeline(sessions, local / "relays-timeline.png", title="Relays timeline") \
+            or local / "relays-timeline.png"
+        data = base64.b64encode(Path(png).read_bytes()).decode()
+        md += ["", f"![timeline](data:image/png;base64,{data})", f"`{png}`"]
+    create_markdown_artifact(markdown="\n".join(md), key=f"{KEY}-summary", description="relays: state, ETA, timeline")
+    return str(png) if png else None
