@@ -6,6 +6,7 @@ import importlib
 from relay.recipes.base import Recipe, RecipeParams
 
 _REGISTRY = {
+    "legal_bert": "relay.recipes.legal_bert:LegalBertRecipe",
     "price_model": "relay.recipes.price_model:PriceModelRecipe",
     "toy": "relay.recipes.toy:ToyRecipe",
 }
