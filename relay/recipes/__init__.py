@@ -8,6 +8,7 @@ from relay.recipes.base import Recipe, RecipeParams
 _REGISTRY = {
     "legal_bert": "relay.recipes.legal_bert:LegalBertRecipe",
     "price_model": "relay.recipes.price_model:PriceModelRecipe",
+    "recsys": "relay.recipes.recsys:RecsysRecipe",
     "temporal": "relay.recipes.temporal:TemporalRecipe",
     "toy": "relay.recipes.toy:ToyRecipe",
 }
