@@ -2,7 +2,8 @@
 
     python bench/run.py [--only loop,checkpoint,features] [--quick]
 
-Each bench module has `run() -> dict` of figures (bench_loop, bench_checkpoint, bench_features). Timings are
+Each bench module has `run() -> dict` of figures (bench_loop, bench_checkpoint, bench_features, bench_relay,
+bench_recsys). Timings are
 of this machine at this moment: the results file records the host, CPU count, torch version and load average.
 Exit status 0 when every target is met, 1 otherwise (the figures are written either way).
 """
@@ -27,6 +28,7 @@ BENCHES = {
     "checkpoint": ("bench_checkpoint", {}, {"layers": 3, "repeats": 3}),
     "features": ("bench_features", {}, {"n_train": 10_000, "n_test": 2_500}),
     "relay": ("bench_relay", {"epochs": 12}, {"session_s": 20.0, "epochs": 4}),  # several sessions each
+    "recsys": ("bench_recsys", {}, {"n_ratings": 200_000}),
 }
 
 
@@ -72,6 +74,10 @@ def _lines(name: str, f: dict) -> list[str]:
 
         return ["relay quota efficiency (emulated relay vs the seeds' save-every-epoch policy):",
                 bench_relay.format_side_by_side(f)]
+    if name == "recsys":
+        import bench_recsys
+
+        return bench_recsys.format_lines(f)
     return [json.dumps(f)]
 
 
