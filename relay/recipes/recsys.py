@@ -264,7 +264,7 @@ class RecsysRecipe(Recipe):
         relevant = self.test_r >= p.relevant_rating
         for start in range(0, len(self.precision_users), p.knn_user_batch):
             users = self.precision_users[start: start + p.knn_user_batch]
-            scores = torch.stack([self._user_scores(model, int(u), device) for u in users])
+            scores = self._user_scores(model, users, device).cpu()
             for row, u in enumerate(users):
                 rated = self.train.indices[self.train.indptr[u]: self.train.indptr[u + 1]]
                 scores[row, torch.from_numpy(rated.astype(np.int64))] = -float("inf")
@@ -275,10 +275,26 @@ class RecsysRecipe(Recipe):
                     counted += 1
         return hits / (counted * p.precision_k) if counted else float("nan")
 
-    def _user_scores(self, model: RecsysModel, u: int, device) -> torch.Tensor:
-        items = torch.arange(self.train.shape[1], device=device)
-        users = torch.full_like(items, u)
-        return self.predict_pairs(model, users, items, self.active).cpu()
+    def _user_scores(self, model: RecsysModel, users: np.ndarray, device) -> torch.Tensor:
+        """Predicted ratings of every item for a batch of users (rows), by the active stage's model."""
+        idx = torch.from_numpy(users.astype(np.int64)).to(device)
+        base = model.user_mean[idx][:, None]
+        if self.active in ("svd", "als"):
+            left, right = (model.svd_user, model.svd_item) if self.active == "svd" else (model.als_user, model.als_item)
+            return base + left[idx] @ right.T
+        # item-KNN: sparse neighbour matrix W (item -> its neighbours), weighted mean of the user's residuals
+        n_items, n = model.knn_index.shape
+        rows = torch.arange(n_items, device=device).repeat_interleave(n)
+        w = torch.sparse_coo_tensor(torch.stack([rows, model.knn_index.reshape(-1)]), model.knn_sim.reshape(-1),
+                                    (n_items, n_items))
+        resid, mask = torch.zeros(len(users), n_items, device=device), torch.zeros(len(users), n_items, device=device)
+        for row, u in enumerate(users):
+            lo, hi = self.train.indptr[u], self.train.indptr[u + 1]
+            cols = torch.from_numpy(self.train.indices[lo:hi].astype(np.int64)).to(device)
+            resid[row, cols] = torch.from_numpy(self.residual[lo:hi]).to(device)
+            mask[row, cols] = 1.0
+        num, den = torch.sparse.mm(w, resid.T).T, torch.sparse.mm(w, mask.T).T
+        return base + num / (den + 1e-6)
 
     def evaluate(self, model: nn.Module, batches: Iterable) -> dict[str, float]:
         with torch.autocast(model.user_mean.device.type, enabled=False):
