@@ -144,6 +144,18 @@ def test_oom_backs_off_to_the_seeds_ultra_low_memory_ladder(data_dir, tmp_path, 
     assert "micro-batch 4 x accumulation 4" in caplog.text
 
 
+def test_precision_auto_is_fp16_on_a_t4(monkeypatch):
+    """The seed's fp16 on a T4: torch.cuda.is_bf16_supported() counts emulated bf16 by default (True on a
+    T4, sm_75); the runtime asks for native support. Faked here: this machine has no GPU."""
+    from relay.session.loop import resolve_precision
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert resolve_precision("auto", torch.device("cuda")) == "fp16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # Ampere+
+    assert resolve_precision("auto", torch.device("cuda")) == "bf16"
+    assert resolve_precision("auto", torch.device("cpu")) == "fp32"
+
+
 # ------------------------------------------------------------------------------------------ the CLI relay
 @pytest.mark.parametrize("case", ["missing column", "empty split", "over max length", "wrong dtype"])
 def test_bad_data_is_one_line_exit_2_nothing_written(relay_cli, data_dir, tmp_path, case):

@@ -55,7 +55,8 @@ class TrainState:
 def resolve_precision(requested: str, device: torch.device) -> str:
     if device.type == "cuda":
         if requested == "auto":
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+            # Native bf16 only (Ampere+): torch's default also counts emulation, which says yes on a T4 (sm_75).
+            return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
         return requested
     if requested == "fp16":
         log.warning("optim.precision: fp16 needs CUDA; training in fp32 on %s", device)
