@@ -123,6 +123,25 @@ def test_training_raises_macro_f1_and_export_reloads(tmp_path):
     assert json.loads((tmp_path / "export/config.json").read_text())["labels"] == recipe.labels
 
 
+def test_pretrained_folder_is_loaded_offline(data_dir, tmp_path):
+    """The InLegalBERT path: a local folder with a BERT checkpoint and its fast tokenizer (made here from a
+    random tiny model: nothing may be downloaded) gives both the tokenizer and the weights."""
+    from transformers import PreTrainedTokenizerFast
+
+    donor = make_recipe(data_dir, tmp_path / "c1")
+    torch.manual_seed(5)
+    donor_model = donor.build_model()
+    folder = tmp_path / "inlegalbert"
+    donor_model.save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=donor.tokenizer, pad_token="[PAD]", cls_token="[CLS]",
+                            sep_token="[SEP]", unk_token="[UNK]").save_pretrained(folder)
+    recipe = make_recipe(data_dir, tmp_path / "c2", pretrained=str(folder))
+    assert recipe.tokenizer_source == "pretrained" and recipe.tokenizer.get_vocab() == donor.tokenizer.get_vocab()
+    model = recipe.build_model()
+    encoder = {k: v for k, v in model.state_dict().items() if not k.startswith("classifier")}
+    assert all(torch.equal(v, donor_model.state_dict()[k]) for k, v in encoder.items())
+
+
 class OomAbove4(LegalBertRecipe):
     """Simulated CUDA OOM (this machine has no GPU) for micro-batches over 4: the seed's 8 x 2 that did not fit."""
 
