@@ -2,7 +2,8 @@
 
     python bench/run.py [--only loop,checkpoint,features] [--quick]
 
-Each bench module has `run() -> dict` of figures (bench_loop, bench_checkpoint, bench_features). Timings are
+Each bench module has `run() -> dict` of figures (bench_loop, bench_checkpoint, bench_features, bench_relay,
+bench_recsys). Timings are
 of this machine at this moment: the results file records the host, CPU count, torch version and load average.
 Exit status 0 when every target is met, 1 otherwise (the figures are written either way).
 """
@@ -28,6 +29,7 @@ BENCHES = {
     "features": ("bench_features", {}, {"n_train": 10_000, "n_test": 2_500}),
     "relay": ("bench_relay", {"epochs": 12}, {"session_s": 20.0, "epochs": 4}),  # several sessions each
     "vqa": ("bench_vqa", {}, {"steps": 6, "repeats": 2}),
+    "recsys": ("bench_recsys", {}, {"n_ratings": 200_000}),
 }
 
 
@@ -83,6 +85,10 @@ def _lines(name: str, f: dict) -> list[str]:
             lines.append(f"  real size on {f['vqa_gpu_device']}, micro-batch 3: " + ", ".join(
                 f"{m} {f[f'vqa_gpu_{m}_samples_per_s']}/s {f[f'vqa_gpu_{m}_peak_gb']} GB" for m in ("fp32", "amp", "amp_ckpt")))
         return lines
+    if name == "recsys":
+        import bench_recsys
+
+        return bench_recsys.format_lines(f)
     return [json.dumps(f)]
 
 

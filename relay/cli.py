@@ -67,9 +67,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from relay.recipes import price_data, vqa_data
+    from relay.recipes import legal_data, price_data, recsys_data, temporal_data, vqa_data
 
-    generators = {"price-model": price_data.main, "vqa": vqa_data.main}
+    generators = {"price-model": price_data.main, "vqa": vqa_data.main, "legal": legal_data.main,
+                  "temporal": temporal_data.main, "recsys": recsys_data.main}
     return generators[args.workload](args.rest) or 0
 
 
@@ -169,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     d = sub.add_parser("data", help="generate synthetic data shaped like a workload's real files")
-    d.add_argument("workload", choices=["price-model", "vqa"])
+    d.add_argument("workload", choices=["price-model", "vqa", "legal", "temporal", "recsys"])
     d.add_argument("rest", nargs=argparse.REMAINDER, help="the generator's options (--out DIR --train N ...)")
     d.set_defaults(func=cmd_data)
 

@@ -6,7 +6,10 @@ import importlib
 from relay.recipes.base import Recipe, RecipeParams
 
 _REGISTRY = {
+    "legal_bert": "relay.recipes.legal_bert:LegalBertRecipe",
     "price_model": "relay.recipes.price_model:PriceModelRecipe",
+    "recsys": "relay.recipes.recsys:RecsysRecipe",
+    "temporal": "relay.recipes.temporal:TemporalRecipe",
     "toy": "relay.recipes.toy:ToyRecipe",
     "vqa_student": "relay.recipes.vqa_student:VQAStudentRecipe",
 }

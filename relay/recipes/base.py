@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 from torch.utils.data import Dataset
 
+from relay.session.stages import Stage
+
 
 @dataclass(frozen=True)
 class MemoryRung:
@@ -75,6 +77,23 @@ class Recipe(ABC):
     @abstractmethod
     def evaluate(self, model: nn.Module, batches: Iterable[dict[str, torch.Tensor]]) -> dict[str, float]:
         """Metrics over the eval set; must include `loss` and `self.metric`. Called under no_grad/eval()."""
+
+    # -- stages: several models one after another, or fits that are not gradient descent (relay.session.stages)
+    def stages(self) -> list[Stage]:
+        """The run's stages in order; the default is one gradient-trained stage over all of the model."""
+        return [Stage("train")]
+
+    def stage_module(self, model: nn.Module, stage: Stage) -> nn.Module:
+        """The part of the model a gradient stage trains (its optimizer holds only these parameters)."""
+        return model
+
+    def begin_stage(self, model: nn.Module, stage: Stage) -> None:
+        """Called when a stage starts or a session resumes inside it (e.g. to note which model `evaluate` scores)."""
+
+    def fit_step(self, model: nn.Module, stage: Stage, step: int) -> float:
+        """One step of a `fit` stage (step counts from 0 within the stage), under no_grad; returns a loss to log.
+        All it changes must live in the model's parameters/buffers, so the checkpoint carries it."""
+        raise NotImplementedError(f"recipe {self.name}: stage {stage.name} is a fit stage without fit_step")
 
     def enable_activation_checkpointing(self, model: nn.Module) -> bool:
         """Turn on activation checkpointing where the model supports it; return whether it did."""

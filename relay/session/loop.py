@@ -21,7 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from relay.recipes.base import Recipe
-from relay.session import data, distributed, memory
+from relay.session import data, distributed, memory, stages
 from relay.session.budget import SessionClock
 from relay.spec import RunSpec
 
@@ -58,7 +58,8 @@ class TrainState:
 def resolve_precision(requested: str, device: torch.device) -> str:
     if device.type == "cuda":
         if requested == "auto":
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+            # Native bf16 only (Ampere+): torch's default also counts emulation, which says yes on a T4 (sm_75).
+            return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
         return requested
     if requested == "fp16":
         log.warning("optim.precision: fp16 needs CUDA; training in fp32 on %s", device)
@@ -131,9 +132,9 @@ class Trainer:
         self.world = world
         self.state, self.total_steps, self.schedule = state, total_steps, schedule
         self.log_metrics, self._save = log_metrics, save
-        self.optimizer = build_optimizer(model, spec, device)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(spec.optim.schedule, spec.optim.warmup_steps, total_steps))
+        self.span: Optional[stages.Span] = None
+        self.spans = stages.plan(recipe.stages(), total_steps)
+        self._enter_stage(stages.at(self.spans, state.global_step))
         self.scaler = self._new_scaler()
         self.monitor = memory.MemoryMonitor(device)
         self.train_set = recipe.train_dataset()
@@ -146,6 +147,27 @@ class Trainer:
         rungs = {r.name: r for r in recipe.memory_rungs()}
         for name in state.memory_rungs:  # an earlier session's OOM fallbacks hold for the rest of the run
             log.info("memory rung %r kept from an earlier session: %s", name, rungs[name].apply())
+
+    # -- stages ---------------------------------------------------------------------------------
+    def _enter_stage(self, span: stages.Span) -> None:
+        """A stage's own optimizer and schedule over its own steps (none for a fit stage); the previous
+        stage's optimizer state is dropped and cached memory returned first (seed 003's clear between models)."""
+        switching = self.span is not None
+        self.span, self.optimizer, self.scheduler, self._batches = span, None, None, None
+        if switching:
+            memory.free_cached(self.device)
+        if not span.stage.fit:
+            self.optimizer = build_optimizer(self.recipe.stage_module(self.model, span.stage), self.spec, self.device)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lr_lambda(self.spec.optim.schedule, self.spec.optim.warmup_steps, span.length))
+        self.recipe.begin_stage(self.model, span.stage)
+        if len(self.spans) > 1:
+            log.info("stage %s: steps %d-%d%s", span.stage.name, span.start, span.end,
+                     " (fit)" if span.stage.fit else "")
+
+    def _next_stage(self) -> None:
+        if self.state.global_step >= self.span.end and self.state.global_step < self.total_steps:
+            self._enter_stage(stages.at(self.spans, self.state.global_step))
 
     # -- state ----------------------------------------------------------------------------------
     def _new_scaler(self) -> torch.amp.GradScaler:
@@ -160,8 +182,8 @@ class Trainer:
             return None
         sd = {
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer else {},
+            "scheduler": self.scheduler.state_dict() if self.scheduler else {},
             "scaler": self.scaler.state_dict(),
             "rng": rngs[0],
             "trainer": asdict(self.state),
@@ -172,8 +194,9 @@ class Trainer:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.model.load_state_dict(sd["model"])
-        self.optimizer.load_state_dict(sd["optimizer"])  # optimizer before scheduler
-        self.scheduler.load_state_dict(sd["scheduler"])
+        if self.optimizer is not None:  # the optimizer of the stage global_step is in
+            self.optimizer.load_state_dict(sd["optimizer"])  # optimizer before scheduler
+            self.scheduler.load_state_dict(sd["scheduler"])
         self.scaler = self._new_scaler()
         if sd["scaler"]:
             self.scaler.load_state_dict(sd["scaler"])
@@ -189,7 +212,7 @@ class Trainer:
         off) now rather than hours in, and the memory it took is reported against the device. It leaves no
         trace: RNG forked, buffers restored, gradients dropped, no optimizer step."""
         st = self.state
-        if st.global_step >= self.total_steps:
+        if st.global_step >= self.total_steps or self.span.stage.fit:
             return {}
         buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
         self._step_rng = self._torch_rng()  # what a back-off restores
@@ -252,7 +275,9 @@ class Trainer:
             bar.close()
 
     def _step(self) -> float:
-        """One optimizer step over `grad_accum` micro-batches. Returns the mean loss."""
+        """One optimizer step over `grad_accum` micro-batches (or a fit stage's step). Returns the mean loss."""
+        if self.span.stage.fit:
+            return self._fit_step()
         st, opt = self.state, self.optimizer
         if self._batches is None:
             self._batches = iter(self._loader(st.global_step))
@@ -291,11 +316,22 @@ class Trainer:
         self.scheduler.step()  # per optimizer step, skipped or not: lr stays a function of the step
         opt.zero_grad(set_to_none=True)
         st.global_step += 1
+        self._record_step(t0)
+        return mean_loss
+
+    def _fit_step(self) -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            loss = float(self.recipe.fit_step(self.model, self.span.stage, self.state.global_step - self.span.start))
+        self.state.global_step += 1
+        self._record_step(t0)
+        return loss
+
+    def _record_step(self, t0: float) -> None:
         seconds = time.perf_counter() - t0
         self.clock.record_step(seconds)
         self.train_seconds += seconds
         self.session_samples += self.schedule.effective_batch
-        return mean_loss
 
     def _after_step(self, loss: float) -> None:
         st, spec = self.state, self.spec
@@ -306,21 +342,23 @@ class Trainer:
         every = spec.session.empty_cache_every_steps
         if every and self.device.type == "cuda" and st.global_step % every == 0:
             memory.free_cached(self.device)
-        if self._eval_due(st.global_step):
-            improved = self.evaluate()
-            if improved and spec.checkpoints.keep_best:
-                self.save("best")
-                return
+        improved = self._eval_due(st.global_step) and self.evaluate()
+        self._next_stage()  # after the eval that scores the finished stage, before any save
+        if improved and spec.checkpoints.keep_best:
+            self.save("best")
+            return
 
     def _log_train(self) -> None:
         st = self.state
         record = {
             "kind": "train", "step": st.global_step, "epoch": self.schedule.epoch_of(max(0, st.global_step - 1)),
             "loss": sum(self._recent_losses) / max(1, len(self._recent_losses)),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": self.scheduler.get_last_lr()[0] if self.scheduler else 0.0,
             "samples_per_s": self.session_samples / max(1e-9, self.train_seconds),
             "micro_batch": st.micro_batch, "grad_accum": st.grad_accum, **(self._shown or {}),
         }
+        if len(self.spans) > 1:
+            record["stage"] = self.span.stage.name
         if st.global_step % self.spec.session.memory_log_every_steps == 0:
             record.update(self.monitor.sample())
         self._recent_losses.clear()
@@ -349,7 +387,7 @@ class Trainer:
     def _eval_due(self, step: int) -> bool:
         every = self.spec.optim.eval_every_steps
         due = step % every == 0 if every else self.schedule.is_epoch_end(step)
-        return due or step == self.total_steps
+        return due or step == self.total_steps or any(step == span.end for span in self.spans)
 
     def evaluate(self) -> bool:
         """Eval without touching the training RNG; returns whether the watched metric improved."""
@@ -433,7 +471,8 @@ class Trainer:
         memory.free_cached(self.device)
         if phase != "train":
             return
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
         torch.set_rng_state(self._step_rng[0])
         if self._step_rng[1] is not None:
             torch.cuda.set_rng_state_all(self._step_rng[1])

@@ -1,0 +1,124 @@
+"""Recsys recipe (seed 000): CSR reader and its errors, SVD/item-KNN/ALS as fit stages, ALS iterations resumed
+across sessions with the same factor matrices."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from conftest import write_spec
+from relay.errors import InputError
+from relay.recipes import recsys_data
+from relay.recipes.recsys import RecsysParams, RecsysRecipe, load_exported
+from relay.session import checkpoint
+from split_sessions import progress, random_splits, run_split
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_spec(data_dir: Path) -> dict:
+    spec = yaml.safe_load((REPO / "examples/recsys-tiny.yaml").read_text())
+    spec["params"] = {**spec["params"], "data_dir": str(data_dir)}
+    return spec
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("recsys")
+    recsys_data.generate(directory, 20000, 600, 400, rank=6, seed=1)
+    return directory
+
+
+# ----------------------------------------------------------------------------------------------- reading
+def test_reader_keeps_needed_columns_compact_and_csr_matches_the_ratings(data_dir):
+    frame = recsys_data.read_ratings(data_dir / "ratings.csv")
+    assert list(frame.columns) == ["userId", "movieId", "rating"]  # timestamp never read
+    assert [str(t) for t in frame.dtypes] == ["int32", "int32", "float32"]
+    rows, cols = frame["userId"].to_numpy() - 1, frame["movieId"].to_numpy() - 1
+    csr = recsys_data.CSR.from_coo(rows, cols, frame["rating"].to_numpy(), (600, 400))
+    dense = np.zeros((600, 400), dtype=np.float32)
+    dense[rows, cols] = frame["rating"].to_numpy()
+    for r in (0, 17, 599):
+        cols_r = csr.indices[csr.indptr[r]: csr.indptr[r + 1]]
+        assert np.array_equal(cols_r, np.flatnonzero(dense[r])) and np.array_equal(csr.data[csr.indptr[r]: csr.indptr[r + 1]], dense[r, cols_r])
+    t = csr.transpose()
+    assert t.shape == (400, 600) and t.nnz == csr.nnz and csr.data.dtype == np.float32 and csr.indices.dtype == np.int32
+
+
+@pytest.mark.parametrize("content, message", [
+    ("userId,rating\n1,4\n", r"ratings\.csv: missing column\(s\) movieId"),
+    ("userId,movieId,rating\n1,2,4\n1,x,3\n", r"ratings\.csv: line 3: movieId must be an integer id \(got 'x'\)"),
+    ("userId,movieId,rating\n1,2,4\n1,3,good\n", r"ratings\.csv: line 3: rating must be a number \(got 'good'\)"),
+    ("userId,movieId,rating\n1,2,4\n1,3,\n", r"ratings\.csv: line 3: rating is missing \(NaN\)"),
+    ("userId,movieId,rating\n1,2,4\n2,3,NaN\n", r"ratings\.csv: line 3: rating is missing \(NaN\)"),
+    ("userId,movieId,rating\n", r"ratings\.csv: no ratings"),
+])
+def test_bad_rating_files_are_one_line_errors_naming_the_line(tmp_path, content, message):
+    (tmp_path / "ratings.csv").write_text(content)
+    with pytest.raises(InputError, match=message):
+        recsys_data.read_ratings(tmp_path / "ratings.csv")
+
+
+def test_duplicates_empty_split_and_the_cli_exit_2(tmp_path, relay_cli):
+    (tmp_path / "dup").mkdir()
+    (tmp_path / "dup/ratings.csv").write_text("userId,movieId,rating\n1,2,4\n1,3,3\n1,2,5\n")
+    with pytest.raises(InputError, match=r"line 4: user 1 rated movie 2 again \(first on line 2\)"):
+        RecsysRecipe(RecsysParams(), data_dir=tmp_path / "dup", cache_dirs=[], seed=0).prepare()
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one/ratings.csv").write_text("userId,movieId,rating\n1,2,4\n2,2,3\n")
+    with pytest.raises(InputError, match=r"ratings\.csv: 2 ratings leave an empty held-out split"):
+        RecsysRecipe(RecsysParams(), data_dir=tmp_path / "one", cache_dirs=[], seed=0).prepare()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad/ratings.csv").write_text("userId,movieId,rating\n1,2,4\n1,3,\n")
+    proc = relay_cli.train(write_spec(tmp_path, tiny_spec(tmp_path / "bad")), tmp_path / "wd", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"relay: error: {tmp_path / 'bad/ratings.csv'}: line 3: rating is missing (NaN); every row needs one")
+    assert not (tmp_path / "wd/checkpoints").exists() and not (tmp_path / "wd/progress.json").exists()
+
+
+def test_user_cap_samples_users_by_seed(data_dir):
+    def users(seed):
+        r = RecsysRecipe(RecsysParams(max_users=100, sample_seed=seed), data_dir=data_dir, cache_dirs=[], seed=0)
+        r.prepare()
+        return r.user_ids
+
+    assert len(users(0)) == 100 and np.array_equal(users(0), users(0)) and not np.array_equal(users(0), users(1))
+
+
+# ------------------------------------------------------------------------------------------------ the relay
+@pytest.fixture(scope="module")
+def reference(relay_cli, data_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("recsys-ref")
+    spec = write_spec(root, tiny_spec(data_dir))
+    relay_cli.train(spec, root / "wd")
+    return spec, root / "wd", progress(root / "wd")
+
+
+def test_models_beat_the_user_mean_baseline(reference):
+    import json
+
+    _, workdir, final = reference
+    evals = {r["step"]: r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "eval"}
+    baseline = evals[1]["rmse_user_mean"]
+    assert evals[1]["rmse_svd"] < baseline and evals[7]["rmse_als"] < 0.9 * baseline
+    assert evals[1]["precision_at_10"] > 0.02  # ~7x a random pick of the unseen items here
+    assert [evals[s]["rmse_als"] for s in (3, 5, 7)] == sorted([evals[s]["rmse_als"] for s in (3, 5, 7)], reverse=True)
+    assert final["metrics"]["peak_rss_mb"] > 0
+    model = load_exported(workdir / "export")
+    assert checkpoint.weights_sha256(model.state_dict()) == final["weights_sha256"]
+
+
+def test_sessions_ending_between_als_iterations_end_with_the_same_factor_matrices(reference, relay_cli, tmp_path):
+    spec, ref_dir, ref = reference
+    final = run_split(relay_cli, spec, tmp_path / "split", random_splits(7, 4, seed=3))
+    assert final["weights_sha256"] == ref["weights_sha256"]
+    a = torch.load(tmp_path / "split" / final["checkpoint"] / checkpoint.STATE_FILE, weights_only=True)["model"]
+    b = torch.load(ref_dir / ref["checkpoint"] / checkpoint.STATE_FILE, weights_only=True)["model"]
+    for name in ("svd_user", "svd_item", "knn_index", "knn_sim", "als_user", "als_item"):
+        assert torch.equal(a[name], b[name]), name
