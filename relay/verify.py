@@ -26,7 +26,11 @@ from relay.errors import InputError
 from relay.version import PACKAGE_DIR
 
 KILL_MARKER_ENV = "RELAY_VERIFY_KILL_MARKER"
-_IGNORED_KEYS = {"sessions"}  # per-session records: times and speeds, different by nature
+# per-session records (times, speeds); HF log_history: the loss it logs averages the steps since the last log
+# in this process, so a resume inside a logging window logs a different mean (training state is unaffected)
+_IGNORED_KEYS = {"sessions", "log_history"}
+_IGNORED_FILES = {"training_args.bin"}  # HF's pickled arguments: output_dir differs between the two runs
+_FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".json", ".bin", ".ckpt")
 
 
 @dataclass
@@ -147,8 +151,10 @@ def _child() -> None:
 
 def compare(a: Any, b: Any, path: str = "") -> Iterator[str]:
     """Each difference between two checkpoint states, as 'key.path: what differs'."""
+    import numpy as np
     import torch
 
+    a, b = (torch.from_numpy(x) if isinstance(x, np.ndarray) else x for x in (a, b))
     if isinstance(a, dict) and isinstance(b, dict):
         for key in sorted(set(a) | set(b), key=str):
             if key in _IGNORED_KEYS:
@@ -156,6 +162,9 @@ def compare(a: Any, b: Any, path: str = "") -> Iterator[str]:
             where = f"{path}.{key}" if path else str(key)
             if key not in a or key not in b:
                 yield f"{where}: only in the {'split' if key in b else 'straight'} run"
+            elif _is_file(key, a[key]) and _is_file(key, b[key]):  # a trainer's checkpoint file, packed
+                if key not in _IGNORED_FILES:
+                    yield from compare(_decode(key, a[key]), _decode(key, b[key]), where)
             else:
                 yield from compare(a[key], b[key], where)
     elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
@@ -173,3 +182,26 @@ def compare(a: Any, b: Any, path: str = "") -> Iterator[str]:
                 yield f"{path}: {int((a != b).sum())} of {a.numel()} values differ"
     elif a != b and not (isinstance(a, float) and isinstance(b, float) and a != a and b != b):
         yield f"{path}: {json.dumps(a, default=str)[:60]} vs {json.dumps(b, default=str)[:60]}"
+
+
+def _is_file(key: Any, value: Any) -> bool:
+    import torch
+
+    return isinstance(key, str) and key.endswith(_FILE_SUFFIXES) and torch.is_tensor(value) and value.dtype == torch.uint8
+
+
+def _decode(name: str, data) -> Any:
+    """A packed file's content, compared by value (a tensor file byte for byte would hide which tensor)."""
+    import io
+
+    import torch
+
+    raw = data.numpy().tobytes()
+    if name.endswith(".safetensors"):
+        from safetensors.torch import load
+
+        return load(raw)
+    if name.endswith(".json"):
+        return json.loads(raw)
+    # the user's own trainer wrote these files in this very verification: trusted, and RNG files hold numpy
+    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)

@@ -88,6 +88,7 @@ class Session:
                                   max_steps=config.get("max_steps"))
         self.clock.install_signal_handlers()
         self.objects: dict[str, Any] = {}
+        self.weights_model: Optional[torch.nn.Module] = None  # whose weights_sha256/export (default: registered)
         self.step = 0
         self.stop_reason: Optional[str] = None
         self.closed = False
@@ -121,7 +122,9 @@ class Session:
             if saved != here:  # lesson 6 of the anchors: say what changed rather than resume half a state
                 raise InputError(f"{ckpt.path}: holds {sorted(saved)} but the script registered {sorted(here)}")
             for name, obj in self.objects.items():
-                obj.load_state_dict(state["objects"][name])
+                saved_state = state["objects"][name]
+                if not (isinstance(saved_state, dict) and not saved_state):  # a disabled GradScaler saves {}
+                    obj.load_state_dict(saved_state)  # and refuses to load it
             set_rng_state(state["rng"], self._device())
             self._book = dict(state["relay"])
             self.step = self._saved_step = int(self._book["global_step"])
@@ -170,7 +173,7 @@ class Session:
             self.stop_reason = self.clock.should_stop()
         return self.stop_reason is not None
 
-    def step_done(self, loss: Any = None, **metrics: float) -> None:
+    def step_done(self, loss: Any = None, *, save: bool = True, **metrics: float) -> None:
         """Count one optimizer step: its time (from the previous step_done, data loading included),
         its loss into metrics.jsonl every `log_every` steps, and a periodic insurance save."""
         now = time.perf_counter()
@@ -181,13 +184,18 @@ class Session:
             self._session_samples += self._schedule.effective_batch
         if loss is not None:
             self._losses.append(loss)
-        if self.step % int(self.config["log_every"]) == 0 or self.step == self.total_steps:
+        if (self._losses or metrics) and (self.step % int(self.config["log_every"]) == 0
+                                          or self.step == self.total_steps):
             losses = [float(x) for x in self._losses]
             self._losses.clear()
             self.log("train", loss=sum(losses) / len(losses) if losses else None, **metrics)
-        if time.monotonic() - self._last_save >= float(self.config["save_every"]):
+        if save and self.insurance_due():
             self.save("periodic")
         self._mark = time.perf_counter()
+
+    def insurance_due(self) -> bool:
+        """A periodic save is due (session.save_every since the last one): insurance against a SIGKILL."""
+        return time.monotonic() - self._last_save >= float(self.config["save_every"])
 
     def log(self, kind: str = "train", **values: Any) -> None:
         """One metrics.jsonl record at the current step; `kind="eval"` records become progress metrics."""
@@ -257,6 +265,8 @@ class Session:
 
     # -- helpers ----------------------------------------------------------------------------------------
     def _model(self) -> Optional[torch.nn.Module]:
+        if self.weights_model is not None:
+            return self.weights_model
         if isinstance(self.objects.get("model"), torch.nn.Module):
             return self.objects["model"]
         return next((o for o in self.objects.values() if isinstance(o, torch.nn.Module)), None)
