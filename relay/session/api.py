@@ -159,6 +159,12 @@ class Session:
         while not self.should_stop():
             yield self.batch_indices(n_samples, batch_size, seed)
 
+    def batch_sampler(self, n_samples: int, batch_size: int, seed: Optional[int] = None) -> data.MicroBatchSampler:
+        """A DataLoader batch_sampler over the steps from the current one to the end, in the same
+        step-derived order as batches() (for trainers that own the loop, e.g. Lightning). Call after restore()."""
+        self.batch_indices(n_samples, batch_size, seed)  # builds the schedule
+        return data.MicroBatchSampler(self._schedule, self.step, self.total_steps, batch_size)
+
     @property
     def epoch(self) -> int:
         return self._schedule.epoch_of(self.step) if self._schedule else 0
