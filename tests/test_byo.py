@@ -163,3 +163,30 @@ def test_verify_resume_names_the_state_a_script_forgets(relay_cli, tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr[-3000:]
     first = out.stdout.splitlines()[0]
     assert first.startswith("differs: objects.model.") and "max |diff|" in first, out.stdout
+
+
+# -- the HF callback refuses what cannot resume -------------------------------------------------------------
+@pytest.mark.parametrize("setting, expected", [
+    ({"save_total_limit": 2}, "TrainingArguments.save_total_limit: the relay keeps checkpoints"),
+    ({"save_only_model": True}, "TrainingArguments.save_only_model=True: a checkpoint without optimizer"),
+    ({"ignore_data_skip": True}, "TrainingArguments.ignore_data_skip=True"),
+    ({"max_steps": 7}, "TrainingArguments.max_steps=7: set it to session.total_steps (10)"),
+])
+def test_hf_callback_refuses_configs_that_cannot_resume(setting, expected, tmp_path):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    import relay
+    from relay.errors import InputError
+    from relay.integrations.hf import RelayCallback
+
+    session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
+    try:
+        callback = RelayCallback(session)
+        assert callback.restore() is None
+        args = TrainingArguments(**{"output_dir": str(tmp_path / "hf"), "max_steps": 10, "report_to": [],
+                                    "use_cpu": True, **setting})
+        with pytest.raises(InputError) as err:
+            callback.on_train_begin(args, TrainerState(), TrainerControl(), model=None)
+        assert str(err.value).startswith(expected) and "\n" not in str(err.value)
+    finally:
+        session.clock.restore_signal_handlers()
