@@ -159,11 +159,12 @@ class Session:
         while not self.should_stop():
             yield self.batch_indices(n_samples, batch_size, seed)
 
-    def batch_sampler(self, n_samples: int, batch_size: int, seed: Optional[int] = None) -> data.MicroBatchSampler:
-        """A DataLoader batch_sampler over the steps from the current one to the end, in the same
-        step-derived order as batches() (for trainers that own the loop, e.g. Lightning). Call after restore()."""
+    def batch_sampler(self, n_samples: int, batch_size: int, seed: Optional[int] = None) -> "RunBatchSampler":
+        """A DataLoader batch_sampler for trainers that own the loop (Lightning): each iteration starts at the
+        session's current step, in the same step-derived order as batches(); its length is the whole run, so
+        a trainer that resumes mid-"epoch" counts the remaining batches right and never starts a second pass."""
         self.batch_indices(n_samples, batch_size, seed)  # builds the schedule
-        return data.MicroBatchSampler(self._schedule, self.step, self.total_steps, batch_size)
+        return RunBatchSampler(self, self._schedule)
 
     @property
     def epoch(self) -> int:
@@ -316,6 +317,18 @@ class Session:
         }
         atomic.write_json(self.workdir / "progress.json", progress)
         return progress
+
+
+class RunBatchSampler(torch.utils.data.Sampler):
+    def __init__(self, session: Session, schedule: data.StepSchedule):
+        self.session, self.schedule = session, schedule
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.session.step, self.session.total_steps):
+            yield self.schedule.indices(step)
+
+    def __len__(self) -> int:
+        return self.session.total_steps
 
 
 def _export(model: torch.nn.Module, out: Path) -> None:
