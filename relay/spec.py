@@ -186,8 +186,7 @@ class RunSpec(_Section):
         if self.recipe is None:
             return self  # a code.entry runs the user's own loop
         if ":" not in self.recipe and self.recipe not in recipes.names():
-            raise SpecError(f"recipe: unknown recipe {self.recipe!r}; expected one of {', '.join(recipes.names())}"
-                            " or 'module:Class' from code.folder")
+            raise SpecError(f"recipe: unknown recipe {self.recipe!r}; expected one of {', '.join(recipes.names())}")
         # Validated by the recipe's own Params model, reported under `params.`.
         recipe_cls = recipes.get(self.recipe)
         try:
