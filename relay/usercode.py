@@ -19,7 +19,7 @@ import shlex
 import sys
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from relay.errors import InputError
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from relay_fixtures import USER  # noqa: F401
 from test_byo import copy_example
 from test_relay_faults import MidSaveKiller
 

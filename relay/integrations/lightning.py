@@ -17,7 +17,6 @@ For an exact data order use `session.batch_sampler(...)` in train_dataloader (a 
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import lightning.pytorch as pl
