@@ -53,6 +53,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.max_steps is not _UNSET:
         overrides["session.max_steps"] = args.max_steps
     spec = spec_mod.load(args.spec, overrides)
+    if spec.code is not None and spec.code.entry:  # the user's own loop (relay/usercode.py)
+        from relay import usercode
+
+        config = usercode.session_config(
+            spec, Path(args.workdir), budget=spec.session.budget, deadline=args.deadline,
+            max_steps=spec.session.max_steps, resume_from=args.resume_from, data_dir=args.data,
+            feature_dirs=args.features, run_id=args.run_id)
+        progress = usercode.run_entry(spec, config)
+        print(f"relay: {progress['status']} at step {progress['global_step']}/{progress['total_steps']}"
+              f" (session {len(progress['sessions'])}, stop: {progress['stop_reason']});"
+              f" weights {(progress['weights_sha256'] or '?')[:16]}")
+        return 0
     progress = run_session(
         spec, Path(args.workdir), budget=spec.session.budget, deadline=args.deadline,
         resume_from=[Path(p) for p in args.resume_from], data_dir=Path(args.data) if args.data else None,
@@ -138,6 +150,15 @@ def _load_progress(path: str) -> dict:
         raise InputError(f"{err}; expected a workdir or harvested outputs with a progress.json") from None
 
 
+def cmd_verify_resume(args: argparse.Namespace) -> int:
+    from relay.verify import verify_resume
+
+    verdict = verify_resume(Path(args.spec), args.steps, seed=args.seed,
+                            workdir=Path(args.workdir) if args.workdir else None)
+    print(verdict.text())
+    return 0 if verdict.identical else 1
+
+
 def cmd_emulator(args: argparse.Namespace) -> int:
     from relay.kaggle.emulator.cli import main as emulator_main
 
@@ -184,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="the session table of a workdir, and its loss-curve and timeline PNGs")
     st.add_argument("dir", help="a workdir, or a folder of harvested session outputs")
     st.set_defaults(func=cmd_status)
+
+    v = sub.add_parser("verify-resume", help="N steps straight vs the same N split into sessions with a SIGKILL"
+                                              " mid-save: 'identical', or the first tensor that differs")
+    v.add_argument("spec")
+    v.add_argument("--steps", type=_steps, default=None, help="optimizer steps to compare (default 3 sessions' worth)")
+    v.add_argument("--seed", type=int, default=0, help="picks the random cut points")
+    v.add_argument("--workdir", help="where both runs go (default: a new temporary folder)")
+    v.set_defaults(func=cmd_verify_resume)
 
     e = sub.add_parser("emulator", help="the local Kaggle API emulator (relay emulator serve --help)")
     e.add_argument("rest", nargs=argparse.REMAINDER)

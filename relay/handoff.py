@@ -92,6 +92,9 @@ def session_kernel(spec: RunSpec, spec_text: str, names: Names, action: Action, 
         machine_shape=k.machine_shape,
         session_timeout_s=int(k.session_timeout),
         workdir_name=WORKDIR,
+        code_folder=spec.code.folder if spec.code else None,
+        code_exclude=tuple(spec.code.exclude) if spec.code else (),
+        pip=tuple(k.pip),
     )
 
 

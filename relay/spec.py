@@ -170,6 +170,7 @@ class KaggleConfig(_Section):
     startup_overhead: float = 120.0  # kernel start + restore, kept out of the training budget
     weekly_gpu_quota: float = 30 * 3600.0
     max_failed_sessions: NonNegativeInt = 2
+    pip: list[str] = Field(default_factory=list)  # requirements installed at kernel start (needs enable_internet)
 
     @field_validator("session_timeout", "startup_overhead", "weekly_gpu_quota", mode="before")
     @classmethod
@@ -218,12 +219,21 @@ class KaggleConfig(_Section):
         return self
 
 
+class CodeConfig(_Section):
+    """The user's own code (relay/usercode.py): a folder shipped with every session kernel, and what to run."""
+
+    folder: str = "."  # relative to the spec file; inside a kernel, where the kernel unpacked it
+    entry: Optional[str] = None  # "train.py --lr 3e-4" or "pkg.module:function"; None with a user recipe
+    exclude: list[str] = Field(default_factory=list)  # glob patterns left out of the shipped folder
+
+
 _NAME = r"^[a-z0-9][a-z0-9-]{2,49}$"
 
 
 class RunSpec(_Section):
     name: str = Field(pattern=_NAME)  # also the Kaggle kernel/dataset slug stem
-    recipe: str
+    recipe: Optional[str] = None  # a built-in name, or "pkg.module:Class" from code.folder
+    code: Optional[CodeConfig] = None
     params: dict[str, Any] = Field(default_factory=dict)
     seed: int = Field(0, ge=0, le=2**32 - 1)  # numpy's seed range
     optim: OptimConfig
@@ -232,15 +242,15 @@ class RunSpec(_Section):
     checkpoints: CheckpointConfig = CheckpointConfig()
     kaggle: KaggleConfig = KaggleConfig()
 
-    @field_validator("recipe")
-    @classmethod
-    def _known_recipe(cls, value: str) -> str:
-        if value not in recipes.names():
-            raise ValueError(f"unknown recipe {value!r}; expected one of {', '.join(recipes.names())}")
-        return value
-
     @model_validator(mode="after")
     def _recipe_params(self) -> "RunSpec":
+        from relay import usercode
+
+        usercode.check_spec(self)  # code:, a user recipe, kaggle.pip (SpecError naming the key)
+        if self.recipe is None:
+            return self  # a code.entry runs the user's own loop
+        if ":" not in self.recipe and self.recipe not in recipes.names():
+            raise SpecError(f"recipe: unknown recipe {self.recipe!r}; expected one of {', '.join(recipes.names())}")
         # Validated by the recipe's own Params model, reported under `params.`.
         recipe_cls = recipes.get(self.recipe)
         try:
@@ -321,6 +331,10 @@ def load(path: str | Path, overrides: dict[str, Any] | None = None) -> RunSpec:
         raise SpecError(f"{path}: not valid YAML{where}") from None
     for dotted, value in (overrides or {}).items():
         _set_dotted(data if isinstance(data, dict) else {}, dotted, value)
+    if isinstance(data, dict) and isinstance(data.get("code"), dict):
+        from relay import usercode
+
+        data["code"]["folder"] = str(usercode.resolve_folder(path, data["code"].get("folder", ".")))
     return validate(data, source=str(path))
 
 

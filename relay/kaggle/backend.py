@@ -64,7 +64,7 @@ class ClientBackend:
         owner, slug = split_ref(session.kernel, "kernel")
         if len(session.title) < 5:
             raise InputError(f"kernel title {session.title!r}: Kaggle needs at least 5 characters")
-        bundle = build_bundle()
+        bundle = build_bundle(user_code=session.code_folder, exclude=session.code_exclude)
         source = kernel_source.render(session, bundle)
         for secret in self.client.credentials.secrets:
             if secret in source:

@@ -23,9 +23,12 @@ class Bundle:
     data: bytes
     code_version: str
     files: int
+    user_code_bytes: int = 0
 
 
-def build_bundle(package_dir: Optional[Path] = None) -> Bundle:
+def build_bundle(package_dir: Optional[Path] = None, user_code: Optional[str] = None, exclude=()) -> Bundle:
+    """The package, and the user's code folder under user-code/ (its files do not change the code version,
+    which names the relay's own code; the bundle's sha256 in the kernel covers both)."""
     package_dir = package_dir or PACKAGE_DIR
     version = hashlib.sha256()
     buffer = io.BytesIO()
@@ -43,4 +46,22 @@ def build_bundle(package_dir: Optional[Path] = None) -> Bundle:
             info.external_attr = 0o644 << 16
             zf.writestr(info, content)
             count += 1
-    return Bundle(buffer.getvalue(), version.hexdigest()[:12], count)
+        user_bytes = _add_user_code(zf, Path(user_code), exclude) if user_code else 0
+    return Bundle(buffer.getvalue(), version.hexdigest()[:12], count, user_bytes)
+
+
+def _add_user_code(zf: zipfile.ZipFile, folder: Path, exclude) -> int:
+    from relay.errors import InputError
+    from relay.usercode import MAX_CODE_BYTES, code_files
+
+    files = code_files(folder, list(exclude))
+    total = sum(f.stat().st_size for _, f in files)
+    if total > MAX_CODE_BYTES:  # checked when the spec loads too; the folder may have grown since
+        raise InputError(f"code.folder: {folder} holds {total / 1e6:.1f} MB to ship; at most"
+                         f" {MAX_CODE_BYTES / 1e6:g} MB travel inside the session kernel")
+    for rel, path in files:
+        info = zipfile.ZipInfo(f"user-code/{rel}", _FIXED_TIME)
+        info.compress_type = zipfile.ZIP_DEFLATED
+        info.external_attr = 0o644 << 16
+        zf.writestr(info, path.read_bytes())
+    return total

@@ -66,6 +66,8 @@ def render(session: SessionKernel, bundle: Bundle) -> str:
         "features": list(session.features_datasets),
         "code_version": bundle.code_version,
         "bundle_sha256": hashlib.sha256(bundle.data).hexdigest(),
+        "user_code": bool(session.code_folder),
+        "pip": list(session.pip),
     }
     encoded = base64.b64encode(bundle.data).decode("ascii")
     lines = [encoded[i:i + 100] for i in range(0, len(encoded), 100)]
@@ -119,6 +121,14 @@ def main():
         os.replace(marker_path + ".tmp", marker_path)
 
     write_marker()
+    env = dict(os.environ)
+    if plan.get("user_code"):  # the spec's code.folder, unpacked beside the package (relay/usercode.py)
+        env["RELAY_CODE_DIR"] = os.path.join(code_dir, "user-code")
+    if plan.get("pip"):
+        print("relay: pip install", " ".join(plan["pip"]), flush=True)
+        if subprocess.call([sys.executable, "-m", "pip", "install", "-q", *plan["pip"]]) != 0:
+            print("relay: error: kaggle.pip: pip install failed (see the log above)", flush=True)
+            sys.exit(2)
     cmd = [sys.executable, "-m", "relay", "train", spec_path, "--workdir", workdir, "--run-id", plan["run_id"]]
     if plan["budget"] is not None:
         cmd += ["--budget", str(plan["budget"])]
@@ -134,7 +144,6 @@ def main():
         path = mounted(input_dir, ref)
         if path:
             cmd += ["--features", path]
-    env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (code_dir, env.get("PYTHONPATH")) if p)
     print("relay: code", plan["code_version"], "run", plan["run_id"], flush=True)
     child = subprocess.Popen(cmd, env=env)

@@ -63,6 +63,9 @@ class SessionKernel:
     machine_shape: Optional[str] = "NvidiaTeslaT4"
     session_timeout_s: Optional[int] = None
     workdir_name: str = "relay"               # the session workdir under the kernel's working folder
+    code_folder: Optional[str] = None         # the user's code (spec code.folder), shipped beside the package
+    code_exclude: tuple = ()
+    pip: tuple = ()                           # requirements installed at kernel start (internet on)
 
 
 @dataclass(frozen=True)

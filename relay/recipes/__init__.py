@@ -20,6 +20,10 @@ def names() -> list[str]:
 
 
 def get(name: str) -> type[Recipe]:
+    if ":" in name:  # a user recipe "pkg.module:Class" from the spec's code.folder (relay.usercode)
+        from relay.usercode import load_recipe
+
+        return load_recipe(name)
     if name not in _REGISTRY:
         raise KeyError(name)
     module, cls = _REGISTRY[name].split(":")

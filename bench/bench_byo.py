@@ -1,0 +1,140 @@
+"""Benchmark: the Session API's overhead on a plain PyTorch loop, and `relay verify-resume` wall time.
+
+1. Overhead. The same loop twice in one process, one torch thread, rounds alternating (ABAB...) after a warm-up:
+   an MLP 64 -> 512 -> 512 -> 1 (GELU, dropout 0.1; ~300k parameters), AdamW + LambdaLR, batch 64, `steps`
+   optimizer steps over 8192 generated samples.
+     plain    indices from a per-epoch torch.randperm, nothing else
+     session  `relay.open_session` + register + restore, `session.batches()` (step-derived order, deadline
+              checks) and `session.step_done(loss=...)` (step times, metrics.jsonl every 10 steps); periodic
+              saves off. open_session/restore/close are outside the timing: once per session, not per step.
+   Figure: median over rounds of (session CPU s / plain CPU s), time.process_time. Goal <= 1.03.
+2. verify-resume. Wall seconds of `relay verify-resume <example>/spec.yaml --steps N` for the plain-loop and
+   user-recipe examples, against one straight `relay train --max-steps N` of the same spec in the same run
+   (verify-resume runs 1 + ~5 sessions, each a process start).
+Run: `python bench/bench_byo.py [--steps N --repeats N --verify-steps N]`; `run()` returns the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+
+def _setup(seed: int = 0):
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8192, 64, generator=g)
+    y = torch.sin(x[:, :1])
+    model = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Dropout(0.1), nn.Linear(512, 512), nn.GELU(),
+                          nn.Dropout(0.1), nn.Linear(512, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return x, y, model, opt, sched
+
+
+def _train_step(model, opt, sched, xb, yb):
+    loss = nn.functional.mse_loss(model(xb), yb)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    sched.step()
+    return loss.detach()
+
+
+def plain(steps: int, batch: int = 64) -> float:
+    x, y, model, opt, sched = _setup()
+    per_epoch = len(x) // batch
+    t0 = time.process_time()
+    perm = None
+    for step in range(steps):
+        if step % per_epoch == 0:
+            perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(step // per_epoch))
+        idx = perm[(step % per_epoch) * batch:(step % per_epoch + 1) * batch]
+        _train_step(model, opt, sched, x[idx], y[idx])
+    return time.process_time() - t0
+
+
+def with_session(steps: int, workdir: Path, batch: int = 64) -> float:
+    import relay
+
+    shutil.rmtree(workdir, ignore_errors=True)
+    session = relay.open_session(total_steps=steps, workdir=str(workdir), save_every=1e9)
+    x, y, model, opt, sched = _setup()
+    session.register(model=model, optimizer=opt, scheduler=sched)
+    session.restore()
+    t0 = time.process_time()
+    for idx in session.batches(len(x), batch):
+        session.step_done(loss=_train_step(model, opt, sched, x[idx], y[idx]))
+    seconds = time.process_time() - t0
+    session.close()
+    return seconds
+
+
+def overhead(steps: int, repeats: int) -> dict:
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="bench-byo-"))
+    plain(20), with_session(20, work / "warm")
+    a, b = [], []
+    for i in range(repeats):
+        for kind in (("plain", "session") if i % 2 == 0 else ("session", "plain")):
+            if kind == "plain":
+                a.append(plain(steps))
+            else:
+                b.append(with_session(steps, work / f"s{i}"))
+    shutil.rmtree(work, ignore_errors=True)
+    pa, pb = statistics.median(a), statistics.median(b)
+    # the median of each round's own ratio: the two runs of a round are back to back, so a change in the
+    # machine's load between rounds (this box is shared) cancels out
+    paired = statistics.median(y / x for x, y in zip(a, b))
+    return {"plain_cpu_s": round(pa, 3), "session_cpu_s": round(pb, 3), "session_over_plain": round(paired, 4),
+            "ratio_of_medians": round(pb / pa, 4), "steps": steps, "repeats": repeats}
+
+
+def _relay(*args: str) -> float:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-m", "relay", *args], check=True, env=env, capture_output=True)
+    return time.monotonic() - t0
+
+
+def verify_times(steps: int) -> dict:
+    out = {}
+    for example in ("byo-plain", "byo-recipe"):
+        work = Path(tempfile.mkdtemp(prefix="bench-verify-"))
+        spec = REPO / "examples" / example / "spec.yaml"
+        straight = _relay("train", str(spec), "--workdir", str(work / "one"), "--budget", "none",
+                          "--max-steps", str(steps))
+        verify = _relay("verify-resume", str(spec), "--steps", str(steps), "--workdir", str(work / "v"))
+        out[example] = {"verify_wall_s": round(verify, 1), "one_session_wall_s": round(straight, 1),
+                        "ratio": round(verify / straight, 2)}
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def run(steps: int = 400, repeats: int = 7, verify_steps: int = 60) -> dict:
+    return {"session_api_overhead": overhead(steps, repeats), "verify_resume": verify_times(verify_steps)}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--verify-steps", type=int, default=60)
+    ap.add_argument("--skip-verify", action="store_true")
+    a = ap.parse_args()
+    result = ({"session_api_overhead": overhead(a.steps, a.repeats)} if a.skip_verify
+              else run(a.steps, a.repeats, a.verify_steps))
+    print(json.dumps(result, indent=1))

@@ -1,0 +1,211 @@
+"""The user's own code: where it lives, what it runs, and how much of it ships inside a session kernel.
+
+A spec names it with a `code:` section (a folder and an entry: `train.py --lr 3e-4` or `pkg.module:function`)
+and/or a user recipe (`recipe: pkg.module:Class`, a `relay.recipes.Recipe` subclass from that folder). Everything
+is checked when the spec loads, so a wrong path is one line and exit 2 before anything is written or pushed.
+
+Kernel-side: no imports of relay.kaggle, Prefect or the emulator.
+"""
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import importlib.util
+import json
+import os
+import re
+import runpy
+import shlex
+import sys
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from relay.errors import InputError
+
+if TYPE_CHECKING:
+    from relay.spec import RunSpec
+
+CODE_DIR_ENV = "RELAY_CODE_DIR"  # set by the session kernel: where it unpacked the user's folder
+# The folder travels base64 inside the kernel source (one SaveKernel call ships code, spec and run id
+# atomically; see relay/kaggle/kernel_source.py). Kaggle documents no limit on that text, so we keep it
+# to what a script reasonably is: past 2 MB the folder holds data or weights, which belong in a dataset
+# (kaggle.dataset_sources), versioned and mounted, not re-uploaded with every session.
+MAX_CODE_BYTES = 2_000_000
+_ALWAYS_EXCLUDED = ("__pycache__", "*.pyc", ".*", "relay-run", "*.egg-info")
+_MODULE_ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class UserCodeError(InputError):
+    """The user's code failed in a way a new session would repeat: the relay stops instead of retrying."""
+
+
+def resolve_folder(spec_path: Path, folder: str) -> Path:
+    """code.folder, relative to the spec file; inside a kernel, where the kernel unpacked it."""
+    if os.environ.get(CODE_DIR_ENV):
+        return Path(os.environ[CODE_DIR_ENV])
+    return (Path(spec_path).resolve().parent / folder).resolve()
+
+
+def code_files(folder: Path, exclude: list[str] = ()) -> list[tuple[str, Path]]:
+    """(relative posix path, file) of everything that ships, sorted; hidden files, caches and the local
+    default workdir (relay-run/) never do."""
+    patterns = [*_ALWAYS_EXCLUDED, *exclude]
+    out = []
+    for root, dirs, files in os.walk(folder):
+        rel_root = Path(root).relative_to(folder)
+        dirs[:] = sorted(d for d in dirs if not _excluded((rel_root / d).as_posix(), d, patterns))
+        for name in sorted(files):
+            rel = (rel_root / name).as_posix()
+            if not _excluded(rel, name, patterns):
+                out.append((rel, Path(root) / name))
+    return out
+
+
+def _excluded(rel: str, name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(rel, p) for p in patterns)
+
+
+def _on_path(folder: Path) -> None:
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+
+# -- checks at spec load ----------------------------------------------------------------------------------
+def check_spec(spec: "RunSpec") -> None:
+    from relay.spec import SpecError
+
+    if spec.kaggle.pip and not spec.kaggle.enable_internet:
+        raise SpecError("kaggle.pip: installing requirements at kernel start needs kaggle.enable_internet: true"
+                        " (offline kernels cannot reach PyPI); turn internet on or vendor the code into code.folder")
+    code = spec.code
+    if code is None:
+        if spec.recipe is None:
+            raise SpecError("recipe: required key is missing (a built-in recipe, or 'module:Class' / code.entry"
+                            " with a code: section)")
+        if ":" in spec.recipe:
+            raise SpecError(f"recipe: {spec.recipe} is a user recipe: add a code: section naming its folder")
+        return
+    folder = Path(code.folder)
+    if not folder.is_dir():
+        raise SpecError(f"code.folder: {folder} is not a folder")
+    size = sum(f.stat().st_size for _, f in code_files(folder, code.exclude))
+    if size > MAX_CODE_BYTES:
+        raise SpecError(f"code.folder: {folder} holds {size / 1e6:.1f} MB to ship; at most {MAX_CODE_BYTES / 1e6:g} MB"
+                        " travel inside the session kernel: put data and weights in a dataset"
+                        " (kaggle.dataset_sources) or leave them out with code.exclude")
+    if code.entry and spec.recipe:
+        raise SpecError("code.entry: set either recipe or code.entry, not both")
+    if not code.entry and not spec.recipe:
+        raise SpecError("code.entry: required key is missing (a script 'train.py --args' or 'module:function')"
+                        " when no recipe is set")
+    _on_path(folder)
+    if code.entry:
+        parse_entry(code.entry, folder)
+    else:
+        load_recipe(spec.recipe)
+
+
+def parse_entry(entry: str, folder: Path) -> tuple[str, object, list[str]]:
+    """("module", "pkg.mod:function", []) or ("script", Path, args); SpecError when it does not exist."""
+    from relay.spec import SpecError
+
+    if _MODULE_ENTRY.match(entry.strip()):
+        module = entry.strip().split(":")[0]
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError) as err:
+            found, why = None, f" ({type(err).__name__}: {err})"
+        else:
+            why = ""
+        if found is None:
+            raise SpecError(f"code.entry: module {module} not found in {folder}{why}")
+        return "module", entry.strip(), []
+    try:
+        script, *args = shlex.split(entry)
+    except ValueError as err:
+        raise SpecError(f"code.entry: cannot split {entry!r} into a script and arguments ({err})") from None
+    path = folder / script
+    if not path.is_file():
+        raise SpecError(f"code.entry: {script} not found in {folder} (expected a script with arguments, e.g."
+                        " 'train.py --lr 3e-4', or 'module:function')")
+    return "script", path, args
+
+
+def load_recipe(path: str):
+    """The Recipe subclass named "pkg.module:Class" (its folder already on sys.path)."""
+    from relay.recipes.base import Recipe, RecipeParams
+    from relay.spec import SpecError
+
+    module_name, _, cls_name = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - any failure to import the user's module is reported
+        raise SpecError(f"recipe: cannot import {module_name} ({type(err).__name__}: {err})") from None
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise SpecError(f"recipe: {module_name} has no {cls_name}")
+    if not (isinstance(cls, type) and issubclass(cls, Recipe)):
+        raise SpecError(f"recipe: {path} is not a Recipe (expected a subclass of relay.recipes.Recipe)")
+    if not (isinstance(getattr(cls, "Params", None), type) and issubclass(cls.Params, RecipeParams)):
+        raise SpecError(f"recipe: {path}.Params must be a relay.recipes.RecipeParams subclass")
+    return cls
+
+
+# -- running an entry ---------------------------------------------------------------------------------------
+def session_config(spec: "RunSpec", workdir: Path, *, budget, deadline, max_steps, resume_from, data_dir,
+                   feature_dirs, run_id) -> dict:
+    """What `relay.open_session()` reads (env RELAY_SESSION) inside the user's script."""
+    return {
+        "workdir": str(Path(workdir).resolve()), "name": spec.name, "run_id": run_id, "seed": spec.seed,
+        "budget": budget, "deadline": deadline, "max_steps": max_steps,
+        "total_steps": spec.optim.max_steps, "log_every": spec.optim.log_every_steps,
+        "resume_from": [str(Path(p).resolve()) for p in resume_from],
+        "data": str(data_dir) if data_dir else None, "features": [str(p) for p in feature_dirs],
+        "save_every": spec.session.save_every, "safety_margin": spec.session.safety_margin,
+        "threads": spec.session.threads, "keep_last": spec.checkpoints.keep_last,
+        "disk_budget_gb": spec.checkpoints.disk_budget_gb, "digest": spec.checkpoints.digest,
+    }
+
+
+def run_entry(spec: "RunSpec", config: dict) -> dict:
+    """Run code.entry in this process with the session config in the environment; return its progress.
+
+    A script that never opens a session, or that raises (other than out-of-memory and CUDA faults, which a
+    new session may not hit), is a UserCodeError: `relay train` prints one line and exits 2, and the relay
+    stops instead of pushing the same failure again."""
+    from relay.session import api
+
+    kind, target, args = parse_entry(spec.code.entry, Path(spec.code.folder))
+    os.environ[api.ENV] = json.dumps(config)
+    opened_before = api.sessions_opened()
+    argv = sys.argv
+    try:
+        if kind == "script":
+            sys.argv = [str(target), *args]
+            runpy.run_path(str(target), run_name="__main__")
+        else:
+            module, func = target.split(":")
+            getattr(importlib.import_module(module), func)()
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            raise UserCodeError(f"code.entry {spec.code.entry}: exited with status {exit_.code}") from None
+    except Exception as err:  # noqa: BLE001 - classified: transient faults re-raise, the rest stop the relay
+        if _transient(err):
+            raise
+        traceback.print_exc()
+        raise UserCodeError(f"code.entry {spec.code.entry} raised {type(err).__name__}: {err}") from None
+    finally:
+        sys.argv = argv
+        os.environ.pop(api.ENV, None)
+    if api.sessions_opened() == opened_before:
+        raise UserCodeError(f"code.entry {spec.code.entry}: ended without opening a relay session"
+                            " (call relay.open_session() and session.close(); see README 'Bring your own training code')")
+    api.close_open_sessions()  # a script that forgot close(): save and report for it
+    progress = Path(config["workdir"]) / "progress.json"
+    return json.loads(progress.read_text())
+
+
+def _transient(err: BaseException) -> bool:
+    text = f"{type(err).__name__}: {err}"
+    return "out of memory" in text.lower() or "CUDA" in text or "NCCL" in text

@@ -1,0 +1,192 @@
+"""Bring your own code: the Session API, user recipes, `code:` specs, bad inputs and `relay verify-resume`.
+
+The proofs run the examples under examples/byo-* in real `relay train` processes; session lengths are step
+counts and the kill in verify-resume is triggered by a save's state file appearing, never by a timer.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+
+
+def copy_example(name: str, dest: Path, **spec_overrides) -> Path:
+    """The example folder copied to `dest` (so nothing is written in the repository); returns its spec."""
+    shutil.copytree(EXAMPLES / name, dest, ignore=shutil.ignore_patterns("relay-run", "__pycache__"))
+    spec = dest / "spec.yaml"
+    data = yaml.safe_load(spec.read_text())
+    for dotted, value in spec_overrides.items():
+        *parents, leaf = dotted.split(".")
+        node = data
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    return spec
+
+
+def progress(workdir: Path) -> dict:
+    return json.loads((workdir / "progress.json").read_text())
+
+
+# -- the Session API over several step-bounded sessions --------------------------------------------------
+@pytest.mark.parametrize("example", ["byo-plain"])  # byo-recipe: relayed in test_byo_relay.py, verified below
+def test_three_sessions_end_with_the_weights_of_one(example, relay_cli, tmp_path):
+    spec = copy_example(example, tmp_path / example)
+    split, straight = tmp_path / "split", tmp_path / "straight"
+    for _ in range(3):
+        relay_cli.train(spec, split)
+    relay_cli.train(spec, straight, None, "--max-steps", "none")
+    a, b = progress(split), progress(straight)
+    assert a["status"] == b["status"] == "done" and a["global_step"] == b["global_step"]
+    assert [s["stop_reason"] for s in a["sessions"]] == ["steps", "steps", "done"]
+    assert a["weights_sha256"] == b["weights_sha256"]
+    if example == "byo-plain":  # the Session API writes what the session table and plots read
+        records = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
+        assert {r["session"] for r in records} == {1, 2, 3}
+        assert [r["step"] for r in records if r["kind"] == "train"] == list(range(10, 301, 10))
+        assert (split / "export" / "model.safetensors").is_file()
+        assert relay_cli.run("status", str(split)).returncode == 0
+
+
+def test_sigterm_sets_a_flag_and_the_session_saves_at_the_next_step(relay_cli, tmp_path):
+    spec = copy_example("byo-plain", tmp_path / "ex", **{"session.max_steps": None, "optim.max_steps": 10**6})
+    workdir = tmp_path / "w"
+    proc = relay_cli.popen("train", str(spec), "--workdir", str(workdir))
+    import signal
+    import time
+
+    deadline = time.monotonic() + 120
+    while not (workdir / "metrics.jsonl").exists():  # training has started: some step was logged
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(120) == 0, proc.communicate()
+    p = progress(workdir)
+    assert p["status"] == "paused" and p["stop_reason"] == "sigterm" and p["global_step"] > 0
+    assert p["checkpoint"].endswith(f"step-{p['global_step']:08d}")
+
+
+# -- bad inputs: one line, exit 2, nothing written ---------------------------------------------------------
+def _bad(tmp_path: Path, files: dict, spec: dict) -> tuple[Path, dict]:
+    folder = tmp_path / "code"
+    for rel, text in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_text(text)
+    base = {"name": "byo-bad", "code": {"folder": "code"}, "optim": {"max_steps": 10}, "session": {"threads": 1}}
+    base.update(spec)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return path, base
+
+
+BAD = {
+    "recipe does not import": ({"mypkg/__init__.py": "", "mypkg/r.py": "import not_a_module_anywhere\n"},
+                               {"recipe": "mypkg.r:Mine"}, "recipe: cannot import mypkg.r (ModuleNotFoundError"),
+    "class is not a Recipe": ({"pkgb/__init__.py": "", "pkgb/r2.py": "class Mine:\n    pass\n"},
+                              {"recipe": "pkgb.r2:Mine"}, "recipe: pkgb.r2:Mine is not a Recipe"),
+    "entry does not exist": ({"train.py": "print(1)\n"}, {"code": {"folder": "code", "entry": "trian.py --x 1"}},
+                             "code.entry: trian.py not found in"),
+    "entry module does not exist": ({"train.py": "print(1)\n"}, {"code": {"folder": "code", "entry": "nope.mod:main"}},
+                                    "code.entry: module nope.mod not found in"),
+    "code over the size limit": ({"train.py": "print(1)\n", "weights.bin": "x" * 2_100_000},
+                                 {"code": {"folder": "code", "entry": "train.py"}},
+                                 "code.folder: ", ),
+    "script never opens a session": ({"train.py": "print('training without the relay')\n"},
+                                     {"code": {"folder": "code", "entry": "train.py"}},
+                                     "code.entry train.py: ended without opening a relay session"),
+    "pip without internet": ({"train.py": "print(1)\n"},
+                             {"code": {"folder": "code", "entry": "train.py"}, "kaggle": {"pip": ["einops"]}},
+                             "kaggle.pip: installing requirements at kernel start needs kaggle.enable_internet"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_user_code_is_one_line_exit_2_nothing_written(case, tmp_path, capsys, monkeypatch):
+    from relay.cli import main
+
+    files, spec, expected = BAD[case]
+    path, _ = _bad(tmp_path, files, spec)
+    workdir = tmp_path / "work"
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))  # check_spec puts code.folder on it
+    assert main(["train", str(path), "--workdir", str(workdir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert expected in err, err
+    if case == "code over the size limit":
+        assert "2 MB travel inside the session kernel" in err and "code.exclude" in err
+    assert not workdir.exists()
+
+
+def test_code_exclude_and_hidden_files_do_not_ship(tmp_path):
+    from relay.kaggle.bundle import build_bundle
+    import io
+    import zipfile
+
+    path, _ = _bad(tmp_path, {"train.py": "x", "data/big.bin": "x" * 2_100_000, ".git/HEAD": "x",
+                              "pkg/__pycache__/a.pyc": "x", "relay-run/progress.json": "{}"},
+                   {"code": {"folder": "code", "entry": "train.py", "exclude": ["data"]}})
+    from relay import spec as spec_mod
+
+    spec = spec_mod.load(path)
+    bundle = build_bundle(user_code=spec.code.folder, exclude=spec.code.exclude)
+    names = [n for n in zipfile.ZipFile(io.BytesIO(bundle.data)).namelist() if n.startswith("user-code/")]
+    assert names == ["user-code/train.py"]
+    assert bundle.code_version == build_bundle().code_version  # the relay's own code names the version
+
+
+# -- relay verify-resume ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("example", ["byo-recipe"])  # byo-plain: relayed with a kill in test_byo_relay.py
+def test_verify_resume_says_identical(example, relay_cli, tmp_path):
+    spec = copy_example(example, tmp_path / example)
+    out = relay_cli.run("verify-resume", str(spec), "--steps", "24", "--workdir", str(tmp_path / "v"), timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert out.stdout.startswith("identical"), out.stdout
+    assert "(killed mid-save)" in out.stdout
+    torn = list((tmp_path / "v" / "split" / "checkpoints").glob(".tmp-step-*"))
+    assert (tmp_path / "v" / "killed").is_file()  # the kill happened inside a save, after its state file
+    assert not torn or all(not (t / "manifest.json").exists() for t in torn)
+
+
+def test_verify_resume_names_the_state_a_script_forgets(relay_cli, tmp_path):
+    """The same loop without the scheduler registered: the split run restarts the lr schedule each session."""
+    spec = copy_example("byo-plain", tmp_path / "ex")
+    script = tmp_path / "ex" / "train.py"
+    script.write_text(script.read_text().replace("optimizer=opt, scheduler=sched,", "optimizer=opt,"))
+    out = relay_cli.run("verify-resume", str(spec), "--steps", "24", "--workdir", str(tmp_path / "v"), timeout=600)
+    assert out.returncode == 1, out.stdout + out.stderr[-3000:]
+    first = out.stdout.splitlines()[0]
+    assert first.startswith("differs: objects.model.") and "max |diff|" in first, out.stdout
+
+
+# -- the HF callback refuses what cannot resume -------------------------------------------------------------
+@pytest.mark.parametrize("setting, expected", [
+    ({"save_total_limit": 2}, "TrainingArguments.save_total_limit: the relay keeps checkpoints"),
+    ({"save_only_model": True}, "TrainingArguments.save_only_model=True: a checkpoint without optimizer"),
+    ({"ignore_data_skip": True}, "TrainingArguments.ignore_data_skip=True"),
+    ({"max_steps": 7}, "TrainingArguments.max_steps=7: set it to session.total_steps (10)"),
+])
+def test_hf_callback_refuses_configs_that_cannot_resume(setting, expected, tmp_path):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    import relay
+    from relay.errors import InputError
+    from relay.integrations.hf import RelayCallback
+
+    session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
+    try:
+        callback = RelayCallback(session)
+        assert callback.restore() is None
+        args = TrainingArguments(**{"output_dir": str(tmp_path / "hf"), "max_steps": 10, "report_to": [],
+                                    "use_cpu": True, **setting})
+        with pytest.raises(InputError) as err:
+            callback.on_train_begin(args, TrainerState(), TrainerControl(), model=None)
+        assert str(err.value).startswith(expected) and "\n" not in str(err.value)
+    finally:
+        session.clock.restore_signal_handlers()

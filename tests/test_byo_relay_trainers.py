@@ -1,0 +1,21 @@
+"""The Hugging Face Trainer and Lightning examples relayed on the emulator like the plain loop and the user
+recipe (tests/test_byo_relay.py): >= 3 step-bounded sessions, one kernel SIGKILLed mid-save, final weights
+equal to an uninterrupted run. Slower (transformers/lightning imports per kernel), hence a file of their own.
+"""
+from __future__ import annotations
+
+import pytest
+
+import test_byo_relay
+from test_byo_relay import test_example_relays_to_the_weights_of_one_run_with_a_kill_mid_save as relayed
+
+TRAINERS = {
+    "byo-hf": {"optim.max_steps": 90, "session.max_steps": 30},
+    "byo-lightning": {"optim.max_steps": 240, "session.max_steps": 80},
+}
+
+
+@pytest.mark.parametrize("example", list(TRAINERS))
+def test_trainer_example_relays_to_the_weights_of_one_run(example, relay_env, reference, monkeypatch):
+    monkeypatch.setitem(test_byo_relay.EXAMPLES, example, TRAINERS[example])
+    relayed(example, relay_env, reference, monkeypatch)
