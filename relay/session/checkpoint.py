@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import threading
 import time
 import zlib
@@ -152,6 +153,7 @@ def save(root: Path, state: dict, *, step: int, meta: dict, disk_budget_bytes: O
         }
         # The manifest is the commit marker: written last, then the folder appears under its name.
         atomic.write_json(tmp / MANIFEST, manifest)
+        _test_stop_mid_save(step)
         os.rename(tmp, root / name)
         atomic.fsync(root)
     except BaseException:
@@ -160,6 +162,21 @@ def save(root: Path, state: dict, *, step: int, meta: dict, disk_budget_bytes: O
     saved = Checkpoint(root / name, step, _seq(name), manifest)
     prune(root, keep_last=keep_last, keep_best_mode=keep_best_mode)
     return saved
+
+
+# TEST SEAM (tests/test_relay_faults.py): with RELAY_TEST_STOP_MID_SAVE=<step> set, a process that has already
+# saved below that step stops itself (SIGSTOP) in its first save at or past it, with every file written but the
+# folder not yet renamed, so a test can SIGKILL a provably torn save on a machine of any speed (or SIGCONT it).
+# Unset in production: one environment lookup per save.
+_last_saved_step: Optional[int] = None
+
+
+def _test_stop_mid_save(step: int) -> None:
+    global _last_saved_step
+    at = os.environ.get("RELAY_TEST_STOP_MID_SAVE")
+    previous, _last_saved_step = _last_saved_step, step
+    if at and previous is not None and previous < int(at) <= step:
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _seq(name: str) -> int:
