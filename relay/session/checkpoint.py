@@ -1,6 +1,7 @@
 """Atomic checkpoints: a folder counts only once its manifest (a checksum of every file) is in place.
 
-save:  .tmp-<name>/state.pt (fsync; checksummed meanwhile) -> manifest.json (fsync) -> rename to <name>
+save:  .tmp-<name>/state.pt (checksummed and flushed to disk right behind torch.save's writer) -> fsync
+       -> manifest.json (fsync) -> rename to <name>
 load:  newest folder whose manifest and hashes check out; older ones when the newest is incomplete or corrupt
 prune: only after a successful save; keeps the newest `keep_last` and the best; never the newest valid one
 
@@ -98,6 +99,47 @@ def file_digest(path: Path, algo: str, chunk: int = 8 << 20) -> str:
     return checksum.hexdigest()
 
 
+class _TailChecksum(threading.Thread):
+    """Checksums a file while torch.save is still writing it: reads each byte from the page cache right behind
+    the writer (the zip writer only appends) and starts its writeback to disk (fdatasync every `sync_every`
+    bytes), on another core. A save then costs about torch.save + the last fsync, instead of torch.save +
+    a second pass over the file (crc32 of 300 MB is 0.2-0.4 s here, 40-70 % of torch.save itself)."""
+
+    def __init__(self, path: Path, algo: str, chunk: int = 8 << 20, sync_every: int = 64 << 20):
+        super().__init__(daemon=True, name="checkpoint-checksum")
+        self.path, self.chunk, self.sync_every = path, chunk, sync_every
+        self.checksum, self.error = _Checksum(algo), None
+        self._writer_done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                read = synced = 0
+                while True:
+                    done = self._writer_done.is_set()  # read before the block: after it, EOF is the end
+                    block = f.read(self.chunk)
+                    if block:
+                        self.checksum.update(block)
+                        read += len(block)
+                        if read - synced >= self.sync_every:
+                            os.fdatasync(f.fileno())
+                            synced = read
+                    elif done:
+                        return
+                    else:
+                        self._writer_done.wait(0.001)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by result()
+            self.error = exc
+
+    def result(self) -> str:
+        """The digest of the whole file; call once the writer has closed it."""
+        self._writer_done.set()
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.checksum.hexdigest()
+
+
 def sha256_file(path: Path) -> str:
     return file_digest(path, "sha256")
 
@@ -137,13 +179,15 @@ def save(root: Path, state: dict, *, step: int, meta: dict, disk_budget_bytes: O
     tmp.mkdir()
     try:
         state_file = tmp / STATE_FILE
-        torch.save(state, state_file)  # torch's own C++ writer: the fastest path to disk
-        # The checksum reads the file back from the page cache on a second core while fsync waits for
-        # the disk: both off the critical path of each other.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            checksum = pool.submit(file_digest, state_file, digest)
-            atomic.fsync(state_file)
-            files = {STATE_FILE: {"bytes": state_file.stat().st_size, digest: checksum.result()}}
+        state_file.touch()
+        checksum = _TailChecksum(state_file, digest)
+        checksum.start()
+        try:
+            torch.save(state, state_file)  # torch's own C++ writer: the fastest path to disk
+        finally:
+            value = checksum.result()
+        atomic.fsync(state_file)  # what the checksum thread has not flushed yet: the last < 64 MB
+        files = {STATE_FILE: {"bytes": state_file.stat().st_size, digest: value}}
         manifest = {
             "format": FORMAT,
             "step": step,
@@ -186,10 +230,13 @@ def _seq(name: str) -> int:
 
 def _remove_stale_tmp(root: Path) -> None:
     """Half-written folders from a save that was killed, and retired ones a killed process left: never
-    valid, only taking disk."""
-    wait_for_deletions()
+    valid, only taking disk. Retired folders this process is still deleting are left to their thread (a
+    save need not wait for the previous one's deletion: they no longer count as checkpoints)."""
+    _deleting[:] = [t for t in _deleting if t.is_alive()]
+    deleting = {t.name for t in _deleting}
     for p in [*root.glob(".tmp-step-*"), *root.glob(".trash-step-*")]:
-        shutil.rmtree(p, ignore_errors=True)
+        if str(p) not in deleting:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 _deleting: list[threading.Thread] = []
@@ -200,7 +247,8 @@ def _retire(path: Path) -> None:
     the background, because unlinking GBs is slow (0.3 s per 300 MB here) and training need not wait."""
     trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
     os.rename(path, trash)
-    thread = threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}, daemon=True)
+    thread = threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}, daemon=True,
+                              name=str(trash))
     thread.start()
     _deleting.append(thread)
 
