@@ -318,15 +318,18 @@ def run(session_s: float = 30.0, every_epochs: int = 1, epoch_share: float = 0.2
         backend = _backend(emu, key)
         # alternate the two policies' sessions, so both see the same load on this shared machine
         t0 = time.time()
-        relay_going, seeds_going, number = True, True, 0
+        # The seeds' policy may never finish where start-up eats most of a session (a loaded machine: no
+        # epoch completes, nothing is kept); it gets as many sessions as the relay needed, then stops: its
+        # efficiency is measured over those sessions either way.
+        relay_going, seeds_going, number, relay_sessions = True, True, 0, 0
         while relay_going or seeds_going:
             if relay_going:
                 relay_going = relay_session(backend, spec_path, work / "orchestrator")
+                relay_sessions += relay_going
             if seeds_going:
                 number += 1
-                if number > 30:
-                    raise RuntimeError("the seeds' policy did not finish in 30 sessions")
                 seeds_going = seeds_kernel_session(emu, backend, spec_path, session_s, every_epochs, number)
+                seeds_going &= relay_going or number < relay_sessions
         effective = spec["optim"]["micro_batch"] * spec["optim"]["grad_accum"]
         relay_rows = measure(emu, f"{USER}/{spec['name']}-session", "relay", "relay", session_s, effective)
         seeds_rows = measure(emu, f"{USER}/bench-seeds", "seeds", "seeds", session_s, effective)
@@ -353,7 +356,8 @@ def run(session_s: float = 30.0, every_epochs: int = 1, epoch_share: float = 0.2
                "relay_bench_wall_s": round(time.time() - t0, 1),
                "relay_calibration_step_s": round(calibration_step_s, 5), "relay_n_train": spec["params"]["n_train"],
                "relay_epochs": spec["optim"]["epochs"],
-               "relay_same_weights": (relay_final or {}).get("weights_sha256") == (seeds_final or {}).get("weights_sha256"),
+               "relay_same_weights": (None if (seeds_final or {}).get("status") != "done" else
+                                      (relay_final or {}).get("weights_sha256") == seeds_final.get("weights_sha256")),
                "relay_target_12h_pct": 1.0}
     for name, s in (("relay", relay), ("seeds", seeds)):
         for k, value in s.items():
@@ -412,7 +416,8 @@ def format_side_by_side(f: dict) -> str:
                      f"(>= {f['relay_min_sessions']} each: {'OK' if f[name + '_sessions'] >= 4 else 'MISSED'})")
     lines.append(f"work sized from a measured step ({f['relay_calibration_step_s'] * 1000:.2f} ms): "
                  f"{f['relay_n_train']} samples x {f['relay_epochs']} epochs")
-    lines.append(f"final weights of both policies identical: {f['relay_same_weights']}")
+    lines.append("final weights of both policies identical: " + ("(the seeds' policy did not finish in as many"
+                 " sessions as the relay)" if f["relay_same_weights"] is None else str(f["relay_same_weights"])))
     return "\n".join(lines)
 
 
