@@ -28,7 +28,7 @@ BENCHES = {
     "loop": ("bench_loop", {}, {"steps": 150, "repeats": 3}),
     "checkpoint": ("bench_checkpoint", {}, {"layers": 3, "repeats": 3}),
     "features": ("bench_features", {}, {"n_train": 10_000, "n_test": 2_500}),
-    "relay": ("bench_relay", {}, {"session_s": 20.0}),  # >= 4 sessions each: sized from a measured step
+    "relay": ("bench_relay", {}, {"session_s": 20.0}),  # 5 sessions per policy, each running into the cap
 }
 
 
