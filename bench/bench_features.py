@@ -22,6 +22,7 @@ try:
 except ImportError:  # run as a script from a checkout without an installed package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from machine import describe  # noqa: E402  (bench/machine.py)
 from relay.recipes import price_data
 from relay.recipes.price_model import PriceModelParams, PriceModelRecipe
 
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     figures = run(args.train, args.test)
     print(json.dumps(figures, indent=1))
+    print(describe())
     print(f"feature cache: second preparation {figures['features_speedup']}x faster than the first "
           f"(target >= {TARGET_SPEEDUP:g}x; from a published read-only cache: {figures['features_published_speedup']}x)")
     return 0 if figures["features_meets_target"] else 1

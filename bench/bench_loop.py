@@ -14,7 +14,9 @@ model construction are outside every timing:
   hand-written  the loop below, from the first batch to the last optimizer step
   HF Trainer    `transformers.Trainer.train()` between the `on_train_begin` and `on_train_end` callbacks
                 (no saving, no eval, logging every 50 steps, tqdm off)
-Rounds rotate the order; medians over `repeats` rounds after one warm-up round.
+Rounds rotate the order (each loop runs first, second and third equally often); the ratios are medians of
+per-round ratios (relay and the other loop of the same round ran back to back, under the same load), with
+their spread (min-max); one warm-up round is dropped.
 Run: `python bench/bench_loop.py [--steps N --repeats N]`; `run()` returns the named figures.
 """
 from __future__ import annotations
@@ -38,6 +40,8 @@ except ImportError:  # run as a script from a checkout without an installed pack
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+
+from machine import describe, spread  # noqa: E402  (bench/machine.py)
 from torch import nn
 
 from relay import spec as spec_mod
@@ -212,7 +216,11 @@ def run(steps: int = 400, repeats: int = 5, workdir: Path | None = None) -> dict
             figures[f"loop_{name}_{seconds}"] = round(medians[name], 3)
             figures[f"loop_{name}_{rate}"] = round(steps / medians[name], 1)
         for other in ("hand", "hf"):
-            figures[f"loop_relay_vs_{other}{ratio}"] = round(medians["relay"] / medians[other], 3)
+            # paired: each round's relay time over the same round's other loop (run back to back, so under
+            # the same load), then the median and spread of those ratios
+            paired = spread([a / b for a, b in zip(samples["relay"], samples[other])])
+            figures[f"loop_relay_vs_{other}{ratio}"] = round(paired["median"], 3)
+            figures[f"loop_relay_vs_{other}{ratio}_spread"] = [round(paired["min"], 3), round(paired["max"], 3)]
     figures["loop_meets_target"] = (figures["loop_relay_vs_hand"] <= TARGET_VS_HAND
                                     and figures["loop_relay_vs_hf"] < TARGET_VS_HF)
     return figures
@@ -225,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     figures = run(args.steps, args.repeats)
     print(json.dumps(figures, indent=1))
+    print(describe())
     return 0 if figures["loop_meets_target"] else 1
 
 

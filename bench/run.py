@@ -3,8 +3,10 @@
     python bench/run.py [--only loop,checkpoint,features] [--quick]
 
 Each bench module has `run() -> dict` of figures (bench_loop, bench_checkpoint, bench_features, bench_relay,
-bench_recsys). Timings are
-of this machine at this moment: the results file records the host, CPU count, torch version and load average.
+bench_vqa, bench_recsys).
+Timings are of this machine at this moment: the output and the results file name the machine (CPU model, cores,
+torch version, load average; bench/machine.py). Every figure is a ratio against a baseline measured in the same
+run, compared variants alternate, and each is reported as a median with its spread.
 Exit status 0 when every target is met, 1 otherwise (the figures are written either way).
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ BENCHES = {
     "loop": ("bench_loop", {}, {"steps": 150, "repeats": 3}),
     "checkpoint": ("bench_checkpoint", {}, {"layers": 3, "repeats": 3}),
     "features": ("bench_features", {}, {"n_train": 10_000, "n_test": 2_500}),
-    "relay": ("bench_relay", {"epochs": 12}, {"session_s": 20.0, "epochs": 4}),  # several sessions each
+    "relay": ("bench_relay", {}, {"session_s": 20.0}),  # 5 sessions per policy, each running into the cap
     "vqa": ("bench_vqa", {}, {"steps": 6, "repeats": 2}),
     "recsys": ("bench_recsys", {}, {"n_ratings": 200_000}),
 }
@@ -36,25 +38,29 @@ BENCHES = {
 def _lines(name: str, f: dict) -> list[str]:
     if name == "loop":
         return [
-            f"loop ({f['loop_steps']} optimizer steps x {f['loop_samples_per_step']} samples, median of "
-            f"{f['loop_repeats']}, training only; ratios of process CPU seconds, wall in brackets):",
+            f"loop ({f['loop_steps']} optimizer steps x {f['loop_samples_per_step']} samples, {f['loop_repeats']}"
+            f" alternating rounds, training only; median of per-round ratios of process CPU seconds, wall in"
+            f" brackets):",
             f"  relay {f['loop_relay_steps_per_cpu_s']} steps/cpu-s [{f['loop_relay_steps_per_s']} steps/s], "
             f"hand-written {f['loop_hand_steps_per_cpu_s']} [{f['loop_hand_steps_per_s']}], "
             f"HF Trainer {f['loop_hf_steps_per_cpu_s']} [{f['loop_hf_steps_per_s']}]",
-            f"  relay/hand-written {f['loop_relay_vs_hand']:.3f} [wall {f['loop_relay_vs_hand_wall']:.3f}] "
+            f"  relay/hand-written {f['loop_relay_vs_hand']:.3f} (spread {f['loop_relay_vs_hand_spread']}) "
+            f"[wall {f['loop_relay_vs_hand_wall']:.3f}] "
             f"(target <= {f['loop_target_vs_hand']})  {_ok(f['loop_relay_vs_hand'] <= f['loop_target_vs_hand'])}",
-            f"  relay/HF Trainer   {f['loop_relay_vs_hf']:.3f} [wall {f['loop_relay_vs_hf_wall']:.3f}] "
+            f"  relay/HF Trainer   {f['loop_relay_vs_hf']:.3f} (spread {f['loop_relay_vs_hf_spread']}) "
+            f"[wall {f['loop_relay_vs_hf_wall']:.3f}] "
             f"(target < {f['loop_target_vs_hf']})  {_ok(f['loop_relay_vs_hf'] < f['loop_target_vs_hf'])}",
         ]
     if name == "checkpoint":
         return [
             f"checkpoint ({f['ckpt_state_mb']} MB model + AdamW state, median of {f['ckpt_repeats']}):",
             f"  save    relay {f['ckpt_save_relay_s']} s vs torch.save {f['ckpt_save_bare_s']} s: "
-            f"{f['ckpt_save_ratio']:.3f}x (target <= {f['ckpt_target_ratio']})  "
-            f"{_ok(f['ckpt_save_ratio'] <= f['ckpt_target_ratio'])}   "
-            f"[vs torch.save+fsync {f['ckpt_save_bare_fsync_s']} s: {f['ckpt_save_ratio_vs_fsync']:.3f}x]",
+            f"{f['ckpt_save_ratio']:.3f}x (spread {f['ckpt_save_ratio_spread']}; target <= {f['ckpt_target_ratio']})"
+            f"  {_ok(f['ckpt_save_ratio'] <= f['ckpt_target_ratio'])}",
+            f"          vs torch.save+fsync {f['ckpt_save_bare_fsync_s']} s: {f['ckpt_save_ratio_vs_fsync']:.3f}x "
+            f"(spread {f['ckpt_save_ratio_vs_fsync_spread']})",
             f"  restore relay {f['ckpt_load_relay_s']} s vs torch.load {f['ckpt_load_bare_s']} s: "
-            f"{f['ckpt_load_ratio']:.3f}x (target <= {f['ckpt_target_ratio']})  "
+            f"{f['ckpt_load_ratio']:.3f}x (spread {f['ckpt_load_ratio_spread']}; target <= {f['ckpt_target_ratio']})  "
             f"{_ok(f['ckpt_load_ratio'] <= f['ckpt_target_ratio'])}",
             f"  checksum throughput here: crc32 {f.get('ckpt_crc32_mb_per_s', '?')} MB/s (the default, computed"
             f" beside fsync and beside the load), sha256 {f.get('ckpt_sha256_mb_per_s', '?')} MB/s (opt-in)",
@@ -103,11 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(HERE / "results.json"))
     args = parser.parse_args(argv)
 
+    from machine import describe, machine
+
     results: dict = {
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
-        "host": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count(),
+        "machine": machine(), "host": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count(),
         "load_average_before": [round(x, 2) for x in os.getloadavg()], "quick": args.quick, "figures": {},
     }
+    print(describe(results["machine"]), flush=True)
     all_ok = True
     for name in args.only.split(","):
         module_name, full, quick = BENCHES[name]
@@ -124,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     results["torch"] = torch.__version__
     results["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    print(describe(machine()))
     print(f"wrote {args.out} (load average {results['load_average_before']} -> {results['load_average_after']}"
           f" on {results['cpus']} CPUs)")
     return 0 if all_ok else 1

@@ -124,8 +124,8 @@ class RelayCLI:
     def popen(self, *args: str, preimport: Sequence[str] = (), **kwargs) -> subprocess.Popen:
         kwargs.setdefault("stdout", subprocess.PIPE)
         kwargs.setdefault("stderr", subprocess.PIPE)
-        return subprocess.Popen(self.argv(*args, preimport=preimport), env=self.env, cwd=self.cwd,
-                                text=True, **kwargs)
+        kwargs.setdefault("env", self.env)
+        return subprocess.Popen(self.argv(*args, preimport=preimport), cwd=self.cwd, text=True, **kwargs)
 
     def train(self, spec: Path, workdir: Path, budget: Optional[object] = None, *extra: str,
               check: bool = True, **kwargs) -> subprocess.CompletedProcess:

@@ -172,7 +172,8 @@ class RelayEnv:
 
     # setup
     def start(self, **emulator_settings):
-        self.emu = self.make_emulator(self.root / "emulator", kernel_env=dict(KERNEL_ENV), **emulator_settings)
+        emulator_settings.setdefault("kernel_env", dict(KERNEL_ENV))
+        self.emu = self.make_emulator(self.root / "emulator", **emulator_settings)
         return self.emu
 
     def write_spec(self, **overrides) -> Path:

@@ -355,3 +355,49 @@ def test_run_exports_weights_only_model(tmp_path):
     final = torch.load(tmp_path / progress["checkpoint"] / "state.pt", weights_only=True)["model"]
     assert set(tensors) == set(final)
     assert all(torch.equal(tensors[k], final[k]) for k in final)
+
+
+# -- the checksum follows the writer; the test seam that stops a save midway -------------------------
+def test_checksum_computed_behind_the_writer_matches_a_second_pass(tmp_path):
+    big = {"w": torch.randn(6_000_000, generator=torch.Generator().manual_seed(1))}  # 24 MB: many chunks
+    c = ck.save(tmp_path, big, step=1, meta={"run_id": "r"})
+    for algo in ck.DIGESTS:
+        tail = ck._TailChecksum(tmp_path / "x.pt", algo, chunk=1 << 20, sync_every=4 << 20)
+        (tmp_path / "x.pt").touch()
+        tail.start()
+        torch.save(big, tmp_path / "x.pt")
+        assert tail.result() == ck.file_digest(tmp_path / "x.pt", algo)
+    assert c.manifest["files"]["state.pt"]["crc32"] == ck.file_digest(c.path / "state.pt", "crc32")
+
+
+STOP_SCRIPT = """
+import sys, torch
+from pathlib import Path
+from relay.session import checkpoint as ck
+for step in (1, 2, 5):
+    ck.save(Path(sys.argv[1]), {"w": torch.full((10,), float(step))}, step=step, meta={"run_id": "r"})
+"""
+
+
+def test_stop_mid_save_seam_leaves_a_torn_save_to_kill(tmp_path):
+    """RELAY_TEST_STOP_MID_SAVE=3: the process stops itself in its first save at step >= 3 (after saves
+    below it), every file written, the folder not renamed; SIGKILL there leaves step 2 the latest."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "RELAY_TEST_STOP_MID_SAVE": "3", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", STOP_SCRIPT, str(tmp_path)], env=env)
+    deadline = time.monotonic() + 120  # a hang guard
+    stat = Path(f"/proc/{proc.pid}/stat")
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert proc.poll() is None and time.monotonic() < deadline, "the process did not stop in the save"
+        time.sleep(0.01)
+    torn = tmp_path / f".tmp-step-00000005-{proc.pid}"
+    assert sorted(p.name for p in torn.iterdir()) == ["manifest.json", "state.pt"]
+    assert not (tmp_path / "step-00000005").exists()
+    proc.kill()
+    assert proc.wait() == -signal.SIGKILL
+    found = ck.load_latest(tmp_path)
+    assert found[0].step == 2 and torch.equal(found[1]["w"], torch.full((10,), 2.0))

@@ -21,7 +21,7 @@ def start_serve(state: Path, *flags: str) -> tuple:
                              "--state", str(state), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     exports = {}
-    deadline = time.time() + 30
+    deadline = time.time() + 120  # a hang guard, generous for a slow machine
     while time.time() < deadline:
         line = proc.stdout.readline()
         if line.startswith("# Kaggle emulator on"):
@@ -127,7 +127,7 @@ def test_kaggle_cli_datasets_kernels_quota_and_restart(served, tmp_path):
         "dataset_sources": ["alice/stage-0-ckpt"], "machine_shape": "NvidiaTeslaT4"}))
     pushed = run_kaggle(env, "kernels", "push", "-p", str(kern))
     assert "Kernel version 1 successfully pushed" in pushed.stdout, pushed.stderr
-    deadline = time.time() + 30
+    deadline = time.time() + 120  # a hang guard, generous for a slow machine
     while "COMPLETE" not in (status := run_kaggle(env, "kernels", "status", "alice/train-stage-1").stdout):
         assert time.time() < deadline and "ERROR" not in status, status
         time.sleep(0.3)

@@ -47,10 +47,10 @@ def test_session_timeout_sigterm_keeps_output(make_emulator):
     assert status.state is KernelState.CANCELLED and status.failure_message == \
         "Your notebook was stopped because it exceeded the max allowed execution duration"
     assert emu.store.kernel_version(f"{USER}/trap-term")["status"] == "CANCEL_ACKNOWLEDGED"
-    assert 1.8 < elapsed < 25  # not before the 2 s limit; well before the script's own 50 s end
+    assert 1.8 < elapsed < 50  # not before the 2 s limit; before the script's own end (>= 50 s on any machine)
     working = emu.store.kernel_dir(f"{USER}/trap-term", 1) / "working"
     assert (working / "saved.txt").read_text() == "saved on SIGTERM"
-    assert int((working / "progress.txt").read_text()) > 10
+    assert int((working / "progress.txt").read_text()) >= 0  # it ran (how far depends on the machine)
 
 
 def test_session_timeout_kills_after_grace(make_emulator):
@@ -59,14 +59,15 @@ def test_session_timeout_kills_after_grace(make_emulator):
     started = time.time()
     push_script(backend, f"{USER}/ignore-term", IGNORE_SIGTERM, timeout_s=HOUR)
     status = wait_state(backend, f"{USER}/ignore-term")
-    # not before limit + grace; well before the 60 s the SIGTERM-ignoring script would sleep: it was killed
-    assert status.state is KernelState.CANCELLED and 1.4 < time.time() - started < 30
+    # not before limit + grace; before the 60 s the SIGTERM-ignoring script would sleep: it was killed
+    assert status.state is KernelState.CANCELLED and 1.4 < time.time() - started < 60
     assert (emu.store.kernel_dir(f"{USER}/ignore-term", 1) / "working" / "started.txt").exists()
 
 
 def test_gpu_quota_refusal_and_refresh(make_emulator):
-    # 1 Kaggle hour of GPU per 6-hour period; at 3600x: 1 s of GPU per 6 s
-    emu = make_emulator(time_scale=HOUR, gpu_quota_s=HOUR, quota_period_s=6 * HOUR)
+    # 1 Kaggle hour of GPU per 1000-hour period; at 3600x: 1 s of GPU per 1000 s, so no period ends while the
+    # test looks at the spent quota, however slow the machine; then the test brings the refresh near itself
+    emu = make_emulator(time_scale=HOUR, gpu_quota_s=HOUR, quota_period_s=1000 * HOUR)
     backend = backend_for(emu)
     push_script(backend, f"{USER}/burn-gpu", "import time; time.sleep(1.3)\n")
     assert wait_state(backend, f"{USER}/burn-gpu").state is KernelState.COMPLETE
@@ -80,25 +81,30 @@ def test_gpu_quota_refusal_and_refresh(make_emulator):
     assert "exceeded the number of hours allowed to use GPU" in refused.message
     assert not push_script(backend, f"{USER}/cpu-only", "print('cpu')\n", gpu=False).error  # CPU is free
 
-    wait = (quota.refresh_time - datetime.utcnow()).total_seconds()
-    assert 0 < wait <= 6.5
-    time.sleep(wait + 0.2)
+    with emu.store.lock:  # the period ends 2 s from now
+        emu.store.data["created"] = time.time() + 2.0 - 1000
+    wait = (backend.quota().refresh_time - datetime.utcnow()).total_seconds()
+    assert wait <= 2.5
+    time.sleep(max(0.0, wait) + 1.2)  # Kaggle's refresh time is whole seconds
     assert backend.quota().used_s < HOUR
     accepted = backend.push_session(session)
     assert accepted.pushed and accepted.version == 1 and not accepted.already_pushed
 
 
-def test_concurrent_gpu_sessions_refused(make_emulator):
+def test_concurrent_gpu_sessions_refused(make_emulator, tmp_path):
     emu = make_emulator(max_gpu_sessions=2)
     backend = backend_for(emu)
+    release = tmp_path / "release"  # the two sessions run until the test creates it: no race with their speed
+    hold = f"import os, time\nwhile not os.path.exists({str(release)!r}): time.sleep(0.05)\n"
     for name in ("gpu-a", "gpu-b"):
-        assert not push_script(backend, f"{USER}/{name}", "import time; time.sleep(2.5)\n").error
+        assert not push_script(backend, f"{USER}/{name}", hold).error
     session = SessionKernel(kernel=f"{USER}/toy-third", title="Toy third session", spec_text=TOY_SPEC,
                             run_id="third-1")
     refused = backend.push_session(session)
     assert refused.refusal is Refusal.CONCURRENCY and refused.message == "Maximum batch GPU session count of 2 reached."
     assert f"{USER}/toy-third" not in emu.store.kernels  # a refusal leaves no version behind
     assert not push_script(backend, f"{USER}/cpu-c", "print(1)\n", gpu=False).error
+    release.touch()
     wait_state(backend, f"{USER}/gpu-a")
     assert backend.push_session(session).pushed
 
@@ -113,8 +119,8 @@ def test_output_cap_and_injected_kill(make_emulator):
     started = time.time()
     push_script(backend, f"{USER}/killed", "import time\nopen('a.txt','w').write('1')\ntime.sleep(30)\n", gpu=False)
     status = wait_state(backend, f"{USER}/killed")
-    # the injected kill (0.5-0.8 s) ended it long before its own 30 s sleep
-    assert status.state is KernelState.ERROR and "killed" in status.failure_message and time.time() - started < 15
+    # the injected kill (0.5-0.8 s) ended it before its own 30 s sleep
+    assert status.state is KernelState.ERROR and "killed" in status.failure_message and time.time() - started < 30
 
 
 def test_processing_delay_and_second_version_refusal(make_emulator, tmp_path):
@@ -177,7 +183,10 @@ def test_restart_keeps_state_and_ends_runs_in_flight(make_emulator, isolated_env
     emu = make_emulator()
     backend = backend_for(emu)
     push_script(backend, f"{USER}/long-run", "import time; time.sleep(60)\n")
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60  # a hang guard: wait for the event (the run started), not a set time
+    while emu.store.kernel_version(f"{USER}/long-run", "v1")["status"] != "RUNNING":
+        assert time.monotonic() < deadline, "long-run never started"
+        time.sleep(0.02)
     emu.stop()
     again = make_emulator(state_dir=emu.store.root)
     status = backend_for(again).kernel_status(f"{USER}/long-run")

@@ -1,5 +1,5 @@
 """The issue's "done when": a relay session kernel pushed by the backend to the emulator runs the tiny
-price-model spec for one budgeted session, its checkpoint comes back and is published as a new dataset
+price-model spec for one step-bounded session, its checkpoint comes back and is published as a new dataset
 version, and the next kernel mounts it and resumes from it."""
 from __future__ import annotations
 
@@ -7,12 +7,21 @@ import json
 import shutil
 from pathlib import Path
 
+import yaml
+
 from kaggle_fixtures import USER, backend_for, isolated_env, make_emulator, wait_state  # noqa: F401
 from relay.kaggle import KernelState, SessionKernel
 from relay.recipes import price_data
 
 SPEC = Path(__file__).resolve().parent.parent / "examples" / "price-tiny.yaml"
 KERNEL, CKPT = f"{USER}/price-tiny-relay", f"{USER}/price-tiny-ckpt"
+STEPS_PER_SESSION = 40  # session.max_steps: the session ends at a step count, not a time, on any machine
+
+
+def session_spec() -> str:
+    spec = yaml.safe_load(SPEC.read_text())
+    spec["session"]["max_steps"] = STEPS_PER_SESSION
+    return yaml.safe_dump(spec, sort_keys=False)
 
 
 def checkpoint_folder(output: Path, dest: Path) -> Path:
@@ -25,8 +34,8 @@ def checkpoint_folder(output: Path, dest: Path) -> Path:
 
 
 def run_session(backend, tmp_path: Path, index: int, resume: bool) -> dict:
-    session = SessionKernel(kernel=KERNEL, title="Price tiny relay", spec_text=SPEC.read_text(),
-                            run_id=f"price-s{index}", budget_s=14, data_dataset=f"{USER}/price-tiny-data",
+    session = SessionKernel(kernel=KERNEL, title="Price tiny relay", spec_text=session_spec(),
+                            run_id=f"price-s{index}", data_dataset=f"{USER}/price-tiny-data",
                             checkpoint_dataset=CKPT if resume else None)
     pushed = backend.push_session(session)
     assert pushed.pushed and pushed.version == index and len(pushed.code_version) == 12
@@ -41,14 +50,15 @@ def run_session(backend, tmp_path: Path, index: int, resume: bool) -> dict:
 
 
 def test_price_tiny_session_checkpoint_roundtrip(make_emulator, tmp_path):
-    emu = make_emulator(time_scale=1800)  # a 12 h Kaggle session lasts 24 s here
+    emu = make_emulator(time_scale=100)  # a 12 h Kaggle session lasts 7 min here: only a hang guard
     backend = backend_for(emu)
     data = tmp_path / "price-data"
     price_data.main(["--out", str(data), "--train", "1200", "--test", "200"])
     backend.publish_folder(data, f"{USER}/price-tiny-data", "Price tiny data", "synthetic")
 
     first = run_session(backend, tmp_path, 1, resume=False)
-    assert first["status"] == "paused" and first["stop_reason"] == "budget" and first["global_step"] > 0
+    assert first["status"] == "paused" and first["stop_reason"] == "steps"
+    assert first["global_step"] == STEPS_PER_SESSION
     published = backend.publish_folder(checkpoint_folder(tmp_path / "out1" / "relay", tmp_path / "pub1"),
                                        CKPT, "Price tiny checkpoint", "after session 1")
     assert published.version == 1 and published.created
@@ -58,7 +68,7 @@ def test_price_tiny_session_checkpoint_roundtrip(make_emulator, tmp_path):
     second = run_session(backend, tmp_path, 2, resume=True)
     sessions = second["sessions"]
     assert [s["run_id"] for s in sessions] == ["price-s1", "price-s2"]
-    assert sessions[1]["step_start"] == first["global_step"] < second["global_step"]
+    assert sessions[1]["step_start"] == first["global_step"] and second["global_step"] == 2 * STEPS_PER_SESSION
     pub2 = backend.publish_folder(checkpoint_folder(tmp_path / "out2" / "relay", tmp_path / "pub2"),
                                   CKPT, "Price tiny checkpoint", "after session 2")
     assert pub2.version == 2 and not pub2.created

@@ -3,8 +3,9 @@ weights of an uninterrupted run:
 
 - >= 15 % of backend calls fail (the emulator's seeded injection: 429, 500, connection reset, response lost
   after the call was handled; uploads cut mid-file);
-- one kernel is SIGKILLed in the middle of a checkpoint save (frozen with SIGSTOP the moment a `.tmp-step-*`
-  folder exists, checked to be still uncommitted, then killed: a torn save, for sure);
+- one kernel is SIGKILLed in the middle of a checkpoint save (it stops itself inside the save at a set step,
+  through the RELAY_TEST_STOP_MID_SAVE seam; the test checks the folder is still uncommitted and kills it:
+  a torn save, for sure, whatever the machine's speed);
 - the orchestrator (the flow, in a child process) is SIGKILLed twice: right after it pushed session 2, and
   mid-publish (the checkpoint dataset version it created is still processing, not yet confirmed READY).
 """
@@ -20,72 +21,73 @@ from typing import Optional
 
 from relay.chain import parse_run_id
 
-from relay_fixtures import STEPS_PER_SESSION, wait_for  # noqa: E402
+from relay_fixtures import KERNEL_ENV, STEPS_PER_SESSION, wait_for  # noqa: E402
 
 FAULT_RATE = 0.25
 FAULTS = {"seed": 5, "methods": {"*": {"rate": FAULT_RATE}}, "upload_fail_midfile": 0.2}
 MAX_STEPS = 3 * STEPS_PER_SESSION
+STOP_MID_SAVE_AT = STEPS_PER_SESSION + 50  # inside session 2, after it committed saves of its own
 
 
 class MidSaveKiller(threading.Thread):
-    """SIGKILLs the first kernel of session >= 2 caught in the middle of a checkpoint save, after it has
-    committed at least one checkpoint of its own (so the relay can salvage it)."""
+    """SIGKILLs the kernel that stops itself mid-save (the RELAY_TEST_STOP_MID_SAVE seam in
+    relay.session.checkpoint: files written, folder not yet renamed) after committing checkpoints of its own
+    (so the relay can salvage one); any later kernel the seam stops is continued. Event-driven: the kill lands
+    inside the save on a machine of any speed."""
 
     def __init__(self, env):
         super().__init__(daemon=True, name="mid-save-killer")
         self.env, self.done = env, threading.Event()
         self.killed: Optional[dict] = None
+        self.continued: list = []
         self.error: Optional[BaseException] = None
 
     def run(self) -> None:
         try:
-            self._run()
+            while not self.done.is_set():
+                for run in self.env.kernel_runs():
+                    if run.status == "RUNNING":
+                        self._check(run)
+                time.sleep(0.02)
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             self.error = exc
 
-    def _run(self) -> None:
-        tried = set()
-        while not self.done.is_set() and self.killed is None:
-            target = next((r for r in self.env.kernel_runs() if r.status == "RUNNING" and r.version not in tried
-                           and (parse_run_id(r.run_id) or (0, 0))[0] >= 2), None)
-            if target is None:
-                time.sleep(0.05)
+    def _check(self, run) -> None:
+        folder = self.env.emu.store.kernel_dir(self.env.kernel, run.version) / "working" / "relay" / "checkpoints"
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            return
+        for torn in (n for n in names if n.startswith(".tmp-step-")):
+            pid = int(torn.rsplit("-", 1)[1])
+            if not _stopped(pid):
                 continue
-            tried.add(target.version)
-            self._watch(target)
+            final = torn[len(".tmp-"):].rsplit("-", 1)[0]
+            committed = sorted(n for n in names if n.startswith("step-"))
+            if self.killed is None:
+                assert (folder / torn).is_dir() and not (folder / final).exists() and committed, (torn, names)
+                assert (parse_run_id(run.run_id) or (0, 0))[0] >= 2, run
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+                self.killed = {"version": run.version, "run_id": run.run_id, "torn": torn, "committed": committed}
+            else:
+                os.kill(pid, signal.SIGCONT)
+                self.continued.append(run.run_id)
 
-    def _watch(self, run) -> None:
-        store = self.env.emu.store
-        folder = store.kernel_dir(self.env.kernel, run.version) / "working" / "relay" / "checkpoints"
-        while not self.done.is_set():
-            try:
-                names = os.listdir(folder)
-            except FileNotFoundError:
-                names = []
-            committed = [n for n in names if n.startswith("step-")]
-            torn = [n for n in names if n.startswith(".tmp-step-")]
-            if committed and torn:
-                pid = int(torn[0].rsplit("-", 1)[1])
-                try:
-                    group = os.getpgid(pid)
-                    os.killpg(group, signal.SIGSTOP)
-                except ProcessLookupError:
-                    continue
-                final = torn[0][len(".tmp-"):].rsplit("-", 1)[0]
-                if (folder / torn[0]).exists() and not (folder / final).exists():
-                    os.killpg(group, signal.SIGKILL)
-                    self.killed = {"version": run.version, "run_id": run.run_id, "torn": torn[0],
-                                   "committed": sorted(committed)}
-                    return
-                os.killpg(group, signal.SIGCONT)  # the save committed meanwhile: try the next one
-            if store.kernel_version(self.env.kernel, f"v{run.version}")["status"] not in ("QUEUED", "RUNNING"):
-                return
-            time.sleep(0.001)
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal (state T in /proc/PID/stat)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
 
 
 def test_relay_completes_exactly_under_faults_kills_and_orchestrator_crashes(relay_env, reference):
-    emu = relay_env.start(faults=FAULTS, dataset_processing_delay=0.3)
-    spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS})
+    emu = relay_env.start(faults=FAULTS, dataset_processing_delay=0.3,
+                          kernel_env={**KERNEL_ENV, "RELAY_TEST_STOP_MID_SAVE": str(STOP_MID_SAVE_AT)})
+    # saves every 10 ms: session 2 commits some between its start and STOP_MID_SAVE_AT on any machine
+    spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS, "session.save_every": "0.01s"})
     reference.start(spec)
     killer = MidSaveKiller(relay_env)
     killer.start()

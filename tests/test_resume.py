@@ -14,6 +14,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -90,11 +91,13 @@ def reference(spec_path, relay_cli, tmp_path_factory) -> tuple[dict, dict]:
 
 
 class Session:
-    """One `relay train` process whose stderr is drained by a thread (tqdm writes a lot of it)."""
+    """One `relay train` process whose stderr is drained by a thread (tqdm writes a lot of it).
+    Kills are triggered by events (a step reached, the process stopped inside a save), so none depends on
+    the machine's speed."""
 
-    def __init__(self, relay_cli, spec: Path, workdir: Path, budget="none"):
+    def __init__(self, relay_cli, spec: Path, workdir: Path, budget="none", env: Optional[dict] = None):
         self.workdir = workdir
-        self.proc = relay_cli.popen(*relay_cli.train_args(spec, workdir, budget))
+        self.proc = relay_cli.popen(*relay_cli.train_args(spec, workdir, budget), env={**relay_cli.env, **(env or {})})
         self.training = threading.Event()
         self.stderr: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -110,29 +113,26 @@ class Session:
     def wait_training(self, timeout: float = 120) -> None:
         assert self.training.wait(timeout), "relay train did not start training"
 
-    def kill_after(self, delay: float, sig: int) -> None:
-        deadline = time.monotonic() + delay
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            time.sleep(0.002)
+    def kill_at_step(self, step: int, delay: float, sig: int) -> None:
+        """Send `sig` `delay` s after metrics.jsonl shows optimizer step >= `step` (logged every 4 steps):
+        an instant at random within a step, an eval, a save or a progress write, well before the run's end."""
+        while self.proc.poll() is None and _last_step(self.workdir) < step:
+            time.sleep(0.001)
+        time.sleep(delay)
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
 
-    def kill_in_save(self, nth: int) -> bool:
-        """SIGKILL as soon as this process's nth save folder (.tmp-step-*-PID) appears. Returns whether the
-        process was still saving it (the folder was still there after the kill)."""
-        root, suffix, seen = self.workdir / "checkpoints", f"-{self.proc.pid}", set()
-        while self.proc.poll() is None:
-            try:
-                tmps = {n for n in os.listdir(root) if n.startswith(".tmp-") and n.endswith(suffix)}
-            except FileNotFoundError:
-                tmps = set()
-            seen |= tmps
-            if len(seen) >= nth and tmps:
-                self.proc.send_signal(signal.SIGKILL)
-                self.proc.wait()
-                return any((root / t).exists() for t in tmps)
-            time.sleep(0.0005)
-        return False
+    def kill_in_save(self) -> bool:
+        """SIGKILL this process once it has stopped itself inside a save (the RELAY_TEST_STOP_MID_SAVE seam of
+        relay.session.checkpoint). Returns whether the save was torn: its .tmp folder there, uncommitted."""
+        root, suffix = self.workdir / "checkpoints", f"-{self.proc.pid}"
+        while self.proc.poll() is None and not _stopped(self.proc.pid):
+            time.sleep(0.001)
+        tmps = [n for n in os.listdir(root) if n.startswith(".tmp-step-") and n.endswith(suffix)]
+        torn = len(tmps) == 1 and not (root / tmps[0][len(".tmp-"):-len(suffix)]).exists()
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        return torn and (root / tmps[0]).is_dir()
 
     def wait(self, timeout: float = 120) -> int:
         rc = self.proc.wait(timeout)
@@ -141,6 +141,27 @@ class Session:
 
     def tail(self) -> str:
         return "".join(self.stderr)[-3000:]
+
+
+def _last_step(workdir: Path) -> int:
+    try:
+        lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return -1
+    steps = [json.loads(line).get("step", -1) for line in lines[-3:] if line.endswith("}")]
+    return max(steps, default=-1)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal (state T in /proc/PID/stat)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
+def _step_of(workdir: Path) -> int:
+    return progress_of(workdir)["global_step"] if (workdir / "progress.json").exists() else 0
 
 
 def progress_of(workdir: Path) -> dict:
@@ -197,8 +218,9 @@ def test_sigterm_at_random_instants_with_0_and_2_workers_is_bit_identical(spec_p
     workdir, reasons = tmp_path / "w", []
     for i in range(3):
         session = Session(relay_cli, workers if i % 2 == 0 else spec_path, workdir)
+        at = _step_of(workdir) + 4 * rng.randint(1, 6)  # <= 3 x 24 steps + a few ms of 160
         session.wait_training()
-        session.kill_after(rng.uniform(0.0, 0.15), signal.SIGTERM)
+        session.kill_at_step(at, rng.uniform(0.0, 0.003), signal.SIGTERM)
         rc = session.wait()
         assert rc == 0, f"SIGTERM must end the session cleanly (exit 0), got {rc}\n{session.tail()}"
         progress = progress_of(workdir)
@@ -212,21 +234,24 @@ def test_sigterm_at_random_instants_with_0_and_2_workers_is_bit_identical(spec_p
 
 # -- SIGKILL -----------------------------------------------------------------------------------------
 def test_sigkill_at_random_instants_and_mid_save_is_bit_identical(spec_path, relay_cli, reference, tmp_path):
-    """Four sessions SIGKILLed: two inside a save (as soon as this process's 1st-3rd .tmp-step-* folder
-    appears: periodic saves every 0.2 s, best saves at epoch ends), two at a random instant (a step, an eval,
-    a save, the progress.json write); then one session to the end."""
+    """Four sessions SIGKILLed: two inside a save (a save after every step, and the process stops itself
+    inside the save of a random step through the RELAY_TEST_STOP_MID_SAVE seam), two at a random instant
+    after a random step (a step, an eval, a save, the progress.json write); then one session to the end."""
     rng = random.Random(1121)
+    every_step = write_spec(tmp_path, toy_spec_dict(RESUME, session={"save_every": 0.001}), "every-step.yaml")
     workdir, mid_save = tmp_path / "w", 0
     for i in range(4):
-        session = Session(relay_cli, spec_path, workdir)
-        session.wait_training()
+        at = _step_of(workdir) + 4 * rng.randint(1, 6)
         if i % 2 == 1:
-            mid_save += session.kill_in_save(nth=rng.randint(1, 3))
+            session = Session(relay_cli, every_step, workdir, env={"RELAY_TEST_STOP_MID_SAVE": str(at)})
+            mid_save += session.kill_in_save()
         else:
-            session.kill_after(rng.uniform(0.05, 0.4), signal.SIGKILL)
+            session = Session(relay_cli, spec_path, workdir)
+            session.wait_training()
+            session.kill_at_step(at, rng.uniform(0.0, 0.003), signal.SIGKILL)
         rc = session.wait()
         assert rc == -signal.SIGKILL, f"the session ended before its SIGKILL (exit {rc})\n{session.tail()}"
-    assert mid_save >= 1, "no kill landed inside a save"
+    assert mid_save == 2, "a kill did not land inside a save"
     relay_cli.train(spec_path, workdir, "none")
     progress = assert_same_as_reference(workdir, reference)
     assert progress["sessions"][-1]["stop_reason"] == "done"

@@ -269,7 +269,8 @@ class Trainer:
                     continue
                 self._after_step(loss)
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", left=f"{self.clock.remaining():.0f}s", refresh=False)
+                if st.global_step % self.spec.optim.log_every_steps == 0:  # ~40 us: not every step
+                    bar.set_postfix(loss=f"{loss:.4f}", left=f"{self.clock.remaining():.0f}s", refresh=False)
             return "done"
         finally:
             bar.close()
