@@ -188,19 +188,11 @@ def _hand_over_streamed(backend: KaggleBackend, spec: RunSpec, names: Names, act
 
         published = []
         if want_cache:
-            cache = out.fetch_tree("cache", root / "cache")
-            if cache is not None:
-                res = backend.publish_folder(cache, names.features_dataset, f"{spec.name} features",
-                                             notes=f"built by run {action.run_id}")
-                published.append(f"{names.features_dataset} v{res.version}")
-                shutil.rmtree(cache)
+            published += _publish_tree(backend, out, root, "cache", names.features_dataset, f"{spec.name} features",
+                                       f"built by run {action.run_id}")
         if progress.get("status") == "done":
-            export = out.fetch_tree("export", root / "export")
-            if export is not None:
-                res = backend.publish_folder(export, names.model_dataset, f"{spec.name} model",
-                                             notes=f"final weights of run {action.run_id}")
-                published.append(f"{names.model_dataset} v{res.version}")
-                shutil.rmtree(export)
+            published += _publish_tree(backend, out, root, "export", names.model_dataset, f"{spec.name} model",
+                                       f"final weights of run {action.run_id}")
         known = {n: h for n, h in out.sha256.items() if (stage / n).is_file() and n != "progress.json"}
         result = backend.publish_folder(stage, names.checkpoint_dataset, f"{spec.name} checkpoint",
                                         notes=f"run {action.run_id}, step {newest.step}, code {code_version()}",
@@ -209,6 +201,17 @@ def _hand_over_streamed(backend: KaggleBackend, spec: RunSpec, names: Names, act
         return HandOver(True, "handed over", progress, newest.step, result.version, tail, published)
     finally:
         shutil.rmtree(root, ignore_errors=True)  # confirmed or not: everything here can be fetched again
+
+
+def _publish_tree(backend: KaggleBackend, out, root: Path, name: str, dataset: str, title: str,
+                  notes: str) -> list[str]:
+    """Fetch one output folder (the cache, the export), publish it, and delete it at once."""
+    folder = out.fetch_tree(name, root / name)
+    if folder is None:
+        return []
+    result = backend.publish_folder(folder, dataset, title, notes=notes)
+    shutil.rmtree(folder)
+    return [f"{dataset} v{result.version}"]
 
 
 def _fetch_newest_valid(out, stage: Path):

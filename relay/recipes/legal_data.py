@@ -9,7 +9,6 @@ phrases, mixed with filler shared by all roles and a little label noise, so macr
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from relay.errors import InputError
+from relay.inputs import OneLineArgumentParser
 
 COLUMNS = ("text", "label")
 
@@ -133,7 +133,7 @@ def line_of(frame: pd.DataFrame, row: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="relay data legal", description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(prog="relay data legal", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for train.csv and val.csv")
     parser.add_argument("--train", type=int, default=4000, help="training sentences")
     parser.add_argument("--val", type=int, default=800, help="validation sentences")

@@ -8,7 +8,6 @@ biases and noise, rounded to half stars), so RMSE and precision@10 of the recipe
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from relay.errors import InputError
+from relay.inputs import OneLineArgumentParser
 
 COLUMNS = ("userId", "movieId", "rating")
 DTYPES = {"userId": np.int32, "movieId": np.int32, "rating": np.float32}
@@ -137,7 +137,7 @@ def generate(out_dir: str | Path, n_ratings: int, n_users: int, n_items: int, ra
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="relay data recsys", description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(prog="relay data recsys", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for ratings.csv")
     parser.add_argument("--ratings", type=int, default=50_000, help="ratings (the seed's safe size: 50k)")
     parser.add_argument("--users", type=int, default=3000)

@@ -8,13 +8,13 @@ so a model that sees a window of features can beat predicting zero.
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from relay.errors import InputError
+from relay.inputs import OneLineArgumentParser
 
 COLUMNS = ("timestamp", "close", "volume")
 TIMEFRAMES = (1, 5, 15, 60)
@@ -102,7 +102,7 @@ def generate(out_dir: str | Path, n: int, seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="relay data temporal", description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(prog="relay data temporal", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for bars.csv")
     parser.add_argument("--rows", type=int, default=20000, help="bars (one per minute)")
     parser.add_argument("--seed", type=int, default=0)

@@ -12,7 +12,6 @@ Images become `pixel_values` tensors here (PIL + numpy, no torchvision).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from relay.errors import InputError
+from relay.inputs import OneLineArgumentParser
 
 SPLITS = ("train", "val", "test")
 
@@ -203,7 +203,7 @@ def generate(out: Path, n_train: int, n_val: int, n_test: int, image_size: int, 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="relay data vqa", description="synthetic VQA data in the real layout")
+    ap = OneLineArgumentParser(prog="relay data vqa", description="synthetic VQA data in the real layout")
     ap.add_argument("--out", required=True, help="folder to write images/, questions.jsonl, teacher_outputs.jsonl")
     ap.add_argument("--train", type=int, default=240)
     ap.add_argument("--val", type=int, default=48)
