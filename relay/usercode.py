@@ -67,8 +67,19 @@ def _excluded(rel: str, name: str, patterns: list[str]) -> bool:
 
 
 def _on_path(folder: Path) -> None:
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
+    """The user's folder first on sys.path, and no module of the same name left cached from another folder
+    (a long-lived orchestrator loads several specs, whose code may share a package name like `mypkg`)."""
+    if str(folder) in sys.path:
+        sys.path.remove(str(folder))
+    sys.path.insert(0, str(folder))
+    for entry in folder.iterdir():
+        name = entry.stem if entry.suffix == ".py" else entry.name
+        cached = sys.modules.get(name)
+        origin = getattr(cached, "__file__", None)
+        if cached is not None and origin and not Path(origin).resolve().is_relative_to(folder.resolve()):
+            for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+                del sys.modules[key]
+    importlib.invalidate_caches()
 
 
 # -- checks at spec load ----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The bring-your-own-code examples relayed end to end: Prefect flow -> Kaggle emulator -> session kernels that
 carry the user's folder and run it. Sessions are bounded by steps (session.max_steps), one kernel of session
->= 2 is SIGKILLed in the middle of a checkpoint save (tests/test_relay_faults.MidSaveKiller: caught by a
-`.tmp-step-*` folder appearing), and the final weights equal an uninterrupted `relay train` of the same spec.
+2 is SIGKILLed in the middle of a checkpoint save (tests/test_relay_faults.MidSaveKiller: the kernel stops
+itself inside the save through the RELAY_TEST_STOP_MID_SAVE seam, so the kill is torn on any machine), and the final weights equal an uninterrupted `relay train` of the same spec.
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from test_byo import copy_example
+from kaggle_fixtures import KERNEL_ENV
 from test_relay_faults import MidSaveKiller
 
 RELAY_SETTINGS = {"kaggle.session_timeout": "5m", "kaggle.startup_overhead": "1s", "kaggle.max_failed_sessions": 2,
@@ -30,7 +31,9 @@ def _spec(relay_env, example: str, **overrides):
 
 @pytest.mark.parametrize("example", list(EXAMPLES))
 def test_example_relays_to_the_weights_of_one_run_with_a_kill_mid_save(example, relay_env, reference, monkeypatch):
-    relay_env.start()
+    per_session = EXAMPLES[example]["session.max_steps"]
+    # the kernel of session 2 stops itself inside a save half-way through it (a seam of relay.session.checkpoint)
+    relay_env.start(kernel_env={**KERNEL_ENV, "RELAY_TEST_STOP_MID_SAVE": str(per_session + per_session // 2)})
     spec = _spec(relay_env, example)
     reference.start(spec)
     killer = MidSaveKiller(relay_env)

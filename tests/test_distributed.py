@@ -20,8 +20,8 @@ from relay.session import checkpoint
 from relay.session.distributed import split_batch
 from relay_fixtures import wait_for
 
-# 256 samples / 16 = 16 steps per epoch; 64 steps; eval every 16 (best saves); hidden 512 so a save takes a
-# few ms and a poll can land inside it; periodic saves every 0.2 s
+# 256 samples / 16 = 16 steps per epoch; 64 steps; eval every 16 (the first is a best save); periodic saves
+# every 0.2 s
 DDP = dict(name="ddp-toy", seed=5, params={"n_train": 256, "n_eval": 64, "hidden": 512, "dropout": 0.2},
            optim={"epochs": None, "max_steps": 64, "eval_every_steps": 16, "log_every_steps": 1},
            session={"devices": 2, "save_every": 0.2}, checkpoints={"keep_last": 2})
@@ -51,8 +51,25 @@ def ddp_reference(spec_path, relay_cli, tmp_path_factory):
 
 def ranks(proc) -> list[psutil.Process]:
     """The spawned rank processes of a `relay train` process, rank 0 first (started in rank order)."""
-    kids = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
-    return sorted(kids, key=lambda p: p.create_time())
+    kids = []
+    for p in psutil.Process(proc.pid).children():
+        try:
+            if "spawn_main" in " ".join(p.cmdline()):
+                kids.append((p.create_time(), p))
+        except psutil.Error:  # a helper process that came and went while we looked
+            continue
+    return [p for _, p in sorted(kids, key=lambda kid: kid[0])]
+
+
+def _stopped_rank(proc) -> bool:
+    """Whether a rank of `proc` is stopped by a signal (state T)."""
+    for p in ranks(proc):
+        try:
+            if p.status() == psutil.STATUS_STOPPED:
+                return True
+        except psutil.Error:
+            continue
+    return False
 
 
 def metrics_steps(workdir: Path) -> int:
@@ -67,20 +84,20 @@ def test_split_by_steps_sigkill_mid_save_and_sigterm_to_rank_1_is_bit_identical(
                                                                                   ddp_reference, tmp_path):
     workdir, ckpts = tmp_path / "w", tmp_path / "w" / "checkpoints"
 
-    # session 1: SIGKILL to every process as soon as a checkpoint folder is being written (after step 16)
+    # session 1: rank 0 saves at step 16 (the first eval is a best save), then stops itself inside its next save
+    # (the RELAY_TEST_STOP_MID_SAVE seam of relay.session.checkpoint); every process is then SIGKILLed
     proc = relay_cli.popen(*relay_cli.train_args(spec_path, workdir, "none"), start_new_session=True,
+                           env={**relay_cli.env, "RELAY_TEST_STOP_MID_SAVE": "17"},
                            stdout=open(tmp_path / "s1.log", "w"), stderr=open(tmp_path / "s1.err", "w"))
-    in_save = False
-    while proc.poll() is None and not in_save:
-        tmps = [n for n in os.listdir(ckpts) if n.startswith(".tmp-")] if ckpts.is_dir() else []
-        if tmps and metrics_steps(workdir) >= 16:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            in_save = any((ckpts / t).exists() for t in tmps)
-        time.sleep(0.0005)
-    assert in_save, "the kill did not land in a save"
+    stopped = wait_for(lambda: proc.poll() is not None or _stopped_rank(proc), 300, "rank 0 stopped in a save")
+    assert proc.poll() is None, (tmp_path / "s1.err").read_text()[-2000:]
+    tmps = [n for n in os.listdir(ckpts) if n.startswith(".tmp-")]
+    assert tmps and stopped, os.listdir(ckpts)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert all((ckpts / t).exists() for t in tmps)  # the save was torn
     killed_at = max(c.step for c in checkpoint.list_valid(ckpts))
-    assert 0 < killed_at < TOTAL
+    assert 16 <= killed_at < TOTAL
 
     # session 2: ends after 12 steps (session.max_steps, any machine speed)
     relay_cli.train(spec_path, workdir, "none", "--max-steps", "12")

@@ -12,20 +12,22 @@ from conftest import REPO
 from relay import report
 from relay.recipes import vqa_data
 
+from kaggle_fixtures import KERNEL_ENV  # noqa: E402
 from relay_fixtures import USER  # noqa: E402
 from test_relay_faults import MidSaveKiller  # noqa: E402
 
 
 def test_vqa_demo_relays_across_the_stage_change_with_a_kernel_killed_mid_save(relay_env, reference, monkeypatch,
                                                                                 tmp_path):
-    emu = relay_env.start()
+    # the kernel of session 2 (steps 40-80) stops itself inside its first save at or after step 60
+    emu = relay_env.start(kernel_env={**KERNEL_ENV, "RELAY_TEST_STOP_MID_SAVE": "60"})
     data = tmp_path / "vqa-data"
     vqa_data.main(["--out", str(data)])
     relay_env.backend().publish_folder(data, f"{USER}/vqa-data", "VQA demo data", "synthetic")
 
     spec = yaml.safe_load((REPO / "examples" / "vqa-demo.yaml").read_text())
     spec["params"]["data_dir"] = str(data)  # the reference run reads it directly; kernels get the mount as --data
-    spec["session"].update(save_every="0.3s", safety_margin="0.5s")  # frequent saves: the killer finds one
+    spec["session"].update(save_every="0.01s", safety_margin="0.5s")  # a save every step: session 2 commits some
     spec["kaggle"].update(dataset_sources=[f"{USER}/vqa-data"], session_timeout="5m", startup_overhead="1s")
     relay_env.spec = relay_env.root / "spec" / "spec.yaml"
     relay_env.spec.parent.mkdir(parents=True)

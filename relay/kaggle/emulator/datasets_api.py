@@ -32,8 +32,9 @@ class DatasetsService:
             raise ApiError(400, "StartBlobUpload: a file name is required")
         token = "blobtok-" + secrets.token_hex(8)
         with self.store.lock:
+            # seq: the upload's place in this server's order, so seeded upload faults repeat (the token is random)
             self.store.blobs[token] = {"name": name, "size": size, "received": 0, "owner": call.user,
-                                       "created": time.time()}
+                                       "created": time.time(), "seq": len(self.store.blobs)}
             self.store.save()
         self.store.blob_path(token).parent.mkdir(parents=True, exist_ok=True)
         self.store.blob_path(token).write_bytes(b"")
@@ -58,7 +59,8 @@ class DatasetsService:
         with self.store.lock:
             if start != blob["received"]:
                 return self._upload_state(blob)
-            cut = self.emu.faults.upload_cut(token, blob.setdefault("attempts", 0), len(body))
+            cut = self.emu.faults.upload_cut(f"{blob.get('seq', token)}:{blob['name']}", blob.setdefault("attempts", 0),
+                                             len(body))
             blob["attempts"] += 1
             kept = body if cut is None else body[:cut]
             with open(path, "r+b") as f:
