@@ -1,25 +1,39 @@
-"""The recsys demo relayed on the Kaggle emulator (real `kaggle` client, real Prefect flow, one kernel per
-session): its data published as a dataset, 4 step-bounded sessions that end between ALS iterations, and the
-relayed factor matrices equal to an uninterrupted local run's."""
+"""The legal-BERT, temporal and recsys demos relayed on the Kaggle emulator (real `kaggle` client, real Prefect
+flow, one kernel per session): their data published as a dataset, step-bounded sessions (recsys: ending between
+ALS iterations; temporal: one ending inside a model), and the relayed weights equal to an uninterrupted local
+run's."""
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
-from relay.recipes import recsys_data
+from relay.recipes import legal_data, recsys_data, temporal_data
 from relay_fixtures import USER, prefect_api, relay_env  # noqa: F401
 from split_sessions import progress
 
 REPO = Path(__file__).resolve().parents[1]
 
+DEMOS = {  # workload: (make the data, the sessions' (first, last) steps)
+    "recsys": (lambda out: recsys_data.generate(out, 20000, 600, 400, rank=6, seed=1),
+               [(0, 3), (3, 6), (6, 9), (9, 12)]),
+    "legal": (lambda out: legal_data.main(["--out", str(out), "--train", "1200", "--val", "200"]),
+              [(0, 80), (80, 160), (160, 225)]),
+    "temporal": (lambda out: temporal_data.main(["--out", str(out), "--rows", "3000"]),
+                 [(0, 60), (60, 120), (120, 180), (180, 216)]),
+}
 
-def test_recsys_demo_relays_over_sessions_to_the_uninterrupted_weights(relay_env, relay_cli, monkeypatch, tmp_path):
+
+@pytest.mark.parametrize("workload", list(DEMOS))
+def test_demo_relays_over_sessions_to_the_uninterrupted_weights(workload, relay_env, relay_cli, monkeypatch,
+                                                                tmp_path):
+    make_data, sessions = DEMOS[workload]
     data = tmp_path / "data"
-    recsys_data.generate(data, 20000, 600, 400, rank=6, seed=1)
-    spec = yaml.safe_load((REPO / "examples/recsys-demo.yaml").read_text())
-    spec["name"] = "recsys-relay"
-    spec["kaggle"].update(dataset_sources=[f"{USER}/recsys-data"], session_timeout="5m", startup_overhead="1s")
+    make_data(data)
+    spec = yaml.safe_load((REPO / f"examples/{workload}-demo.yaml").read_text())
+    spec["name"] = f"{workload}-relay"
+    spec["kaggle"].update(dataset_sources=[f"{USER}/{workload}-data"], session_timeout="5m", startup_overhead="1s")
     relay_env.root.mkdir(exist_ok=True)
     relay_env.spec = relay_env.root / "spec.yaml"
     relay_env.spec.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -28,10 +42,11 @@ def test_recsys_demo_relays_over_sessions_to_the_uninterrupted_weights(relay_env
     reference = progress(tmp_path / "reference")
 
     relay_env.start()
-    relay_env.backend().publish_folder(data, f"{USER}/recsys-data", "Synthetic ratings")
+    relay_env.backend().publish_folder(data, f"{USER}/{workload}-data", f"Synthetic {workload} data")
     summary = relay_env.run_flow(monkeypatch)
     assert summary["state"] == "done", summary
     published = relay_env.published_progress()
-    assert [(s["step_start"], s["step_end"]) for s in published["sessions"]] == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    assert [(s["step_start"], s["step_end"]) for s in published["sessions"]] == sessions
     assert published["weights_sha256"] == reference["weights_sha256"] == summary["weights_sha256"]
-    assert published["metrics"]["rmse_als"] < published["metrics"]["rmse_user_mean"]
+    if workload == "recsys":
+        assert published["metrics"]["rmse_als"] < published["metrics"]["rmse_user_mean"]
