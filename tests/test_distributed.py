@@ -72,12 +72,15 @@ def _stopped_rank(proc) -> bool:
     return False
 
 
-def metrics_steps(workdir: Path) -> int:
+def metrics_steps(workdir: Path, session: int) -> int:
+    """The last step session `session` logged (metrics.jsonl also holds the steps of killed sessions, which a
+    resumed run trains again)."""
     try:
         lines = (workdir / "metrics.jsonl").read_text().splitlines()
     except FileNotFoundError:
         return 0
-    return max((json.loads(l).get("step", 0) for l in lines if l.strip().endswith("}")), default=0)
+    records = [json.loads(l) for l in lines if l.strip().endswith("}")]
+    return max((r.get("step", 0) for r in records if r.get("session") == session), default=0)
 
 
 def test_split_by_steps_sigkill_mid_save_and_sigterm_to_rank_1_is_bit_identical(spec_path, relay_cli,
@@ -108,7 +111,9 @@ def test_split_by_steps_sigkill_mid_save_and_sigterm_to_rank_1_is_bit_identical(
     proc = relay_cli.popen(*relay_cli.train_args(spec_path, workdir, "none"), start_new_session=True,
                            stdout=open(tmp_path / "s3.log", "w"), stderr=open(tmp_path / "s3.err", "w"))
     start = progress["global_step"]
-    wait_for(lambda: metrics_steps(workdir) >= start + 2 or proc.poll() is not None, 120, "session 3 training")
+    session = len(progress["sessions"]) + 1
+    wait_for(lambda: (metrics_steps(workdir, session) >= start + 2 and len(ranks(proc)) == 2) or proc.poll() is not None,
+             300, "session 3 training")
     assert proc.poll() is None, (tmp_path / "s3.err").read_text()[-2000:]
     ranks(proc)[1].send_signal(signal.SIGTERM)
     assert proc.wait(120) == 0, (tmp_path / "s3.err").read_text()[-3000:]
