@@ -241,6 +241,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     reason = trainer.fit()
     trainer.save(reason)
     if not world.main:
+        distributed.barrier(world)  # wait for rank 0's export: a rank tearing its group down early aborts
         return {}
     status = "done" if reason == "done" else "paused"
     weights = checkpoint.weights_sha256(model.state_dict())
@@ -248,8 +249,10 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
         checkpoint.export_atomic(workdir / "export", lambda out: recipe.export(model, out))
         recipe.predict(model, workdir / "export")
     checkpoint.wait_for_deletions()
-    return _write_progress(workdir, spec, state, total, schedule, checkpoint.list_valid(ckpt_root)[0],
-                           status=status, reason=reason, run_id=run_id, weights=weights)
+    progress = _write_progress(workdir, spec, state, total, schedule, checkpoint.list_valid(ckpt_root)[0],
+                               status=status, reason=reason, run_id=run_id, weights=weights)
+    distributed.barrier(world)  # every rank leaves together (gloo aborted a rank that shut down first)
+    return progress
 
 
 def _change_world(state: TrainState, world_size: int) -> None:
