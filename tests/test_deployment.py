@@ -108,11 +108,18 @@ def wait_healthy(api_url: str, server: subprocess.Popen, timeout: float = 120) -
     raise AssertionError(f"Prefect server not healthy after {timeout} s")
 
 
-def api_post(api_url: str, path: str, body: dict):
+def api_post(api_url: str, path: str, body: dict, attempts: int = 5):
+    """A read-only POST (the filter endpoints). On a loaded machine the server's SQLite can hold a request
+    for many seconds while the worker and `prefect deploy` write, so a slow answer is retried, not a failure."""
     request = urllib.request.Request(f"{api_url}{path}", data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as r:
-        return json.loads(r.read())
+    for attempt in range(attempts):
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return json.loads(r.read())
+        except OSError as e:  # a timeout, a reset connection, or URLError wrapping either
+            if attempt == attempts - 1:
+                raise AssertionError(f"the Prefect server did not answer {path} in {attempts} tries: {e}") from e
 
 
 def run_cli(args: list, env: dict, timeout: float) -> subprocess.CompletedProcess:
