@@ -252,13 +252,12 @@ class RunSpec(_Section):
         if ":" not in self.recipe and self.recipe not in recipes.names():
             raise SpecError(f"recipe: unknown recipe {self.recipe!r}; expected one of {', '.join(recipes.names())}")
         # Validated by the recipe's own Params model, reported under `params.`.
-        recipe_cls = recipes.get(self.recipe)
         try:
-            params = recipe_cls.Params.model_validate(self.params)
+            params = recipes.params_class(self.recipe).model_validate(self.params)
         except ValidationError as err:
             raise SpecError(_first_error(err, prefix="params")) from None
         try:
-            recipe_cls.validate_spec(params, self)
+            params.check_spec(self)
         except ValueError as err:
             raise SpecError(str(err)) from None
         return self
@@ -273,7 +272,7 @@ class RunSpec(_Section):
         return self
 
     def recipe_params(self):
-        return recipes.get(self.recipe).Params.model_validate(self.params)
+        return recipes.params_class(self.recipe).model_validate(self.params)
 
 
 def _first_error(err: ValidationError, prefix: str = "") -> str:

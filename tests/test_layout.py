@@ -34,3 +34,23 @@ def test_kernel_side_modules_never_import_the_orchestrator():
                 if any(name == o or name.startswith(o + ".") for o in ORCHESTRATOR):
                     offenders.append(f"{path.relative_to(REPO)} imports {name}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_orchestrator_never_imports_torch():
+    """The flows, the CLI and the spec loader (every built-in example spec) run without torch: a GitHub-hosted
+    tick stays small, and the handoff's peak RSS stays under its 300 MB goal (bench/bench_handoff.py)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from pathlib import Path
+import flows.relay_flow, flows.relays_flow, relay.cli, relay.handoff, relay.plan, tasks.relays_artifacts
+from relay import spec
+for path in sorted(Path("examples").glob("*.yaml")):
+    spec.load(path).recipe_params()
+print("torch" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False", "an orchestrator module imports torch at module level"

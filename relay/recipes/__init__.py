@@ -1,9 +1,14 @@
-"""Recipe registry: the spec's `recipe:` name -> class. Imports are lazy so the spec loads fast."""
+"""Recipe registry: the spec's `recipe:` name -> class. Imports are lazy, and a spec is validated with the
+torch-free Params classes of relay.recipes.params, so the orchestrator never imports torch."""
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from relay.recipes.base import Recipe, RecipeParams
+from relay.recipes.params import RecipeParams
+
+if TYPE_CHECKING:
+    from relay.recipes.base import Recipe
 
 _REGISTRY = {
     "legal_bert": "relay.recipes.legal_bert:LegalBertRecipe",
@@ -13,13 +18,15 @@ _REGISTRY = {
     "toy": "relay.recipes.toy:ToyRecipe",
     "vqa_student": "relay.recipes.vqa_student:VQAStudentRecipe",
 }
+_PARAMS = {"legal_bert": "LegalBertParams", "price_model": "PriceModelParams", "recsys": "RecsysParams",
+           "temporal": "TemporalParams", "toy": "ToyParams", "vqa_student": "VQAStudentParams"}
 
 
 def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get(name: str) -> type[Recipe]:
+def get(name: str) -> type["Recipe"]:
     if ":" in name:  # a user recipe "pkg.module:Class" from the spec's code.folder (relay.usercode)
         from relay.usercode import load_recipe
 
@@ -30,4 +37,20 @@ def get(name: str) -> type[Recipe]:
     return getattr(importlib.import_module(module), cls)
 
 
-__all__ = ["Recipe", "RecipeParams", "get", "names"]
+def params_class(name: str) -> type[RecipeParams]:
+    """The Params model of a recipe. Built-in: from relay.recipes.params, without importing the recipe (torch);
+    a user recipe is imported (its module is the only place its Params live)."""
+    if name in _PARAMS:
+        return getattr(importlib.import_module("relay.recipes.params"), _PARAMS[name])
+    return get(name).Params
+
+
+def __getattr__(attr: str):  # `from relay.recipes import Recipe` keeps working, importing torch only then
+    if attr == "Recipe":
+        from relay.recipes.base import Recipe
+
+        return Recipe
+    raise AttributeError(attr)
+
+
+__all__ = ["Recipe", "RecipeParams", "get", "names", "params_class"]

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict
 from torch import nn
 from torch.utils.data import Dataset
 
+from relay.recipes.params import RecipeParams  # noqa: F401  (re-exported: user recipes import it here)
 from relay.session.stages import Stage
 
 
@@ -28,12 +28,6 @@ class MemoryRung:
     name: str
     phases: frozenset
     apply: Callable[[], str]
-
-
-class RecipeParams(BaseModel):
-    """Base for each recipe's own validated parameters (the spec's `params:` section)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Recipe(ABC):
@@ -98,11 +92,6 @@ class Recipe(ABC):
     def enable_activation_checkpointing(self, model: nn.Module) -> bool:
         """Turn on activation checkpointing where the model supports it; return whether it did."""
         return False
-
-    @classmethod
-    def validate_spec(cls, params: RecipeParams, spec: Any) -> None:
-        """Cross-checks between the recipe's params and the rest of the spec (e.g. a curriculum covering
-        optim.epochs). Raise ValueError("params.key: what is expected"); the spec loader reports it."""
 
     def on_step(self, step: int, epoch: int) -> Optional[dict[str, Any]]:
         """Called before every optimizer step (and the pre-flight) with the step about to be taken. Anything

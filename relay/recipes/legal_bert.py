@@ -24,41 +24,13 @@ from torch.utils.data import Dataset
 
 from relay.errors import InputError
 from relay.recipes import legal_data
-from relay.recipes.base import Recipe, RecipeParams
+from relay.recipes.base import Recipe
+from relay.recipes.params import LegalBertParams
 from relay.recipes.price_model import load_pretrained_tokenizer, special_ids, train_tokenizer
 from relay.session.features import FeatureCache, source_version
 
 log = logging.getLogger(__name__)
 FEATURES_VERSION = "1"
-
-
-class LegalBertParams(RecipeParams):
-    """`params:` of a legal_bert spec. Defaults are the seed's real size (BERT-base shapes, max_length 256)."""
-
-    data_dir: str | None = Field(None, description="folder with the files; the runtime's --data overrides it")
-    train_file: str = Field("train.csv", description="CSV (text,label) or JSONL training file inside data_dir")
-    val_file: str | None = Field("val.csv", description="validation file; when absent, eval_fraction of train")
-    pretrained: str | None = Field(None, description="local folder (or cached HF name) of a BERT checkpoint, "
-                                   "e.g. InLegalBERT, loaded offline; otherwise random init from the shape below")
-    vocab_size: int = Field(30522, ge=16, description="vocabulary cap of the tokenizer trained on train_file")
-    max_length: int = Field(256, ge=8, le=512, description="tokens per sentence, [CLS] and [SEP] included")
-    overflow: Literal["error", "truncate"] = Field(
-        "error", description="a sentence over max_length: a one-line error naming its line, or cut to fit")
-    hidden_size: int = Field(768, ge=8)
-    num_layers: int = Field(12, ge=1)
-    num_heads: int = Field(12, ge=1)
-    intermediate_size: int = Field(3072, ge=8)
-    dropout: float = Field(0.1, ge=0.0, lt=1.0)
-    use_subset: bool = Field(False, description="train on a seeded subset (the seed's quick-run mode)")
-    subset_ratio: float = Field(0.2, gt=0.0, le=1.0, description="share of the training rows kept by use_subset")
-    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held out of train_file when val_file is absent")
-    eval_seed: int = Field(0, description="seed of the held-out split and of the subset (not the run seed)")
-
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> "LegalBertParams":
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
-        return self
 
 
 # ------------------------------------------------------------------------------------------------- features

@@ -23,7 +23,8 @@ from torch.utils.data import Dataset
 
 from relay.errors import InputError
 from relay.recipes import price_data
-from relay.recipes.base import Recipe, RecipeParams
+from relay.recipes.base import Recipe
+from relay.recipes.params import PriceModelParams
 from relay.session.features import FeatureCache, source_version
 
 log = logging.getLogger(__name__)
@@ -32,37 +33,6 @@ FEATURES_VERSION = "1"  # bump by hand for changes the source hash cannot see (e
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
 NUMERIC_FEATURES = ["log_pack", "log_size", "log_total", "is_mass", "is_volume", "is_count", "has_size",
                     "log_chars", "n_bullets"]
-
-
-class PriceModelParams(RecipeParams):
-    """`params:` of a price_model spec. Defaults are the real size (deberta-v3-base shapes)."""
-
-    data_dir: str | None = Field(None, description="folder with the CSVs; the runtime's --data overrides it")
-    train_file: str = Field("train.csv", description="train CSV inside data_dir: sample_id, catalog_content, price")
-    test_file: str = Field("test.csv", description="test CSV inside data_dir: sample_id, catalog_content (optional)")
-    pretrained: str | None = Field(None, description="HF model name or local path, loaded offline when present; "
-                                   "otherwise the encoder is built from the shape below with random weights")
-    vocab_size: int = Field(128100, ge=16, description="vocabulary cap of the tokenizer trained on train.csv")
-    max_len: int = Field(256, ge=8, le=4096, description="tokens per item, [CLS] and [SEP] included")
-    hidden_size: int = Field(768, ge=8, description="encoder width")
-    num_layers: int = Field(12, ge=1, description="encoder layers")
-    num_heads: int = Field(12, ge=1, description="attention heads; must divide hidden_size")
-    intermediate_size: int = Field(3072, ge=8, description="feed-forward width")
-    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="dropout in the encoder and the head")
-    numeric_features: bool = Field(True, description="use parsed quantities and brand/category embeddings")
-    side_dim: int = Field(64, ge=4, description="width of the numeric MLP and brand/category embeddings")
-    max_brands: int = Field(5000, ge=2, description="brand vocabulary cap (id 0 = unknown)")
-    max_categories: int = Field(2000, ge=2, description="category vocabulary cap (id 0 = unknown)")
-    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="share of train.csv held out for evaluation")
-    eval_seed: int = Field(0, description="seed of the held-out split (independent of the run seed)")
-    objective: Literal["mse", "huber"] = Field("mse", description="loss on log1p(price)")
-    predict_batch_size: int = Field(16, ge=1, description="batch size of predict()")
-
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> "PriceModelParams":
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
-        return self
 
 
 # ------------------------------------------------------------------------------------ feature extraction

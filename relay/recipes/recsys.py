@@ -29,29 +29,12 @@ from torch.utils.data import Dataset, TensorDataset
 
 from relay.errors import InputError
 from relay.recipes import recsys_data
-from relay.recipes.base import Recipe, RecipeParams
+from relay.recipes.base import Recipe
+from relay.recipes.params import RecsysParams
 from relay.recipes.recsys_data import CSR
 from relay.session.stages import Stage
 
 log = logging.getLogger(__name__)
-
-
-class RecsysParams(RecipeParams):
-    data_dir: str | None = Field(None, description="folder with the ratings; the runtime's --data overrides it")
-    ratings_file: str = Field("ratings.csv", description="CSV: userId, movieId, rating[, timestamp]")
-    max_users: int | None = Field(5000, ge=1, description="user cap: users beyond it are sampled away (seeded)")
-    svd_components: int = Field(30, ge=1)
-    knn_neighbors: int = Field(15, ge=1)
-    knn_user_batch: int = Field(500, ge=1, description="users per batch of the similarity accumulation")
-    gpu_max_elements: int = Field(10_000_000, ge=0, description="similarity on the GPU only below users x items")
-    als_factors: int = Field(30, ge=1)
-    als_reg: float = Field(0.1, gt=0.0, description="L2 regularisation of the ALS least squares")
-    als_chunk_nnz: int = Field(50_000, ge=1000, description="ratings per chunk of the ALS normal equations")
-    eval_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="share of ratings held out for RMSE/precision")
-    eval_users: int = Field(1000, ge=1, description="users sampled for precision@k")
-    precision_k: int = Field(10, ge=1)
-    relevant_rating: float = Field(4.0, description="held-out ratings at least this are relevant for precision@k")
-    sample_seed: int = Field(0, description="seed of the user cap, the held-out split and the precision users")
 
 
 def peak_rss_mb() -> float:

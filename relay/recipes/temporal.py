@@ -23,38 +23,12 @@ from torch.utils.data import Dataset
 
 from relay.errors import InputError
 from relay.recipes import temporal_data
-from relay.recipes.base import Recipe, RecipeParams
+from relay.recipes.base import Recipe
+from relay.recipes.params import ModelName, TemporalParams
 from relay.session.features import FeatureCache, source_version
 from relay.session.stages import Stage
 
 FEATURES_VERSION = "1"
-ModelName = Literal["lstm", "transformer", "mlp"]
-
-
-class TemporalParams(RecipeParams):
-    data_dir: str | None = Field(None, description="folder with the bar file; the runtime's --data overrides it")
-    bars_file: str = Field("bars.csv", description="CSV: timestamp, close, volume, one row per bar in time order")
-    models: list[ModelName] = Field(["lstm", "transformer", "mlp"], description="trained in this order")
-    window: int = Field(32, ge=2, description="bars of features each prediction sees")
-    horizon: int = Field(5, ge=1, description="the target is the log return over the next `horizon` bars (%)")
-    hidden: int = Field(128, ge=4, description="LSTM/Transformer width, MLP hidden width")
-    layers: int = Field(2, ge=1, description="LSTM layers, Transformer layers, MLP hidden layers")
-    heads: int = Field(4, ge=1, description="Transformer attention heads (must divide hidden)")
-    dropout: float = Field(0.1, ge=0.0, lt=1.0)
-    eval_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="the last share of bars, held out in time order")
-
-    @field_validator("models")
-    @classmethod
-    def _distinct(cls, value: list[str]) -> list[str]:
-        if not value or len(set(value)) != len(value):
-            raise ValueError("models: a non-empty list without repeats of lstm, transformer, mlp")
-        return value
-
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> "TemporalParams":
-        if "transformer" in self.models and self.hidden % self.heads:
-            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
-        return self
 
 
 # ---------------------------------------------------------------------------------------------------- models

@@ -12,15 +12,8 @@ from pydantic import Field
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from relay.recipes.base import Recipe, RecipeParams
-
-
-class ToyParams(RecipeParams):
-    n_train: int = Field(512, ge=16)
-    n_eval: int = Field(128, ge=8)
-    features: int = Field(16, ge=1)
-    hidden: int = Field(64, ge=1)
-    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+from relay.recipes.base import Recipe
+from relay.recipes.params import ToyParams
 
 
 class ToyRecipe(Recipe):

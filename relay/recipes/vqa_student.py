@@ -25,86 +25,14 @@ from torch.utils.data import Dataset
 
 from relay.errors import InputError
 from relay.recipes import vqa_data
-from relay.recipes.base import MemoryRung, Recipe, RecipeParams
+from relay.recipes.base import MemoryRung, Recipe
+from relay.recipes.params import LossWeights, Stage, VQAStudentParams
 from relay.recipes.vqa_model import VQAStudent, build_student, enable_decoder_checkpointing, train_tokenizer
 
 log = logging.getLogger(__name__)
 
 FILTERS = ("all", "short_answer", "has_logits")  # which samples a stage trains on (the rest are masked)
 NO_LOGIT = -1e4  # padding of the teacher's top-k logits (finite: -inf would make NaN in fp16)
-
-
-class LossWeights(RecipeParams):
-    ce: float = Field(1.0, ge=0.0, description="cross-entropy on the teacher's answer")
-    soft: float = Field(0.0, ge=0.0, description="KL to the teacher's soft targets, where it gave logits")
-
-
-class Stage(RecipeParams):
-    name: str = Field(min_length=1)
-    epochs: list[int] = Field(description="[first, end): the epochs this stage trains, end exclusive")
-    loss_weights: LossWeights = LossWeights()
-    answer_max_len: int = Field(ge=2, description="answer tokens trained on (EOS included)")
-    filter: Literal["all", "short_answer", "has_logits"] = "all"
-
-
-class VQAStudentParams(RecipeParams):
-    data_dir: Optional[str] = None
-    images_dir: str = "images"
-    questions_file: str = "questions.jsonl"
-    teacher_file: str = "teacher_outputs.jsonl"
-    # Mounted pretrained folders (save_pretrained layout); each replaces the random-init model built below.
-    vision_pretrained: Optional[str] = None
-    question_pretrained: Optional[str] = None  # model + tokenizer (e.g. PhoBERT)
-    decoder_pretrained: Optional[str] = None  # T5 model + tokenizer (e.g. VietT5)
-    vision_model: Literal["vit", "blip"] = "vit"
-    image_size: int = Field(384, ge=8)
-    patch_size: int = Field(16, ge=2)
-    vision_hidden: int = Field(768, ge=8)
-    vision_layers: int = Field(12, ge=1)
-    vision_heads: int = Field(12, ge=1)
-    question_model: Literal["bert", "roberta"] = "roberta"
-    text_hidden: int = Field(768, ge=8)
-    text_layers: int = Field(12, ge=1)
-    text_heads: int = Field(12, ge=1)
-    question_max_len: int = Field(64, ge=4, description="question tokens incl. specials; longer is an error")
-    d_model: int = Field(768, ge=8)
-    d_kv: int = Field(64, ge=4)
-    d_ff: int = Field(3072, ge=8)
-    decoder_layers: int = Field(12, ge=1)
-    decoder_heads: int = Field(12, ge=1)
-    vocab_size: int = Field(32000, ge=16, description="cap of the tokenizer trained on the data")
-    dropout: float = Field(0.1, ge=0.0, lt=1.0)
-    answer_max_len: int = Field(160, ge=2, description="longest answer trained on or generated (EOS included)")
-    num_beams: int = Field(4, ge=1)
-    soft_top_k: int = Field(4, ge=1)
-    soft_temperature: float = Field(2.0, gt=0.0)
-    curriculum: list[Stage] = Field(min_length=1)
-    # The seed's OOM ladder after the micro-batch rung: answer length, beams, eval chunk.
-    oom_answer_max_len: int = Field(128, ge=2)
-    oom_num_beams: int = Field(3, ge=1)
-    oom_eval_batch: int = Field(2, ge=1)
-
-    @field_validator("curriculum")
-    @classmethod
-    def _contiguous(cls, stages: list[Stage]) -> list[Stage]:
-        end = 0
-        for i, s in enumerate(stages):
-            if len(s.epochs) != 2 or s.epochs[0] >= s.epochs[1]:
-                raise ValueError(f"stage {i} ({s.name}): epochs must be [first, end) with first < end (got {s.epochs})")
-            if s.epochs[0] != end:
-                kind = "a gap" if s.epochs[0] > end else "an overlap"
-                raise ValueError(f"stage {i} ({s.name}) starts at epoch {s.epochs[0]} but the stages before end at "
-                                 f"{end}: {kind}; stages must be contiguous from epoch 0")
-            end = s.epochs[1]
-        return stages
-
-    @model_validator(mode="after")
-    def _stage_lengths(self) -> "VQAStudentParams":
-        for i, s in enumerate(self.curriculum):
-            if s.answer_max_len > self.answer_max_len:
-                raise ValueError(f"params.curriculum.{i}.answer_max_len: {s.answer_max_len} is longer than "
-                                 f"params.answer_max_len ({self.answer_max_len})")
-        return self
 
 
 class VQARows(Dataset):
@@ -153,14 +81,6 @@ class VQAStudentRecipe(Recipe):
         self.beams = self.params.num_beams
         self.eval_chunk: Optional[int] = None
 
-    @classmethod
-    def validate_spec(cls, params: VQAStudentParams, spec: Any) -> None:
-        if spec.optim.epochs is None:
-            raise ValueError("optim.epochs: the vqa_student curriculum is in epochs: set optim.epochs, not max_steps")
-        end = params.curriculum[-1].epochs[1]
-        if end != spec.optim.epochs:
-            raise ValueError(f"params.curriculum: the stages end at epoch {end} but optim.epochs is "
-                             f"{spec.optim.epochs}: they must cover the run exactly")
 
     # ------------------------------------------------------------------------------------------- data
     def prepare(self) -> None:

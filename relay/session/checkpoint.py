@@ -22,12 +22,13 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from relay.errors import InputError
 from relay.session import atomic
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,8 @@ def save(root: Path, state: dict, *, step: int, meta: dict, disk_budget_bytes: O
         checksum = _TailChecksum(state_file, digest)
         checksum.start()
         try:
+            import torch  # here, not at the top: the orchestrator reads and verifies manifests without torch
+
             torch.save(state, state_file)  # torch's own C++ writer: the fastest path to disk
         finally:
             value = checksum.result()
@@ -385,6 +388,8 @@ def load(ckpt: Checkpoint, map_location: str = "cpu") -> dict:
     """Load the state file safely (weights_only) while a second thread verifies its checksum; the result
     is used only if the checksum matches. zlib and hashlib release the GIL, so on two cores the check
     costs almost nothing next to the load."""
+    import torch
+
     path = ckpt.path / STATE_FILE
     algo, expected = _digest_of(ckpt.manifest["files"][STATE_FILE])
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -427,6 +432,8 @@ def prune(root: Path, keep_last: int, keep_best_mode: Optional[str] = None) -> l
 
 def weights_sha256(state_dict: dict[str, torch.Tensor]) -> str:
     """sha256 over the tensors' raw bytes, names sorted: equal iff the weights are bit-identical."""
+    import torch
+
     h = hashlib.sha256()
     for name in sorted(state_dict):
         t = state_dict[name].detach().cpu().contiguous().reshape(-1)
