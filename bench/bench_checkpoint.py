@@ -1,9 +1,10 @@
 """Benchmark 2: checkpoint save/restore overhead and the cost of resuming deep into a run.
 
-save     relay.session.checkpoint.save (torch.save with a crc32 of the file and its writeback computed right
-         behind the writer on another thread, fsync, manifest written last, rename, retention in the
-         background) vs bare torch.save of the same state dict into a new file (no fsync), and vs
-         torch.save + fsync (like with like: the relay's save is durable)
+save     what a periodic save costs the training loop: relay.session.checkpoint.start_save (torch.save into a
+         temporary folder; the crc32, fsync, manifest, rename and retention then run on a thread while
+         training goes on) vs bare torch.save of the same state dict into a new file (no fsync). Also the
+         commit's latency (call to durable and visible, what the session's last save costs) vs torch.save +
+         fsync (like with like: both durable)
 restore  relay.session.checkpoint.load_latest (crc32 of the file beside torch.load(weights_only, mmap)) vs
          bare torch.load(weights_only); both then touch every tensor (a lazily mapped load is not finished
          until its pages are read)
@@ -16,19 +17,24 @@ spread (min-max). Files sit in a temporary folder on the
 same disk as the repository (hot page cache for the restores).
 Run: `python bench/bench_checkpoint.py [--layers N --repeats N]`; `run()` returns the named figures.
 
-Why a save once cost 2.25x torch.save (profiled with cProfile and perf_counter phases, 288 MB, 2026-11-23):
-per save, torch.save 0.56 s; then waiting for the crc32 pass over the file 0.39 s (crc32 runs at 0.6-1.5 GB/s
-on this CPU, not 3 GB/s, so it, not the fsync beside it at 0.1-0.2 s, was the critical path); then waiting for
-the previous save's background deletion 0.14 s (back-to-back saves here): 1.27 s = 2.3x. Now the checksum (and
-the writeback) follow torch's writer on another thread and a save no longer waits for deletions, so with a free
-core a save costs torch.save + the last fsync. With no free core (2 cores at load average 10-15 while this was
-measured) the checksum's CPU time cannot be hidden and the per-round ratio spreads from 0.8x to 4x.
+Why a save cost 2.25x, then 4.11x torch.save, and what changed (perf_counter phases, 288 MB, 2026-11-23):
+torch.save alone writes the file into the page cache in 0.13-0.16 s (~2 GB/s). A durable, checksummed save
+adds a crc32 pass (~1 GB/s on this CPU: 0.3 s) and an fsync (the disk: 0.2-0.6 s). Computing the crc32 right
+behind the writer on a second thread (the previous design) slowed torch.save itself to 0.21-0.33 s (the two
+threads share the GIL between chunks and the memory bandwidth) and the save still waited for the slower crc32,
+so it could not approach torch.save. Now only torch.save runs while training waits; the crc32, fsync, manifest
+and rename run on a thread afterwards (the state was already serialized), as torchtitan's async checkpointing
+does. Until that commit, the previous checkpoint stays the newest valid one, so a kill at any instant still
+leaves a loadable checkpoint; the session's last save is waited for, and its measured commit time is what the
+deadline plans for. The commit's CPU time (the crc32) runs beside training: on a machine with one busy core it
+slows the next steps instead.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -72,25 +78,51 @@ def touch(obj) -> float:
     return 0.0
 
 
-def _bare_save(state: dict, path: Path, fsync: bool) -> float:
-    """torch.save into a new file, like the relay's save (overwriting an old file would add freeing its pages
-    to the timing: the relay deletes retired checkpoints in the background)."""
-    if path.exists():
-        path.unlink()
+def _settle() -> None:
+    """Start every timed save from the same disk state: no dirty pages left by the previous variant (a bare
+    torch.save leaves ~300 MB for the kernel to write back, and the next writer is throttled while it does) and
+    no retired checkpoint still being deleted. Without this, a variant's time depended on which ran before it."""
+    checkpoint.wait_for_deletions()
+    os.sync()
+
+
+def _bare_save(state: dict, folder: Path, fsync: bool) -> float:
+    """torch.save into a new file in a new folder, then (untimed) delete the previous one: the relay's pattern,
+    whose new checkpoint is written while the previous one stays, and whose retention deletes the older one.
+    Why it matters here: on this VM, writing into memory pages that were freed a while ago costs ~2.4 us a page
+    (0.7 s for 288 MB instead of 0.07 s; the host takes back freed guest pages), while pages freed a moment
+    before are reused at once. The old baseline unlinked its file and wrote the same amount right after, so it
+    reused hot pages (seen with plain 288 MB file writes too, 2026-11-23; README)."""
+    folders = sorted(folder.parent.glob(folder.name + "-*"))
+    target = folder.parent / f"{folder.name}-{int(folders[-1].name.rsplit('-', 1)[1]) + 1 if folders else 0:04d}"
+    target.mkdir()
     t0 = time.perf_counter()
-    with open(path, "wb") as f:
+    with open(target / "state.pt", "wb") as f:
         torch.save(state, f)
         if fsync:
             f.flush()
             os.fsync(f.fileno())
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    for old in folders:
+        shutil.rmtree(old)
+    return seconds
 
 
-def _relay_save(state: dict, root: Path, step: int) -> float:
+def _newest(folder: Path) -> Path:
+    return sorted(folder.parent.glob(folder.name + "-*"))[-1] / "state.pt"
+
+
+def _relay_save(state: dict, root: Path, step: int, commits: list) -> float:
+    """The time the training loop waits for a periodic save (start_save: torch.save into the page cache); the
+    commit (crc32, fsync, manifest, rename, retention) then runs on a thread. It is waited for here, untimed, so
+    it never overlaps the next variant, and its own latency is kept in `commits` (vs torch.save + fsync)."""
     t0 = time.perf_counter()
-    checkpoint.save(root, state, step=step, meta={"run_id": "bench", "code_version": "bench"}, keep_last=1,
-                    disk_budget_bytes=int(20e9))
-    return time.perf_counter() - t0
+    pending = checkpoint.start_save(root, state, step=step, meta={"run_id": "bench", "code_version": "bench"},
+                                    keep_last=1, disk_budget_bytes=int(20e9))
+    blocked = time.perf_counter() - t0
+    pending.result()
+    commits.append(pending.seconds)
+    return blocked
 
 
 def _bare_load(path: Path) -> float:
@@ -118,25 +150,28 @@ def resume_first_batch_seconds(start_step: int, n_samples: int = 60_000, effecti
     return time.perf_counter() - t0
 
 
-def run(layers: int = 6, width: int = 2048, repeats: int = 5, workdir: Path | None = None) -> dict:
+def run(layers: int = 6, width: int = 2048, repeats: int = 9, workdir: Path | None = None) -> dict:
     torch.set_num_threads(1)
     state = make_state(layers, width)
     nbytes = sum(t.numel() * t.element_size() for t in _tensors(state))
     saves = {"relay": [], "bare": [], "bare_fsync": []}
+    commits: list[float] = []  # each relay save's latency to its commit (durable, visible)
     loads = {"relay": [], "bare": []}
     bench_dir = workdir or Path(__file__).resolve().parent
     with tempfile.TemporaryDirectory(dir=bench_dir, prefix=".bench-ckpt-") as tmp:
         tmp = Path(tmp)
-        root, bare = tmp / "relay", tmp / "bare.pt"
+        root, bare_dir = tmp / "relay", tmp / "bare"
         for i in range(repeats + 1):  # the first round warms up page cache and allocator; dropped
-            order = [("relay", lambda: _relay_save(state, root, i)),
-                     ("bare", lambda: _bare_save(state, bare, fsync=False)),
-                     ("bare_fsync", lambda: _bare_save(state, tmp / "bare-fsync.pt", fsync=True))]
+            order = [("relay", lambda: _relay_save(state, root, i, commits)),
+                     ("bare", lambda: _bare_save(state, bare_dir, fsync=False)),
+                     ("bare_fsync", lambda: _bare_save(state, tmp / "bare-fsync", fsync=True))]
             k = i % 3  # rotate: each variant runs first, second and third equally often
             for name, fn in order[k:] + order[:k]:
+                _settle()
                 t = fn()
                 if i:
                     saves[name].append(t)
+            bare = _newest(bare_dir)
             for name, fn in ([("relay", lambda: _relay_load(root)), ("bare", lambda: _bare_load(bare))]
                              if i % 2 else [("bare", lambda: _bare_load(bare)), ("relay", lambda: _relay_load(root))]):
                 t = fn()
@@ -154,6 +189,8 @@ def run(layers: int = 6, width: int = 2048, repeats: int = 5, workdir: Path | No
     med = {f"save_{k}": statistics.median(v) for k, v in saves.items()}
     # paired ratios: each round's relay save over the same round's baseline (back to back, same load)
     paired = {b: spread([r / x for r, x in zip(saves["relay"], saves[b])]) for b in ("bare", "bare_fsync")}
+    commits = commits[1:]  # the warm-up round's dropped, as for the others
+    paired_commit = spread([c / x for c, x in zip(commits, saves["bare_fsync"])])
     paired_load = spread([r / x for r, x in zip(loads["relay"], loads["bare"])])
     med.update({f"load_{k}": statistics.median(v) for k, v in loads.items()})
     resume0 = statistics.median(resume_first_batch_seconds(0) for _ in range(3))
@@ -169,6 +206,9 @@ def run(layers: int = 6, width: int = 2048, repeats: int = 5, workdir: Path | No
         "ckpt_save_ratio_spread": [round(paired["bare"]["min"], 3), round(paired["bare"]["max"], 3)],
         "ckpt_save_ratio_vs_fsync": round(paired["bare_fsync"]["median"], 3),
         "ckpt_save_ratio_vs_fsync_spread": [round(paired["bare_fsync"]["min"], 3), round(paired["bare_fsync"]["max"], 3)],
+        "ckpt_commit_relay_s": round(statistics.median(commits), 3),
+        "ckpt_commit_ratio_vs_fsync": round(paired_commit["median"], 3),
+        "ckpt_commit_ratio_vs_fsync_spread": [round(paired_commit["min"], 3), round(paired_commit["max"], 3)],
         "ckpt_load_relay_s": round(med["load_relay"], 3),
         "ckpt_load_bare_s": round(med["load_bare"], 3),
         "ckpt_load_ratio": round(paired_load["median"], 3),
@@ -206,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args(argv)
     figures = run(args.layers, args.width, args.repeats)
     print(json.dumps(figures, indent=1))

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -357,17 +358,43 @@ def test_run_exports_weights_only_model(tmp_path):
     assert all(torch.equal(tensors[k], final[k]) for k in final)
 
 
-# -- the checksum follows the writer; the test seam that stops a save midway -------------------------
-def test_checksum_computed_behind_the_writer_matches_a_second_pass(tmp_path):
-    big = {"w": torch.randn(6_000_000, generator=torch.Generator().manual_seed(1))}  # 24 MB: many chunks
-    c = ck.save(tmp_path, big, step=1, meta={"run_id": "r"})
-    for algo in ck.DIGESTS:
-        tail = ck._TailChecksum(tmp_path / "x.pt", algo, chunk=1 << 20, sync_every=4 << 20)
-        (tmp_path / "x.pt").touch()
-        tail.start()
-        torch.save(big, tmp_path / "x.pt")
-        assert tail.result() == ck.file_digest(tmp_path / "x.pt", algo)
-    assert c.manifest["files"]["state.pt"]["crc32"] == ck.file_digest(c.path / "state.pt", "crc32")
+# -- the commit runs behind the training loop; the test seam that stops a save midway ------------------
+def test_a_background_save_commits_the_state_as_it_was_and_the_previous_stays_newest_until_then(tmp_path, monkeypatch):
+    first = ck.save(tmp_path, {"w": torch.zeros(6_000_000)}, step=1, meta={"run_id": "r"})
+    gate, digest = threading.Event(), ck.file_digest
+
+
+    def held_in_the_commit(*args, **kwargs):  # the commit thread waits for the gate; verification does not
+        if threading.current_thread().name == "checkpoint-commit":
+            assert gate.wait(120), "the gate was never opened"
+        return digest(*args, **kwargs)
+
+    monkeypatch.setattr(ck, "file_digest", held_in_the_commit)
+    committed = []
+    state = {"w": torch.ones(6_000_000)}
+    pending = ck.start_save(tmp_path, state, step=2, meta={"run_id": "r"}, on_commit=committed.append)
+    state["w"].add_(41)  # training goes on while the commit waits: the save holds the tensors as they were
+    assert [c.step for c in ck.list_valid(tmp_path, verify_hashes=True)] == [1] and not committed
+    gate.set()
+    second = pending.result()
+    assert committed == [second] and [c.step for c in ck.list_valid(tmp_path, verify_hashes=True)] == [2, 1]
+    assert torch.equal(ck.load(second)["w"], torch.ones(6_000_000)) and first.step == 1
+    assert second.manifest["files"]["state.pt"]["crc32"] == digest(second.path / "state.pt", "crc32")
+
+
+def test_a_failed_background_commit_is_raised_and_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    ck.save(tmp_path, {"w": torch.zeros(10)}, step=1, meta={"run_id": "r"})
+
+    def disk_gone(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ck.atomic, "fsync", disk_gone)
+    ck.start_save(tmp_path, {"w": torch.ones(10)}, step=2, meta={"run_id": "r"})
+    with pytest.raises(OSError, match="No space left"):
+        ck.wait_pending()  # or the next start_save: a failed commit is never silent
+    assert ck.wait_pending() is None  # raised once
+    assert [c.step for c in ck.list_valid(tmp_path, verify_hashes=True)] == [1]
+    assert not list(tmp_path.glob(".tmp-*"))
 
 
 STOP_SCRIPT = """

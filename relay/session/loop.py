@@ -379,9 +379,7 @@ class Trainer:
         return agreed, bool(save) and agreed is None
 
     def save(self, reason: str) -> None:
-        t0 = time.perf_counter()
-        self._save(reason)
-        self.clock.record_save(time.perf_counter() - t0)
+        self._save(reason)  # records its own time on the clock: a background save's, once committed
         self._last_save = time.monotonic()
 
     # -- eval -----------------------------------------------------------------------------------

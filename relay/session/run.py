@@ -5,6 +5,7 @@ checkpoints/, metrics.jsonl, progress.json and, when the work is done, export/ (
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -209,22 +210,34 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     state.sessions.append(session)
 
     def save(reason: str) -> None:
+        """A periodic or best save commits in the background while training goes on (the previous checkpoint
+        stays the newest valid one until then); the session's last save is waited for."""
         t0 = time.perf_counter()
         _update_session(session, trainer, clock, metrics_log, reason)
         resume_state = trainer.state_dict()  # every rank takes part (RNG is gathered); rank 0 writes
         if not world.main:
             distributed.barrier(world)
             return
-        ckpt = checkpoint.save(
+        snapshot = copy.deepcopy(state)  # training changes `state` while the commit runs
+
+        def committed(ckpt: checkpoint.Checkpoint) -> None:
+            seconds = time.perf_counter() - t0  # to the commit: what the session's last save will cost
+            clock.record_save(seconds)
+            session["save_seconds"] = round(seconds, 3)
+            _write_progress(workdir, spec, snapshot, total, schedule, ckpt, status="paused", reason=reason,
+                            run_id=run_id)
+
+        pending = checkpoint.start_save(
             ckpt_root, resume_state, step=state.global_step,
             meta={"run_id": run_id, "code_version": code_version(), "reason": reason,
                   "epoch": schedule.epoch_of(max(0, state.global_step - 1)), "best": state.best},
             disk_budget_bytes=int(spec.checkpoints.disk_budget_gb * 1e9), keep_last=spec.checkpoints.keep_last,
             keep_best_mode=recipe.metric_mode if spec.checkpoints.keep_best else None,
-            digest=spec.checkpoints.digest, besides_bytes=_besides(workdir, ckpt_root, model, reason))
-        session["save_seconds"] = round(time.perf_counter() - t0, 3)
-        _write_progress(workdir, spec, state, total, schedule, ckpt, status="paused", reason=reason,
-                        run_id=run_id)
+            digest=spec.checkpoints.digest, besides_bytes=_besides(workdir, ckpt_root, model, reason),
+            background=reason in ("periodic", "best"), on_commit=committed)
+        del resume_state
+        if not pending.background:
+            pending.result()
         distributed.barrier(world)
 
     trainer = Trainer(spec, recipe, model, device, clock, state, total_steps=total, schedule=schedule,
