@@ -102,6 +102,10 @@ def launch(worker: Callable[..., Any], world_size: int, args: Sequence[Any]) -> 
     try:
         while not context.join():
             pass
+    except Exception:  # a rank that refused its input and exited non-zero (the others were stopped): one line
+        if not errors.empty():
+            raise InputError(errors.get()) from None
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not errors.empty():
