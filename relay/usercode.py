@@ -207,6 +207,8 @@ def run_entry(spec: "RunSpec", config: dict) -> dict:
     except SystemExit as exit_:
         if exit_.code not in (None, 0):
             raise UserCodeError(f"code.entry {spec.code.entry}: exited with status {exit_.code}") from None
+    except InputError:  # the relay's own refusal (e.g. a batch the processes cannot split): its one line
+        raise
     except Exception as err:  # noqa: BLE001 - classified: transient faults re-raise, the rest stop the relay
         if _transient(err):
             raise
