@@ -227,4 +227,5 @@ def run_entry(spec: "RunSpec", config: dict) -> dict:
 
 def _transient(err: BaseException) -> bool:
     text = f"{type(err).__name__}: {err}"
-    return "out of memory" in text.lower() or "CUDA" in text or "NCCL" in text
+    # gloo/NCCL: a collective broken because another rank failed or died, whose own error is the one to report
+    return "out of memory" in text.lower() or "CUDA" in text or "NCCL" in text or "gloo" in text

@@ -37,6 +37,7 @@ def copy_example(dest: Path, **overrides) -> Path:
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = value
+    data["code"]["entry"] += f" --steps {TOTAL}"  # the script's own length agrees with the spec's (no warning)
     spec.write_text(yaml.safe_dump(data, sort_keys=False))
     return spec
 
@@ -179,9 +180,27 @@ def test_a_batch_the_ranks_cannot_split_is_one_line_exit_2_and_writes_nothing(re
     spec.write_text(spec.read_text().replace("--batch 16", "--batch 15"))
     proc = relay_cli.train(spec, tmp_path / "w", None, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
+    assert proc.stderr.strip().splitlines() == [  # one line: every rank refuses it, the launcher reports it once
         "relay: error: session.batches(batch_size=15): the effective batch must be divisible by the 2 processes"
-        " of session.devices, so every rank takes an equal slice")
+        " of session.devices, so every rank takes an equal slice"]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "w").exists()
+
+
+def test_an_input_refused_by_rank_1_alone_stops_rank_0_and_is_one_line_exit_2(relay_cli, tmp_path):
+    """Rank 0 is already waiting in the step's all-reduce when rank 1 refuses: the launcher stops rank 0
+    (it never returns from the collective on its own) and reports rank 1's line."""
+    spec = copy_example(tmp_path / "ex")
+    script = spec.parent / "train.py"
+    script.write_text(script.read_text().replace(
+        "    session.restore()  # relay: every rank's own RNG\n",
+        "    session.restore()  # relay: every rank's own RNG\n"
+        "    if session.rank == 1:\n"
+        "        from relay.errors import InputError\n"
+        "        raise InputError('data/shard-1.csv: line 3: expected 33 columns, got 2')\n"))
+    proc = relay_cli.train(spec, tmp_path / "w", None, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == ("relay: error: data/shard-1.csv: line 3: expected 33 columns,"
+                                                    " got 2")
     assert "Traceback" not in proc.stderr and not (tmp_path / "w").exists()
 
 
