@@ -204,6 +204,28 @@ def test_an_input_refused_by_rank_1_alone_stops_rank_0_and_is_one_line_exit_2(re
     assert "Traceback" not in proc.stderr and not (tmp_path / "w").exists()
 
 
+@pytest.mark.parametrize("callback", ["relay.integrations.hf:RelayCallback",
+                                      "relay.integrations.lightning:RelayLightningCallback"])
+def test_the_trainer_callbacks_refuse_several_processes_in_one_line(callback, tmp_path):
+    """HF Trainer and Lightning under several processes are not proved: refused, never half-supported."""
+    import importlib
+
+    from relay.errors import InputError
+    from relay.session.api import Session
+    from relay.session.distributed import World
+
+    module, name = callback.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    session = Session({"workdir": str(tmp_path), "total_steps": 10, "seed": 0, "log_every": 10, "save_every": 1e9,
+                       "safety_margin": 0.0, "keep_last": 2, "disk_budget_gb": 1, "digest": "crc32",
+                       "resume_from": []}, World(1, 2))
+    session.clock.restore_signal_handlers()
+    with pytest.raises(InputError) as err:
+        cls(session)
+    assert str(err.value) == (f"{name}: session.devices gives 2 processes; the callback trains in one process"
+                              " only: set session.devices: 1 (a plain loop with the Session API can use several)")
+
+
 def _equal(a, b) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)

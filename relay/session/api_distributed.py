@@ -93,6 +93,13 @@ def unwrap(obj: Any) -> Any:
     return obj
 
 
+def single_process(session, what: str) -> None:
+    """The HF Trainer and Lightning callbacks are proved in one process only: refuse several at once."""
+    if session.world_size > 1:
+        raise InputError(f"{what}: session.devices gives {session.world_size} processes; the callback trains in one"
+                         " process only: set session.devices: 1 (a plain loop with the Session API can use several)")
+
+
 def rank_batch(world: World, batch_size: int) -> None:
     if batch_size % world.size:
         raise InputError(f"session.batches(batch_size={batch_size}): the effective batch must be divisible by the"
