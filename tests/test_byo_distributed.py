@@ -142,6 +142,17 @@ def test_four_sessions_sigkill_mid_save_and_sigterm_to_rank_1_are_bit_identical(
     assert (workdir / "export" / "model.safetensors").is_file()
 
 
+def test_verify_resume_kills_rank_0_mid_save_and_says_identical(relay_cli, tmp_path):
+    """`relay verify-resume` on a 2-process spec: its kill hook is armed in the spawned rank that saves."""
+    spec = copy_example(tmp_path / "ex", **{"session.save_every": "1h"})
+    out = relay_cli.run("verify-resume", str(spec), "--steps", "16", "--workdir", str(tmp_path / "v"), timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert out.stdout.startswith("identical") and "(killed mid-save)" in out.stdout, out.stdout
+    assert (tmp_path / "v" / "killed").is_file()
+    state = checkpoint.load_latest(tmp_path / "v" / "split" / "checkpoints")[1]
+    assert len(state["rng_ranks"]) == 2  # compared too: every rank's RNG
+
+
 def test_world_size_2_to_1_keeps_the_effective_batch_and_says_exactness_is_lost(relay_cli, tmp_path):
     two = copy_example(tmp_path / "two", **{"session.save_every": "1h"})
     one = copy_example(tmp_path / "one", **{"session.save_every": "1h", "session.devices": 1})
