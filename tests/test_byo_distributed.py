@@ -1,7 +1,8 @@
 """A user's plain PyTorch loop (examples/byo-plain-ddp: torch DistributedDataParallel + the Session API) trained
 by 2 gloo processes per session: split into 4 sessions (a SIGKILL inside a save, a step cap, a SIGTERM to rank 1
 alone) it ends bit-identical to one uninterrupted 2-process run; a 2 -> 1 change resumes with the same effective
-batch and says from which step exactness is lost; a batch the ranks cannot split is one line and exit 2.
+batch and says from which step exactness is lost; `relay verify-resume` and the relay on the emulator work with
+2-process sessions; a batch the ranks cannot split, or an input one rank refuses, is one line and exit 2.
 Every stop is triggered by an event (a rank stopped inside a save by the RELAY_TEST_STOP_MID_SAVE seam, a step
 cap), never by a sleep."""
 from __future__ import annotations
@@ -85,7 +86,7 @@ def start_stopping_mid_save(relay_cli, spec: Path, workdir: Path, at_step: int, 
 
 
 @pytest.fixture(scope="module")
-def reference(relay_cli, tmp_path_factory):
+def straight_run(relay_cli, tmp_path_factory):
     spec = copy_example(tmp_path_factory.mktemp("ref") / "ex")
     workdir = spec.parent.parent / "w"
     relay_cli.train(spec, workdir, None, "--max-steps", "none")
@@ -97,7 +98,7 @@ def reference(relay_cli, tmp_path_factory):
     return progress, state
 
 
-def test_four_sessions_sigkill_mid_save_and_sigterm_to_rank_1_are_bit_identical(relay_cli, reference, tmp_path):
+def test_four_sessions_sigkill_mid_save_and_sigterm_to_rank_1_are_bit_identical(relay_cli, straight_run, tmp_path):
     spec = copy_example(tmp_path / "ex")
     workdir = tmp_path / "w"
 
@@ -127,7 +128,7 @@ def test_four_sessions_sigkill_mid_save_and_sigterm_to_rank_1_are_bit_identical(
     # session 4: to the end
     relay_cli.train(spec, workdir, None, "--max-steps", "none")
     progress, state = load_final(workdir)
-    ref_progress, ref_state = reference
+    ref_progress, ref_state = straight_run
     assert progress["status"] == "done" and len(progress["sessions"]) == 4
     assert progress["weights_sha256"] == ref_progress["weights_sha256"]
     for name in ("optimizer", "scheduler"):
@@ -151,6 +152,23 @@ def test_verify_resume_kills_rank_0_mid_save_and_says_identical(relay_cli, tmp_p
     assert (tmp_path / "v" / "killed").is_file()
     state = checkpoint.load_latest(tmp_path / "v" / "split" / "checkpoints")[1]
     assert len(state["rng_ranks"]) == 2  # compared too: every rank's RNG
+
+
+def test_relayed_on_the_emulator_with_two_process_sessions(relay_env, reference, monkeypatch):
+    """Prefect flow -> Kaggle emulator -> session kernels running the user's folder with 2 ranks each."""
+    spec = copy_example(relay_env.root / "ex", **{"session.max_steps": 20, "session.save_every": "1h",
+                                                  "session.safety_margin": "0.5s", "kaggle.session_timeout": "5m",
+                                                  "kaggle.startup_overhead": "1s"})
+    data = yaml.safe_load(spec.read_text())
+    data["code"]["folder"] = str(spec.parent)  # the reference run reads a copy of the spec elsewhere
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    relay_env.start()
+    relay_env.spec = spec
+    reference.start(spec)
+    done = relay_env.run_flow(monkeypatch)
+    assert done["state"] == "done" and done["sessions"] == 3, done
+    assert [s["world_size"] for s in relay_env.published_progress()["sessions"]] == [2, 2, 2]
+    assert done["weights_sha256"] == reference.weights(spec)
 
 
 def test_world_size_2_to_1_keeps_the_effective_batch_and_says_exactness_is_lost(relay_cli, tmp_path):
