@@ -184,8 +184,14 @@ def run_entry(spec: "RunSpec", config: dict) -> dict:
 
     A script that never opens a session, or that raises (other than out-of-memory and CUDA faults, which a
     new session may not hit), is a UserCodeError: `relay train` prints one line and exits 2, and the relay
-    stops instead of pushing the same failure again."""
-    from relay.session import api
+    stops instead of pushing the same failure again. With session.devices resolving to N > 1 it runs once per
+    rank in N processes (relay.session.api_distributed); a process already in a world (torchrun) runs here."""
+    from relay.session import api, api_distributed, distributed
+    from relay.session.run import pick_device
+
+    world_size = distributed.world_size_for(spec.session.devices, pick_device().type)
+    if world_size > 1 and api_distributed.env_world_size() == 1:
+        return api_distributed.launch_entry(spec, config, world_size)
 
     kind, target, args = parse_entry(spec.code.entry, Path(spec.code.folder))
     os.environ[api.ENV] = json.dumps(config)
@@ -201,6 +207,8 @@ def run_entry(spec: "RunSpec", config: dict) -> dict:
     except SystemExit as exit_:
         if exit_.code not in (None, 0):
             raise UserCodeError(f"code.entry {spec.code.entry}: exited with status {exit_.code}") from None
+    except InputError:  # the relay's own refusal (e.g. a batch the processes cannot split): its one line
+        raise
     except Exception as err:  # noqa: BLE001 - classified: transient faults re-raise, the rest stop the relay
         if _transient(err):
             raise
@@ -219,4 +227,5 @@ def run_entry(spec: "RunSpec", config: dict) -> dict:
 
 def _transient(err: BaseException) -> bool:
     text = f"{type(err).__name__}: {err}"
-    return "out of memory" in text.lower() or "CUDA" in text or "NCCL" in text
+    # gloo/NCCL: a collective broken because another rank failed or died, whose own error is the one to report
+    return "out of memory" in text.lower() or "CUDA" in text or "NCCL" in text or "gloo" in text

@@ -131,22 +131,40 @@ def _child() -> None:
     right after its state file is written (before the manifest) and waits there for the SIGKILL."""
     marker = os.environ.get(KILL_MARKER_ENV)
     if marker:
-        from relay.session import atomic, checkpoint
+        from relay.session import distributed
 
-        real_fsync = atomic.fsync
+        _arm_kill_hook(marker)
+        real_launch = distributed.launch  # with session.devices: N, rank 0 of the spawned ranks saves
 
-        def fsync(path: Path) -> None:
-            real_fsync(path)
-            p = Path(path)
-            if p.name == checkpoint.STATE_FILE and p.parent.name.startswith(".tmp-step-"):
-                Path(marker).write_text(str(p))
-                while True:  # the parent kills us here
-                    time.sleep(1)
+        def launch(worker, world_size, args):
+            return real_launch(_armed_rank, world_size, (worker, *args))
 
-        checkpoint.atomic.fsync = fsync
+        distributed.launch = launch
     from relay.cli import main
 
     sys.exit(main(sys.argv[1:]))
+
+
+def _arm_kill_hook(marker: str) -> None:
+    from relay.session import atomic, checkpoint
+
+    real_fsync = atomic.fsync
+
+    def fsync(path: Path) -> None:
+        real_fsync(path)
+        p = Path(path)
+        if p.name == checkpoint.STATE_FILE and p.parent.name.startswith(".tmp-step-"):
+            Path(marker).write_text(str(p))
+            while True:  # the parent kills us here
+                time.sleep(1)
+
+    checkpoint.atomic.fsync = fsync
+
+
+def _armed_rank(rank: int, world_size: int, port: int, errors, worker, *args) -> None:
+    """A spawned rank of an armed session: the kill hook in this process too, then the rank's own work."""
+    _arm_kill_hook(os.environ[KILL_MARKER_ENV])
+    worker(rank, world_size, port, errors, *args)
 
 
 def compare(a: Any, b: Any, path: str = "") -> Iterator[str]:

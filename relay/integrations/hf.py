@@ -27,6 +27,7 @@ from transformers import TrainerCallback
 
 from relay.errors import InputError
 from relay.session.api import Session
+from relay.session.api_distributed import single_process
 
 
 class CheckpointFolder:
@@ -54,6 +55,7 @@ class CheckpointFolder:
 
 class RelayCallback(TrainerCallback):
     def __init__(self, session: Session):
+        single_process(session, "RelayCallback")
         self.session = session
         self.folder = CheckpointFolder(session.workdir / "hf-resume" / "checkpoint")
         session.register(hf_checkpoint=self.folder)

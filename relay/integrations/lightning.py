@@ -25,6 +25,7 @@ import torch
 from relay.errors import InputError
 from relay.integrations.hf import CheckpointFolder
 from relay.session.api import Session
+from relay.session.api_distributed import single_process
 from relay.session.loop import rng_state, set_rng_state
 
 CKPT_NAME = "lightning.ckpt"
@@ -32,6 +33,7 @@ CKPT_NAME = "lightning.ckpt"
 
 class RelayLightningCallback(pl.Callback):
     def __init__(self, session: Session):
+        single_process(session, "RelayLightningCallback")
         self.session = session
         self.folder = CheckpointFolder(session.workdir / "lightning-resume")
         session.register(lightning_checkpoint=self.folder)

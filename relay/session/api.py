@@ -27,10 +27,11 @@ from typing import Any, Iterator, Optional
 import torch
 
 from relay.errors import InputError
-from relay.session import atomic, checkpoint, data
+from relay.session import api_distributed, atomic, checkpoint, data, distributed
+from relay.session.api_distributed import unwrap
 from relay.session.budget import SessionClock
 from relay.session.loop import rng_state, set_rng_state
-from relay.session.run import seed_everything
+from relay.session.run import pick_device, seed_everything
 from relay.version import code_version
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,8 @@ def open_session(total_steps: Optional[int] = None, *, workdir: Optional[str] = 
                  log_every: int = 10, save_every: float = 1800.0, **overrides) -> "Session":
     """A session from what the relay passes (env RELAY_SESSION), else from these arguments.
     Under the relay the spec's values win (optim.max_steps is the run's total_steps, `seed` the spec's).
-    Seeds python, numpy and torch from `seed`: build the model after this call."""
+    Seeds python, numpy and torch from `seed`: build the model after this call. Under several processes
+    (WORLD_SIZE > 1, set by `relay train` with session.devices: N) it joins the process group first."""
     config = {"workdir": workdir or "relay-run", "total_steps": total_steps, "seed": seed,
               "log_every": log_every, "save_every": save_every, "safety_margin": 60.0, "keep_last": 2,
               "disk_budget_gb": 20.0, "digest": "crc32", "resume_from": [], "features": [], **overrides}
@@ -67,15 +69,21 @@ def open_session(total_steps: Optional[int] = None, *, workdir: Optional[str] = 
     if not config.get("total_steps"):
         raise InputError("relay.open_session: total_steps is unknown: pass open_session(total_steps=N)"
                          " or set optim.max_steps in the spec")
-    session = Session(config)
+    world, device = api_distributed.join_world(pick_device())
+    session = Session(config, world, device)
     seed_everything(int(config["seed"]))  # a fresh run is reproducible; restore() replaces all three RNGs
     _opened.append(session)
     return session
 
 
 class Session:
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, world: distributed.World = distributed.SINGLE,
+                 device: Optional[torch.device] = None):
         self.config = config
+        self.world = world  # rank 0 alone writes checkpoints, metrics.jsonl, progress.json and the export
+        self.device = device or pick_device()  # where this rank trains (cuda:LOCAL_RANK under several GPUs)
+        self._agreement = api_distributed.StepAgreement(world, self.device if self.device.type == "cuda"
+                                                        else torch.device("cpu"))
         self.workdir = Path(config["workdir"])
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.total_steps = int(config["total_steps"])
@@ -103,6 +111,14 @@ class Session:
         self._train_seconds = 0.0
         self._metrics = self.workdir / "metrics.jsonl"
 
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.world.size
+
     # -- state ------------------------------------------------------------------------------------------
     def register(self, **objects: Any) -> None:
         """Objects saved and restored by name: anything with state_dict() / load_state_dict()."""
@@ -115,7 +131,8 @@ class Session:
         """Load the newest valid checkpoint (own workdir, then the relay's resume folders) into the registered
         objects and the RNGs; start this session's record. Returns the step to continue from (0 when fresh)."""
         restored = checkpoint.load_latest(self.workdir / "checkpoints", *map(Path, self.config["resume_from"]))
-        self._carry_metrics()
+        if self.world.main:
+            self._carry_metrics()
         if restored:
             ckpt, state = restored
             saved, here = set(state["objects"]), set(self.objects)
@@ -124,35 +141,55 @@ class Session:
             for name, obj in self.objects.items():
                 saved_state = state["objects"][name]
                 if not (isinstance(saved_state, dict) and not saved_state):  # a disabled GradScaler saves {}
-                    obj.load_state_dict(saved_state)  # and refuses to load it
-            set_rng_state(state["rng"], self._device())
+                    unwrap(obj).load_state_dict(saved_state)  # and refuses to load it
             self._book = dict(state["relay"])
             self.step = self._saved_step = int(self._book["global_step"])
+            rngs = state.get("rng_ranks") or [state["rng"]]
+            if self.world.rank < len(rngs):
+                set_rng_state(rngs[self.world.rank], self._device())
+            else:  # a rank the saving session did not have (the world grew): exactness is lost already
+                seed_everything(distributed.rank_seed(int(self.config["seed"]) + self.step, self.world.rank))
             if self._book.get("threads") not in (None, torch.get_num_threads()):
                 log.warning("resuming with %d threads, saved with %s: results will not be bit-identical",
                             torch.get_num_threads(), self._book.get("threads"))
             log.info("resumed from %s (step %d)", ckpt.path, self.step)
             del restored, state
+        elif self.world.rank:  # the same initial weights on every rank (seeded alike), then each its own RNG
+            seed_everything(distributed.rank_seed(int(self.config["seed"]), self.world.rank))
+        self._check_world_size()
         model_bytes = sum(p.nbytes for o in self.objects.values() if isinstance(o, torch.nn.Module)
                           for p in o.parameters())
         self.clock.estimated_save_seconds = 0.2 + 3 * model_bytes / 200e6  # until a save is measured
         sessions = self._book["sessions"]
         self.run_id = self.run_id or (sessions[-1].get("run_id") if sessions else None)
         self._record = {"index": len(sessions) + 1, "run_id": self.run_id, "started": self.clock.started,
-                        "step_start": self.step, "stop_reason": "running"}
+                        "step_start": self.step, "stop_reason": "running", "world_size": self.world.size}
         sessions.append(self._record)
         self._mark = time.perf_counter()
         return self.step
 
+    def _check_world_size(self) -> None:
+        """Resumed with another number of processes: the effective batch (what batches() is given) is kept;
+        progress.json says from which step the run is no longer bit-identical to an uninterrupted one."""
+        saved = int(self._book.get("world_size") or 1)
+        if "global_step" in self._book and saved != self.world.size:
+            why = f"world size changed from {saved} to {self.world.size} processes"
+            log.warning("%s at step %d: the effective batch is kept, but the run is no longer bit-identical to"
+                        " an uninterrupted one", why, self.step)
+            self._book["exactness_lost"] = self._book.get("exactness_lost") or {"step": self.step, "why": why}
+        self._book["world_size"] = self.world.size
+
     # -- data -------------------------------------------------------------------------------------------
     def batch_indices(self, n_samples: int, batch_size: int, seed: Optional[int] = None) -> list[int]:
         """The sample indices of the current step: epoch e is a permutation seeded by (seed, e), so any step's
-        batch costs one permutation (O(1) in the step), never a replay of the batches before it."""
+        batch costs one permutation (O(1) in the step), never a replay of the batches before it. With several
+        processes, `batch_size` is the effective batch and rank r gets the r-th equal slice of it."""
         seed = self.config["seed"] if seed is None else seed
+        api_distributed.rank_batch(self.world, batch_size)
         s = self._schedule
         if s is None or (s.n_samples, s.effective_batch, s.seed) != (n_samples, batch_size, seed):
             self._schedule = s = data.StepSchedule(n_samples, batch_size, seed)
-        return s.indices(self.step)
+        return data.rank_indices(s, self.step, self.world.rank, self.world.size)
 
     def batches(self, n_samples: int, batch_size: int, seed: Optional[int] = None) -> Iterator[list[int]]:
         """The current step's indices, until should_stop(); call step_done() after each."""
@@ -173,9 +210,12 @@ class Session:
     # -- the loop ---------------------------------------------------------------------------------------
     def should_stop(self) -> bool:
         """True when the work is done, the session's step cap is reached, a SIGTERM came, or one more step
-        plus the final save would not fit before the deadline."""
+        plus the final save would not fit before the deadline. With several processes every rank gets the
+        same answer: a SIGTERM to any rank, rank 0's clock for the budget."""
         if self.step >= self.total_steps:
             self.stop_reason = "done"
+        elif self.world.size > 1:
+            self.stop_reason = self._agreement.stop_reason(self.step, self.clock.should_stop())
         else:
             self.stop_reason = self.clock.should_stop()
         return self.stop_reason is not None
@@ -191,12 +231,28 @@ class Session:
             self._session_samples += self._schedule.effective_batch
         if loss is not None:
             self._losses.append(loss)
+        if self.world.size > 1:
+            return self._step_done_together(save, metrics)
         if (self._losses or metrics) and (self.step % int(self.config["log_every"]) == 0
                                           or self.step == self.total_steps):
             losses = [float(x) for x in self._losses]
             self._losses.clear()
             self.log("train", loss=sum(losses) / len(losses) if losses else None, **metrics)
         if save and self.insurance_due():
+            self.save("periodic")
+        self._mark = time.perf_counter()
+
+    def _step_done_together(self, save: bool, metrics: dict) -> None:
+        """step_done's logging and insurance save, agreed by every rank in one all-reduce."""
+        log_due = self.step % int(self.config["log_every"]) == 0 or self.step == self.total_steps
+        clock_reason = None if self.step >= self.total_steps else self.clock.should_stop()
+        _, save_now, mean = self._agreement.decide(self.step, clock_reason, save and self.insurance_due(),
+                                                   self._losses if log_due else None)
+        if log_due:
+            self._losses.clear()
+            if mean is not None or metrics:
+                self.log("train", loss=mean, **metrics)
+        if save_now:
             self.save("periodic")
         self._mark = time.perf_counter()
 
@@ -212,28 +268,39 @@ class Session:
             self._record["loss_end"] = values.get("loss")
         elif kind == "eval":
             self._book["last_eval"] = {"step": self.step, **values}
+        if not self.world.main:
+            return
         with open(self._metrics, "a") as f:
             f.write(json.dumps(record) + "\n")
 
     # -- saving -----------------------------------------------------------------------------------------
-    def save(self, reason: str = "manual") -> checkpoint.Checkpoint:
-        """An atomic checkpoint of the registered objects, the RNGs and the relay's bookkeeping."""
+    def save(self, reason: str = "manual") -> Optional[checkpoint.Checkpoint]:
+        """An atomic checkpoint of the registered objects, the RNGs and the relay's bookkeeping. With several
+        processes every rank calls it: rank 0 writes it, with every rank's RNG (`rng_ranks`), while the
+        others wait at a barrier and get None."""
         t0 = time.perf_counter()
         self._update_record(reason)
         self._book.update(global_step=self.step, threads=torch.get_num_threads())
-        state = {"objects": {n: o.state_dict() for n, o in self.objects.items()},
-                 "rng": rng_state(self._device()), "relay": self._book}
-        c = self.config
-        ckpt = checkpoint.save(self.workdir / "checkpoints", state, step=self.step,
-                               meta={"run_id": self.run_id, "code_version": code_version(), "reason": reason,
-                                     "epoch": self.epoch, "best": self._book.get("best")},
-                               disk_budget_bytes=int(float(c["disk_budget_gb"]) * 1e9),
-                               keep_last=int(c["keep_last"]), digest=c["digest"])
+        rngs = distributed.gather(self.world, rng_state(self._device()))
+        ckpt = None
+        if self.world.main:
+            state = {"objects": {n: unwrap(o).state_dict() for n, o in self.objects.items()},
+                     "rng": rngs[0], "relay": self._book}
+            if self.world.size > 1:
+                state["rng_ranks"] = rngs
+            c = self.config
+            ckpt = checkpoint.save(self.workdir / "checkpoints", state, step=self.step,
+                                   meta={"run_id": self.run_id, "code_version": code_version(), "reason": reason,
+                                         "epoch": self.epoch, "best": self._book.get("best")},
+                                   disk_budget_bytes=int(float(c["disk_budget_gb"]) * 1e9),
+                                   keep_last=int(c["keep_last"]), digest=c["digest"])
         seconds = time.perf_counter() - t0
         self.clock.record_save(seconds)
         self._record["save_seconds"] = round(seconds, 3)
         self._last_save, self._saved_step = time.monotonic(), self.step
-        self._write_progress(ckpt, "paused", reason)
+        if ckpt is not None:
+            self._write_progress(ckpt, "paused", reason)
+        distributed.barrier(self.world)
         return ckpt
 
     def close(self) -> dict:
@@ -244,18 +311,24 @@ class Session:
             reason = self.stop_reason or ("done" if self.step >= self.total_steps else "stopped")
             if not self._record:
                 raise InputError("session.close() before session.restore(): call restore() once after register()")
-            if self._saved_step != self.step or not checkpoint.list_valid(self.workdir / "checkpoints"):
+            unsaved = self._saved_step != self.step or not checkpoint.list_valid(self.workdir / "checkpoints")
+            if distributed.broadcast(self.world, unsaved):  # rank 0's view: every rank must take part
                 self.save(reason)
             else:
                 self._update_record(reason)
             done = self.step >= self.total_steps
+            if not self.world.main:  # rank 0 exports and writes progress.json; every rank leaves together
+                distributed.barrier(self.world)
+                return json.loads((self.workdir / "progress.json").read_text())
             model = self._model()
             weights = checkpoint.weights_sha256(model.state_dict()) if model is not None else None
             if done and model is not None:
                 checkpoint.export_atomic(self.workdir / "export", lambda out: _export(model, out))
             checkpoint.wait_for_deletions()
-            return self._write_progress(checkpoint.list_valid(self.workdir / "checkpoints")[0],
-                                        "done" if done else "paused", reason, weights)
+            progress = self._write_progress(checkpoint.list_valid(self.workdir / "checkpoints")[0],
+                                            "done" if done else "paused", reason, weights)
+            distributed.barrier(self.world)
+            return progress
         finally:
             self.closed = True
             self.clock.restore_signal_handlers()
@@ -273,10 +346,10 @@ class Session:
     # -- helpers ----------------------------------------------------------------------------------------
     def _model(self) -> Optional[torch.nn.Module]:
         if self.weights_model is not None:
-            return self.weights_model
+            return unwrap(self.weights_model)
         if isinstance(self.objects.get("model"), torch.nn.Module):
-            return self.objects["model"]
-        return next((o for o in self.objects.values() if isinstance(o, torch.nn.Module)), None)
+            return unwrap(self.objects["model"])
+        return next((unwrap(o) for o in self.objects.values() if isinstance(o, torch.nn.Module)), None)
 
     def _device(self) -> torch.device:
         model = self._model()
@@ -308,8 +381,9 @@ class Session:
             "epoch": self.epoch,
             "steps_per_epoch": self._schedule.steps_per_epoch if self._schedule else None,
             "metrics": self._book.get("last_eval") or {}, "best": self._book.get("best"),
-            "micro_batch": self._schedule.effective_batch if self._schedule else None, "grad_accum": 1,
-            "precision": None,
+            "micro_batch": self._schedule.effective_batch // self.world.size if self._schedule else None,
+            "grad_accum": 1, "precision": None,
+            "world_size": self.world.size, "exactness_lost": self._book.get("exactness_lost"),
             "checkpoint": (str(ckpt.path.relative_to(self.workdir)) if ckpt.path.is_relative_to(self.workdir)
                            else str(ckpt.path)),
             "weights_sha256": weights, "sessions": sessions,
@@ -325,7 +399,7 @@ class RunBatchSampler(torch.utils.data.Sampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.session.step, self.session.total_steps):
-            yield self.schedule.indices(step)
+            yield data.rank_indices(self.schedule, step, self.session.rank, self.session.world_size)
 
     def __len__(self) -> int:
         return self.session.total_steps

@@ -31,6 +31,10 @@ from relay.errors import InputError
 log = logging.getLogger(__name__)
 
 GRAD_BUCKET_BYTES = 25 * 2**20  # gradients are all-reduced in flat buckets of this size, as DDP does
+# When a rank fails, the others get this long to end on their own (a refused input fails every rank at once:
+# they exit without a "Terminating process" warning), then SIGTERM, this long again, then SIGKILL (a rank
+# blocked in a collective never returns to Python to see its SIGTERM).
+FAILED_RANK_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,12 @@ def launch(worker: Callable[..., Any], world_size: int, args: Sequence[Any]) -> 
 
     previous = signal.signal(signal.SIGTERM, forward)
     try:
-        while not context.join():
+        while not context.join(grace_period=FAILED_RANK_GRACE_S):
             pass
+    except Exception:  # a rank that refused its input and exited non-zero (the others were stopped): one line
+        if not errors.empty():
+            raise InputError(errors.get()) from None
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not errors.empty():
