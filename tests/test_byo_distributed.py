@@ -20,6 +20,7 @@ import yaml
 
 from relay.session import checkpoint
 from relay_fixtures import wait_for
+from test_distributed import ranks  # the spawned rank processes, rank 0 first
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "byo-plain-ddp"
 TOTAL = 60
@@ -46,18 +47,6 @@ def copy_example(dest: Path, **overrides) -> Path:
 def load_final(workdir: Path) -> tuple[dict, dict]:
     progress = json.loads((workdir / "progress.json").read_text())
     return progress, torch.load(workdir / progress["checkpoint"] / checkpoint.STATE_FILE, weights_only=True)
-
-
-def ranks(proc) -> list[psutil.Process]:
-    """The spawned rank processes of a `relay train` process, rank 0 first (started in rank order)."""
-    kids = []
-    for p in psutil.Process(proc.pid).children():
-        try:
-            if "spawn_main" in " ".join(p.cmdline()):
-                kids.append((p.create_time(), p))
-        except psutil.Error:  # a helper process that came and went while we looked
-            continue
-    return [p for _, p in sorted(kids, key=lambda kid: kid[0])]
 
 
 def stopped_in_a_save(proc) -> bool:
