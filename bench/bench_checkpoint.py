@@ -93,8 +93,9 @@ def _bare_save(state: dict, folder: Path, fsync: bool) -> float:
     (0.7 s for 288 MB instead of 0.07 s; the host takes back freed guest pages), while pages freed a moment
     before are reused at once. The old baseline unlinked its file and wrote the same amount right after, so it
     reused hot pages (seen with plain 288 MB file writes too, 2026-11-23; README)."""
-    folders = sorted(folder.parent.glob(folder.name + "-*"))
-    target = folder.parent / f"{folder.name}-{int(folders[-1].name.rsplit('-', 1)[1]) + 1 if folders else 0:04d}"
+    folder.mkdir(exist_ok=True)
+    folders = sorted(folder.iterdir())
+    target = folder / f"{int(folders[-1].name) + 1 if folders else 0:04d}"
     target.mkdir()
     t0 = time.perf_counter()
     with open(target / "state.pt", "wb") as f:
@@ -109,7 +110,7 @@ def _bare_save(state: dict, folder: Path, fsync: bool) -> float:
 
 
 def _newest(folder: Path) -> Path:
-    return sorted(folder.parent.glob(folder.name + "-*"))[-1] / "state.pt"
+    return sorted(folder.iterdir())[-1] / "state.pt"
 
 
 def _relay_save(state: dict, root: Path, step: int, commits: list) -> float:
