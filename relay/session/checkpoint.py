@@ -139,7 +139,7 @@ def start_save(root: Path, state: dict, *, step: int, meta: dict, disk_budget_by
     at any instant loses at most this save. One save is in flight at a time: this first waits for the last one.
 
     Why a thread: torch.save into the page cache is the only part that needs the state as it is now. The crc32
-    re-read of the file (~1 GB/s here, slower than torch.save's 2 GB/s) and the fsync (the disk's speed) need
+    re-read of the file (1-2.6 GB/s here, about torch.save's own speed) and the fsync (the disk's speed) need
     nothing from training, so the training loop no longer waits for them (bench/bench_checkpoint.py).
 
     `meta` goes into the manifest (run_id, code_version, epoch, best={"metric","value","step"}).
@@ -195,7 +195,6 @@ class PendingSave:
     def __init__(self, commit: Callable[[], Checkpoint], started: float, background: bool):
         global _pending
         self.started, self.seconds = started, None  # seconds: call to commit, what a synchronous save costs
-        self.background = background
         self._checkpoint: Optional[Checkpoint] = None
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, args=(commit,), name="checkpoint-commit")

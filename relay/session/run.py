@@ -218,6 +218,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
         if not world.main:
             distributed.barrier(world)
             return
+        background = reason in ("periodic", "best")  # the session's last save is waited for
         snapshot = copy.deepcopy(state)  # training changes `state` while the commit runs
 
         def committed(ckpt: checkpoint.Checkpoint) -> None:
@@ -234,9 +235,9 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
             disk_budget_bytes=int(spec.checkpoints.disk_budget_gb * 1e9), keep_last=spec.checkpoints.keep_last,
             keep_best_mode=recipe.metric_mode if spec.checkpoints.keep_best else None,
             digest=spec.checkpoints.digest, besides_bytes=_besides(workdir, ckpt_root, model, reason),
-            background=reason in ("periodic", "best"), on_commit=committed)
+            background=background, on_commit=committed)
         del resume_state
-        if not pending.background:
+        if not background:
             pending.result()
         distributed.barrier(world)
 
