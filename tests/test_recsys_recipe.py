@@ -122,3 +122,15 @@ def test_sessions_ending_between_als_iterations_end_with_the_same_factor_matrice
     b = torch.load(ref_dir / ref["checkpoint"] / checkpoint.STATE_FILE, weights_only=True)["model"]
     for name in ("svd_user", "svd_item", "knn_index", "knn_sim", "als_user", "als_item"):
         assert torch.equal(a[name], b[name]), name
+
+
+def test_als_gives_a_row_with_no_training_ratings_zero_factors_not_a_singular_solve():
+    # `relay data recsys` at its default size leaves some movies rated only in the held-out split.
+    from relay.recipes.recsys_data import CSR
+
+    m = CSR.from_coo(np.array([0, 0, 2]), np.array([0, 1, 1]), np.array([1.0, 2.0, 3.0]), (3, 2))  # row 1 empty
+    recipe = RecsysRecipe(RecsysParams(), data_dir=Path("."), cache_dirs=[], seed=0)
+    target, fixed = torch.full((3, 2), 9.0), torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    recipe._solve(target, fixed, m, m.data)
+    assert torch.equal(target[1], torch.zeros(2)) and torch.isfinite(target).all()
+    assert target[0, 0] == pytest.approx(1.0 / 1.2) and target[2, 1] == pytest.approx(3.0 / 1.1)

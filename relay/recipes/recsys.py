@@ -198,7 +198,8 @@ class RecsysRecipe(Recipe):
         """Each row of `target`: argmin sum (r - <x, y_j>)^2 + reg n |x|^2 over its n rated j (ALS-WR's weighted
         regularisation: rows with many ratings are not shrunk more than rows with few), in chunks of rows."""
         f, device = fixed.shape[1], fixed.device
-        counts = torch.from_numpy(np.diff(m.indptr).astype(np.float32)).to(device)
+        # A row with no ratings (an item only in the held-out split) gets reg * I, not a singular 0: its factors are 0.
+        counts = torch.from_numpy(np.diff(m.indptr).astype(np.float32)).clamp(min=1.0).to(device)
         eye = torch.eye(f, device=device)
         row = 0
         while row < m.shape[0]:
