@@ -9,6 +9,7 @@ AMP (fp16 on a T4) falls back to fp32 after non-finite losses (the runtime's gua
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Iterable, Literal
@@ -182,7 +183,9 @@ class TemporalRecipe(Recipe):
 
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        save_model(model, str(out_dir / "model.safetensors"))
+        # On CUDA, cuDNN packs the LSTM's weights into one buffer that safetensors refuses to split; a CPU copy
+        # holds each tensor alone (the models are small).
+        save_model(copy.deepcopy(model).cpu(), str(out_dir / "model.safetensors"))
         config = {"recipe": self.name, "params": self.params.model_dump(), "features": self.feature_names,
                   "normalisation": self.norm}
         (out_dir / "config.json").write_text(json.dumps(config, indent=1))

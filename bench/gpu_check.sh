@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The CUDA paths on a lent GPU machine (no CI runs there): every tiny spec trained by `relay train`, the
+# plain-loop example with AMP relayed over sessions by `relay verify-resume`, the HF and Lightning examples likewise.
+# Run from the repo root: `bash bench/gpu_check.sh OUT_DIR`. Each run's progress.json summary and wall time
+# are printed; logs go to OUT_DIR. On a CPU-only machine the same commands take the CPU paths.
+set -uo pipefail
+out=${1:-/tmp/gpu-check}
+mkdir -p "$out"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+relay=("$py" -m relay)
+work=$(mktemp -d)
+
+"$py" - <<'EOF'
+import torch, transformers
+print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+EOF
+
+summary() {  # name, workdir, seconds
+  "$py" - "$@" <<'EOF'
+import json, sys
+name, wd, secs = sys.argv[1:4]
+p = json.load(open(f"{wd}/progress.json"))
+keep = {k: p.get(k) for k in ("status", "global_step", "epoch", "gpus", "precision", "device", "weights_sha256")}
+keep["weights_sha256"] = (keep["weights_sha256"] or "")[:12]
+print(f"{name}: {float(secs):.1f} s", json.dumps(keep), json.dumps(p.get("metrics", {}))[:300])
+EOF
+}
+
+run_tiny() {  # recipe-data-name spec
+  local data=$1 spec=$2 name
+  name=$(basename "$spec" .yaml)
+  "${relay[@]}" data "$data" --out "data/${spec_data[$name]}" >"$out/$name-data.log" 2>&1 || { echo "$name: data FAILED"; tail -3 "$out/$name-data.log"; return; }
+  local t0=$SECONDS
+  if "${relay[@]}" train "$spec" --workdir "$work/$name" --budget none >"$out/$name.log" 2>&1; then
+    summary "$name" "$work/$name" $((SECONDS - t0))
+  else
+    echo "$name: FAILED rc=$?"; tail -5 "$out/$name.log"
+  fi
+}
+
+declare -A spec_data=([price-tiny]=price [vqa-tiny]=vqa [legal-tiny]=legal [temporal-tiny]=temporal [recsys-tiny]=recsys)
+run_tiny price-model examples/price-tiny.yaml
+run_tiny vqa examples/vqa-tiny.yaml
+run_tiny legal examples/legal-tiny.yaml
+run_tiny temporal examples/temporal-tiny.yaml
+run_tiny recsys examples/recsys-tiny.yaml
+
+# The plain loop with fp16 autocast + GradScaler, split into sessions (one killed mid-save) vs one run.
+sed 's/entry: train.py --lr 0.003/entry: train.py --lr 0.003 --amp/' examples/byo-plain/spec.yaml >examples/byo-plain/spec-amp.yaml
+t0=$SECONDS
+"${relay[@]}" verify-resume examples/byo-plain/spec-amp.yaml --steps 120 >"$out/byo-plain-amp.log" 2>&1
+echo "byo-plain --amp verify-resume: rc=$? $((SECONDS - t0)) s: $(tail -2 "$out/byo-plain-amp.log" | tr '\n' ' ')"
+rm -f examples/byo-plain/spec-amp.yaml
+t0=$SECONDS
+"${relay[@]}" verify-resume examples/byo-hf/spec.yaml --steps 40 >"$out/byo-hf.log" 2>&1
+echo "byo-hf verify-resume: rc=$? $((SECONDS - t0)) s: $(tail -2 "$out/byo-hf.log" | tr '\n' ' ')"
+t0=$SECONDS
+"${relay[@]}" verify-resume examples/byo-lightning/spec.yaml --steps 40 >"$out/byo-lightning.log" 2>&1
+echo "byo-lightning verify-resume: rc=$? $((SECONDS - t0)) s: $(tail -2 "$out/byo-lightning.log" | tr '\n' ' ')"
+rm -rf "$work"
