@@ -89,6 +89,9 @@ def _bad(tmp_path: Path, files: dict, spec: dict) -> tuple[Path, dict]:
 BAD = {
     "recipe does not import": ({"mypkg/__init__.py": "", "mypkg/r.py": "import not_a_module_anywhere\n"},
                                {"recipe": "mypkg.r:Mine"}, "recipe: cannot import mypkg.r (ModuleNotFoundError"),
+    "entry needs a package, no kaggle.pip": ({"pkgp/__init__.py": "import not_a_module_anywhere\n", "pkgp/m.py": ""},
+                                            {"code": {"folder": "code", "entry": "pkgp.m:main"}},
+                                            "code.entry: module pkgp.m not found in"),
     "class is not a Recipe": ({"pkgb/__init__.py": "", "pkgb/r2.py": "class Mine:\n    pass\n"},
                               {"recipe": "pkgb.r2:Mine"}, "recipe: pkgb.r2:Mine is not a Recipe"),
     "entry does not exist": ({"train.py": "print(1)\n"}, {"code": {"folder": "code", "entry": "trian.py --x 1"}},
@@ -121,7 +124,44 @@ def test_bad_user_code_is_one_line_exit_2_nothing_written(case, tmp_path, capsys
     assert expected in err, err
     if case == "code over the size limit":
         assert "2 MB travel inside the session kernel" in err and "code.exclude" in err
+    if "not_a_module_anywhere" in str(files):  # the missing package named, and where to list it
+        assert "'not_a_module_anywhere'" in err and "list it in kaggle.pip" in err, err
     assert not workdir.exists()
+
+
+PIP_ONLY = "import not_installed_here_xyz\nfrom relay.recipes import Recipe\n\nclass Mine(Recipe):\n    pass\n"
+
+
+@pytest.mark.parametrize("spec", [{"recipe": "pkgq.r:Mine", "params": {"anything": 1}},
+                                  {"code": {"folder": "code", "entry": "pkgq.r:main"}}])
+def test_user_code_needing_a_kaggle_pip_package_loads_in_the_orchestrator(spec, tmp_path, monkeypatch):
+    """The orchestrator never pip-installs: a module importing what kaggle.pip provides is checked for its file
+    only, and the Recipe/Params check happens in the kernel's `relay train`, after pip."""
+    from relay import spec as spec_mod
+
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    kaggle = {"pip": ["not-installed-here-xyz"], "enable_internet": True}
+    path, _ = _bad(tmp_path, {"pkgq/__init__.py": PIP_ONLY, "pkgq/r.py": PIP_ONLY}, {**spec, "kaggle": kaggle})
+    assert spec_mod.load(path).kaggle.pip == ["not-installed-here-xyz"]
+    # the module file itself must still exist
+    wrong = {k: (v.replace("pkgq.r", "pkgq.nope") if isinstance(v, str) else v) for k, v in spec.items()}
+    if "code" in wrong:
+        wrong["code"] = {"folder": "code", "entry": "pkgq.nope:main"}
+    path, _ = _bad(tmp_path, {}, {**wrong, "kaggle": kaggle})
+    with pytest.raises(spec_mod.SpecError, match="pkgq.nope"):
+        spec_mod.load(path)
+
+
+def test_loading_a_user_recipe_writes_nothing_in_its_folder(tmp_path, monkeypatch):
+    from relay import spec as spec_mod
+
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    monkeypatch.setattr("sys.dont_write_bytecode", False)  # as for a user without PYTHONDONTWRITEBYTECODE
+    spec = copy_example("byo-recipe", tmp_path / "ex")
+    before = sorted(p.relative_to(spec.parent) for p in spec.parent.rglob("*"))
+    spec_mod.load(spec)
+    assert sorted(p.relative_to(spec.parent) for p in spec.parent.rglob("*")) == before
+    assert __import__("sys").dont_write_bytecode is False  # put back after the import
 
 
 def test_code_exclude_and_hidden_files_do_not_ship(tmp_path):
