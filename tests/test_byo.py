@@ -230,3 +230,62 @@ def test_hf_callback_refuses_configs_that_cannot_resume(setting, expected, tmp_p
         assert str(err.value).startswith(expected) and "\n" not in str(err.value)
     finally:
         session.clock.restore_signal_handlers()
+
+
+# -- the save the clock plans for includes the trainer's own checkpoint write ------------------------------
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """time.perf_counter as a value the test advances: a trainer's write "takes" 30 s, deterministically."""
+    import time
+
+    now = [1000.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    return now
+
+
+def test_hf_save_time_counts_from_the_trainers_write(fake_clock, tmp_path):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    import relay
+    from relay.integrations.hf import RelayCallback
+
+    session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
+    try:
+        callback = RelayCallback(session)
+        callback.restore()
+        args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=10, report_to=[], use_cpu=True)
+        state, control = TrainerState(global_step=1), TrainerControl()
+        session.clock.stop_signal = "SIGTERM"  # this step ends the session: save and stop
+        control = callback.on_step_end(args, state, control)
+        assert control.should_save and control.should_training_stop
+        folder = tmp_path / "hf" / "checkpoint-1"  # the Trainer writes its checkpoint: 30 s
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 100)
+        fake_clock[0] += 30.0
+        callback.on_save(args, state, control)
+        assert session.clock.save_seconds == pytest.approx(30.0)
+    finally:
+        session.clock.restore_signal_handlers()
+
+
+def test_lightning_save_time_counts_from_the_trainers_write(fake_clock, tmp_path):
+    from types import SimpleNamespace
+
+    import relay
+    from relay.integrations.lightning import RelayLightningCallback
+
+    session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
+    try:
+        callback = RelayLightningCallback(session)
+        callback.restore()
+
+        def save_checkpoint(path):  # Lightning's write: 30 s
+            Path(path).write_bytes(b"x" * 100)
+            fake_clock[0] += 30.0
+
+        trainer = SimpleNamespace(global_step=1, should_stop=False, save_checkpoint=save_checkpoint)
+        session.clock.stop_signal = "SIGTERM"
+        callback.on_train_batch_end(trainer, None, {"loss": 1.0}, None, 0)
+        assert trainer.should_stop and session.clock.save_seconds == pytest.approx(30.0)
+    finally:
+        session.clock.restore_signal_handlers()

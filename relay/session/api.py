@@ -274,11 +274,12 @@ class Session:
             f.write(json.dumps(record) + "\n")
 
     # -- saving -----------------------------------------------------------------------------------------
-    def save(self, reason: str = "manual") -> Optional[checkpoint.Checkpoint]:
+    def save(self, reason: str = "manual", started: Optional[float] = None) -> Optional[checkpoint.Checkpoint]:
         """An atomic checkpoint of the registered objects, the RNGs and the relay's bookkeeping. With several
         processes every rank calls it: rank 0 writes it, with every rank's RNG (`rng_ranks`), while the
-        others wait at a barrier and get None."""
-        t0 = time.perf_counter()
+        others wait at a barrier and get None. `started` (time.perf_counter()): when a trainer began writing
+        its own checkpoint that this one packs; the clock plans the final save with both phases."""
+        t0 = time.perf_counter() if started is None else started
         self._update_record(reason)
         self._book.update(global_step=self.step, threads=torch.get_num_threads())
         rngs = distributed.gather(self.world, rng_state(self._device()))
