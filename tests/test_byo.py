@@ -289,3 +289,30 @@ def test_lightning_save_time_counts_from_the_trainers_write(fake_clock, tmp_path
         assert trainer.should_stop and session.clock.save_seconds == pytest.approx(30.0)
     finally:
         session.clock.restore_signal_handlers()
+
+
+def test_session_saves_count_the_rest_of_the_workdir_against_the_disk_budget(tmp_path):
+    """hf-resume/, lightning-resume/, a Trainer's folder and export/ share Kaggle's output cap with the checkpoints."""
+    import torch
+
+    import relay
+    from relay.session import checkpoint
+
+    workdir = tmp_path / "w"
+    session = relay.open_session(total_steps=10, workdir=str(workdir), keep_last=5)
+    try:
+        session.register(model=torch.nn.Linear(256, 256))
+        session.restore()
+        session.step = 1
+        size = session.save("periodic").nbytes()
+        session.config["disk_budget_gb"] = 4.5 * size / 1e9  # three checkpoints fit, but not beside the copy
+        (workdir / "hf-resume" / "checkpoint").mkdir(parents=True)
+        (workdir / "hf-resume" / "checkpoint" / "model.safetensors").write_bytes(b"x" * (2 * size))
+        for step in (2, 3):
+            session.step = step
+            session.save("periodic")
+        kept = checkpoint.list_valid(workdir / "checkpoints")
+        assert [c.step for c in kept] == [3, 2]
+        assert sum(c.nbytes() for c in kept) + 2 * size <= 4.5 * size
+    finally:
+        session.clock.restore_signal_handlers()
