@@ -316,3 +316,17 @@ def test_session_saves_count_the_rest_of_the_workdir_against_the_disk_budget(tmp
         assert sum(c.nbytes() for c in kept) + 2 * size <= 4.5 * size
     finally:
         session.clock.restore_signal_handlers()
+
+
+def test_make_bench_reports_the_session_api_overhead(tmp_path, capsys):
+    """bench/run.py runs bench_byo like the other benches: flat byo_* figures, a target, a printed line."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_run", REPO / "bench" / "run.py")
+    bench_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_run)
+    assert "byo" in bench_run.BENCHES
+    bench_run.main(["--only", "byo", "--quick", "--out", str(tmp_path / "results.json")])
+    figures = json.loads((tmp_path / "results.json").read_text())["figures"]
+    assert figures["byo_target_overhead"] == 1.03 and figures["byo_session_over_plain"] > 0
+    assert "byo_meets_target" in figures and "Session API overhead" in capsys.readouterr().out
