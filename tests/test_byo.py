@@ -330,3 +330,46 @@ def test_make_bench_reports_the_session_api_overhead(tmp_path, capsys):
     figures = json.loads((tmp_path / "results.json").read_text())["figures"]
     assert figures["byo_target_overhead"] == 1.03 and figures["byo_session_over_plain"] > 0
     assert "byo_meets_target" in figures and "Session API overhead" in capsys.readouterr().out
+
+
+def test_hf_callback_refuses_an_iterable_train_set(tmp_path):
+    """A stream cannot be skipped to a step, so a resumed session would not see the batches it should (HF #26413)."""
+    from torch.utils.data import DataLoader, IterableDataset
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    import relay
+    from relay.errors import InputError
+    from relay.integrations.hf import RelayCallback
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(100))
+
+    session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
+    try:
+        callback = RelayCallback(session)
+        callback.restore()
+        args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=10, report_to=[], use_cpu=True)
+        with pytest.raises(InputError) as err:
+            callback.on_train_begin(args, TrainerState(), TrainerControl(), model=None,
+                                    train_dataloader=DataLoader(Stream(), batch_size=2))
+        assert str(err.value).startswith("train_dataset: an IterableDataset cannot resume exactly")
+        assert "\n" not in str(err.value)
+    finally:
+        session.clock.restore_signal_handlers()
+
+
+def test_session_batch_larger_than_the_data_names_batch_size(tmp_path):
+    import torch
+
+    import relay
+    from relay.errors import InputError
+
+    session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
+    try:
+        session.register(model=torch.nn.Linear(2, 2))
+        session.restore()
+        with pytest.raises(InputError, match=r"^batch_size \(32\) is larger than the training set \(10 samples\)$"):
+            session.batch_indices(10, 32)
+    finally:
+        session.clock.restore_signal_handlers()

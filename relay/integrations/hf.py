@@ -78,6 +78,10 @@ class RelayCallback(TrainerCallback):
         if args.ignore_data_skip:
             raise InputError("TrainingArguments.ignore_data_skip=True: a resumed session would train on the first"
                              " batches again; leave it False")
+        dataset = getattr(kwargs.get("train_dataloader"), "dataset", None)
+        if isinstance(dataset, torch.utils.data.IterableDataset):  # HF datasets' streaming ones included
+            raise InputError("train_dataset: an IterableDataset cannot resume exactly (the Trainer cannot skip a"
+                             " stream to a step: transformers #26413); use a map-style Dataset")
         if args.max_steps != self.session.total_steps:
             raise InputError(f"TrainingArguments.max_steps={args.max_steps}: set it to session.total_steps"
                              f" ({self.session.total_steps}) so every session agrees on the schedule")

@@ -188,7 +188,7 @@ class Session:
         api_distributed.rank_batch(self.world, batch_size)
         s = self._schedule
         if s is None or (s.n_samples, s.effective_batch, s.seed) != (n_samples, batch_size, seed):
-            self._schedule = s = data.StepSchedule(n_samples, batch_size, seed)
+            self._schedule = s = data.StepSchedule(n_samples, batch_size, seed, setting="batch_size")
         return data.rank_indices(s, self.step, self.world.rank, self.world.size)
 
     def batches(self, n_samples: int, batch_size: int, seed: Optional[int] = None) -> Iterator[list[int]]:
