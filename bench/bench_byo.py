@@ -11,7 +11,8 @@
 2. verify-resume. Wall seconds of `relay verify-resume <example>/spec.yaml --steps N` for the plain-loop and
    user-recipe examples, against one straight `relay train --max-steps N` of the same spec in the same run
    (verify-resume runs 1 + ~5 sessions, each a process start).
-Run: `python bench/bench_byo.py [--steps N --repeats N --verify-steps N]`; `run()` returns the figures.
+Run: `python bench/bench_byo.py [--steps N --repeats N --verify-steps N]`, or `bench/run.py --only byo`
+(`make bench`: smaller, byo-plain only); `run()` returns the flat `byo_*` figures.
 """
 from __future__ import annotations
 
@@ -110,9 +111,9 @@ def _relay(*args: str) -> float:
     return time.monotonic() - t0
 
 
-def verify_times(steps: int) -> dict:
+def verify_times(steps: int, examples: tuple[str, ...] = ("byo-plain", "byo-recipe")) -> dict:
     out = {}
-    for example in ("byo-plain", "byo-recipe"):
+    for example in examples:
         work = Path(tempfile.mkdtemp(prefix="bench-verify-"))
         spec = REPO / "examples" / example / "spec.yaml"
         straight = _relay("train", str(spec), "--workdir", str(work / "one"), "--budget", "none",
@@ -124,8 +125,36 @@ def verify_times(steps: int) -> dict:
     return out
 
 
-def run(steps: int = 400, repeats: int = 7, verify_steps: int = 60) -> dict:
-    return {"session_api_overhead": overhead(steps, repeats), "verify_resume": verify_times(verify_steps)}
+TARGET_OVERHEAD = 1.03  # the issue's goal: Session API CPU time / the same loop without it
+
+
+def run(steps: int = 400, repeats: int = 7, verify_steps: int = 60,
+        examples: tuple[str, ...] = ("byo-plain", "byo-recipe")) -> dict:
+    """Flat `byo_*` figures for bench/run.py (verify_steps=0 skips verify-resume)."""
+    o = overhead(steps, repeats)
+    figures = {"byo_steps": steps, "byo_repeats": repeats, "byo_plain_cpu_s": o["plain_cpu_s"],
+               "byo_session_cpu_s": o["session_cpu_s"], "byo_session_over_plain": o["session_over_plain"],
+               "byo_ratio_of_medians": o["ratio_of_medians"], "byo_target_overhead": TARGET_OVERHEAD,
+               "byo_meets_target": o["session_over_plain"] <= TARGET_OVERHEAD}
+    if verify_steps:
+        figures["byo_verify_steps"] = verify_steps
+        for example, t in verify_times(verify_steps, examples).items():
+            key = example.replace("-", "_")
+            figures[f"{key}_verify_wall_s"], figures[f"{key}_one_session_wall_s"] = t["verify_wall_s"], \
+                t["one_session_wall_s"]
+    return figures
+
+
+def format_lines(f: dict) -> list[str]:
+    lines = [f"Session API overhead (plain loop, {f['byo_steps']} steps, {f['byo_repeats']} alternating rounds, one"
+             f" thread; process CPU): {f['byo_session_cpu_s']} s vs {f['byo_plain_cpu_s']} s without it:"
+             f" {f['byo_session_over_plain']:.3f}x (ratio of medians {f['byo_ratio_of_medians']:.3f}; target <="
+             f" {f['byo_target_overhead']})  {'OK' if f['byo_meets_target'] else 'MISSED'}"]
+    for key in sorted(k for k in f if k.endswith("_verify_wall_s")):
+        example = key.removesuffix("_verify_wall_s")
+        lines.append(f"  relay verify-resume --steps {f['byo_verify_steps']} {example.replace('_', '-')}: {f[key]} s"
+                     f" (one {f['byo_verify_steps']}-step relay train: {f[example + '_one_session_wall_s']} s)")
+    return lines
 
 
 if __name__ == "__main__":
@@ -135,6 +164,4 @@ if __name__ == "__main__":
     ap.add_argument("--verify-steps", type=int, default=60)
     ap.add_argument("--skip-verify", action="store_true")
     a = ap.parse_args()
-    result = ({"session_api_overhead": overhead(a.steps, a.repeats)} if a.skip_verify
-              else run(a.steps, a.repeats, a.verify_steps))
-    print(json.dumps(result, indent=1))
+    print(json.dumps(run(a.steps, a.repeats, 0 if a.skip_verify else a.verify_steps), indent=1))

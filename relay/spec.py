@@ -246,9 +246,9 @@ class RunSpec(_Section):
     def _recipe_params(self) -> "RunSpec":
         from relay import usercode
 
-        usercode.check_spec(self)  # code:, a user recipe, kaggle.pip (SpecError naming the key)
-        if self.recipe is None:
-            return self  # a code.entry runs the user's own loop
+        deferred = usercode.check_spec(self)  # code:, a user recipe, kaggle.pip (SpecError naming the key)
+        if self.recipe is None or deferred:
+            return self  # a code.entry runs the user's own loop; a recipe needing kaggle.pip is checked in the kernel
         if ":" not in self.recipe and self.recipe not in recipes.names():
             raise SpecError(f"recipe: unknown recipe {self.recipe!r}; expected one of {', '.join(recipes.names())}")
         # Validated by the recipe's own Params model, reported under `params.`.

@@ -8,8 +8,10 @@ Kernel-side: no imports of relay.kaggle, Prefect or the emulator.
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import importlib
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -19,7 +21,7 @@ import shlex
 import sys
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from relay.errors import InputError
 
@@ -83,7 +85,8 @@ def _on_path(folder: Path) -> None:
 
 
 # -- checks at spec load ----------------------------------------------------------------------------------
-def check_spec(spec: "RunSpec") -> None:
+def check_spec(spec: "RunSpec") -> bool:
+    """SpecError naming the key; True when the user recipe's check waits for the kernel (kaggle.pip)."""
     from relay.spec import SpecError
 
     if spec.kaggle.pip and not spec.kaggle.enable_internet:
@@ -96,7 +99,7 @@ def check_spec(spec: "RunSpec") -> None:
                             " with a code: section)")
         if ":" in spec.recipe:
             raise SpecError(f"recipe: {spec.recipe} is a user recipe: add a code: section naming its folder")
-        return
+        return False
     folder = Path(code.folder)
     if not folder.is_dir():
         raise SpecError(f"code.folder: {folder} is not a folder")
@@ -112,21 +115,68 @@ def check_spec(spec: "RunSpec") -> None:
                         " when no recipe is set")
     _on_path(folder)
     if code.entry:
-        parse_entry(code.entry, folder)
-    else:
-        load_recipe(spec.recipe)
+        parse_entry(code.entry, folder, pip=spec.kaggle.pip)
+        return False
+    return load_recipe(spec.recipe, folder, pip=spec.kaggle.pip) is None
 
 
-def parse_entry(entry: str, folder: Path) -> tuple[str, object, list[str]]:
+@contextlib.contextmanager
+def _no_bytecode():
+    """Import the user's code at spec load without writing __pycache__ into their folder: a spec check writes
+    nothing, and the folder ships as it is."""
+    before, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = before
+
+
+def _third_party(err: BaseException, module: str, folder: Optional[Path]) -> Optional[str]:
+    """The top-level package an import missed when it is not the user's own code (their folder, or the
+    module named in the spec itself): one that kaggle.pip could install."""
+    if not (isinstance(err, ModuleNotFoundError) and err.name):
+        return None
+    top = err.name.split(".")[0]
+    own = module == err.name or module.startswith(err.name + ".")
+    if own or (folder is not None and ((folder / top).is_dir() or (folder / f"{top}.py").is_file())):
+        return None
+    return top
+
+
+def _hint(err: BaseException, module: str, folder: Optional[Path]) -> str:
+    top = _third_party(err, module, folder)
+    return f"; if {top} is a package to install, list it in kaggle.pip" if top else ""
+
+
+def _module_file(module: str, folder: Path) -> bool:
+    """Whether pkg.mod is a file in `folder`, found without importing anything (pkg/__init__.py may import
+    what only kaggle.pip provides)."""
+    path: object = [str(folder)]
+    parts = module.split(".")
+    for i in range(len(parts)):
+        found = importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]), path)
+        if found is None:
+            return False
+        path = found.submodule_search_locations
+        if path is None and i < len(parts) - 1:
+            return False
+    return True
+
+
+def parse_entry(entry: str, folder: Path, pip: list[str] = ()) -> tuple[str, object, list[str]]:
     """("module", "pkg.mod:function", []) or ("script", Path, args); SpecError when it does not exist."""
     from relay.spec import SpecError
 
     if _MODULE_ENTRY.match(entry.strip()):
         module = entry.strip().split(":")[0]
         try:
-            found = importlib.util.find_spec(module)
+            with _no_bytecode():  # find_spec("pkg.mod") runs pkg/__init__.py
+                found = importlib.util.find_spec(module)
         except (ImportError, ValueError) as err:
-            found, why = None, f" ({type(err).__name__}: {err})"
+            # The orchestrator never pip-installs: a package only kaggle.pip provides is checked in the kernel.
+            if pip and _third_party(err, module, folder) and _module_file(module, folder):
+                return "module", entry.strip(), []
+            found, why = None, f" ({type(err).__name__}: {err}{_hint(err, module, folder)})"
         else:
             why = ""
         if found is None:
@@ -143,16 +193,22 @@ def parse_entry(entry: str, folder: Path) -> tuple[str, object, list[str]]:
     return "script", path, args
 
 
-def load_recipe(path: str):
-    """The Recipe subclass named "pkg.module:Class" (its folder already on sys.path)."""
+def load_recipe(path: str, folder: Optional[Path] = None, pip: list[str] = ()):
+    """The Recipe subclass named "pkg.module:Class" (its folder already on sys.path). None when the module
+    imports a package kaggle.pip installs at kernel start: `relay train` in the kernel checks it after pip."""
     from relay.recipes.base import Recipe, RecipeParams
     from relay.spec import SpecError
 
     module_name, _, cls_name = path.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        with _no_bytecode():
+            module = importlib.import_module(module_name)
     except Exception as err:  # noqa: BLE001 - any failure to import the user's module is reported
-        raise SpecError(f"recipe: cannot import {module_name} ({type(err).__name__}: {err})") from None
+        # The orchestrator never pip-installs: a package only kaggle.pip provides is checked in the kernel.
+        if pip and _third_party(err, module_name, folder) and _module_file(module_name, folder):
+            return None
+        raise SpecError(f"recipe: cannot import {module_name} ({type(err).__name__}: {err}"
+                        f"{_hint(err, module_name, folder)})") from None
     cls = getattr(module, cls_name, None)
     if cls is None:
         raise SpecError(f"recipe: {module_name} has no {cls_name}")

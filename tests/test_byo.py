@@ -89,6 +89,9 @@ def _bad(tmp_path: Path, files: dict, spec: dict) -> tuple[Path, dict]:
 BAD = {
     "recipe does not import": ({"mypkg/__init__.py": "", "mypkg/r.py": "import not_a_module_anywhere\n"},
                                {"recipe": "mypkg.r:Mine"}, "recipe: cannot import mypkg.r (ModuleNotFoundError"),
+    "entry needs a package, no kaggle.pip": ({"pkgp/__init__.py": "import not_a_module_anywhere\n", "pkgp/m.py": ""},
+                                            {"code": {"folder": "code", "entry": "pkgp.m:main"}},
+                                            "code.entry: module pkgp.m not found in"),
     "class is not a Recipe": ({"pkgb/__init__.py": "", "pkgb/r2.py": "class Mine:\n    pass\n"},
                               {"recipe": "pkgb.r2:Mine"}, "recipe: pkgb.r2:Mine is not a Recipe"),
     "entry does not exist": ({"train.py": "print(1)\n"}, {"code": {"folder": "code", "entry": "trian.py --x 1"}},
@@ -121,7 +124,44 @@ def test_bad_user_code_is_one_line_exit_2_nothing_written(case, tmp_path, capsys
     assert expected in err, err
     if case == "code over the size limit":
         assert "2 MB travel inside the session kernel" in err and "code.exclude" in err
+    if "not_a_module_anywhere" in str(files):  # the missing package named, and where to list it
+        assert "'not_a_module_anywhere'" in err and "list it in kaggle.pip" in err, err
     assert not workdir.exists()
+
+
+PIP_ONLY = "import not_installed_here_xyz\nfrom relay.recipes import Recipe\n\nclass Mine(Recipe):\n    pass\n"
+
+
+@pytest.mark.parametrize("spec", [{"recipe": "pkgq.r:Mine", "params": {"anything": 1}},
+                                  {"code": {"folder": "code", "entry": "pkgq.r:main"}}])
+def test_user_code_needing_a_kaggle_pip_package_loads_in_the_orchestrator(spec, tmp_path, monkeypatch):
+    """The orchestrator never pip-installs: a module importing what kaggle.pip provides is checked for its file
+    only, and the Recipe/Params check happens in the kernel's `relay train`, after pip."""
+    from relay import spec as spec_mod
+
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    kaggle = {"pip": ["not-installed-here-xyz"], "enable_internet": True}
+    path, _ = _bad(tmp_path, {"pkgq/__init__.py": PIP_ONLY, "pkgq/r.py": PIP_ONLY}, {**spec, "kaggle": kaggle})
+    assert spec_mod.load(path).kaggle.pip == ["not-installed-here-xyz"]
+    # the module file itself must still exist
+    wrong = {k: (v.replace("pkgq.r", "pkgq.nope") if isinstance(v, str) else v) for k, v in spec.items()}
+    if "code" in wrong:
+        wrong["code"] = {"folder": "code", "entry": "pkgq.nope:main"}
+    path, _ = _bad(tmp_path, {}, {**wrong, "kaggle": kaggle})
+    with pytest.raises(spec_mod.SpecError, match="pkgq.nope"):
+        spec_mod.load(path)
+
+
+def test_loading_a_user_recipe_writes_nothing_in_its_folder(tmp_path, monkeypatch):
+    from relay import spec as spec_mod
+
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    monkeypatch.setattr("sys.dont_write_bytecode", False)  # as for a user without PYTHONDONTWRITEBYTECODE
+    spec = copy_example("byo-recipe", tmp_path / "ex")
+    before = sorted(p.relative_to(spec.parent) for p in spec.parent.rglob("*"))
+    spec_mod.load(spec)
+    assert sorted(p.relative_to(spec.parent) for p in spec.parent.rglob("*")) == before
+    assert __import__("sys").dont_write_bytecode is False  # put back after the import
 
 
 def test_code_exclude_and_hidden_files_do_not_ship(tmp_path):
@@ -188,5 +228,148 @@ def test_hf_callback_refuses_configs_that_cannot_resume(setting, expected, tmp_p
         with pytest.raises(InputError) as err:
             callback.on_train_begin(args, TrainerState(), TrainerControl(), model=None)
         assert str(err.value).startswith(expected) and "\n" not in str(err.value)
+    finally:
+        session.clock.restore_signal_handlers()
+
+
+# -- the save the clock plans for includes the trainer's own checkpoint write ------------------------------
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """time.perf_counter as a value the test advances: a trainer's write "takes" 30 s, deterministically."""
+    import time
+
+    now = [1000.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    return now
+
+
+def test_hf_save_time_counts_from_the_trainers_write(fake_clock, tmp_path):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    import relay
+    from relay.integrations.hf import RelayCallback
+
+    session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
+    try:
+        callback = RelayCallback(session)
+        callback.restore()
+        args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=10, report_to=[], use_cpu=True)
+        state, control = TrainerState(global_step=1), TrainerControl()
+        session.clock.stop_signal = "SIGTERM"  # this step ends the session: save and stop
+        control = callback.on_step_end(args, state, control)
+        assert control.should_save and control.should_training_stop
+        folder = tmp_path / "hf" / "checkpoint-1"  # the Trainer writes its checkpoint: 30 s
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 100)
+        fake_clock[0] += 30.0
+        callback.on_save(args, state, control)
+        assert session.clock.save_seconds == pytest.approx(30.0)
+    finally:
+        session.clock.restore_signal_handlers()
+
+
+def test_lightning_save_time_counts_from_the_trainers_write(fake_clock, tmp_path):
+    from types import SimpleNamespace
+
+    import relay
+    from relay.integrations.lightning import RelayLightningCallback
+
+    session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
+    try:
+        callback = RelayLightningCallback(session)
+        callback.restore()
+
+        def save_checkpoint(path):  # Lightning's write: 30 s
+            Path(path).write_bytes(b"x" * 100)
+            fake_clock[0] += 30.0
+
+        trainer = SimpleNamespace(global_step=1, should_stop=False, save_checkpoint=save_checkpoint)
+        session.clock.stop_signal = "SIGTERM"
+        callback.on_train_batch_end(trainer, None, {"loss": 1.0}, None, 0)
+        assert trainer.should_stop and session.clock.save_seconds == pytest.approx(30.0)
+    finally:
+        session.clock.restore_signal_handlers()
+
+
+def test_session_saves_count_the_rest_of_the_workdir_against_the_disk_budget(tmp_path):
+    """hf-resume/, lightning-resume/, a Trainer's folder and export/ share Kaggle's output cap with the checkpoints."""
+    import torch
+
+    import relay
+    from relay.session import checkpoint
+
+    workdir = tmp_path / "w"
+    session = relay.open_session(total_steps=10, workdir=str(workdir), keep_last=5)
+    try:
+        session.register(model=torch.nn.Linear(256, 256))
+        session.restore()
+        session.step = 1
+        size = session.save("periodic").nbytes()
+        session.config["disk_budget_gb"] = 4.5 * size / 1e9  # three checkpoints fit, but not beside the copy
+        (workdir / "hf-resume" / "checkpoint").mkdir(parents=True)
+        (workdir / "hf-resume" / "checkpoint" / "model.safetensors").write_bytes(b"x" * (2 * size))
+        for step in (2, 3):
+            session.step = step
+            session.save("periodic")
+        kept = checkpoint.list_valid(workdir / "checkpoints")
+        assert [c.step for c in kept] == [3, 2]
+        assert sum(c.nbytes() for c in kept) + 2 * size <= 4.5 * size
+    finally:
+        session.clock.restore_signal_handlers()
+
+
+def test_make_bench_reports_the_session_api_overhead(tmp_path, capsys):
+    """bench/run.py runs bench_byo like the other benches: flat byo_* figures, a target, a printed line."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_run", REPO / "bench" / "run.py")
+    bench_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_run)
+    assert "byo" in bench_run.BENCHES
+    bench_run.main(["--only", "byo", "--quick", "--out", str(tmp_path / "results.json")])
+    figures = json.loads((tmp_path / "results.json").read_text())["figures"]
+    assert figures["byo_target_overhead"] == 1.03 and figures["byo_session_over_plain"] > 0
+    assert "byo_meets_target" in figures and "Session API overhead" in capsys.readouterr().out
+
+
+def test_hf_callback_refuses_an_iterable_train_set(tmp_path):
+    """A stream cannot be skipped to a step, so a resumed session would not see the batches it should (HF #26413)."""
+    from torch.utils.data import DataLoader, IterableDataset
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    import relay
+    from relay.errors import InputError
+    from relay.integrations.hf import RelayCallback
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(100))
+
+    session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
+    try:
+        callback = RelayCallback(session)
+        callback.restore()
+        args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=10, report_to=[], use_cpu=True)
+        with pytest.raises(InputError) as err:
+            callback.on_train_begin(args, TrainerState(), TrainerControl(), model=None,
+                                    train_dataloader=DataLoader(Stream(), batch_size=2))
+        assert str(err.value).startswith("train_dataset: an IterableDataset cannot resume exactly")
+        assert "\n" not in str(err.value)
+    finally:
+        session.clock.restore_signal_handlers()
+
+
+def test_session_batch_larger_than_the_data_names_batch_size(tmp_path):
+    import torch
+
+    import relay
+    from relay.errors import InputError
+
+    session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
+    try:
+        session.register(model=torch.nn.Linear(2, 2))
+        session.restore()
+        with pytest.raises(InputError, match=r"^batch_size \(32\) is larger than the training set \(10 samples\)$"):
+            session.batch_indices(10, 32)
     finally:
         session.clock.restore_signal_handlers()

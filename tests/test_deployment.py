@@ -126,6 +126,19 @@ def run_cli(args: list, env: dict, timeout: float) -> subprocess.CompletedProces
     return subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
+def test_byo_demo_deployment_is_declared_like_the_price_demo():
+    """Cheap (no server): `prefect deployment run 'relay/byo-plain-demo'` relays examples/byo-plain the way
+    'relay/price-model-demo' relays the price model (its run through a real server is this file's other test's)."""
+    from relay import spec as spec_mod
+
+    deployments = {d["name"]: d for d in yaml.safe_load((REPO / "deploy" / "prefect.yaml").read_text())["deployments"]}
+    byo, demo = deployments["byo-plain-demo"], deployments["price-model-demo"]
+    assert byo["entrypoint"] == demo["entrypoint"] and byo["work_pool"] == demo["work_pool"]
+    assert {k: v for k, v in byo["parameters"].items() if k != "spec"} == \
+        {k: v for k, v in demo["parameters"].items() if k != "spec"}
+    assert spec_mod.load(REPO / byo["parameters"]["spec"]).code.entry.startswith("train.py")
+
+
 def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
     t0 = time.monotonic()
     key = secrets.token_hex(16)
@@ -162,7 +175,8 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         assert secret.wait(60) == 0, procs.tails()
         deployments = {d["name"]: d for d in api_post(api_url, "/deployments/filter", {})}
-        assert set(deployments) == {"price-model-demo", "price-model-kaggle", "price-model-tick", "relays-kaggle", "relays-tick"}
+        assert set(deployments) == {"price-model-demo", "byo-plain-demo", "price-model-kaggle", "price-model-tick",
+                                    "relays-kaggle", "relays-tick"}
         assert all(d["work_pool_name"] == "relay-pool" for d in deployments.values())
         tick = deployments["price-model-tick"]
         assert tick["parameters"]["mode"] == "tick"

@@ -19,6 +19,7 @@ batches (transformers #11284), which is exact for map-style datasets but O(steps
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -59,6 +60,7 @@ class RelayCallback(TrainerCallback):
         self.session = session
         self.folder = CheckpointFolder(session.workdir / "hf-resume" / "checkpoint")
         session.register(hf_checkpoint=self.folder)
+        self._save_started: Optional[float] = None
 
     def restore(self) -> Optional[str]:
         """Restore the session; the unpacked checkpoint for `trainer.train(resume_from_checkpoint=...)`."""
@@ -76,6 +78,10 @@ class RelayCallback(TrainerCallback):
         if args.ignore_data_skip:
             raise InputError("TrainingArguments.ignore_data_skip=True: a resumed session would train on the first"
                              " batches again; leave it False")
+        dataset = getattr(kwargs.get("train_dataloader"), "dataset", None)
+        if isinstance(dataset, torch.utils.data.IterableDataset):  # HF datasets' streaming ones included
+            raise InputError("train_dataset: an IterableDataset cannot resume exactly (the Trainer cannot skip a"
+                             " stream to a step: transformers #26413); use a map-style Dataset")
         if args.max_steps != self.session.total_steps:
             raise InputError(f"TrainingArguments.max_steps={args.max_steps}: set it to session.total_steps"
                              f" ({self.session.total_steps}) so every session agrees on the schedule")
@@ -89,12 +95,20 @@ class RelayCallback(TrainerCallback):
         if self.session.should_stop() or self.session.insurance_due():
             control.should_save = True
             control.should_training_stop = self.session.stop_reason is not None
+        # The Trainer writes checkpoint-N before on_save: the save the clock plans for starts here.
+        self._save_started = time.perf_counter() if control.should_save else None
+        return control
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if self._save_started is not None:  # an eval due at this step runs between step end and save
+            self._save_started = time.perf_counter()
         return control
 
     def on_save(self, args, state, control, **kwargs):
         self.folder.source = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         reason = self.session.stop_reason or "periodic"
-        self.session.save(reason)
+        self.session.save(reason, started=self._save_started)
+        self._save_started = None
         shutil.rmtree(self.folder.source, ignore_errors=True)  # the relay's copy is the checkpoint now
         self.folder.source = None
         return control

@@ -17,6 +17,7 @@ For an exact data order use `session.batch_sampler(...)` in train_dataloader (a 
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import lightning.pytorch as pl
@@ -79,10 +80,11 @@ class RelayLightningCallback(pl.Callback):
     def _save(self, trainer, reason: str) -> None:
         path = self.session.workdir / "lightning-save"
         path.mkdir(exist_ok=True)
+        started = time.perf_counter()  # the clock plans the final save with the Trainer's write included
         trainer.save_checkpoint(path / CKPT_NAME)
         self.folder.source = path
         try:
-            self.session.save(reason)
+            self.session.save(reason, started=started)
         finally:
             (path / CKPT_NAME).unlink(missing_ok=True)
             self.folder.source = None

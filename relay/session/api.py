@@ -188,7 +188,7 @@ class Session:
         api_distributed.rank_batch(self.world, batch_size)
         s = self._schedule
         if s is None or (s.n_samples, s.effective_batch, s.seed) != (n_samples, batch_size, seed):
-            self._schedule = s = data.StepSchedule(n_samples, batch_size, seed)
+            self._schedule = s = data.StepSchedule(n_samples, batch_size, seed, setting="batch_size")
         return data.rank_indices(s, self.step, self.world.rank, self.world.size)
 
     def batches(self, n_samples: int, batch_size: int, seed: Optional[int] = None) -> Iterator[list[int]]:
@@ -274,11 +274,12 @@ class Session:
             f.write(json.dumps(record) + "\n")
 
     # -- saving -----------------------------------------------------------------------------------------
-    def save(self, reason: str = "manual") -> Optional[checkpoint.Checkpoint]:
+    def save(self, reason: str = "manual", started: Optional[float] = None) -> Optional[checkpoint.Checkpoint]:
         """An atomic checkpoint of the registered objects, the RNGs and the relay's bookkeeping. With several
         processes every rank calls it: rank 0 writes it, with every rank's RNG (`rng_ranks`), while the
-        others wait at a barrier and get None."""
-        t0 = time.perf_counter()
+        others wait at a barrier and get None. `started` (time.perf_counter()): when a trainer began writing
+        its own checkpoint that this one packs; the clock plans the final save with both phases."""
+        t0 = time.perf_counter() if started is None else started
         self._update_record(reason)
         self._book.update(global_step=self.step, threads=torch.get_num_threads())
         rngs = distributed.gather(self.world, rng_state(self._device()))
@@ -293,7 +294,8 @@ class Session:
                                    meta={"run_id": self.run_id, "code_version": code_version(), "reason": reason,
                                          "epoch": self.epoch, "best": self._book.get("best")},
                                    disk_budget_bytes=int(float(c["disk_budget_gb"]) * 1e9),
-                                   keep_last=int(c["keep_last"]), digest=c["digest"])
+                                   keep_last=int(c["keep_last"]), digest=c["digest"],
+                                   besides_bytes=self._besides(reason))
         seconds = time.perf_counter() - t0
         self.clock.record_save(seconds)
         self._record["save_seconds"] = round(seconds, 3)
@@ -355,6 +357,16 @@ class Session:
         model = self._model()
         p = next(model.parameters(), None) if model is not None else None
         return p.device if p is not None else torch.device("cpu")
+
+    def _besides(self, reason: str) -> int:
+        """What shares the 20 GB output with the checkpoints (as relay.session.run counts it): everything else in
+        the workdir (the integrations' hf-resume/ and lightning-resume/ copies, a Trainer's output folder, the
+        export), and at the final save of a finished run the export about to be written."""
+        used = checkpoint.bytes_besides(self.workdir, self.workdir / "checkpoints")
+        model = self._model()
+        if reason == "done" and model is not None:
+            used += sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        return used
 
     def _carry_metrics(self) -> None:
         """A fresh kernel workdir starts with the run's metrics so far (the loss curve spans all sessions)."""

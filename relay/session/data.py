@@ -8,7 +8,7 @@ never changes, so an OOM back-off that halves the micro-batch keeps the same sam
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -22,11 +22,12 @@ class StepSchedule:
     n_samples: int
     effective_batch: int
     seed: int
+    setting: str = field(default="optim.micro_batch x optim.grad_accum", compare=False)  # named in the error
 
     def __post_init__(self):
         if self.n_samples < self.effective_batch:
             raise InputError(  # a user-fixable setting: the CLI prints one line and exits 2
-                f"optim.micro_batch x optim.grad_accum ({self.effective_batch}) is larger than the"
+                f"{self.setting} ({self.effective_batch}) is larger than the"
                 f" training set ({self.n_samples} samples)"
             )
 
