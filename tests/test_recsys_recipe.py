@@ -134,3 +134,43 @@ def test_als_gives_a_row_with_no_training_ratings_zero_factors_not_a_singular_so
     recipe._solve(target, fixed, m, m.data)
     assert torch.equal(target[1], torch.zeros(2)) and torch.isfinite(target).all()
     assert target[0, 0] == pytest.approx(1.0 / 1.2) and target[2, 1] == pytest.approx(3.0 / 1.1)
+
+
+# ---------------------------------------------------------------------------------- processes per session
+def test_a_fit_only_recipe_runs_in_one_process_on_a_t4_x2(monkeypatch, capsys):
+    """micro-batch 1 x 1 over the 2 processes of `devices: auto` on a T4 x2 stopped the run (exit 2): closed-form
+    fits have no batch to split, so the recsys recipe takes one process; a gradient recipe still takes both."""
+    from relay import spec as spec_mod
+    from relay.cli import main
+    from relay.session import distributed
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a T4 x2 on this CPU machine
+    recsys, temporal = (spec_mod.load(REPO / f"examples/{n}-t4.yaml") for n in ("recsys", "temporal"))
+    assert distributed.world_size_for(recsys.session.devices, "cuda", recsys.recipe_params().fit_only) == 1
+    assert distributed.world_size_for(temporal.session.devices, "cuda", temporal.recipe_params().fit_only) == 2
+    assert main(["plan", str(REPO / "examples/recsys-t4.yaml"), "--step-seconds", "60"]) == 0
+    assert "processes per session: 1 (session.devices: auto, recipe recsys is made only of fit stages)" in (
+        capsys.readouterr().out)
+
+
+def test_several_devices_asked_for_a_fit_only_recipe_is_a_one_line_spec_error(tmp_path):
+    from relay import spec as spec_mod
+
+    spec = yaml.safe_load((REPO / "examples/recsys-t4.yaml").read_text())
+    spec["session"]["devices"] = 2
+    path = write_spec(tmp_path, spec)
+    with pytest.raises(spec_mod.SpecError) as err:
+        spec_mod.load(path)
+    assert str(err.value) == (f"{path}: session.devices: recipe recsys is made only of closed-form fits, which run"
+                              " in one process (no batch to split); set 1 or auto (got 2)")
+
+
+@pytest.mark.parametrize("example", ["legal", "price", "recsys", "temporal", "vqa"])
+def test_params_fit_only_matches_the_recipes_stages(example, tmp_path):
+    """`fit_only` is declared torch-free on the Params class; it must say what the recipe's stages say."""
+    from relay import recipes
+    from relay import spec as spec_mod
+
+    spec = spec_mod.load(REPO / f"examples/{example}-tiny.yaml")
+    recipe = recipes.get(spec.recipe)(spec.recipe_params(), data_dir=tmp_path, cache_dirs=[tmp_path], seed=0)
+    assert spec.recipe_params().fit_only == all(s.fit for s in recipe.stages())

@@ -83,7 +83,11 @@ def run_session(
     workdir = Path(workdir)
     _check_workdir(workdir)
     args = (spec, workdir, budget, deadline, resume_from, data_dir, feature_dirs, run_id)
-    world_size = distributed.world_size_for(spec.session.devices, pick_device().type)
+    fit_only = spec.recipe_params().fit_only
+    world_size = distributed.world_size_for(spec.session.devices, pick_device().type, fit_only)
+    if fit_only and spec.session.devices == "auto":
+        log.info("recipe %s is made only of fit stages: one process, whatever session.devices: auto finds",
+                 spec.recipe)
     if world_size > 1:
         started = time.time()
         distributed.launch(_rank_main, world_size, (started, *args))
