@@ -56,6 +56,11 @@ def test_reader_keeps_needed_columns_compact_and_csr_matches_the_ratings(data_di
     ("userId,movieId,rating\n1,2,4\n1,3,\n", r"ratings\.csv: line 3: rating is missing \(NaN\)"),
     ("userId,movieId,rating\n1,2,4\n2,3,NaN\n", r"ratings\.csv: line 3: rating is missing \(NaN\)"),
     ("userId,movieId,rating\n", r"ratings\.csv: no ratings"),
+    ("userId,movieId,rating\n1,2,4\n1,3,inf\n", r"ratings\.csv: line 3: rating must be finite \(got inf\)"),
+    ("userId,movieId,rating\n1,2,4\n1,3,-Infinity\n", r"ratings\.csv: line 3: rating must be finite \(got -inf\)"),
+    ("userId,movieId,rating\n1,2,4\n1,3,4,9\n", r"ratings\.csv: line 3: 4 fields, expected 3 \(the header's\)"),
+    ("userId,movieId,rating\n1,2,4\n1,3\n", r"ratings\.csv: line 3: 2 fields, expected 3 \(the header's\)"),
+    ("userId,movieId,rating,timestamp\r\n1,2,4,5\r\n\r\n1,3,4", r"ratings\.csv: line 4: 3 fields, expected 4"),
 ])
 def test_bad_rating_files_are_one_line_errors_naming_the_line(tmp_path, content, message):
     (tmp_path / "ratings.csv").write_text(content)

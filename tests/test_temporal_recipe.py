@@ -67,6 +67,10 @@ def test_features_only_look_back_and_the_target_looks_ahead(data_dir):
     ("timestamp,close,volume\n1,100,5\n2,abc,5\n", r"bars\.csv: line 3: close must be a number \(got 'abc'\)"),
     ("timestamp,close,volume\n1,100,5\n2,101,5\n3,,5\n", r"bars\.csv: line 4: close is missing \(NaN\)"),
     ("timestamp,close,volume\n1,100,5\n2,NaN,5\n", r"bars\.csv: line 3: close is missing \(NaN\)"),
+    ("timestamp,close,volume\n1,100,5\n2,inf,5\n", r"bars\.csv: line 3: close must be finite \(got 'inf'\)"),
+    ("timestamp,close,volume\n1,100,5\n2,101,1e400\n", r"bars\.csv: line 3: volume must be finite \(got '1e400'\)"),
+    ("timestamp,close,volume\n1,100,5\n2,101,5,7\n", r"bars\.csv: line 3: 4 fields, expected 3 \(the header's\)"),
+    ("timestamp,close,volume\n1,100,5\n2,101\n", r"bars\.csv: line 3: 2 fields, expected 3 \(the header's\)"),
 ])
 def test_bad_bar_files_are_one_line_errors_naming_the_line(tmp_path, content, message):
     (tmp_path / "bars.csv").write_text(content)
