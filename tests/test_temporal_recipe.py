@@ -119,6 +119,15 @@ def test_models_train_one_after_another_and_each_learns(reference):
     assert checkpoint.weights_sha256(model.state_dict()) == final["weights_sha256"]
 
 
+def test_no_best_checkpoint_compares_one_models_mse_with_anothers(reference):
+    """keep_best (on by default) is not applied to a recipe of several models: the transformer's first
+    evaluation must not be ranked against the trained LSTM's, so no best is kept and the export is final."""
+    _, workdir, final = reference
+    assert final["best"] is None
+    assert all(c.manifest["reason"] != "best" for c in checkpoint.list_valid(workdir / "checkpoints"))
+    assert len(checkpoint.list_valid(workdir / "checkpoints")) <= 2  # keep_last only, no best spared
+
+
 def test_sessions_ending_between_models_and_mid_model_resume_bit_identical(reference, relay_cli, tmp_path):
     spec, _, ref = reference
     total = ref["total_steps"]

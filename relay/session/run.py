@@ -237,7 +237,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
             meta={"run_id": run_id, "code_version": code_version(), "reason": reason,
                   "epoch": schedule.epoch_of(max(0, state.global_step - 1)), "best": state.best},
             disk_budget_bytes=int(spec.checkpoints.disk_budget_gb * 1e9), keep_last=spec.checkpoints.keep_last,
-            keep_best_mode=recipe.metric_mode if spec.checkpoints.keep_best else None,
+            keep_best_mode=recipe.metric_mode if spec.checkpoints.keep_best and trainer.track_best else None,
             digest=spec.checkpoints.digest, besides_bytes=_besides(workdir, ckpt_root, model, reason),
             background=background, on_commit=committed)
         del resume_state
