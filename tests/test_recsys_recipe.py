@@ -180,3 +180,21 @@ def test_params_fit_only_matches_the_recipes_stages(example, tmp_path):
     spec = spec_mod.load(REPO / f"examples/{example}-tiny.yaml")
     recipe = recipes.get(spec.recipe)(spec.recipe_params(), data_dir=tmp_path, cache_dirs=[tmp_path], seed=0)
     assert spec.recipe_params().fit_only == all(s.fit for s in recipe.stages())
+
+
+def test_item_knn_similarity_accumulated_in_user_batches_equals_one_batch(data_dir):
+    """_fit_knn sums dense user slices (500 users by default) into the item x item similarity instead of one
+    dense users x items matrix: the batching must not change the neighbours (600 users: 500 + 100, 7 x 86)."""
+    def knn(user_batch):
+        recipe = RecsysRecipe(RecsysParams(max_users=None, knn_user_batch=user_batch), data_dir=data_dir,
+                              cache_dirs=[], seed=0)
+        recipe.prepare()
+        model = recipe.build_model()
+        recipe._fit_knn(model)  # on CPU here; on a GPU only under gpu_max_elements
+        return model.knn_sim, model.knn_index
+
+    one_sim, one_index = knn(10_000)
+    for user_batch in (500, 7):
+        sim, index = knn(user_batch)
+        assert torch.allclose(sim, one_sim, atol=1e-5)
+        assert (index == one_index).float().mean() > 0.99  # only near-ties may swap places
