@@ -151,9 +151,9 @@ def test_a_fit_only_recipe_runs_in_one_process_on_a_t4_x2(monkeypatch, capsys):
     from relay.session import distributed
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a T4 x2 on this CPU machine
-    recsys, temporal = (spec_mod.load(REPO / f"examples/{n}-t4.yaml") for n in ("recsys", "temporal"))
+    recsys, legal = (spec_mod.load(REPO / f"examples/{n}-t4.yaml") for n in ("recsys", "legal"))
     assert distributed.world_size_for(recsys.session.devices, "cuda", recsys.recipe_params().fit_only) == 1
-    assert distributed.world_size_for(temporal.session.devices, "cuda", temporal.recipe_params().fit_only) == 2
+    assert distributed.world_size_for(legal.session.devices, "cuda", legal.recipe_params().fit_only) == 2
     assert main(["plan", str(REPO / "examples/recsys-t4.yaml"), "--step-seconds", "60"]) == 0
     assert "processes per session: 1 (session.devices: auto, recipe recsys is made only of fit stages)" in (
         capsys.readouterr().out)
