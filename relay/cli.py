@@ -117,7 +117,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise InputError(f"relay plan: {err} (see relay plan --help)") from None
     print(planner.format_plan(plan))
     procs = spec.session.devices if spec.session.devices != "auto" else GPUS_PER_SHAPE.get(spec.kaggle.machine_shape, 1)
-    print(f"processes per session: {procs} (session.devices: {spec.session.devices}, machine {spec.kaggle.machine_shape});"
+    fit_only = spec.recipe is not None and spec.recipe_params().fit_only
+    why = f"recipe {spec.recipe} is made only of fit stages" if fit_only else f"machine {spec.kaggle.machine_shape}"
+    print(f"processes per session: {1 if fit_only else procs} (session.devices: {spec.session.devices}, {why});"
           " step times are of one optimizer step with all of them")
     return 0
 

@@ -260,6 +260,9 @@ class RunSpec(_Section):
             params.check_spec(self)
         except ValueError as err:
             raise SpecError(str(err)) from None
+        if params.fit_only and self.session.devices not in ("auto", 1):
+            raise SpecError(f"session.devices: recipe {self.recipe} is made only of closed-form fits, which run in"
+                            f" one process (no batch to split); set 1 or auto (got {self.session.devices})")
         return self
 
     @model_validator(mode="after")

@@ -428,3 +428,21 @@ def test_stop_mid_save_seam_leaves_a_torn_save_to_kill(tmp_path):
     assert proc.wait() == -signal.SIGKILL
     found = ck.load_latest(tmp_path)
     assert found[0].step == 2 and torch.equal(found[1]["w"], torch.full((10,), 2.0))
+
+
+def test_with_keep_best_the_best_checkpoints_weights_are_exported_beside_the_final_ones(tmp_path):
+    """export/ is the final model (its hash is weights_sha256); export/best/ holds the weights that scored the
+    run's best metric, as the seeds that kept "the best by validation F1" shipped."""
+    from safetensors.torch import load_file
+
+    spec = load_toy_spec(optim={"epochs": None, "max_steps": 6, "eval_every_steps": 1, "lr": 0.5},
+                         checkpoints={"keep_best": True, "keep_last": 1})
+    progress = run_session(spec, tmp_path, budget=None)
+    best = [c for c in ck.list_valid(tmp_path / "checkpoints") if c.step == progress["best"]["step"]]
+    expected = torch.load(best[0].path / "state.pt", weights_only=True)["model"]
+    tensors = load_file(tmp_path / "export" / "best" / "model.safetensors")
+    assert set(tensors) == set(expected) and all(torch.equal(tensors[k], expected[k]) for k in expected)
+    final = load_file(tmp_path / "export" / "model.safetensors")
+    assert ck.weights_sha256(final) == progress["weights_sha256"]
+    # lr 0.5 makes the toy diverge after its first step: the best is not the final model
+    assert progress["best"]["step"] < 6 and not all(torch.equal(final[k], expected[k]) for k in expected)

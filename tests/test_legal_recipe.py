@@ -219,5 +219,6 @@ def test_split_into_sessions_at_random_points_ends_bit_identical(relay_cli, data
     assert final["weights_sha256"] == reference["weights_sha256"]
     assert final["best"] == reference["best"] and final["metrics"] == reference["metrics"]
     assert (tmp_path / "split/export/model.safetensors").is_file()
+    assert (tmp_path / "split/export/best/model.safetensors").is_file()  # the best-F1 weights beside the final
     best = [c for c in checkpoint.list_valid(tmp_path / "split/checkpoints") if c.step == final["best"]["step"]]
     assert best, "the best checkpoint by macro-F1 is kept beside the latest"

@@ -56,6 +56,11 @@ def test_reader_keeps_needed_columns_compact_and_csr_matches_the_ratings(data_di
     ("userId,movieId,rating\n1,2,4\n1,3,\n", r"ratings\.csv: line 3: rating is missing \(NaN\)"),
     ("userId,movieId,rating\n1,2,4\n2,3,NaN\n", r"ratings\.csv: line 3: rating is missing \(NaN\)"),
     ("userId,movieId,rating\n", r"ratings\.csv: no ratings"),
+    ("userId,movieId,rating\n1,2,4\n1,3,inf\n", r"ratings\.csv: line 3: rating must be finite \(got inf\)"),
+    ("userId,movieId,rating\n1,2,4\n1,3,-Infinity\n", r"ratings\.csv: line 3: rating must be finite \(got -inf\)"),
+    ("userId,movieId,rating\n1,2,4\n1,3,4,9\n", r"ratings\.csv: line 3: 4 fields, expected 3 \(the header's\)"),
+    ("userId,movieId,rating\n1,2,4\n1,3\n", r"ratings\.csv: line 3: 2 fields, expected 3 \(the header's\)"),
+    ("userId,movieId,rating,timestamp\r\n1,2,4,5\r\n\r\n1,3,4", r"ratings\.csv: line 4: 3 fields, expected 4"),
 ])
 def test_bad_rating_files_are_one_line_errors_naming_the_line(tmp_path, content, message):
     (tmp_path / "ratings.csv").write_text(content)
@@ -110,6 +115,7 @@ def test_models_beat_the_user_mean_baseline(reference):
     assert evals[1]["precision_at_10"] > 0.02  # ~7x a random pick of the unseen items here
     assert [evals[s]["rmse_als"] for s in (3, 5, 7)] == sorted([evals[s]["rmse_als"] for s in (3, 5, 7)], reverse=True)
     assert final["metrics"]["peak_rss_mb"] > 0
+    assert final["best"] is None  # SVD, item-KNN and ALS RMSEs are not one model's to rank (keep_best not applied)
     model = load_exported(workdir / "export")
     assert checkpoint.weights_sha256(model.state_dict()) == final["weights_sha256"]
 
@@ -134,3 +140,61 @@ def test_als_gives_a_row_with_no_training_ratings_zero_factors_not_a_singular_so
     recipe._solve(target, fixed, m, m.data)
     assert torch.equal(target[1], torch.zeros(2)) and torch.isfinite(target).all()
     assert target[0, 0] == pytest.approx(1.0 / 1.2) and target[2, 1] == pytest.approx(3.0 / 1.1)
+
+
+# ---------------------------------------------------------------------------------- processes per session
+def test_a_fit_only_recipe_runs_in_one_process_on_a_t4_x2(monkeypatch, capsys):
+    """micro-batch 1 x 1 over the 2 processes of `devices: auto` on a T4 x2 stopped the run (exit 2): closed-form
+    fits have no batch to split, so the recsys recipe takes one process; a gradient recipe still takes both."""
+    from relay import spec as spec_mod
+    from relay.cli import main
+    from relay.session import distributed
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a T4 x2 on this CPU machine
+    recsys, legal = (spec_mod.load(REPO / f"examples/{n}-t4.yaml") for n in ("recsys", "legal"))
+    assert distributed.world_size_for(recsys.session.devices, "cuda", recsys.recipe_params().fit_only) == 1
+    assert distributed.world_size_for(legal.session.devices, "cuda", legal.recipe_params().fit_only) == 2
+    assert main(["plan", str(REPO / "examples/recsys-t4.yaml"), "--step-seconds", "60"]) == 0
+    assert "processes per session: 1 (session.devices: auto, recipe recsys is made only of fit stages)" in (
+        capsys.readouterr().out)
+
+
+def test_several_devices_asked_for_a_fit_only_recipe_is_a_one_line_spec_error(tmp_path):
+    from relay import spec as spec_mod
+
+    spec = yaml.safe_load((REPO / "examples/recsys-t4.yaml").read_text())
+    spec["session"]["devices"] = 2
+    path = write_spec(tmp_path, spec)
+    with pytest.raises(spec_mod.SpecError) as err:
+        spec_mod.load(path)
+    assert str(err.value) == (f"{path}: session.devices: recipe recsys is made only of closed-form fits, which run"
+                              " in one process (no batch to split); set 1 or auto (got 2)")
+
+
+@pytest.mark.parametrize("example", ["legal", "price", "recsys", "temporal", "vqa"])
+def test_params_fit_only_matches_the_recipes_stages(example, tmp_path):
+    """`fit_only` is declared torch-free on the Params class; it must say what the recipe's stages say."""
+    from relay import recipes
+    from relay import spec as spec_mod
+
+    spec = spec_mod.load(REPO / f"examples/{example}-tiny.yaml")
+    recipe = recipes.get(spec.recipe)(spec.recipe_params(), data_dir=tmp_path, cache_dirs=[tmp_path], seed=0)
+    assert spec.recipe_params().fit_only == all(s.fit for s in recipe.stages())
+
+
+def test_item_knn_similarity_accumulated_in_user_batches_equals_one_batch(data_dir):
+    """_fit_knn sums dense user slices (500 users by default) into the item x item similarity instead of one
+    dense users x items matrix: the batching must not change the neighbours (600 users: 500 + 100, 7 x 86)."""
+    def knn(user_batch):
+        recipe = RecsysRecipe(RecsysParams(max_users=None, knn_user_batch=user_batch), data_dir=data_dir,
+                              cache_dirs=[], seed=0)
+        recipe.prepare()
+        model = recipe.build_model()
+        recipe._fit_knn(model)  # on CPU here; on a GPU only under gpu_max_elements
+        return model.knn_sim, model.knn_index
+
+    one_sim, one_index = knn(10_000)
+    for user_batch in (500, 7):
+        sim, index = knn(user_batch)
+        assert torch.allclose(sim, one_sim, atol=1e-5)
+        assert (index == one_index).float().mean() > 0.99  # only near-ties may swap places

@@ -67,6 +67,10 @@ def test_features_only_look_back_and_the_target_looks_ahead(data_dir):
     ("timestamp,close,volume\n1,100,5\n2,abc,5\n", r"bars\.csv: line 3: close must be a number \(got 'abc'\)"),
     ("timestamp,close,volume\n1,100,5\n2,101,5\n3,,5\n", r"bars\.csv: line 4: close is missing \(NaN\)"),
     ("timestamp,close,volume\n1,100,5\n2,NaN,5\n", r"bars\.csv: line 3: close is missing \(NaN\)"),
+    ("timestamp,close,volume\n1,100,5\n2,inf,5\n", r"bars\.csv: line 3: close must be finite \(got 'inf'\)"),
+    ("timestamp,close,volume\n1,100,5\n2,101,1e400\n", r"bars\.csv: line 3: volume must be finite \(got '1e400'\)"),
+    ("timestamp,close,volume\n1,100,5\n2,101,5,7\n", r"bars\.csv: line 3: 4 fields, expected 3 \(the header's\)"),
+    ("timestamp,close,volume\n1,100,5\n2,101\n", r"bars\.csv: line 3: 2 fields, expected 3 \(the header's\)"),
 ])
 def test_bad_bar_files_are_one_line_errors_naming_the_line(tmp_path, content, message):
     (tmp_path / "bars.csv").write_text(content)
@@ -113,6 +117,15 @@ def test_models_train_one_after_another_and_each_learns(reference):
     assert len(state["optimizer"]["state"]) == n_mlp
     model = load_exported(workdir / "export")
     assert checkpoint.weights_sha256(model.state_dict()) == final["weights_sha256"]
+
+
+def test_no_best_checkpoint_compares_one_models_mse_with_anothers(reference):
+    """keep_best (on by default) is not applied to a recipe of several models: the transformer's first
+    evaluation must not be ranked against the trained LSTM's, so no best is kept and the export is final."""
+    _, workdir, final = reference
+    assert final["best"] is None
+    assert all(c.manifest["reason"] != "best" for c in checkpoint.list_valid(workdir / "checkpoints"))
+    assert len(checkpoint.list_valid(workdir / "checkpoints")) <= 2  # keep_last only, no best spared
 
 
 def test_sessions_ending_between_models_and_mid_model_resume_bit_identical(reference, relay_cli, tmp_path):

@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable
 
 import numpy as np
 import pyarrow as pa
 import torch
 import torch.nn.functional as F
-from pydantic import Field, model_validator
 from torch import nn
 from torch.utils.data import Dataset
 

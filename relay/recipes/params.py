@@ -6,7 +6,7 @@ it. Each recipe module takes its Params class from here; a user recipe (`pkg.mod
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -15,6 +15,11 @@ class RecipeParams(BaseModel):
     """Base for each recipe's own validated parameters (the spec's `params:` section)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # True for a recipe made only of fit stages (closed-form fits, ALS: every Stage has fit=True): a fit sees
+    # the whole training set at once, so there is no batch to split over processes and it runs in one process
+    # whatever `session.devices: auto` finds. Declared here, without torch, so the spec check and `relay plan`
+    # know it; tests check it against the recipe's stages().
+    fit_only: ClassVar[bool] = False
 
     def check_spec(self, spec: Any) -> None:
         """Cross-checks between these params and the rest of the spec (e.g. a curriculum covering optim.epochs).
@@ -119,6 +124,8 @@ class TemporalParams(RecipeParams):
 # ------------------------------------------------------------------------------------------------ recsys
 
 class RecsysParams(RecipeParams):
+    fit_only: ClassVar[bool] = True  # SVD, item-KNN, ALS iterations
+
     data_dir: str | None = Field(None, description="folder with the ratings; the runtime's --data overrides it")
     ratings_file: str = Field("ratings.csv", description="CSV: userId, movieId, rating[, timestamp]")
     max_users: int | None = Field(5000, ge=1, description="user cap: users beyond it are sampled away (seeded)")

@@ -23,7 +23,6 @@ from typing import Iterable
 
 import numpy as np
 import torch
-from pydantic import Field
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from relay.errors import InputError
-from relay.inputs import OneLineArgumentParser
+from relay.inputs import OneLineArgumentParser, check_field_counts
 
 COLUMNS = ("userId", "movieId", "rating")
 DTYPES = {"userId": np.int32, "movieId": np.int32, "rating": np.float32}
@@ -71,6 +71,7 @@ def read_ratings(path: Path) -> pd.DataFrame:
     missing = [c for c in COLUMNS if c not in header]
     if missing:
         raise InputError(f"{path}: missing column(s) {', '.join(missing)}; expected {', '.join(COLUMNS)}")
+    check_field_counts(path)
     try:
         frame = pd.read_csv(path, usecols=list(COLUMNS), dtype=DTYPES)
     except (ValueError, OverflowError):
@@ -79,6 +80,10 @@ def read_ratings(path: Path) -> pd.DataFrame:
     nan = frame["rating"].isna().to_numpy()
     if nan.any():
         raise InputError(f"{path}: line {int(nan.argmax()) + 2}: rating is missing (NaN); every row needs one")
+    infinite = ~np.isfinite(frame["rating"].to_numpy())  # "inf" parses as a float and would reach the SVD
+    if infinite.any():
+        row = int(infinite.argmax())
+        raise InputError(f"{path}: line {row + 2}: rating must be finite (got {frame['rating'].iloc[row]})")
     if frame.empty:
         raise InputError(f"{path}: no ratings (expected at least one row)")
     return frame

@@ -12,20 +12,19 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Iterable
 
 import numpy as np
 import pyarrow as pa
 import torch
 import torch.nn.functional as F
-from pydantic import Field, field_validator, model_validator
 from torch import nn
 from torch.utils.data import Dataset
 
 from relay.errors import InputError
 from relay.recipes import temporal_data
 from relay.recipes.base import Recipe
-from relay.recipes.params import ModelName, TemporalParams
+from relay.recipes.params import TemporalParams
 from relay.session.features import FeatureCache, source_version
 from relay.session.stages import Stage
 

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from relay.errors import InputError
-from relay.inputs import OneLineArgumentParser
+from relay.inputs import OneLineArgumentParser, check_field_counts
 
 COLUMNS = ("timestamp", "close", "volume")
 TIMEFRAMES = (1, 5, 15, 60)
@@ -32,6 +32,7 @@ def read_bars(path: Path) -> pd.DataFrame:
     missing = [c for c in COLUMNS if c not in frame.columns]
     if missing:
         raise InputError(f"{path}: missing column(s) {', '.join(missing)}; expected {', '.join(COLUMNS)}")
+    check_field_counts(path)
     for column in ("close", "volume"):
         text = frame[column].str.strip()
         values = pd.to_numeric(text, errors="coerce")
@@ -42,6 +43,10 @@ def read_bars(path: Path) -> pd.DataFrame:
         if values.isna().any():
             row = int(values.isna().to_numpy().argmax())
             raise InputError(f"{path}: line {row + 2}: {column} must be a number (got {frame[column].iloc[row]!r})")
+        infinite = ~np.isfinite(values.to_numpy())  # "inf" parses as a number; its log return is not one
+        if infinite.any():
+            row = int(infinite.argmax())
+            raise InputError(f"{path}: line {row + 2}: {column} must be finite (got {frame[column].iloc[row]!r})")
         if column == "close" and (values <= 0).any():
             row = int((values <= 0).to_numpy().argmax())
             raise InputError(f"{path}: line {row + 2}: close must be > 0 (got {frame[column].iloc[row]!r})")

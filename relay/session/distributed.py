@@ -54,8 +54,11 @@ class World:
 SINGLE = World()
 
 
-def world_size_for(devices: Union[str, int], device_type: str) -> int:
-    """`session.devices`: "auto" is every visible GPU (1 on CPU); a number is that many processes."""
+def world_size_for(devices: Union[str, int], device_type: str, fit_only: bool = False) -> int:
+    """`session.devices`: "auto" is every visible GPU (1 on CPU); a number is that many processes. A recipe made
+    only of fit stages runs in one process (the spec refuses a number above 1 for it)."""
+    if fit_only:
+        return 1
     if devices == "auto":
         return max(1, torch.cuda.device_count()) if device_type == "cuda" else 1
     n = int(devices)

@@ -135,6 +135,13 @@ class Trainer:
         self.log_metrics, self._save = log_metrics, save
         self.span: Optional[stages.Span] = None
         self.spans = stages.plan(recipe.stages(), total_steps)
+        # A best checkpoint compares one metric over the run; with several stages (models trained one after
+        # another, fits) an untrained later model would be scored against a trained earlier one, so the best is
+        # not tracked and keep_best does not apply: each stage's last eval is in metrics.jsonl, the export is final.
+        self.track_best = len(self.spans) == 1
+        if spec.checkpoints.keep_best and not self.track_best and state.global_step == 0:
+            log.info("checkpoints.keep_best: not applied, recipe %s has %d stages (%s) whose %s do not compare",
+                     spec.recipe, len(self.spans), ", ".join(s.stage.name for s in self.spans), recipe.metric)
         self._enter_stage(stages.at(self.spans, state.global_step))
         self.scaler = self._new_scaler()
         self.monitor = memory.MemoryMonitor(device)
@@ -346,7 +353,7 @@ class Trainer:
             memory.free_cached(self.device)
         improved = self._eval_due(st.global_step) and self.evaluate()
         self._next_stage()  # after the eval that scores the finished stage, before any save
-        if improved and spec.checkpoints.keep_best:
+        if improved and spec.checkpoints.keep_best:  # improved only while the best is tracked
             self.save("best")
             return
 
@@ -415,7 +422,7 @@ class Trainer:
         self.log_metrics({"kind": "eval", "step": st.global_step, **metrics})
         name, mode = self.recipe.metric, self.recipe.metric_mode
         value = metrics.get(name)
-        if value is None or not math.isfinite(value):
+        if value is None or not math.isfinite(value) or not self.track_best:
             return False
         better = st.best is None or (value < st.best["value"] if mode == "min" else value > st.best["value"])
         if better:

@@ -83,7 +83,11 @@ def run_session(
     workdir = Path(workdir)
     _check_workdir(workdir)
     args = (spec, workdir, budget, deadline, resume_from, data_dir, feature_dirs, run_id)
-    world_size = distributed.world_size_for(spec.session.devices, pick_device().type)
+    fit_only = spec.recipe_params().fit_only
+    world_size = distributed.world_size_for(spec.session.devices, pick_device().type, fit_only)
+    if fit_only and spec.session.devices == "auto":
+        log.info("recipe %s is made only of fit stages: one process, whatever session.devices: auto finds",
+                 spec.recipe)
     if world_size > 1:
         started = time.time()
         distributed.launch(_rank_main, world_size, (started, *args))
@@ -114,12 +118,12 @@ def _session(world, started, spec, workdir, budget, deadline, resume_from, data_
         clock.restore_signal_handlers()
 
 
-def _besides(workdir: Path, ckpt_root: Path, model, reason: str) -> int:
+def _besides(workdir: Path, ckpt_root: Path, model, reason: str, exports: int = 1) -> int:
     """What shares the output's disk budget with the checkpoints: the cache and export already there, and
     at the final save of a finished run the export about to be written (about the weights' size)."""
     used = checkpoint.bytes_besides(workdir, ckpt_root)
-    if reason == "done":
-        used += sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    if reason == "done":  # twice with export/best/ beside the final export
+        used += exports * sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return used
 
 
@@ -219,6 +223,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
             distributed.barrier(world)
             return
         background = reason in ("periodic", "best")  # the session's last save is waited for
+        keep_best = spec.checkpoints.keep_best and trainer.track_best  # not with several stages (Trainer)
         snapshot = copy.deepcopy(state)  # training changes `state` while the commit runs
 
         def committed(ckpt: checkpoint.Checkpoint) -> None:
@@ -233,8 +238,8 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
             meta={"run_id": run_id, "code_version": code_version(), "reason": reason,
                   "epoch": schedule.epoch_of(max(0, state.global_step - 1)), "best": state.best},
             disk_budget_bytes=int(spec.checkpoints.disk_budget_gb * 1e9), keep_last=spec.checkpoints.keep_last,
-            keep_best_mode=recipe.metric_mode if spec.checkpoints.keep_best else None,
-            digest=spec.checkpoints.digest, besides_bytes=_besides(workdir, ckpt_root, model, reason),
+            keep_best_mode=recipe.metric_mode if keep_best else None, digest=spec.checkpoints.digest,
+            besides_bytes=_besides(workdir, ckpt_root, model, reason, exports=1 + keep_best),
             background=background, on_commit=committed)
         del resume_state
         if not background:
@@ -262,11 +267,28 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     if status == "done":
         checkpoint.export_atomic(workdir / "export", lambda out: recipe.export(model, out))
         recipe.predict(model, workdir / "export")
+        best = _best_weights(ckpt_root, state) if spec.checkpoints.keep_best and trainer.track_best else None
+        if best is not None:  # export/ stays the final weights (weights_sha256); export/best/ the best-metric ones
+            model.load_state_dict(best)  # the final weights are saved and hashed above
+            checkpoint.export_atomic(workdir / "export" / "best", lambda out: recipe.export(model, out))
     checkpoint.wait_for_deletions()
     progress = _write_progress(workdir, spec, state, total, schedule, checkpoint.list_valid(ckpt_root)[0],
                                status=status, reason=reason, run_id=run_id, weights=weights)
     distributed.barrier(world)  # every rank leaves together (gloo aborted a rank that shut down first)
     return progress
+
+
+def _best_weights(ckpt_root: Path, state: TrainState) -> Optional[dict]:
+    """The model weights of the checkpoint that scored the run's best metric, or None when there is none (no
+    eval) or the disk budget deleted it (that is logged)."""
+    if not state.best:
+        return None
+    for ckpt in checkpoint.list_valid(ckpt_root):
+        if ckpt.metric is not None and ckpt.step == state.best["step"]:
+            return checkpoint.load(ckpt)["model"]
+    log.warning("no export/best: the best checkpoint (step %d) was deleted to fit checkpoints.disk_budget_gb",
+                state.best["step"])
+    return None
 
 
 def _change_world(state: TrainState, world_size: int) -> None:
