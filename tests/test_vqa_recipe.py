@@ -156,14 +156,14 @@ def tight(register_recipe):
 def test_oom_ladder_walks_the_seeds_order_and_holds_across_sessions(data_dir, tmp_path, tight):
     workdir = tmp_path / "w"
     first = run_session(load(data_dir, recipe=TightMemoryVQA.name, **{"session.max_steps": 14}), workdir)
-    # micro-batch 4 -> 2 -> 1 (the pre-flight), answer length 12 -> 8 (the pre-flight at micro-batch 1),
-    # then at the first evaluation (step 12): 2 -> 1 beams, then chunks of 4.
+    # All in the pre-flight, before step 0: micro-batch 4 -> 2 -> 1, answer length 12 -> 8, then its eval
+    # batch at eval_batch x num_beams: 2 -> 1 beams, then chunks of 4.
     assert tight.ooms == ["train n=4 answer_cap=12", "train n=2 answer_cap=12", "train n=1 answer_cap=12",
                           "eval beams=2 chunk=12", "eval beams=1 chunk=12"]
     memory = [r for r in report.read_metrics(workdir / "metrics.jsonl") if r["kind"] == "memory"]
     assert [(r["rung"], r["phase"], r["step"]) for r in memory] == [
         ("micro_batch", "train", 0), ("micro_batch", "train", 0), ("answer_len", "train", 0),
-        ("num_beams", "eval", 12), ("eval_batch", "eval", 12)]
+        ("num_beams", "eval", 0), ("eval_batch", "eval", 0)]
     assert (first["micro_batch"], first["grad_accum"]) == (1, 8)  # effective batch 8 kept
     assert first["memory_rungs"] == ["answer_len", "num_beams", "eval_batch"]
     assert first["global_step"] == 14 and first["metrics"]["step"] == 12
@@ -186,6 +186,50 @@ def test_oom_with_the_ladder_exhausted_is_raised(data_dir, tmp_path, tight):
     with pytest.raises(torch.cuda.OutOfMemoryError):
         run_session(load(data_dir, recipe=TightMemoryVQA.name), tmp_path / "w")
     assert tight.ooms[-1] == "train n=1 answer_cap=8"
+
+
+def test_worst_case_batch_has_the_longest_questions_and_answers(data_dir):
+    recipe = VQAStudentRecipe(load(data_dir).recipe_params(), data_dir=data_dir, cache_dirs=[], seed=0)
+    recipe.prepare()
+    recipe.on_step(0, 0)  # ANSWER_FOCUS: answers of 2 tokens
+    items = [recipe.train_dataset()[i] for i in range(3)]
+    for cap, length in ((12, 12), (8, 8)):  # FORMAT_LEARNING's 12, or the OOM rung's cap
+        recipe.answer_cap = cap
+        with recipe.worst_case(items) as worst:
+            batch = recipe.collate(worst)
+            assert recipe.stage.name == "FORMAT_LEARNING" and recipe._full_generate
+        assert batch["question_ids"].shape == (3, 16) and batch["labels"].shape == (3, length)
+        assert (batch["labels"] != -100).all() and (batch["labels"][:, -1] == recipe.a_tokenizer.eos_token_id).all()
+        assert (batch["question_ids"][:, 0] == recipe.q_tokenizer.cls_token_id).all()
+        assert (batch["question_ids"][:, -1] == recipe.q_tokenizer.sep_token_id).all()
+        assert recipe.stage.name == "ANSWER_FOCUS" and not recipe._full_generate  # restored
+
+
+class SizedVQA(VQAStudentRecipe):
+    name = "sized-vqa"
+    last: list = []
+
+    def loss(self, model, batch):
+        SizedVQA.last.append(len(batch["row"]))
+        return super().loss(model, batch)
+
+
+def test_preflight_steps_the_optimizer_and_a_peak_over_90_percent_is_an_oom(data_dir, tmp_path, monkeypatch,
+                                                                            register_recipe):
+    """The simulated device: micro-batches above 1 fit a forward/backward but not with AdamW's state."""
+    from relay.session import loop, memory
+
+    register_recipe(SizedVQA.name, SizedVQA)
+    optimizers, SizedVQA.last = [], []
+    build = loop.build_optimizer
+    monkeypatch.setattr(loop, "build_optimizer", lambda *a: optimizers.append(build(*a)) or optimizers[-1])
+    monkeypatch.setattr(memory, "peak_fraction",
+                        lambda device: 0.95 if optimizers[-1].state and SizedVQA.last[-1] > 1 else 0.5)
+    progress = run_session(load(data_dir, recipe=SizedVQA.name, **{"session.max_steps": 1}), tmp_path / "w")
+    assert SizedVQA.last[:3] == [4, 2, 1] and set(SizedVQA.last[3:]) == {1}  # backed off before step 0
+    assert (progress["micro_batch"], progress["grad_accum"]) == (1, 8) and progress["global_step"] == 1
+    memory_records = [r for r in report.read_metrics(tmp_path / "w" / "metrics.jsonl") if r["kind"] == "memory"]
+    assert [(r["rung"], r["step"]) for r in memory_records] == [("micro_batch", 0), ("micro_batch", 0)]
 
 
 # -- bad inputs -----------------------------------------------------------------------------------------

@@ -8,9 +8,10 @@ and the prepared features), so the data position is a pure function of the optim
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable, Optional
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -98,6 +99,16 @@ class Recipe(ABC):
         the recipe changes here must be a pure function of (step, epoch), so a resumed session lands on the
         same state. Returns what to show (e.g. {"stage": name}); the runtime logs every change."""
         return None
+
+    # Whether the pre-flight also runs `evaluate` on one eval batch (evals that generate can outgrow training).
+    preflight_eval: ClassVar[bool] = False
+
+    @contextmanager
+    def worst_case(self, items: list[Any]) -> Iterator[list[Any]]:
+        """The pre-flight's inputs: `items` made as large as any step of the run will feed them (longest
+        inputs, most demanding stage), with whatever recipe state makes loss/evaluate take that path,
+        restored on exit. The default: the items as they are."""
+        yield items
 
     def memory_rungs(self) -> list["MemoryRung"]:
         """Extra out-of-memory fallbacks, tried in order after the runtime's own micro-batch halving is

@@ -60,10 +60,12 @@ class VQAStudent(nn.Module):
         return self.decoder(encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=decoder_input_ids,
                             use_cache=False).logits
 
-    def generate(self, pixel_values, question_ids, question_mask, *, num_beams: int, max_new_tokens: int):
+    def generate(self, pixel_values, question_ids, question_mask, *, num_beams: int, max_new_tokens: int,
+                 min_new_tokens: int = 0):
         encoded, mask = self.encode(pixel_values, question_ids, question_mask)
+        extra = {"min_new_tokens": min_new_tokens} if min_new_tokens else {}  # the pre-flight's full length
         return self.decoder.generate(encoder_outputs=encoded, attention_mask=mask, num_beams=num_beams,
-                                     max_new_tokens=max_new_tokens, do_sample=False)
+                                     max_new_tokens=max_new_tokens, do_sample=False, **extra)
 
 
 def _vision(p, pretrained: Optional[str]) -> nn.Module:

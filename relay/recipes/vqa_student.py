@@ -13,8 +13,9 @@ import json
 import logging
 import re
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Literal, Optional
+from typing import Any, Iterable, Iterator, Literal, Optional
 
 import numpy as np
 import torch
@@ -72,6 +73,7 @@ class VQAStudentRecipe(Recipe):
     metric = "f1"
     metric_mode = "max"
     params: VQAStudentParams
+    preflight_eval = True  # eval generates with beams at answer length: it can outgrow a training step
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -80,6 +82,7 @@ class VQAStudentRecipe(Recipe):
         self.answer_cap = self.params.answer_max_len
         self.beams = self.params.num_beams
         self.eval_chunk: Optional[int] = None
+        self._full_generate = False  # the pre-flight generates to the full length (no early EOS)
 
 
     # ------------------------------------------------------------------------------------------- data
@@ -216,6 +219,25 @@ class VQAStudentRecipe(Recipe):
                 MemoryRung("num_beams", frozenset({"eval"}), fewer_beams),
                 MemoryRung("eval_batch", frozenset({"eval"}), smaller_eval_batch)]
 
+    @contextmanager
+    def worst_case(self, items: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+        """Questions at question_max_len, answers at the longest stage's length (capped by an OOM rung taken),
+        that stage's loss, and generation to the full length: the seed checked memory with the LONGEST answers."""
+        p, stage = self.params, self.stage
+        longest = max(p.curriculum, key=lambda s: (s.answer_max_len, s.loss_weights.soft > 0))
+        length = min(longest.answer_max_len, self.answer_cap)
+
+        def stretch(ids: np.ndarray, n: int, head: int, tail: int) -> np.ndarray:  # keeps the special tokens
+            body = ids[head: len(ids) - tail] if len(ids) > head + tail else ids[:1]
+            return np.concatenate([ids[:head], np.resize(body, n - head - tail), ids[len(ids) - tail:]])
+
+        self.stage, self._full_generate = longest, True
+        try:
+            yield [{**it, "question_ids": stretch(it["question_ids"], p.question_max_len, 1, 1),
+                    "answer_ids": stretch(it["answer_ids"], length, 0, 1)} for it in items]
+        finally:
+            self.stage, self._full_generate = stage, False
+
     # ------------------------------------------------------------------------------------------- loss
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         stage = self.stage
@@ -251,7 +273,8 @@ class VQAStudentRecipe(Recipe):
     def generate(self, model: VQAStudent, batch: dict[str, torch.Tensor]) -> list[str]:
         max_len = min(self.stage.answer_max_len, self.answer_cap)
         out = model.generate(batch["pixel_values"], batch["question_ids"], batch["question_mask"],
-                             num_beams=self.beams, max_new_tokens=max_len)
+                             num_beams=self.beams, max_new_tokens=max_len,
+                             min_new_tokens=max_len if self._full_generate else 0)
         return self.a_tokenizer.batch_decode(out, skip_special_tokens=True)
 
     def _chunks(self, batches: Iterable[dict[str, torch.Tensor]]):
