@@ -232,6 +232,37 @@ def test_preflight_steps_the_optimizer_and_a_peak_over_90_percent_is_an_oom(data
     assert [(r["rung"], r["step"]) for r in memory_records] == [("micro_batch", 0), ("micro_batch", 0)]
 
 
+def test_predict_uses_the_eval_batch_and_autocast_and_writes_atomically(data_dir, tmp_path, monkeypatch):
+    import contextlib
+
+    recipe = VQAStudentRecipe(load(data_dir).recipe_params(), data_dir=data_dir, cache_dirs=[], seed=0)
+    recipe.prepare()
+    torch.manual_seed(0)
+    model = recipe.build_model()
+    sizes, autocast_on, generate = [], [], recipe.generate
+
+    @contextlib.contextmanager
+    def autocast():
+        autocast_on.append(True)
+        yield
+        autocast_on.pop()
+
+    def spy(model, batch):
+        sizes.append((len(batch["row"]), bool(autocast_on)))
+        return generate(model, batch)
+
+    monkeypatch.setattr(recipe, "generate", spy)
+    path = recipe.predict(model, tmp_path, batch_size=5, autocast=autocast)
+    assert sizes == [(5, True)] * 3 + [(1, True)]  # 12 val + 4 test questions
+    before = path.read_bytes()
+    assert len(before.splitlines()) == 16 and [p.name for p in tmp_path.iterdir()] == ["predictions.jsonl"]
+    recipe.eval_chunk, sizes[:] = 2, []  # the eval_batch rung applies too
+    monkeypatch.setattr(recipe, "generate", lambda m, b: spy(m, b) if len(sizes) < 3 else 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # a crash half-way leaves the previous file whole
+        recipe.predict(model, tmp_path, batch_size=5, autocast=autocast)
+    assert sizes == [(2, True)] * 3 and path.read_bytes() == before
+
+
 # -- bad inputs -----------------------------------------------------------------------------------------
 def _train(tmp_path: Path, capsys, spec: dict, data: Path) -> tuple[int, str]:
     spec = deep_merge(spec, {"params": {"data_dir": str(data)}})

@@ -8,10 +8,10 @@ and the prepared features), so the data position is a pure function of the optim
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional
+from typing import Any, Callable, ClassVar, ContextManager, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -122,6 +122,8 @@ class Recipe(ABC):
         out_dir.mkdir(parents=True, exist_ok=True)
         save_model(model, str(out_dir / "model.safetensors"))
 
-    def predict(self, model: nn.Module, out_dir: Path) -> Path | None:
-        """Run inference on the test split, write the recipe's submission file, return its path."""
+    def predict(self, model: nn.Module, out_dir: Path, *, batch_size: Optional[int] = None,
+                autocast: Callable[[], ContextManager] = nullcontext) -> Path | None:
+        """Run inference on the test split, write the recipe's submission file, return its path. The runtime
+        passes the run's eval batch and its autocast (the precision the model was trained and evaluated in)."""
         return None

@@ -13,9 +13,9 @@ import json
 import logging
 import re
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal, Optional
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Literal, Optional
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from relay.recipes import vqa_data
 from relay.recipes.base import MemoryRung, Recipe
 from relay.recipes.params import LossWeights, Stage, VQAStudentParams
 from relay.recipes.vqa_model import VQAStudent, build_student, enable_decoder_checkpointing, train_tokenizer
+from relay.session import atomic
 
 log = logging.getLogger(__name__)
 
@@ -317,26 +318,30 @@ class VQAStudentRecipe(Recipe):
              "num_beams": self.beams}, indent=1, default=str))
 
     @torch.inference_mode()
-    def predict(self, model: nn.Module, out_dir: Path) -> Path:
-        """predictions.jsonl: generated answers for the val and test questions."""
+    def predict(self, model: nn.Module, out_dir: Path, *, batch_size: Optional[int] = None,
+                autocast: Callable[[], ContextManager] = nullcontext) -> Path:
+        """predictions.jsonl: generated answers for the val and test questions, at the eval batch (or the OOM
+        rung's smaller chunk) and precision that evaluation ran at; written atomically (a crash leaves none)."""
         was_training, device = model.training, next(model.parameters()).device
         model.eval()
         self.stage = self.params.curriculum[-1]
         rows = self.val_rows + self.test_rows
-        out_path = Path(out_dir) / "predictions.jsonl"
+        dataset, step = VQARows(self, rows), min(filter(None, (self.eval_chunk, batch_size, 8)))
+        lines = []
         try:
-            with open(out_path, "w") as f:
-                dataset = VQARows(self, rows)
-                step = self.eval_chunk or 8
-                for start in range(0, len(rows), step):
-                    batch = self.collate([dataset[i] for i in range(start, min(start + step, len(rows)))])
-                    batch = {k: v.to(device) for k, v in batch.items()}
-                    for row, pred in zip(batch["row"].tolist(), self.generate(model, batch)):
-                        s = self.samples[row]
-                        f.write(json.dumps({"id": s.id, "split": s.split, "question": s.question,
-                                            "prediction": pred, "reference": s.answer}) + "\n")
+            for start in range(0, len(rows), step):
+                batch = self.collate([dataset[i] for i in range(start, min(start + step, len(rows)))])
+                batch = {k: v.to(device) for k, v in batch.items()}
+                with autocast():
+                    preds = self.generate(model, batch)
+                for row, pred in zip(batch["row"].tolist(), preds):
+                    s = self.samples[row]
+                    lines.append(json.dumps({"id": s.id, "split": s.split, "question": s.question,
+                                             "prediction": pred, "reference": s.answer}) + "\n")
         finally:
             model.train(was_training)
+        out_path = Path(out_dir) / "predictions.jsonl"
+        atomic.write_bytes(out_path, "".join(lines).encode())
         return out_path
 
 

@@ -261,7 +261,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     weights = checkpoint.weights_sha256(model.state_dict())
     if status == "done":
         checkpoint.export_atomic(workdir / "export", lambda out: recipe.export(model, out))
-        recipe.predict(model, workdir / "export")
+        recipe.predict(model, workdir / "export", batch_size=spec.optim.eval_batch, autocast=trainer._autocast)
     checkpoint.wait_for_deletions()
     progress = _write_progress(workdir, spec, state, total, schedule, checkpoint.list_valid(ckpt_root)[0],
                                status=status, reason=reason, run_id=run_id, weights=weights)
