@@ -19,7 +19,7 @@ from relay import cli, report
 from relay.errors import InputError
 from relay import spec as spec_mod
 from relay.recipes import vqa_data
-from relay.recipes.vqa_student import VQAStudentRecipe
+from relay.recipes.vqa_student import NO_LOGIT, VQAStudentRecipe, first_tokens
 from relay.session.run import run_session
 
 torch.set_num_threads(1)
@@ -261,6 +261,26 @@ def test_predict_uses_the_eval_batch_and_autocast_and_writes_atomically(data_dir
     with pytest.raises(ZeroDivisionError):  # a crash half-way leaves the previous file whole
         recipe.predict(model, tmp_path, batch_size=5, autocast=autocast)
     assert sizes == [(2, True)] * 3 and path.read_bytes() == before
+
+
+def test_soft_targets_sit_at_each_words_first_token(data_dir, tmp_path):
+    """"left," is two tokens: the teacher's logits for the words after it must move one token right."""
+    data = _copy_data(data_dir, tmp_path)
+    teacher = data / "teacher_outputs.jsonl"
+    rows = [json.loads(line) for line in teacher.read_text().splitlines()]
+    rows[0] = {"id": rows[0]["id"], "answer": "left, red circle",
+               "logits": [{"left": 3.0}, {"red": 3.5, "blue": 1.0}, {"circle": 3.2}]}
+    teacher.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = VQAStudentRecipe(load(data).recipe_params(), data_dir=data, cache_dirs=[], seed=0)
+    recipe.prepare()
+    tok = recipe.a_tokenizer
+    left, comma, red, blue, circle = (tok.convert_tokens_to_ids(t) for t in ("left", ",", "red", "blue", "circle"))
+    assert recipe.answer_ids[0].tolist() == [left, comma, red, circle, tok.eos_token_id]
+    ids, values = recipe.soft[0]
+    assert ids.shape == (5, recipe.params.soft_top_k)
+    assert ids[0, 0] == left and ids[2, :2].tolist() == [red, blue] and ids[3, 0] == circle
+    assert (values[[1, 4]] == NO_LOGIT).all()  # the comma and EOS carry no teacher target
+    assert first_tokens("left, red circle", tok) == [0, 2, 3]
 
 
 # -- bad inputs -----------------------------------------------------------------------------------------

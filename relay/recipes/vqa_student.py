@@ -108,7 +108,8 @@ class VQAStudentRecipe(Recipe):
             target = s.teacher if s.split == "train" else (s.answer or s.teacher or "")
             a_ids = a_tok(target, add_special_tokens=False)["input_ids"][: p.answer_max_len - 1] + [eos]
             self.answer_ids.append(np.asarray(a_ids, dtype=np.int64))
-            self.soft.append(self._soft_targets(s.teacher_logits, a_tok) if s.split == "train" else None)
+            self.soft.append(self._soft_targets(s.teacher_logits, a_tok, first_tokens(target, a_tok), len(a_ids))
+                             if s.split == "train" else None)
         by_split = {k: [i for i, s in enumerate(self.samples) if s.split == k] for k in vqa_data.SPLITS}
         if not by_split["train"] or not by_split["val"]:
             raise InputError(f"{q_path}: needs train and val questions (got {len(by_split['train'])} train, "
@@ -128,15 +129,21 @@ class VQAStudentRecipe(Recipe):
             q, a = q or trained, a or trained
         return q, a
 
-    def _soft_targets(self, logits: Optional[list], tok) -> Optional[tuple[np.ndarray, np.ndarray]]:
-        """The teacher's top-k per answer word as (ids, logits) arrays of shape (words, k); words that are not
-        one token of the student's vocabulary are left out of the candidates."""
+    def _soft_targets(self, logits: Optional[list], tok, firsts: list[Optional[int]],
+                      n_tokens: int) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """The teacher's top-k as (ids, logits) arrays of shape (answer tokens, k): each word's candidates at
+        the word's first token (a word of several tokens, "red." or a sub-word split, would otherwise shift
+        every later word), no target on the other tokens; candidates that are not one student token are
+        left out."""
         if not logits:
             return None
         k, token_of = self.params.soft_top_k, self._word_tokens
-        ids = np.zeros((len(logits), k), dtype=np.int64)
-        values = np.full((len(logits), k), NO_LOGIT, dtype=np.float32)
-        for pos, candidates in enumerate(logits):
+        ids = np.zeros((n_tokens, k), dtype=np.int64)
+        values = np.full((n_tokens, k), NO_LOGIT, dtype=np.float32)
+        for w, candidates in enumerate(logits):
+            pos = firsts[w] if w < len(firsts) else None
+            if pos is None or pos >= n_tokens - 1:  # a word truncated away (the last token is EOS)
+                continue
             best = sorted(candidates.items(), key=lambda kv: (-kv[1], kv[0]))
             j = 0
             for word, logit in best:
@@ -343,6 +350,22 @@ class VQAStudentRecipe(Recipe):
         out_path = Path(out_dir) / "predictions.jsonl"
         atomic.write_bytes(out_path, "".join(lines).encode())
         return out_path
+
+
+def first_tokens(text: str, tok) -> list[Optional[int]]:
+    """The index of each whitespace-separated word's first token in tok(text) (None for a word that made no
+    token): the teacher's logits are per word, the student's positions per token."""
+    spans = [m.span() for m in re.finditer(r"\S+", text)]
+    if tok.is_fast:
+        offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        # the first token overlapping the word (a bare "▁" token has an empty span and is skipped)
+        return [next((i for i, (a, b) in enumerate(offsets) if a < end and b > start), None) for start, end in spans]
+    firsts, n = [], 0  # slow tokenizers have no offsets: count each word's tokens
+    for start, end in spans:
+        count = len(tok(text[start:end], add_special_tokens=False)["input_ids"])
+        firsts.append(n if count else None)
+        n += count
+    return firsts
 
 
 def _mounted(path: Optional[str], key: str) -> Optional[str]:
