@@ -83,8 +83,21 @@ def test_uninterrupted_run_marks_the_stage_change_evaluates_and_exports(uninterr
             "answer_tokenizer", "question_tokenizer"} <= {p.name for p in export.iterdir()}
     predictions = [json.loads(line) for line in (export / "predictions.jsonl").read_text().splitlines()]
     assert len(predictions) == 12 + 4 and all(isinstance(p["prediction"], str) for p in predictions)
+
+
+def test_loss_curve_png_draws_the_stage_change(uninterrupted, monkeypatch):
+    """A dotted line at the stage change on both panels, labelled with the new stage (the figure inspected
+    before it is saved; one session, so no dashed session lines)."""
+    workdir, figures, save = uninterrupted["workdir"], [], report._save
+    monkeypatch.setattr(report, "_save", lambda plt, fig, out: figures.append(fig) or save(plt, fig, out))
     png = report.plot_curves(workdir / "metrics.jsonl", workdir / "curves.png", metric="f1", metric_mode="max")
     assert png.stat().st_size > 10_000
+    ax_loss, ax_metric = figures[0].axes[:2]
+    for ax in (ax_loss, ax_metric):
+        dotted = [line for line in ax.get_lines() if line.get_linestyle() == ":"]
+        assert [tuple(line.get_xdata()) for line in dotted] == [(BOUNDARY, BOUNDARY)]
+    assert "FORMAT_LEARNING" in [t.get_text() for t in ax_loss.texts]
+    assert "dotted = stage changes" in figures[0]._suptitle.get_text()
 
 
 def test_sessions_split_at_random_points_end_with_the_uninterrupted_weights(data_dir, uninterrupted, tmp_path):
