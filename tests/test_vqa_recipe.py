@@ -296,6 +296,26 @@ def test_soft_targets_sit_at_each_words_first_token(data_dir, tmp_path):
     assert first_tokens("left, red circle", tok) == [0, 2, 3]
 
 
+def test_config_built_decoder_has_no_t5_encoder_and_generates_as_with_one(data_dir):
+    """T5's own encoder never runs (encoder_outputs come from the vision and question encoders): config-built
+    decoders have none. Generation equals a T5 with an encoder and the same decoder weights, beams and cache on."""
+    from transformers import T5ForConditionalGeneration
+
+    recipe = VQAStudentRecipe(load(data_dir).recipe_params(), data_dir=data_dir, cache_dirs=[], seed=0)
+    recipe.prepare()
+    torch.manual_seed(0)
+    model = recipe.build_model().eval()
+    assert len(model.decoder.encoder.block) == 0 and model.decoder.config.num_decoder_layers == 2
+    with_encoder = T5ForConditionalGeneration(model.decoder.config.__class__(
+        **{**model.decoder.config.to_dict(), "num_layers": 2})).eval()
+    assert with_encoder.load_state_dict(model.decoder.state_dict(), strict=False).missing_keys == [
+        k for k in with_encoder.state_dict() if k.startswith("encoder.block.")]
+    batch = recipe.collate([recipe.eval_dataset()[i] for i in range(4)])
+    lean = recipe.generate(model, batch)
+    model.decoder = with_encoder
+    assert recipe.generate(model, batch) == lean and recipe.beams == 2
+
+
 # -- bad inputs -----------------------------------------------------------------------------------------
 def _train(tmp_path: Path, capsys, spec: dict, data: Path) -> tuple[int, str]:
     spec = deep_merge(spec, {"params": {"data_dir": str(data)}})
