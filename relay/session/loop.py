@@ -213,7 +213,7 @@ class Trainer:
         a forward/backward on the recipe's worst-case batch at the working micro-batch, an optimizer step
         (AdamW's state is twice the model: on the real-size VQA spec the pre-flight said 4.0 GB without it,
         training peaked at 7.0 GB), and one eval batch for recipes whose eval generates. A peak above
-        PREFLIGHT_FRACTION of the device counts as an OOM: it would die hours in on fragmentation. It leaves
+        PREFLIGHT_FRACTION of the device counts as an OOM (fragmentation would end the session hours in). It leaves
         no trace: RNG forked, weights, buffers and optimizer state restored from a CPU copy."""
         st = self.state
         if st.global_step >= self.total_steps or self.span.stage.fit:
@@ -235,10 +235,11 @@ class Trainer:
                     try:
                         with torch.random.fork_rng(devices=devices):
                             self._preflight_train() if phase == "train" else self._preflight_eval()
-                        if memory.peak_fraction(self.device) > memory.PREFLIGHT_FRACTION:
+                        peak = memory.peak_fraction(self.device)
+                        if peak > memory.PREFLIGHT_FRACTION:
                             raise torch.cuda.OutOfMemoryError(
-                                f"pre-flight {phase} peak at {memory.peak_fraction(self.device):.0%} of the device "
-                                f"(over {memory.PREFLIGHT_FRACTION:.0%}): treated as out of memory")
+                                f"pre-flight {phase} peak at {peak:.0%} of the device (over "
+                                f"{memory.PREFLIGHT_FRACTION:.0%}): as good as an OOM")
                     except Exception as err:  # noqa: BLE001 - only OOM is handled
                         if not memory.is_oom(err):
                             raise
@@ -254,7 +255,7 @@ class Trainer:
             with torch.no_grad():
                 for name, t in tensors.items():
                     t.copy_(saved[name])
-            self.optimizer.load_state_dict(_cpu_copy(saved_opt))  # a copy: CPU state would alias `saved_opt`
+            self.optimizer.load_state_dict(saved_opt)  # CPU -> device (on CPU it takes over the copy)
         sample = self.monitor.sample()
         used = (", ".join(f"GPU peak {phase} {mb:.0f} MB" for phase, mb in peaks.items())
                 if self.device.type == "cuda" else f"RSS {sample['rss_mb']:.0f} MB, RAM {sample['ram_pct']:.0f} %")
