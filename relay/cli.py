@@ -108,8 +108,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     now = datetime.now(timezone.utc)
     ledger = [(s["started"], s.get("seconds", 0.0)) for s in progress.get("sessions", [])]
     quota = planner.quota_from_ledger(ledger, now, total_allowed_s=spec.kaggle.weekly_gpu_quota)
-    limits = planner.SessionLimits(session_cap_s=spec.kaggle.session_timeout, startup_s=spec.kaggle.startup_overhead,
-                                   save_s=spec.session.safety_margin)
+    limits = planner.limits_from_spec(spec)
     try:
         plan = planner.plan_from_progress(progress, quota, now, limits=limits, step_seconds_estimate=args.step_seconds,
                                           total_steps=total, steps_per_epoch=progress.get("steps_per_epoch"))

@@ -44,6 +44,16 @@ class SessionLimits:
         return self.session_cap_s - self.startup_s - self.save_s
 
 
+def limits_from_spec(spec: Any) -> SessionLimits:
+    """A run spec's session limits. `session.budget` is the session's wall time after start-up (the SessionClock
+    starts once the kernel has booted and restored), so it caps a session at start-up + budget, below Kaggle's
+    timeout: vqa-t4's 11h30m trains 11h25m a session, not the 11h45m the 12 h timeout alone would allow."""
+    cap = spec.kaggle.session_timeout
+    if spec.session.budget is not None:
+        cap = min(cap, spec.kaggle.startup_overhead + spec.session.budget)
+    return SessionLimits(session_cap_s=cap, startup_s=spec.kaggle.startup_overhead, save_s=spec.session.safety_margin)
+
+
 @dataclass(frozen=True)
 class QuotaState:
     """The weekly GPU quota as seen at `observed_at`."""

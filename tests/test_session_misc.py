@@ -244,3 +244,21 @@ def test_back_off_keeps_the_effective_batch(micro, accum, expected):
     assert got == expected
     if got:
         assert got[0] * got[1] == micro * accum and got[0] < micro
+
+
+def test_a_recipe_with_the_older_predict_signature_still_gets_called():
+    from relay.session.run import _predict
+
+    calls = []
+
+    class Old:
+        def predict(self, model, out_dir):
+            calls.append((model, out_dir))
+
+    class New:
+        def predict(self, model, out_dir, *, batch_size=None, autocast=None):
+            calls.append(batch_size)
+
+    _predict(Old(), "m", "out", batch_size=4, autocast=None)
+    _predict(New(), "m", "out", batch_size=4, autocast=None)
+    assert calls == [("m", "out"), 4]

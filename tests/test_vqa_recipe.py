@@ -19,7 +19,7 @@ from relay import cli, report
 from relay.errors import InputError
 from relay import spec as spec_mod
 from relay.recipes import vqa_data
-from relay.recipes.vqa_student import VQAStudentRecipe
+from relay.recipes.vqa_student import NO_LOGIT, VQAStudentRecipe, first_tokens
 from relay.session.run import run_session
 
 torch.set_num_threads(1)
@@ -83,8 +83,21 @@ def test_uninterrupted_run_marks_the_stage_change_evaluates_and_exports(uninterr
             "answer_tokenizer", "question_tokenizer"} <= {p.name for p in export.iterdir()}
     predictions = [json.loads(line) for line in (export / "predictions.jsonl").read_text().splitlines()]
     assert len(predictions) == 12 + 4 and all(isinstance(p["prediction"], str) for p in predictions)
+
+
+def test_loss_curve_png_draws_the_stage_change(uninterrupted, monkeypatch):
+    """A dotted line at the stage change on both panels, labelled with the new stage (the figure inspected
+    before it is saved; one session, so no dashed session lines)."""
+    workdir, figures, save = uninterrupted["workdir"], [], report._save
+    monkeypatch.setattr(report, "_save", lambda plt, fig, out: figures.append(fig) or save(plt, fig, out))
     png = report.plot_curves(workdir / "metrics.jsonl", workdir / "curves.png", metric="f1", metric_mode="max")
     assert png.stat().st_size > 10_000
+    ax_loss, ax_metric = figures[0].axes[:2]
+    for ax in (ax_loss, ax_metric):
+        dotted = [line for line in ax.get_lines() if line.get_linestyle() == ":"]
+        assert [tuple(line.get_xdata()) for line in dotted] == [(BOUNDARY, BOUNDARY)]
+    assert "FORMAT_LEARNING" in [t.get_text() for t in ax_loss.texts]
+    assert "dotted = stage changes" in figures[0]._suptitle.get_text()
 
 
 def test_sessions_split_at_random_points_end_with_the_uninterrupted_weights(data_dir, uninterrupted, tmp_path):
@@ -156,14 +169,14 @@ def tight(register_recipe):
 def test_oom_ladder_walks_the_seeds_order_and_holds_across_sessions(data_dir, tmp_path, tight):
     workdir = tmp_path / "w"
     first = run_session(load(data_dir, recipe=TightMemoryVQA.name, **{"session.max_steps": 14}), workdir)
-    # micro-batch 4 -> 2 -> 1 (the pre-flight), answer length 12 -> 8 (the pre-flight at micro-batch 1),
-    # then at the first evaluation (step 12): 2 -> 1 beams, then chunks of 4.
+    # All in the pre-flight, before step 0: micro-batch 4 -> 2 -> 1, answer length 12 -> 8, then its eval
+    # batch at eval_batch x num_beams: 2 -> 1 beams, then chunks of 4.
     assert tight.ooms == ["train n=4 answer_cap=12", "train n=2 answer_cap=12", "train n=1 answer_cap=12",
                           "eval beams=2 chunk=12", "eval beams=1 chunk=12"]
     memory = [r for r in report.read_metrics(workdir / "metrics.jsonl") if r["kind"] == "memory"]
     assert [(r["rung"], r["phase"], r["step"]) for r in memory] == [
         ("micro_batch", "train", 0), ("micro_batch", "train", 0), ("answer_len", "train", 0),
-        ("num_beams", "eval", 12), ("eval_batch", "eval", 12)]
+        ("num_beams", "eval", 0), ("eval_batch", "eval", 0)]
     assert (first["micro_batch"], first["grad_accum"]) == (1, 8)  # effective batch 8 kept
     assert first["memory_rungs"] == ["answer_len", "num_beams", "eval_batch"]
     assert first["global_step"] == 14 and first["metrics"]["step"] == 12
@@ -186,6 +199,121 @@ def test_oom_with_the_ladder_exhausted_is_raised(data_dir, tmp_path, tight):
     with pytest.raises(torch.cuda.OutOfMemoryError):
         run_session(load(data_dir, recipe=TightMemoryVQA.name), tmp_path / "w")
     assert tight.ooms[-1] == "train n=1 answer_cap=8"
+
+
+def test_worst_case_batch_has_the_longest_questions_and_answers(data_dir):
+    recipe = VQAStudentRecipe(load(data_dir).recipe_params(), data_dir=data_dir, cache_dirs=[], seed=0)
+    recipe.prepare()
+    recipe.on_step(0, 0)  # ANSWER_FOCUS: answers of 2 tokens
+    items = [recipe.train_dataset()[i] for i in range(3)]
+    for cap, length in ((12, 12), (8, 8)):  # FORMAT_LEARNING's 12, or the OOM rung's cap
+        recipe.answer_cap = cap
+        with recipe.worst_case(items) as worst:
+            batch = recipe.collate(worst)
+            assert recipe.stage.name == "FORMAT_LEARNING" and recipe._full_generate
+        assert batch["question_ids"].shape == (3, 16) and batch["labels"].shape == (3, length)
+        assert (batch["labels"] != -100).all() and (batch["labels"][:, -1] == recipe.a_tokenizer.eos_token_id).all()
+        assert (batch["question_ids"][:, 0] == recipe.q_tokenizer.cls_token_id).all()
+        assert (batch["question_ids"][:, -1] == recipe.q_tokenizer.sep_token_id).all()
+        assert recipe.stage.name == "ANSWER_FOCUS" and not recipe._full_generate  # restored
+
+
+class SizedVQA(VQAStudentRecipe):
+    name = "sized-vqa"
+    last: list = []
+
+    def loss(self, model, batch):
+        SizedVQA.last.append(len(batch["row"]))
+        return super().loss(model, batch)
+
+
+def test_preflight_steps_the_optimizer_and_a_peak_over_90_percent_is_an_oom(data_dir, tmp_path, monkeypatch,
+                                                                            register_recipe):
+    """The simulated device: micro-batches above 1 fit a forward/backward but not with AdamW's state."""
+    from relay.session import loop, memory
+
+    register_recipe(SizedVQA.name, SizedVQA)
+    optimizers, SizedVQA.last = [], []
+    build = loop.build_optimizer
+    monkeypatch.setattr(loop, "build_optimizer", lambda *a: optimizers.append(build(*a)) or optimizers[-1])
+    monkeypatch.setattr(memory, "peak_fraction",
+                        lambda device: 0.95 if optimizers[-1].state and SizedVQA.last[-1] > 1 else 0.5)
+    progress = run_session(load(data_dir, recipe=SizedVQA.name, **{"session.max_steps": 1}), tmp_path / "w")
+    assert SizedVQA.last[:3] == [4, 2, 1] and set(SizedVQA.last[3:]) == {1}  # backed off before step 0
+    assert (progress["micro_batch"], progress["grad_accum"]) == (1, 8) and progress["global_step"] == 1
+    memory_records = [r for r in report.read_metrics(tmp_path / "w" / "metrics.jsonl") if r["kind"] == "memory"]
+    assert [(r["rung"], r["step"]) for r in memory_records] == [("micro_batch", 0), ("micro_batch", 0)]
+
+
+def test_predict_uses_the_eval_batch_and_autocast_and_writes_atomically(data_dir, tmp_path, monkeypatch):
+    import contextlib
+
+    recipe = VQAStudentRecipe(load(data_dir).recipe_params(), data_dir=data_dir, cache_dirs=[], seed=0)
+    recipe.prepare()
+    torch.manual_seed(0)
+    model = recipe.build_model()
+    sizes, autocast_on, generate = [], [], recipe.generate
+
+    @contextlib.contextmanager
+    def autocast():
+        autocast_on.append(True)
+        yield
+        autocast_on.pop()
+
+    def spy(model, batch):
+        sizes.append((len(batch["row"]), bool(autocast_on)))
+        return generate(model, batch)
+
+    monkeypatch.setattr(recipe, "generate", spy)
+    path = recipe.predict(model, tmp_path, batch_size=5, autocast=autocast)
+    assert sizes == [(5, True)] * 3 + [(1, True)]  # 12 val + 4 test questions
+    before = path.read_bytes()
+    assert len(before.splitlines()) == 16 and [p.name for p in tmp_path.iterdir()] == ["predictions.jsonl"]
+    recipe.eval_chunk, sizes[:] = 2, []  # the eval_batch rung applies too
+    monkeypatch.setattr(recipe, "generate", lambda m, b: spy(m, b) if len(sizes) < 3 else 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # a crash half-way leaves the previous file whole
+        recipe.predict(model, tmp_path, batch_size=5, autocast=autocast)
+    assert sizes == [(2, True)] * 3 and path.read_bytes() == before
+
+
+def test_soft_targets_sit_at_each_words_first_token(data_dir, tmp_path):
+    """"left," is two tokens: the teacher's logits for the words after it must move one token right."""
+    data = _copy_data(data_dir, tmp_path)
+    teacher = data / "teacher_outputs.jsonl"
+    rows = [json.loads(line) for line in teacher.read_text().splitlines()]
+    rows[0] = {"id": rows[0]["id"], "answer": "left, red circle",
+               "logits": [{"left": 3.0}, {"red": 3.5, "blue": 1.0}, {"circle": 3.2}]}
+    teacher.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = VQAStudentRecipe(load(data).recipe_params(), data_dir=data, cache_dirs=[], seed=0)
+    recipe.prepare()
+    tok = recipe.a_tokenizer
+    left, comma, red, blue, circle = (tok.convert_tokens_to_ids(t) for t in ("left", ",", "red", "blue", "circle"))
+    assert recipe.answer_ids[0].tolist() == [left, comma, red, circle, tok.eos_token_id]
+    ids, values = recipe.soft[0]
+    assert ids.shape == (5, recipe.params.soft_top_k)
+    assert ids[0, 0] == left and ids[2, :2].tolist() == [red, blue] and ids[3, 0] == circle
+    assert (values[[1, 4]] == NO_LOGIT).all()  # the comma and EOS carry no teacher target
+    assert first_tokens("left, red circle", tok) == [0, 2, 3]
+
+
+def test_config_built_decoder_has_no_t5_encoder_and_generates_as_with_one(data_dir):
+    """T5's own encoder never runs (encoder_outputs come from the vision and question encoders): config-built
+    decoders have none. Generation equals a T5 with an encoder and the same decoder weights, beams and cache on."""
+    from transformers import T5ForConditionalGeneration
+
+    recipe = VQAStudentRecipe(load(data_dir).recipe_params(), data_dir=data_dir, cache_dirs=[], seed=0)
+    recipe.prepare()
+    torch.manual_seed(0)
+    model = recipe.build_model().eval()
+    assert len(model.decoder.encoder.block) == 0 and model.decoder.config.num_decoder_layers == 2
+    with_encoder = T5ForConditionalGeneration(model.decoder.config.__class__(
+        **{**model.decoder.config.to_dict(), "num_layers": 2})).eval()
+    assert with_encoder.load_state_dict(model.decoder.state_dict(), strict=False).missing_keys == [
+        k for k in with_encoder.state_dict() if k.startswith("encoder.block.")]
+    batch = recipe.collate([recipe.eval_dataset()[i] for i in range(4)])
+    lean = recipe.generate(model, batch)
+    model.decoder = with_encoder
+    assert recipe.generate(model, batch) == lean and recipe.beams == 2
 
 
 # -- bad inputs -----------------------------------------------------------------------------------------

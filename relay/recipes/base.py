@@ -8,9 +8,10 @@ and the prepared features), so the data position is a pure function of the optim
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable, Optional
+from typing import Any, Callable, ClassVar, ContextManager, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -99,6 +100,16 @@ class Recipe(ABC):
         same state. Returns what to show (e.g. {"stage": name}); the runtime logs every change."""
         return None
 
+    # Whether the pre-flight also runs `evaluate` on one eval batch (evals that generate can outgrow training).
+    preflight_eval: ClassVar[bool] = False
+
+    @contextmanager
+    def worst_case(self, items: list[Any]) -> Iterator[list[Any]]:
+        """The pre-flight's inputs: `items` made as large as any step of the run will feed them (longest
+        inputs, most demanding stage), with whatever recipe state makes loss/evaluate take that path,
+        restored on exit. The default: the items as they are."""
+        yield items
+
     def memory_rungs(self) -> list["MemoryRung"]:
         """Extra out-of-memory fallbacks, tried in order after the runtime's own micro-batch halving is
         exhausted. Taken rungs are recorded in the checkpoint and re-applied in every later session."""
@@ -111,6 +122,8 @@ class Recipe(ABC):
         out_dir.mkdir(parents=True, exist_ok=True)
         save_model(model, str(out_dir / "model.safetensors"))
 
-    def predict(self, model: nn.Module, out_dir: Path) -> Path | None:
-        """Run inference on the test split, write the recipe's submission file, return its path."""
+    def predict(self, model: nn.Module, out_dir: Path, *, batch_size: Optional[int] = None,
+                autocast: Callable[[], ContextManager] = nullcontext) -> Path | None:
+        """Run inference on the test split, write the recipe's submission file, return its path. The runtime
+        passes the run's eval batch and its autocast (the precision the model was trained and evaluated in)."""
         return None

@@ -359,7 +359,7 @@ class PriceModelRecipe(Recipe):
         (out_dir / "config.json").write_text(json.dumps(config, indent=1, default=str))
         (out_dir / "tokenizer.json").write_text(self.tokenizer.to_str())
 
-    def predict(self, model: nn.Module, out_dir: Path) -> Path | None:
+    def predict(self, model: nn.Module, out_dir: Path, **_: Any) -> Path | None:  # its own predict_batch_size, fp32
         if len(self.test_rows) == 0:
             return None
         out_path = Path(out_dir) / "test_out.csv"

@@ -13,8 +13,9 @@ import json
 import logging
 import re
 from collections import Counter
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Iterable, Literal, Optional
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Literal, Optional
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from relay.recipes import vqa_data
 from relay.recipes.base import MemoryRung, Recipe
 from relay.recipes.params import LossWeights, Stage, VQAStudentParams
 from relay.recipes.vqa_model import VQAStudent, build_student, enable_decoder_checkpointing, train_tokenizer
+from relay.session import atomic
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ class VQAStudentRecipe(Recipe):
     metric = "f1"
     metric_mode = "max"
     params: VQAStudentParams
+    preflight_eval = True  # eval generates with beams at answer length: it can outgrow a training step
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -80,6 +83,7 @@ class VQAStudentRecipe(Recipe):
         self.answer_cap = self.params.answer_max_len
         self.beams = self.params.num_beams
         self.eval_chunk: Optional[int] = None
+        self._full_generate = False  # the pre-flight generates to the full length (no early EOS)
 
 
     # ------------------------------------------------------------------------------------------- data
@@ -104,7 +108,8 @@ class VQAStudentRecipe(Recipe):
             target = s.teacher if s.split == "train" else (s.answer or s.teacher or "")
             a_ids = a_tok(target, add_special_tokens=False)["input_ids"][: p.answer_max_len - 1] + [eos]
             self.answer_ids.append(np.asarray(a_ids, dtype=np.int64))
-            self.soft.append(self._soft_targets(s.teacher_logits, a_tok) if s.split == "train" else None)
+            self.soft.append(self._soft_targets(s.teacher_logits, a_tok, first_tokens(target, a_tok), len(a_ids))
+                             if s.split == "train" else None)
         by_split = {k: [i for i, s in enumerate(self.samples) if s.split == k] for k in vqa_data.SPLITS}
         if not by_split["train"] or not by_split["val"]:
             raise InputError(f"{q_path}: needs train and val questions (got {len(by_split['train'])} train, "
@@ -124,15 +129,21 @@ class VQAStudentRecipe(Recipe):
             q, a = q or trained, a or trained
         return q, a
 
-    def _soft_targets(self, logits: Optional[list], tok) -> Optional[tuple[np.ndarray, np.ndarray]]:
-        """The teacher's top-k per answer word as (ids, logits) arrays of shape (words, k); words that are not
-        one token of the student's vocabulary are left out of the candidates."""
+    def _soft_targets(self, logits: Optional[list], tok, firsts: list[Optional[int]],
+                      n_tokens: int) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """The teacher's top-k as (ids, logits) arrays of shape (answer tokens, k): each word's candidates at
+        the word's first token (a word of several tokens, "red." or a sub-word split, would otherwise shift
+        every later word), no target on the other tokens; candidates that are not one student token are
+        left out."""
         if not logits:
             return None
         k, token_of = self.params.soft_top_k, self._word_tokens
-        ids = np.zeros((len(logits), k), dtype=np.int64)
-        values = np.full((len(logits), k), NO_LOGIT, dtype=np.float32)
-        for pos, candidates in enumerate(logits):
+        ids = np.zeros((n_tokens, k), dtype=np.int64)
+        values = np.full((n_tokens, k), NO_LOGIT, dtype=np.float32)
+        for w, candidates in enumerate(logits):
+            pos = firsts[w] if w < len(firsts) else None
+            if pos is None or pos >= n_tokens - 1:  # a word truncated away (the last token is EOS)
+                continue
             best = sorted(candidates.items(), key=lambda kv: (-kv[1], kv[0]))
             j = 0
             for word, logit in best:
@@ -216,6 +227,25 @@ class VQAStudentRecipe(Recipe):
                 MemoryRung("num_beams", frozenset({"eval"}), fewer_beams),
                 MemoryRung("eval_batch", frozenset({"eval"}), smaller_eval_batch)]
 
+    @contextmanager
+    def worst_case(self, items: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+        """Questions at question_max_len, answers at the longest stage's length (capped by an OOM rung taken),
+        that stage's loss, and generation to the full length: the seed checked memory with the LONGEST answers."""
+        p, stage = self.params, self.stage
+        longest = max(p.curriculum, key=lambda s: (s.answer_max_len, s.loss_weights.soft > 0))
+        length = min(longest.answer_max_len, self.answer_cap)
+
+        def stretch(ids: np.ndarray, n: int, head: int, tail: int) -> np.ndarray:  # keeps the special tokens
+            body = ids[head: len(ids) - tail] if len(ids) > head + tail else ids[:1]
+            return np.concatenate([ids[:head], np.resize(body, n - head - tail), ids[len(ids) - tail:]])
+
+        self.stage, self._full_generate = longest, True
+        try:
+            yield [{**it, "question_ids": stretch(it["question_ids"], p.question_max_len, 1, 1),
+                    "answer_ids": stretch(it["answer_ids"], length, 0, 1)} for it in items]
+        finally:
+            self.stage, self._full_generate = stage, False
+
     # ------------------------------------------------------------------------------------------- loss
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         stage = self.stage
@@ -251,7 +281,8 @@ class VQAStudentRecipe(Recipe):
     def generate(self, model: VQAStudent, batch: dict[str, torch.Tensor]) -> list[str]:
         max_len = min(self.stage.answer_max_len, self.answer_cap)
         out = model.generate(batch["pixel_values"], batch["question_ids"], batch["question_mask"],
-                             num_beams=self.beams, max_new_tokens=max_len)
+                             num_beams=self.beams, max_new_tokens=max_len,
+                             min_new_tokens=max_len if self._full_generate else 0)
         return self.a_tokenizer.batch_decode(out, skip_special_tokens=True)
 
     def _chunks(self, batches: Iterable[dict[str, torch.Tensor]]):
@@ -294,27 +325,47 @@ class VQAStudentRecipe(Recipe):
              "num_beams": self.beams}, indent=1, default=str))
 
     @torch.inference_mode()
-    def predict(self, model: nn.Module, out_dir: Path) -> Path:
-        """predictions.jsonl: generated answers for the val and test questions."""
+    def predict(self, model: nn.Module, out_dir: Path, *, batch_size: Optional[int] = None,
+                autocast: Callable[[], ContextManager] = nullcontext) -> Path:
+        """predictions.jsonl: generated answers for the val and test questions, at the eval batch (or the OOM
+        rung's smaller chunk) and precision that evaluation ran at; written atomically (a crash leaves none)."""
         was_training, device = model.training, next(model.parameters()).device
         model.eval()
         self.stage = self.params.curriculum[-1]
         rows = self.val_rows + self.test_rows
-        out_path = Path(out_dir) / "predictions.jsonl"
+        dataset, step = VQARows(self, rows), min(filter(None, (self.eval_chunk, batch_size, 8)))
+        lines = []
         try:
-            with open(out_path, "w") as f:
-                dataset = VQARows(self, rows)
-                step = self.eval_chunk or 8
-                for start in range(0, len(rows), step):
-                    batch = self.collate([dataset[i] for i in range(start, min(start + step, len(rows)))])
-                    batch = {k: v.to(device) for k, v in batch.items()}
-                    for row, pred in zip(batch["row"].tolist(), self.generate(model, batch)):
-                        s = self.samples[row]
-                        f.write(json.dumps({"id": s.id, "split": s.split, "question": s.question,
-                                            "prediction": pred, "reference": s.answer}) + "\n")
+            for start in range(0, len(rows), step):
+                batch = self.collate([dataset[i] for i in range(start, min(start + step, len(rows)))])
+                batch = {k: v.to(device) for k, v in batch.items()}
+                with autocast():
+                    preds = self.generate(model, batch)
+                for row, pred in zip(batch["row"].tolist(), preds):
+                    s = self.samples[row]
+                    lines.append(json.dumps({"id": s.id, "split": s.split, "question": s.question,
+                                             "prediction": pred, "reference": s.answer}) + "\n")
         finally:
             model.train(was_training)
+        out_path = Path(out_dir) / "predictions.jsonl"
+        atomic.write_bytes(out_path, "".join(lines).encode())
         return out_path
+
+
+def first_tokens(text: str, tok) -> list[Optional[int]]:
+    """The index of each whitespace-separated word's first token in tok(text) (None for a word that made no
+    token): the teacher's logits are per word, the student's positions per token."""
+    spans = [m.span() for m in re.finditer(r"\S+", text)]
+    if tok.is_fast:
+        offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        # the first token overlapping the word (a bare "▁" token has an empty span and is skipped)
+        return [next((i for i, (a, b) in enumerate(offsets) if a < end and b > start), None) for start, end in spans]
+    firsts, n = [], 0  # slow tokenizers have no offsets: count each word's tokens
+    for start, end in spans:
+        count = len(tok(text[start:end], add_special_tokens=False)["input_ids"])
+        firsts.append(n if count else None)
+        n += count
+    return firsts
 
 
 def _mounted(path: Optional[str], key: str) -> Optional[str]:

@@ -216,44 +216,78 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------
     def preflight(self) -> dict:
-        """One forward/backward at the working micro-batch before training, so an OOM shows (and is backed
-        off) now rather than hours in, and the memory it took is reported against the device. It leaves no
-        trace: RNG forked, buffers restored, gradients dropped, no optimizer step."""
+        """The run's worst case before training, so an OOM shows (and is backed off) now rather than hours in:
+        a forward/backward on the recipe's worst-case batch at the working micro-batch, an optimizer step
+        (AdamW's state is twice the model: on the real-size VQA spec the pre-flight said 4.0 GB without it,
+        training peaked at 7.0 GB), and one eval batch for recipes whose eval generates. A peak above
+        PREFLIGHT_FRACTION of the device counts as an OOM (fragmentation would end the session hours in). It leaves
+        no trace: RNG forked, weights, buffers and optimizer state restored from a CPU copy."""
         st = self.state
         if st.global_step >= self.total_steps or self.span.stage.fit:
             return {}
-        buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
+        tensors = dict(self.model.named_parameters())
+        tensors.update(self.model.named_buffers())
+        saved = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+        saved_opt = _cpu_copy(self.optimizer.state_dict())
         self._step_rng = self._torch_rng()  # what a back-off restores
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
         self._recipe_step(st.global_step)
-        while True:
-            idx = data.rank_indices(self.schedule, st.global_step, self.world.rank, self.world.size)[: st.micro_batch]
-            batch = data.to_device(self.recipe.collate([self.train_set[i] for i in idx]), self.device, False)
-            oom = None
-            try:
-                with torch.random.fork_rng(devices=devices), self._autocast():
-                    self.recipe.loss(self.model, batch).backward()
-            except Exception as err:  # noqa: BLE001 - only OOM is handled
-                if not memory.is_oom(err):
-                    raise
-                oom = err
-            finally:
-                self.optimizer.zero_grad(set_to_none=True)
-                with torch.no_grad():
-                    for name, b in self.model.named_buffers():
-                        b.copy_(buffers[name])
-            oom = self._any_oom(oom)
-            if oom is None:
-                break
-            self._back_off(oom)
+        peaks = {}
+        try:
+            for phase in ("train", "eval") if self.recipe.preflight_eval else ("train",):
+                while True:
+                    if self.device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(self.device)
+                    oom = None
+                    try:
+                        with torch.random.fork_rng(devices=devices):
+                            self._preflight_train() if phase == "train" else self._preflight_eval()
+                        peak = memory.peak_fraction(self.device)
+                        if peak > memory.PREFLIGHT_FRACTION:
+                            raise torch.cuda.OutOfMemoryError(
+                                f"pre-flight {phase} peak at {peak:.0%} of the device (over "
+                                f"{memory.PREFLIGHT_FRACTION:.0%}): as good as an OOM")
+                    except Exception as err:  # noqa: BLE001 - only OOM is handled
+                        if not memory.is_oom(err):
+                            raise
+                        oom = err
+                    finally:
+                        self.optimizer.zero_grad(set_to_none=True)
+                    oom = self._any_oom(oom)
+                    if oom is None:
+                        break
+                    self._back_off(oom, phase=phase)
+                peaks[phase] = self.monitor.peak_mb()
+        finally:  # the step taken above must not change the trajectory: exact resume stays bit-identical
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    t.copy_(saved[name])
+            self.optimizer.load_state_dict(saved_opt)  # CPU -> device (on CPU it takes over the copy)
         sample = self.monitor.sample()
-        used = (f"GPU peak {self.monitor.peak_mb():.0f} MB" if self.device.type == "cuda"
-                else f"RSS {sample['rss_mb']:.0f} MB, RAM {sample['ram_pct']:.0f} %")
+        used = (", ".join(f"GPU peak {phase} {mb:.0f} MB" for phase, mb in peaks.items())
+                if self.device.type == "cuda" else f"RSS {sample['rss_mb']:.0f} MB, RAM {sample['ram_pct']:.0f} %")
         log.info("pre-flight at micro-batch %d x %d: %s on %s", st.micro_batch, st.grad_accum, used,
                  memory.describe_device(self.device))
         return sample
+
+    def _preflight_train(self) -> None:
+        st = self.state
+        idx = data.rank_indices(self.schedule, st.global_step, self.world.rank, self.world.size)[: st.micro_batch]
+        with self.recipe.worst_case([self.train_set[i] for i in idx]) as items:
+            batch = data.to_device(self.recipe.collate(items), self.device, False)
+            with self._autocast():
+                self.recipe.loss(self.model, batch).backward()
+        self.optimizer.step()  # allocates the optimizer state (restored by preflight)
+
+    def _preflight_eval(self) -> None:
+        dataset = self.recipe.eval_dataset()
+        items = [dataset[i] for i in range(min(len(dataset), self.spec.optim.eval_batch))]
+        with self.recipe.worst_case(items) as items, torch.no_grad(), self._autocast():
+            self.model.eval()
+            try:
+                self.recipe.evaluate(self.model, [data.to_device(self.recipe.collate(items), self.device, False)])
+            finally:
+                self.model.train()
 
     def fit(self) -> str:
         """Train until done or told to stop; returns "done", "budget", "steps" or "sigterm"."""
@@ -519,6 +553,17 @@ class Trainer:
         return data.make_loader(self.train_set, sampler, self.recipe.collate, num_workers=d.num_workers,
                                 pin_memory=pin, prefetch_factor=d.prefetch_factor,
                                 persistent_workers=d.persistent_workers, seed=self.spec.seed + start_step)
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """A CPU copy of a (nested) state dict: the pre-flight's snapshot, off the device it measures."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
 
 
 def _peer_oom() -> RuntimeError:

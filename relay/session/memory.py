@@ -67,6 +67,16 @@ def _nvml_handle(device: torch.device):
         return None
 
 
+PREFLIGHT_FRACTION = 0.9  # a pre-flight peak above this is an OOM: hours of fragmentation and eval on top fail
+
+
+def peak_fraction(device: torch.device) -> float:
+    """Peak allocated memory since the last reset, as a fraction of the device (0 off CUDA: RAM is not capped)."""
+    if device.type != "cuda":
+        return 0.0
+    return torch.cuda.max_memory_allocated(device) / torch.cuda.get_device_properties(device).total_memory
+
+
 def is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
 

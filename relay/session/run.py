@@ -6,6 +6,7 @@ checkpoints/, metrics.jsonl, progress.json and, when the work is done, export/ (
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import logging
 import os
@@ -266,7 +267,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     weights = checkpoint.weights_sha256(model.state_dict())
     if status == "done":
         checkpoint.export_atomic(workdir / "export", lambda out: recipe.export(model, out))
-        recipe.predict(model, workdir / "export")
+        _predict(recipe, model, workdir / "export", batch_size=spec.optim.eval_batch, autocast=trainer._autocast)
         best = _best_weights(ckpt_root, state) if spec.checkpoints.keep_best and trainer.track_best else None
         if best is not None:  # export/ stays the final weights (weights_sha256); export/best/ the best-metric ones
             model.load_state_dict(best)  # the final weights are saved and hashed above
@@ -276,6 +277,15 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
                                status=status, reason=reason, run_id=run_id, weights=weights)
     distributed.barrier(world)  # every rank leaves together (gloo aborted a rank that shut down first)
     return progress
+
+
+def _predict(recipe, model, out_dir: Path, **settings) -> None:
+    """recipe.predict with the run's eval batch and autocast; a user recipe written against the older
+    `predict(model, out_dir)` gets only what its signature takes (a TypeError after a long run would lose it)."""
+    params = inspect.signature(recipe.predict).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        settings = {k: v for k, v in settings.items() if k in params}
+    recipe.predict(model, out_dir, **settings)
 
 
 def _best_weights(ckpt_root: Path, state: TrainState) -> Optional[dict]:
