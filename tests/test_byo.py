@@ -86,6 +86,8 @@ def _bad(tmp_path: Path, files: dict, spec: dict) -> tuple[Path, dict]:
     return path, base
 
 
+USER_PARAMS = ("from relay.recipes import Recipe, RecipeParams\n\n\nclass P(RecipeParams):\n    hidden: int = 4\n\n\n"
+               "class Mine(Recipe):\n    Params = P\n")
 BAD = {
     "recipe does not import": ({"mypkg/__init__.py": "", "mypkg/r.py": "import not_a_module_anywhere\n"},
                                {"recipe": "mypkg.r:Mine"}, "recipe: cannot import mypkg.r (ModuleNotFoundError"),
@@ -104,6 +106,12 @@ BAD = {
     "script never opens a session": ({"train.py": "print('training without the relay')\n"},
                                      {"code": {"folder": "code", "entry": "train.py"}},
                                      "code.entry train.py: ended without opening a relay session"),
+    "user recipe params: unknown key": ({"pkgc/__init__.py": "", "pkgc/r.py": USER_PARAMS},
+                                        {"recipe": "pkgc.r:Mine", "params": {"hidden": 4, "bogus": 1}},
+                                        "params.bogus: unknown key"),
+    "user recipe params: wrong type": ({"pkgd/__init__.py": "", "pkgd/r.py": USER_PARAMS},
+                                       {"recipe": "pkgd.r:Mine", "params": {"hidden": "x"}},
+                                       "params.hidden: Input should be a valid integer (got 'x')"),
     "pip without internet": ({"train.py": "print(1)\n"},
                              {"code": {"folder": "code", "entry": "train.py"}, "kaggle": {"pip": ["einops"]}},
                              "kaggle.pip: installing requirements at kernel start needs kaggle.enable_internet"),

@@ -91,3 +91,38 @@ def test_relay_stops_on_a_traceback_in_user_code(relay_env, monkeypatch):
     runs = relay_env.kernel_runs()
     assert [r.status for r in runs] == ["COMPLETE", "ERROR"]  # session 2 failed once: no retry
     assert relay_env.published_progress()["global_step"] == 30
+
+
+STALLING = '''
+import torch, relay
+session = relay.open_session()
+model = torch.nn.Linear(4, 1)
+session.register(model=model)
+session.restore()
+for idx in session.batches(64, 8):
+    if session.step == 30:
+        break  # a script that stops stepping (a data loader that runs dry, a wrong condition) and exits 0
+    session.step_done()
+session.close()
+'''
+
+
+def test_relay_stops_when_user_code_makes_no_progress(relay_env, monkeypatch):
+    import flows.relay_flow as relay_flow
+
+    relay_env.start()
+    folder = relay_env.root / "stall"
+    folder.mkdir()
+    (folder / "train.py").write_text(STALLING)
+    spec = folder / "spec.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": "byo-stall", "code": {"folder": ".", "entry": "train.py"}, "optim": {"max_steps": 90},
+        "session": {"threads": 1, "max_steps": 45, "safety_margin": "0.5s"},
+        "kaggle": {"session_timeout": "5m", "startup_overhead": "1s", "max_failed_sessions": 1}}))
+    relay_env.spec = spec
+    with pytest.raises(relay_flow.RelayFailed) as failed:
+        relay_env.run_flow(monkeypatch)
+    assert "no progress: newest checkpoint is step 30, published 30" in str(failed.value)
+    runs = relay_env.kernel_runs()
+    assert len(runs) == 3  # session 1 (steps 0-30), then session 2 once and its one retry: not forever
+    assert relay_env.published_progress()["global_step"] == 30
