@@ -71,22 +71,27 @@ session.close()
 '''
 
 
-def test_relay_stops_on_a_traceback_in_user_code(relay_env, monkeypatch):
+def _relay_script(relay_env, monkeypatch, name: str, script: str, session_steps: int, max_failed: int) -> str:
+    """Relay a one-file user script of 90 steps on the emulator; the RelayFailed message it must end with."""
     import flows.relay_flow as relay_flow
 
     relay_env.start()
-    folder = relay_env.root / "crash"
+    folder = relay_env.root / name
     folder.mkdir()
-    (folder / "train.py").write_text(CRASHING)
+    (folder / "train.py").write_text(script)
     spec = folder / "spec.yaml"
     spec.write_text(yaml.safe_dump({
-        "name": "byo-crash", "code": {"folder": ".", "entry": "train.py"}, "optim": {"max_steps": 90},
-        "session": {"threads": 1, "max_steps": 30, "safety_margin": "0.5s"},
-        "kaggle": {"session_timeout": "5m", "startup_overhead": "1s", "max_failed_sessions": 2}}))
+        "name": name, "code": {"folder": ".", "entry": "train.py"}, "optim": {"max_steps": 90},
+        "session": {"threads": 1, "max_steps": session_steps, "safety_margin": "0.5s"},
+        "kaggle": {"session_timeout": "5m", "startup_overhead": "1s", "max_failed_sessions": max_failed}}))
     relay_env.spec = spec
     with pytest.raises(relay_flow.RelayFailed) as failed:
         relay_env.run_flow(monkeypatch)
-    message = str(failed.value)
+    return str(failed.value)
+
+
+def test_relay_stops_on_a_traceback_in_user_code(relay_env, monkeypatch):
+    message = _relay_script(relay_env, monkeypatch, "byo-crash", CRASHING, session_steps=30, max_failed=2)
     assert "code error: relay: error: code.entry train.py raised ValueError: bad column in my data" in message
     runs = relay_env.kernel_runs()
     assert [r.status for r in runs] == ["COMPLETE", "ERROR"]  # session 2 failed once: no retry
@@ -108,21 +113,8 @@ session.close()
 
 
 def test_relay_stops_when_user_code_makes_no_progress(relay_env, monkeypatch):
-    import flows.relay_flow as relay_flow
-
-    relay_env.start()
-    folder = relay_env.root / "stall"
-    folder.mkdir()
-    (folder / "train.py").write_text(STALLING)
-    spec = folder / "spec.yaml"
-    spec.write_text(yaml.safe_dump({
-        "name": "byo-stall", "code": {"folder": ".", "entry": "train.py"}, "optim": {"max_steps": 90},
-        "session": {"threads": 1, "max_steps": 45, "safety_margin": "0.5s"},
-        "kaggle": {"session_timeout": "5m", "startup_overhead": "1s", "max_failed_sessions": 1}}))
-    relay_env.spec = spec
-    with pytest.raises(relay_flow.RelayFailed) as failed:
-        relay_env.run_flow(monkeypatch)
-    assert "no progress: newest checkpoint is step 30, published 30" in str(failed.value)
+    message = _relay_script(relay_env, monkeypatch, "byo-stall", STALLING, session_steps=45, max_failed=1)
+    assert "no progress: newest checkpoint is step 30, published 30" in message
     runs = relay_env.kernel_runs()
     assert len(runs) == 3  # session 1 (steps 0-30), then session 2 once and its one retry: not forever
     assert relay_env.published_progress()["global_step"] == 30
