@@ -475,3 +475,47 @@ def test_pretrained_folders_are_loaded_with_their_tokenizers(data_dir, uninterru
     missing = load(data_dir, params={"vision_pretrained": str(tmp_path / "nowhere")})
     with pytest.raises(InputError, match=r"params.vision_pretrained: .*nowhere is not a folder"):
         VQAStudentRecipe(missing.recipe_params(), data_dir=data_dir, cache_dirs=[], seed=0).prepare()
+
+
+CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+
+
+def test_pretrained_vision_folder_brings_its_normalization_and_sizes_are_checked(data_dir, tmp_path):
+    """params.vision_pretrained: images are normalized with the folder's preprocessor_config.json (BLIP's are
+    CLIP's mean/std); image_size / patch_size that disagree with the folder are one-line errors in prepare()."""
+    spec = load(data_dir)
+    recipe = VQAStudentRecipe(spec.recipe_params(), data_dir=data_dir, cache_dirs=[], seed=0)
+    recipe.prepare()
+    folder = tmp_path / "vision"
+    recipe.build_model().vision.save_pretrained(folder)  # ViT, 32 px, patch 8
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "BlipImageProcessor", "do_normalize": True, "do_rescale": True,
+         "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "size": {"height": 32, "width": 32}}))
+
+    def prepared(**params):
+        rec = VQAStudentRecipe(load(data_dir, params={"vision_pretrained": str(folder), **params}).recipe_params(),
+                               data_dir=data_dir, cache_dirs=[], seed=0)
+        rec.prepare()
+        return rec
+
+    loaded = prepared()
+    assert loaded.image_mean == tuple(CLIP_MEAN) and loaded.image_std == tuple(CLIP_STD)
+    row = loaded.train_rows[0]
+    got = VQARows(loaded, [row])[0]["pixel_values"]
+    plain = vqa_data.pixel_values(loaded.samples[row].image, 32)  # [-1, 1]: 0.5 / 0.5
+    unit = plain * 0.5 + 0.5
+    expected = (unit - torch.tensor(CLIP_MEAN)[:, None, None].numpy()) / torch.tensor(CLIP_STD)[:, None, None].numpy()
+    assert got.shape == (3, 32, 32) and abs(got - expected).max() < 1e-5
+
+    with pytest.raises(InputError) as err:
+        prepared(image_size=64)
+    assert str(err.value) == (f"params.image_size: 64, but the pretrained vision model {folder / 'config.json'} "
+                              f"has image_size 32")
+    with pytest.raises(InputError, match=r"^params.patch_size: 4, but .*config.json has patch_size 8$"):
+        prepared(patch_size=4)
+    (folder / "preprocessor_config.json").write_text(json.dumps({"image_mean": CLIP_MEAN, "image_std": CLIP_STD,
+                                                                 "size": {"height": 48, "width": 48}}))
+    with pytest.raises(InputError, match=r"^params.image_size: 32, but .*preprocessor_config.json has size 48$"):
+        prepared()
+    (folder / "preprocessor_config.json").unlink()  # no processor: ViT's 0.5 / 0.5
+    assert prepared().image_mean == vqa_data.IMAGE_MEAN
