@@ -19,7 +19,7 @@ from relay import cli, report
 from relay.errors import InputError
 from relay import spec as spec_mod
 from relay.recipes import vqa_data
-from relay.recipes.vqa_student import NO_LOGIT, VQAStudentRecipe, first_tokens
+from relay.recipes.vqa_student import NO_LOGIT, VQARows, VQAStudentRecipe, first_tokens
 from relay.session.run import run_session
 
 torch.set_num_threads(1)
@@ -45,12 +45,12 @@ def load(data_dir: Path, **overrides):
     return spec_mod.validate(spec_dict(data_dir, **overrides), source="test-spec")
 
 
-def run_in_sessions(data_dir: Path, workdir: Path, cuts: list[int]) -> dict:
+def run_in_sessions(data_dir: Path, workdir: Path, cuts: list[int], **overrides) -> dict:
     """Sessions ending at the given global steps (session.max_steps each), then one to the end."""
     done, progress = 0, None
     for cut in [*cuts, None]:
         steps = None if cut is None else cut - done
-        progress = run_session(load(data_dir, **{"session.max_steps": steps}), workdir)
+        progress = run_session(load(data_dir, **{"session.max_steps": steps}, **overrides), workdir)
         assert progress["global_step"] == (cut if cut is not None else EPOCHS * STEPS_PER_EPOCH)
         done = progress["global_step"]
     assert progress["status"] == "done"
@@ -116,6 +116,39 @@ def test_a_session_ending_exactly_at_the_stage_boundary_resumes_identically(data
     assert report.stage_changes(records) == [(BOUNDARY, "FORMAT_LEARNING")]
     table = report.format_table(report.session_table(progress))
     assert "ANSWER_FOCUS" in table and "FORMAT_LEARNING" in table
+
+
+FUSION = {"params": {"fusion_layers": 1, "fusion_heads": 4}}
+
+
+def test_fusion_layers_have_the_formulas_parameters_and_resume_bit_identically(data_dir, tmp_path):
+    """params.fusion_layers > 0: a Transformer encoder over the concatenated image + question states, whose
+    size is fusion_parameters(d_model, d_ff, layers); split at a random step and at the stage boundary it ends
+    with the weights of one uninterrupted run."""
+    from relay.recipes.vqa_model import fusion_parameters
+
+    spec = load(data_dir, **FUSION)
+    recipe = VQAStudentRecipe(spec.recipe_params(), data_dir=data_dir, cache_dirs=[], seed=0)
+    recipe.prepare()
+    model = recipe.build_model()
+    p = recipe.params
+    assert sum(t.numel() for t in model.fusion.parameters()) == fusion_parameters(p.d_model, p.d_ff, 1) == 33_600
+    assert fusion_parameters(768, 3072, 2) == 14_177_280  # examples/vqa-t4.yaml: ~56.7 MB of fp32
+    # the mask reaches the fusion encoder: padded question positions do not change the unpadded outputs
+    model.eval()
+    batch = recipe.collate(list(VQARows(recipe, recipe.train_rows[:2])))
+    ids, mask = batch["question_ids"], batch["question_mask"]
+    wider = torch.cat([ids, ids.new_zeros(ids.shape[0], 3)], 1), torch.cat([mask, mask.new_zeros(mask.shape[0], 3)], 1)
+    with torch.no_grad():
+        a = model.encode(batch["pixel_values"], ids, mask)[0].last_hidden_state
+        b = model.encode(batch["pixel_values"], *wider)[0].last_hidden_state[:, : a.shape[1]]
+    assert torch.allclose(a, b, atol=1e-5)
+
+    reference = run_session(load(data_dir, **FUSION), tmp_path / "ref")
+    assert reference["status"] == "done"
+    cut = random.Random(7).choice([s for s in range(1, BOUNDARY)])
+    progress = run_in_sessions(data_dir, tmp_path / "w", [cut, BOUNDARY], **FUSION)
+    assert progress["weights_sha256"] == reference["weights_sha256"], f"cut {cut}"
 
 
 def test_stage_is_a_pure_function_of_the_epoch(data_dir):
@@ -442,3 +475,47 @@ def test_pretrained_folders_are_loaded_with_their_tokenizers(data_dir, uninterru
     missing = load(data_dir, params={"vision_pretrained": str(tmp_path / "nowhere")})
     with pytest.raises(InputError, match=r"params.vision_pretrained: .*nowhere is not a folder"):
         VQAStudentRecipe(missing.recipe_params(), data_dir=data_dir, cache_dirs=[], seed=0).prepare()
+
+
+CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+
+
+def test_pretrained_vision_folder_brings_its_normalization_and_sizes_are_checked(data_dir, tmp_path):
+    """params.vision_pretrained: images are normalized with the folder's preprocessor_config.json (BLIP's are
+    CLIP's mean/std); image_size / patch_size that disagree with the folder are one-line errors in prepare()."""
+    spec = load(data_dir)
+    recipe = VQAStudentRecipe(spec.recipe_params(), data_dir=data_dir, cache_dirs=[], seed=0)
+    recipe.prepare()
+    folder = tmp_path / "vision"
+    recipe.build_model().vision.save_pretrained(folder)  # ViT, 32 px, patch 8
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "BlipImageProcessor", "do_normalize": True, "do_rescale": True,
+         "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "size": {"height": 32, "width": 32}}))
+
+    def prepared(**params):
+        rec = VQAStudentRecipe(load(data_dir, params={"vision_pretrained": str(folder), **params}).recipe_params(),
+                               data_dir=data_dir, cache_dirs=[], seed=0)
+        rec.prepare()
+        return rec
+
+    loaded = prepared()
+    assert loaded.image_mean == tuple(CLIP_MEAN) and loaded.image_std == tuple(CLIP_STD)
+    row = loaded.train_rows[0]
+    got = VQARows(loaded, [row])[0]["pixel_values"]
+    plain = vqa_data.pixel_values(loaded.samples[row].image, 32)  # [-1, 1]: 0.5 / 0.5
+    unit = plain * 0.5 + 0.5
+    expected = (unit - torch.tensor(CLIP_MEAN)[:, None, None].numpy()) / torch.tensor(CLIP_STD)[:, None, None].numpy()
+    assert got.shape == (3, 32, 32) and abs(got - expected).max() < 1e-5
+
+    with pytest.raises(InputError) as err:
+        prepared(image_size=64)
+    assert str(err.value) == (f"params.image_size: 64, but the pretrained vision model {folder / 'config.json'} "
+                              f"has image_size 32")
+    with pytest.raises(InputError, match=r"^params.patch_size: 4, but .*config.json has patch_size 8$"):
+        prepared(patch_size=4)
+    (folder / "preprocessor_config.json").write_text(json.dumps({"image_mean": CLIP_MEAN, "image_std": CLIP_STD,
+                                                                 "size": {"height": 48, "width": 48}}))
+    with pytest.raises(InputError, match=r"^params.image_size: 32, but .*preprocessor_config.json has size 48$"):
+        prepared()
+    (folder / "preprocessor_config.json").unlink()  # no processor: ViT's 0.5 / 0.5
+    assert prepared().image_mean == vqa_data.IMAGE_MEAN

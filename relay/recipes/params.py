@@ -193,6 +193,9 @@ class VQAStudentParams(RecipeParams):
     d_ff: int = Field(3072, ge=8)
     decoder_layers: int = Field(12, ge=1)
     decoder_heads: int = Field(12, ge=1)
+    fusion_layers: int = Field(0, ge=0, description="Transformer encoder layers (d_model wide, d_ff feed-forward) "
+                               "over the concatenated image + question states; 0: concatenation only")
+    fusion_heads: int = Field(8, ge=1)
     vocab_size: int = Field(32000, ge=16, description="cap of the tokenizer trained on the data")
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
     answer_max_len: int = Field(160, ge=2, description="longest answer trained on or generated (EOS included)")
@@ -225,6 +228,8 @@ class VQAStudentParams(RecipeParams):
             if s.answer_max_len > self.answer_max_len:
                 raise ValueError(f"params.curriculum.{i}.answer_max_len: {s.answer_max_len} is longer than "
                                  f"params.answer_max_len ({self.answer_max_len})")
+        if self.fusion_layers and self.d_model % self.fusion_heads:
+            raise ValueError(f"params.fusion_heads: {self.fusion_heads} does not divide params.d_model ({self.d_model})")
         return self
 
     def check_spec(self, spec: Any) -> None:

@@ -128,8 +128,12 @@ def check_image(path: Path, where: str) -> None:
         raise InputError(f"{path}: not a readable image ({type(err).__name__}; referenced at {where})") from None
 
 
-def pixel_values(path: Path, size: int) -> np.ndarray:
-    """RGB, resized to size x size, scaled to [-1, 1] (mean 0.5, std 0.5 as ViT/BLIP processors), CHW float32."""
+IMAGE_MEAN = IMAGE_STD = (0.5, 0.5, 0.5)  # ViT's processors: [-1, 1]; a pretrained folder's own values replace it
+
+
+def pixel_values(path: Path, size: int, mean: Sequence[float] = IMAGE_MEAN,
+                 std: Sequence[float] = IMAGE_STD) -> np.ndarray:
+    """RGB, resized to size x size, scaled to [0, 1] then normalized per channel, CHW float32."""
     from PIL import Image
 
     with Image.open(path) as im:
@@ -137,7 +141,51 @@ def pixel_values(path: Path, size: int) -> np.ndarray:
         if im.size != (size, size):
             im = im.resize((size, size), Image.Resampling.BILINEAR)
         arr = np.asarray(im, dtype=np.float32) / 255.0
-    return ((arr - 0.5) / 0.5).transpose(2, 0, 1).copy()
+    out = (arr - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
+    return out.transpose(2, 0, 1).astype(np.float32, copy=True)
+
+
+def vision_preprocessing(folder: str, image_size: int, patch_size: int) -> tuple[tuple, tuple]:
+    """(mean, std) of a pretrained vision folder's preprocessor_config.json (ViT's 0.5 without one; BLIP's are
+    CLIP's), after checking params.image_size / patch_size against its config.json and preprocessor size."""
+    from transformers import AutoConfig
+
+    root = Path(folder)
+    try:
+        cfg = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InputError(f"params.vision_pretrained: {folder}: no readable config.json ({first})") from None
+    vision = getattr(cfg, "vision_config", None) or cfg  # a full BLIP checkpoint keeps them in vision_config
+    for key, mine in (("image_size", image_size), ("patch_size", patch_size)):
+        theirs = getattr(vision, key, None)
+        if theirs is not None and theirs != mine:
+            raise InputError(f"params.{key}: {mine}, but the pretrained vision model {root / 'config.json'} has "
+                             f"{key} {theirs}")
+    pre = root / "preprocessor_config.json"
+    if not pre.is_file():
+        return IMAGE_MEAN, IMAGE_STD
+    try:
+        conf = json.loads(pre.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(f"{pre}: not valid JSON ({err})") from None
+    size = conf.get("size")
+    size = size.get("height", size.get("shortest_edge")) if isinstance(size, dict) else size
+    if isinstance(size, int) and size != image_size:
+        raise InputError(f"params.image_size: {image_size}, but {pre} has size {size}")
+    if conf.get("do_normalize", True) is False:
+        return (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    stats = []
+    for key, default in (("image_mean", IMAGE_MEAN), ("image_std", IMAGE_STD)):
+        value = conf.get(key, default)
+        value = [value] * 3 if isinstance(value, (int, float)) else value
+        if (not isinstance(value, list) or len(value) != 3
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+            raise InputError(f"{pre}: '{key}' must be 3 numbers (got {value!r})")
+        stats.append(tuple(float(v) for v in value))
+    if not all(v > 0 for v in stats[1]):
+        raise InputError(f"{pre}: 'image_std' must be positive (got {list(stats[1])})")
+    return stats[0], stats[1]
 
 
 # ------------------------------------------------------------------------------------------ synthetic

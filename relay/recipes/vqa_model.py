@@ -1,8 +1,9 @@
 """The VQA student network and its tokenizer, from configs (random weights) or mounted pretrained folders.
 
 Image patches (ViT or BLIP-vision) and question states (BERT/RoBERTa, PhoBERT's architecture) each go through
-a linear projection to the T5 width and are concatenated; T5 takes them as `encoder_outputs`, both for the
-training loss and for `generate`. T5's own encoder stays in the model (as the seed's VietT5 checkpoint has it)
+a linear projection to the T5 width and are concatenated; with `params.fusion_layers` > 0 a small Transformer
+encoder (the seed's "fusion layer") runs over the concatenated sequence, masked like it. T5 takes the result as
+`encoder_outputs`, both for the training loss and for `generate`. T5's own encoder stays in the model (as the seed's VietT5 checkpoint has it)
 but is never run.
 """
 from __future__ import annotations
@@ -35,13 +36,28 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIALS)
 
 
+def fusion_parameters(d_model: int, d_ff: int, layers: int) -> int:
+    """Parameters of the fusion encoder: per layer attention 4d^2 + 4d, feed-forward 2*d*d_ff + d_ff + d,
+    two LayerNorms 4d; one final LayerNorm 2d."""
+    if layers == 0:
+        return 0
+    return layers * (4 * d_model * d_model + 2 * d_model * d_ff + d_ff + 9 * d_model) + 2 * d_model
+
+
 class VQAStudent(nn.Module):
-    def __init__(self, vision: nn.Module, question: nn.Module, decoder: nn.Module):
+    def __init__(self, vision: nn.Module, question: nn.Module, decoder: nn.Module, *, fusion_layers: int = 0,
+                 fusion_heads: int = 8, fusion_ff: Optional[int] = None, dropout: float = 0.0):
         super().__init__()
         self.vision, self.question, self.decoder = vision, question, decoder
         width = decoder.config.d_model
         self.vision_proj = nn.Linear(vision.config.hidden_size, width)
         self.question_proj = nn.Linear(question.config.hidden_size, width)
+        self.fusion: Optional[nn.Module] = None  # absent at 0 layers: the state dict stays as before
+        if fusion_layers:
+            layer = nn.TransformerEncoderLayer(width, fusion_heads, fusion_ff or 4 * width, dropout=dropout,
+                                               activation="gelu", batch_first=True, norm_first=True)
+            self.fusion = nn.TransformerEncoder(layer, fusion_layers, norm=nn.LayerNorm(width),
+                                                enable_nested_tensor=False)
 
     def encode(self, pixel_values, question_ids, question_mask):
         from transformers.modeling_outputs import BaseModelOutput
@@ -50,6 +66,8 @@ class VQAStudent(nn.Module):
         words = self.question(input_ids=question_ids, attention_mask=question_mask).last_hidden_state
         hidden = torch.cat([self.vision_proj(patches), self.question_proj(words)], dim=1)
         mask = torch.cat([question_mask.new_ones(patches.shape[:2]), question_mask], dim=1)
+        if self.fusion is not None:
+            hidden = self.fusion(hidden, src_key_padding_mask=mask == 0)
         return BaseModelOutput(last_hidden_state=hidden), mask
 
     def forward(self, pixel_values, question_ids, question_mask, labels) -> torch.Tensor:
@@ -126,7 +144,9 @@ def _decoder(p, tokenizer, pretrained: Optional[str]) -> nn.Module:
 def build_student(p, q_tokenizer, a_tokenizer, pretrained: dict[str, Optional[str]]) -> VQAStudent:
     return VQAStudent(_vision(p, pretrained["vision_pretrained"]),
                       _question(p, q_tokenizer, pretrained["question_pretrained"]),
-                      _decoder(p, a_tokenizer, pretrained["decoder_pretrained"]))
+                      _decoder(p, a_tokenizer, pretrained["decoder_pretrained"]),
+                      fusion_layers=p.fusion_layers, fusion_heads=p.fusion_heads, fusion_ff=p.d_ff,
+                      dropout=p.dropout)
 
 
 def enable_decoder_checkpointing(model: VQAStudent) -> bool:

@@ -49,7 +49,8 @@ class VQARows(Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         r, rec = self.rows[i], self.recipe
         s = rec.samples[r]
-        return {"row": r, "pixel_values": vqa_data.pixel_values(s.image, rec.params.image_size),
+        return {"row": r, "pixel_values": vqa_data.pixel_values(s.image, rec.params.image_size, rec.image_mean,
+                                                                   rec.image_std),
                 "question_ids": rec.question_ids[r], "answer_ids": rec.answer_ids[r], "soft": rec.soft[r]}
 
 
@@ -84,6 +85,7 @@ class VQAStudentRecipe(Recipe):
         self.beams = self.params.num_beams
         self.eval_chunk: Optional[int] = None
         self._full_generate = False  # the pre-flight generates to the full length (no early EOS)
+        self.image_mean, self.image_std = vqa_data.IMAGE_MEAN, vqa_data.IMAGE_STD  # prepare() reads a folder's
 
 
     # ------------------------------------------------------------------------------------------- data
@@ -91,6 +93,9 @@ class VQAStudentRecipe(Recipe):
         p = self.params
         for key in ("vision_pretrained", "question_pretrained", "decoder_pretrained"):
             _mounted(getattr(p, key), key)  # a missing mount fails before any data is read
+        if p.vision_pretrained:  # its own normalization; image/patch size checked here, not in the pre-flight
+            self.image_mean, self.image_std = vqa_data.vision_preprocessing(p.vision_pretrained, p.image_size,
+                                                                            p.patch_size)
         self.samples = vqa_data.load(self.data_dir, p.images_dir, p.questions_file, p.teacher_file)
         q_tok, a_tok = self._tokenizers()
         self.q_tokenizer, self.a_tokenizer = q_tok, a_tok
@@ -322,7 +327,7 @@ class VQAStudentRecipe(Recipe):
         self.a_tokenizer.save_pretrained(out_dir / "answer_tokenizer")
         (out_dir / "config.json").write_text(json.dumps(
             {"recipe": self.name, "params": self.params.model_dump(), "answer_cap": self.answer_cap,
-             "num_beams": self.beams}, indent=1, default=str))
+             "num_beams": self.beams, "image_mean": list(self.image_mean), "image_std": list(self.image_std)}, indent=1, default=str))
 
     @torch.inference_mode()
     def predict(self, model: nn.Module, out_dir: Path, *, batch_size: Optional[int] = None,
