@@ -3,8 +3,8 @@
 Image patches (ViT or BLIP-vision) and question states (BERT/RoBERTa, PhoBERT's architecture) each go through
 a linear projection to the T5 width and are concatenated; with `params.fusion_layers` > 0 a small Transformer
 encoder (the seed's "fusion layer") runs over the concatenated sequence, masked like it. T5 takes the result as
-`encoder_outputs`, both for the training loss and for `generate`. T5's own encoder stays in the model (as the seed's VietT5 checkpoint has it)
-but is never run.
+`encoder_outputs`, both for the training loss and for `generate`, so T5's own encoder never runs: a
+config-built T5 has no encoder blocks (`num_layers=0`); a mounted pretrained one (VietT5) keeps its weights.
 """
 from __future__ import annotations
 
