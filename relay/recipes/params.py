@@ -105,6 +105,8 @@ class TemporalParams(RecipeParams):
     layers: int = Field(2, ge=1, description="LSTM layers, Transformer layers, MLP hidden layers")
     heads: int = Field(4, ge=1, description="Transformer attention heads (must divide hidden)")
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    mlp_batch_scale: int = Field(1, ge=1, description="the MLP stage's micro-batch multiplier (seed: 2, its 512 "
+                                 "beside 256); its stage gets 1/k of the steps, so the same samples as the others")
     eval_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="the last share of bars, held out in time order")
 
     @field_validator("models")
