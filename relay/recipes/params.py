@@ -133,6 +133,8 @@ class RecsysParams(RecipeParams):
     max_users: int | None = Field(5000, ge=1, description="user cap: users beyond it are sampled away (seeded)")
     svd_components: int = Field(30, ge=1)
     knn_neighbors: int = Field(15, ge=1)
+    knn_shrinkage: float = Field(0.1, ge=0.0, description="added to the similarity sum of a KNN prediction: one "
+                                 "weakly similar rated neighbour no longer sets the whole deviation from the user mean")
     knn_user_batch: int = Field(500, ge=1, description="users per batch of the similarity accumulation")
     gpu_max_elements: int = Field(10_000_000, ge=0, description="similarity on the GPU only below users x items")
     als_factors: int = Field(30, ge=1)
