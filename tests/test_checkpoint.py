@@ -90,11 +90,35 @@ def test_failed_save_leaves_no_folder_and_keeps_older(tmp_path):
 
 
 def test_several_saves_at_one_step_are_ordered(tmp_path):
+    """Folders a killed supersede left (.1 beside the plain name) still order by seq, newest first."""
     save(tmp_path, 5)
-    save(tmp_path, 5)
-    c = save(tmp_path, 5)
-    assert c.path.name == "step-00000005.2" and c.seq == 2
-    assert [x.path.name for x in ck.list_valid(tmp_path)] == ["step-00000005.2", "step-00000005.1", "step-00000005"]
+    shutil.copytree(tmp_path / "step-00000005", tmp_path / "step-00000005.2")
+    shutil.copytree(tmp_path / "step-00000005", tmp_path / "step-00000005.1")
+    assert [x.path.name for x in ck.list_valid(tmp_path)][0] == "step-00000005.2"
+
+
+def test_a_second_save_at_one_step_replaces_the_first(tmp_path):
+    """The final save right after a best save at the same step: one folder per step, holding the newer state
+    and the best record, and it does not take an older checkpoint's keep_last slot."""
+    save(tmp_path, 3, keep_last=2)
+    first = ck.save(tmp_path, state(7), step=7, meta={**best(7, 0.5), "reason": "best"}, keep_last=2,
+                    keep_best_mode="max")
+    newer = {**state(7), "stop_reason": "done"}
+    c = ck.save(tmp_path, newer, step=7, meta={**best(7, 0.5), "reason": "done"}, keep_last=2,
+                keep_best_mode="max")
+    assert first.path == c.path == tmp_path / "step-00000007" and c.seq == 0 and c.metric == 0.5
+    assert names(tmp_path) == ["step-00000003", "step-00000007"]
+    found, loaded = ck.load_latest(tmp_path)
+    assert found.manifest["reason"] == "done" and loaded["stop_reason"] == "done"
+    c = ck.save(tmp_path, state(7), step=7, meta=best(7, 0.5), keep_last=2)  # a third time, while deleting
+    assert names(tmp_path) == ["step-00000003", "step-00000007"] and c.path.name == "step-00000007"
+
+
+def test_an_older_same_step_checkpoint_with_its_own_metric_is_kept(tmp_path):
+    save(tmp_path, 7, best(7, 0.9))
+    c = save(tmp_path, 7, best(2, 0.1))  # does not carry the metric of step 7's weights: not a substitute
+    assert c.path.name == "step-00000007.1"
+    assert names(tmp_path) == ["step-00000007", "step-00000007.1"]
 
 
 # -- corrupt newest falls back ---------------------------------------------------------------------

@@ -56,6 +56,9 @@ def test_generated_data_is_deterministic_and_labels_follow_the_wording(tmp_path)
      r"train\.jsonl: line 2: text must be a string \(got int\)"),
     ("train.jsonl", '{"text": "a b", "label": "facts"}\n{"text": "c"}\n', r"train\.jsonl: line 2: missing field label"),
     ("train.csv", "text,label\n", r"train\.csv: no rows"),
+    # a quoted text over several lines (and a blank line) shifts every later row's line: counted, not row + 2
+    ("train.csv", 'text,label\n"the court\nheld, on appeal,\nthat",ruling\n\nmore words,facts\n   ,ruling\n',
+     r"train\.csv: line 7: empty text"),
 ])
 def test_reader_errors_name_the_file_and_line(tmp_path, name, content, message):
     (tmp_path / name).write_text(content)

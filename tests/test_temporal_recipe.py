@@ -49,6 +49,16 @@ def test_stage_plan_is_a_pure_layout_of_the_steps():
         stages.plan([Stage("a", 2), Stage("b")], 2)
 
 
+def test_a_stage_at_k_times_the_batch_gets_one_kth_of_the_steps():
+    """Stage.batch_scale: equal samples per shared stage, so the MLP at 2 x the batch gets half the steps."""
+    spans = stages.plan([Stage("lstm"), Stage("transformer"), Stage("mlp", batch_scale=2)], 10)
+    assert [(s.start, s.end) for s in spans] == [(0, 4), (4, 8), (8, 10)]
+    spans = stages.plan([Stage("a"), Stage("b", batch_scale=2)], 2)  # too few steps to weight: one each
+    assert [(s.start, s.end) for s in spans] == [(0, 1), (1, 2)]
+    with pytest.raises(ValueError, match="batch_scale"):
+        Stage("x", batch_scale=0)
+
+
 # ---------------------------------------------------------------------------------------------- data
 def test_features_only_look_back_and_the_target_looks_ahead(data_dir):
     bars = temporal_data.read_bars(data_dir / "bars.csv")
@@ -137,4 +147,24 @@ def test_sessions_ending_between_models_and_mid_model_resume_bit_identical(refer
     final = run_split(relay_cli, spec, tmp_path / "a", steps)
     assert final["weights_sha256"] == ref["weights_sha256"] and final["best"] == ref["best"]
     final = run_split(relay_cli, spec, tmp_path / "b", random_splits(total, 3, seed=5))
+    assert final["weights_sha256"] == ref["weights_sha256"]
+
+
+def test_mlp_at_twice_the_batch_resumes_bit_identical_mid_mlp(relay_cli, data_dir, tmp_path):
+    """params.mlp_batch_scale 2 (the t4 spec's seed 512 beside 256): the MLP stage's micro-batches are 2 x,
+    its data order a pure function of the step, so sessions cut mid-MLP end with the same weights."""
+    raw = tiny_spec(data_dir)
+    raw["params"]["mlp_batch_scale"] = 2
+    raw["optim"]["log_every_steps"] = 1
+    spec = write_spec(tmp_path, raw)
+    relay_cli.train(spec, tmp_path / "ref")
+    ref = progress(tmp_path / "ref")
+    records = [json.loads(line) for line in (tmp_path / "ref/metrics.jsonl").read_text().splitlines()]
+    batches = {(r["stage"], r["micro_batch"]) for r in records if r["kind"] == "train"}
+    assert batches == {("lstm", 128), ("transformer", 128), ("mlp", 256)}
+    total = ref["total_steps"]
+    mlp_start = 2 * (total // 5)  # lstm and transformer: 2 units each, the MLP 1 unit plus the remainder
+    steps = [mlp_start - 3, 4, total - mlp_start - 1]  # session 2 ends one step into the MLP
+    assert min(steps) > 0
+    final = run_split(relay_cli, spec, tmp_path / "split", steps)
     assert final["weights_sha256"] == ref["weights_sha256"]

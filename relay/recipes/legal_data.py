@@ -9,6 +9,7 @@ phrases, mixed with filler shared by all roles and a little label noise, so macr
 """
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -96,7 +97,9 @@ def _read_csv(path: Path) -> pd.DataFrame:
     missing = [c for c in COLUMNS if c not in frame.columns]
     if missing:
         raise InputError(f"{path}: missing column(s) {', '.join(missing)}; expected {', '.join(COLUMNS)}")
-    return frame[list(COLUMNS)]
+    frame = frame[list(COLUMNS)]
+    frame.attrs["csv_path"] = str(path)  # line_of counts physical lines from it, only when an error needs one
+    return frame
 
 
 def _read_jsonl(path: Path) -> pd.DataFrame:
@@ -126,10 +129,25 @@ def _read_jsonl(path: Path) -> pd.DataFrame:
 
 
 def line_of(frame: pd.DataFrame, row: int) -> int:
-    """The file line of a row: JSONL rows keep their own numbers; CSV rows start at line 2 after the header
-    (a quoted field spanning lines would shift this; the synthetic and usual files have none)."""
+    """The file line a row starts on: JSONL rows keep their own numbers; a CSV's are counted on demand (a
+    quoted text may span several lines, and pandas skips blank lines), else row + 2 after the header."""
     lines = frame.attrs.get("lines")
-    return lines[row] if lines else row + 2
+    if lines is None and frame.attrs.get("csv_path"):
+        lines = frame.attrs["lines"] = _csv_record_lines(Path(frame.attrs["csv_path"]))
+    return lines[row] if lines and row < len(lines) else row + 2
+
+
+def _csv_record_lines(path: Path) -> list[int]:
+    """The first physical line of each data record of a CSV (the header's record excluded, blank lines skipped
+    as pandas does), with the csv module's quoting: a quoted field's newlines do not end its record."""
+    starts, previous = [], 0
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        for record in reader:
+            if record:
+                starts.append(previous + 1)
+            previous = reader.line_num
+    return starts[1:]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,6 +105,8 @@ class TemporalParams(RecipeParams):
     layers: int = Field(2, ge=1, description="LSTM layers, Transformer layers, MLP hidden layers")
     heads: int = Field(4, ge=1, description="Transformer attention heads (must divide hidden)")
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    mlp_batch_scale: int = Field(1, ge=1, description="the MLP stage's micro-batch multiplier (seed: 2, its 512 "
+                                 "beside 256); its stage gets 1/k of the steps, so the same samples as the others")
     eval_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="the last share of bars, held out in time order")
 
     @field_validator("models")
@@ -131,6 +133,8 @@ class RecsysParams(RecipeParams):
     max_users: int | None = Field(5000, ge=1, description="user cap: users beyond it are sampled away (seeded)")
     svd_components: int = Field(30, ge=1)
     knn_neighbors: int = Field(15, ge=1)
+    knn_shrinkage: float = Field(0.1, ge=0.0, description="added to the similarity sum of a KNN prediction: one "
+                                 "weakly similar rated neighbour no longer sets the whole deviation from the user mean")
     knn_user_batch: int = Field(500, ge=1, description="users per batch of the similarity accumulation")
     gpu_max_elements: int = Field(10_000_000, ge=0, description="similarity on the GPU only below users x items")
     als_factors: int = Field(30, ge=1)

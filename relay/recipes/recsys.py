@@ -228,7 +228,7 @@ class RecsysRecipe(Recipe):
         found = torch.from_numpy(self.train_keys[pos] == keys).to(users.device)
         resid = torch.from_numpy(self.residual[pos]).to(users.device) * found
         weights = sims * found
-        return base + (weights * resid).sum(-1) / (weights.sum(-1) + 1e-6)
+        return base + (weights * resid).sum(-1) / (weights.sum(-1) + self.params.knn_shrinkage + 1e-6)
 
     def _train_rmse(self, model: RecsysModel) -> float:
         device = model.user_mean.device
@@ -277,7 +277,7 @@ class RecsysRecipe(Recipe):
             resid[row, cols] = torch.from_numpy(self.residual[lo:hi]).to(device)
             mask[row, cols] = 1.0
         num, den = torch.sparse.mm(w, resid.T).T, torch.sparse.mm(w, mask.T).T
-        return base + num / (den + 1e-6)
+        return base + num / (den + self.params.knn_shrinkage + 1e-6)
 
     def evaluate(self, model: nn.Module, batches: Iterable) -> dict[str, float]:
         with torch.autocast(model.user_mean.device.type, enabled=False):

@@ -154,7 +154,8 @@ class TemporalRecipe(Recipe):
 
     # -- one stage per model: the contract extension of relay.session.stages
     def stages(self) -> list[Stage]:
-        return [Stage(name) for name in self.params.models]
+        return [Stage(name, batch_scale=self.params.mlp_batch_scale if name == "mlp" else 1)
+                for name in self.params.models]
 
     def stage_module(self, model: nn.Module, stage: Stage) -> nn.Module:
         return model[stage.name]

@@ -4,6 +4,9 @@ save:  .tmp-<name>/state.pt (torch.save, while the caller waits) then, on a thre
        crc32 of the file -> fsync -> manifest.json (fsync) -> rename to <name> -> retention
 load:  newest folder whose manifest and hashes check out; older ones when the newest is incomplete or corrupt
 prune: only after a successful save; keeps the newest `keep_last` and the best; never the newest valid one
+one step, one checkpoint: a save at a step that already has one (the final save right after a best save, a
+       session that stops at the step it resumed from) commits as <name>.1 first, then retires the older one
+       and renames itself to <name>; at every instant a valid checkpoint of that step exists
 
 State is saved with plain types and tensors only, so `torch.load(weights_only=True)` reads it.
 """
@@ -179,13 +182,32 @@ def start_save(root: Path, state: dict, *, step: int, meta: dict, disk_budget_by
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        saved = Checkpoint(root / name, step, _seq(name), manifest)
+        saved = _supersede(root, Checkpoint(root / name, step, _seq(name), manifest))
         prune(root, keep_last=keep_last, keep_best_mode=keep_best_mode)
         if on_commit is not None:
             on_commit(saved)
         return saved
 
     return PendingSave(commit, t0, background)
+
+
+def _supersede(root: Path, saved: Checkpoint) -> Checkpoint:
+    """The newest save at a step replaces the older ones at that step (same step, same weights: no optimizer
+    step ran between them; the newer holds the later bookkeeping and the same best record). Crash-safe: the
+    new folder is committed before the old ones are retired, and its rename to the plain name is atomic, so a
+    kill anywhere leaves a valid checkpoint of this step (at worst still named <name>.1, loaded as usual).
+    An older one that scored a metric the new one does not carry is kept (keep_best still needs it)."""
+    if saved.seq == 0:
+        return saved
+    for old in list_valid(root):
+        if old.step == saved.step and old.path != saved.path and old.metric in (None, saved.metric):
+            _retire(old.path)
+    plain = root / f"step-{saved.step:08d}"
+    if plain.exists():
+        return saved
+    os.rename(saved.path, plain)
+    atomic.fsync(root)
+    return Checkpoint(plain, saved.step, 0, saved.manifest)
 
 
 class PendingSave:
@@ -271,6 +293,10 @@ def _retire(path: Path) -> None:
     """Drop a checkpoint: renamed away at once (it stops counting as a checkpoint), its files deleted in
     the background, because unlinking GBs is slow (0.3 s per 300 MB here) and training need not wait."""
     trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
+    n = 0
+    while trash.exists():  # the same name retired twice (a step's checkpoint superseded again) while deleting
+        n += 1
+        trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{n}")
     os.rename(path, trash)
     thread = threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}, daemon=True,
                               name=str(trash))

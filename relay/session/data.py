@@ -43,6 +43,15 @@ class StepSchedule:
         """True after the last optimizer step of an epoch (`step` counts completed steps)."""
         return step > 0 and step % self.steps_per_epoch == 0
 
+    def scaled(self, k: int, stage: str = "") -> "StepSchedule":
+        """The schedule of a stage whose steps take k x the effective batch (Stage.batch_scale): the same
+        samples and seed, so its order is a pure function of the step as well."""
+        if k == 1:
+            return self
+        where = f"stage {stage}: " if stage else ""
+        return StepSchedule(self.n_samples, self.effective_batch * k, self.seed,
+                            setting=f"{where}{self.setting} x batch_scale {k}")
+
     @functools.lru_cache(maxsize=2)
     def permutation(self, epoch: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)

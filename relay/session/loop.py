@@ -135,6 +135,8 @@ class Trainer:
         self.log_metrics, self._save = log_metrics, save
         self.span: Optional[stages.Span] = None
         self.spans = stages.plan(recipe.stages(), total_steps)
+        for span in self.spans:  # a stage's scaled batch larger than the training set: an error now, not mid-run
+            schedule.scaled(span.stage.batch_scale, span.stage.name)
         # A best checkpoint compares one metric over the run; with several stages (models trained one after
         # another, fits) an untrained later model would be scored against a trained earlier one, so the best is
         # not tracked and keep_best does not apply: each stage's last eval is in metrics.jsonl, the export is final.
@@ -162,6 +164,8 @@ class Trainer:
         stage's optimizer state is dropped and cached memory returned first (seed 003's clear between models)."""
         switching = self.span is not None
         self.span, self.optimizer, self.scheduler, self._batches = span, None, None, None
+        # Stage.batch_scale: this stage's steps take k x the micro-batch from a k x larger step schedule
+        self.stage_schedule = self.schedule.scaled(span.stage.batch_scale, span.stage.name)
         if switching:
             memory.free_cached(self.device)
         if not span.stage.fit:
@@ -272,7 +276,8 @@ class Trainer:
 
     def _preflight_train(self) -> None:
         st = self.state
-        idx = data.rank_indices(self.schedule, st.global_step, self.world.rank, self.world.size)[: st.micro_batch]
+        idx = data.rank_indices(self.stage_schedule, st.global_step, self.world.rank,
+                                self.world.size)[: self._stage_micro_batch()]
         with self.recipe.worst_case([self.train_set[i] for i in idx]) as items:
             batch = data.to_device(self.recipe.collate(items), self.device, False)
             with self._autocast():
@@ -374,7 +379,7 @@ class Trainer:
         seconds = time.perf_counter() - t0
         self.clock.record_step(seconds)
         self.train_seconds += seconds
-        self.session_samples += self.schedule.effective_batch
+        self.session_samples += self.stage_schedule.effective_batch
 
     def _after_step(self, loss: float) -> None:
         st, spec = self.state, self.spec
@@ -398,7 +403,7 @@ class Trainer:
             "loss": sum(self._recent_losses) / max(1, len(self._recent_losses)),
             "lr": self.scheduler.get_last_lr()[0] if self.scheduler else 0.0,
             "samples_per_s": self.session_samples / max(1e-9, self.train_seconds),
-            "micro_batch": st.micro_batch, "grad_accum": st.grad_accum, **(self._shown or {}),
+            "micro_batch": self._stage_micro_batch(), "grad_accum": st.grad_accum, **(self._shown or {}),
         }
         if len(self.spans) > 1:
             record["stage"] = self.span.stage.name
@@ -545,9 +550,12 @@ class Trainer:
         dtype = torch.float16 if self.state.precision == "fp16" else torch.bfloat16
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
+    def _stage_micro_batch(self) -> int:
+        return self.state.micro_batch * self.span.stage.batch_scale
+
     def _loader(self, start_step: int):
         d = self.spec.data
-        sampler = data.MicroBatchSampler(self.schedule, start_step, self.total_steps, self.state.micro_batch,
+        sampler = data.MicroBatchSampler(self.stage_schedule, start_step, self.span.end, self._stage_micro_batch(),
                                          self.world.rank, self.world.size)
         pin = (self.device.type == "cuda") if d.pin_memory == "auto" else d.pin_memory
         return data.make_loader(self.train_set, sampler, self.recipe.collate, num_workers=d.num_workers,

@@ -5,9 +5,15 @@ laid out over them by `plan`, a pure function, so which stage a step belongs to 
 that ends between two stages, or in the middle of one, resumes in the right place from `global_step` alone.
 Each stage gets its own optimizer and learning-rate schedule over its own step range (a fit stage has none:
 the recipe does the step), and the previous stage's optimizer state is dropped when the next one begins.
+
+A stage's `batch_scale` k multiplies the micro-batch for its steps (the seed's MLP at 512 beside the LSTM and
+Transformer at 256): its step s takes the k x effective-batch indices of step s in a schedule of that size
+(`data.StepSchedule.scaled`), still a pure function of the step, so exact resume holds inside the stage too.
+Stages sharing the run's steps get equal *samples*: a stage at k x the batch gets 1/k of the steps.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from relay.errors import InputError
@@ -21,6 +27,11 @@ class Stage:
     name: str
     steps: int | None = None
     fit: bool = False
+    batch_scale: int = 1  # micro-batch (and so effective batch) multiplier for this stage's steps
+
+    def __post_init__(self):
+        if type(self.batch_scale) is not int or self.batch_scale < 1:
+            raise ValueError(f"stage {self.name}: batch_scale must be an integer >= 1, not {self.batch_scale!r}")
 
 
 @dataclass(frozen=True)
@@ -35,7 +46,8 @@ class Span:
 
 
 def plan(stages: list[Stage], total: int) -> list[Span]:
-    """Lay `total` steps over the stages in order; the remainder of an uneven share goes to the last shared one."""
+    """Lay `total` steps over the stages in order; the remainder of an uneven share goes to the last shared one.
+    With every batch_scale 1 the shared stages get equal steps (the layout before batch_scale existed)."""
     if not stages:
         raise ValueError("a recipe declares at least one stage")
     fixed = sum(s.steps for s in stages if s.steps is not None)
@@ -45,10 +57,17 @@ def plan(stages: list[Stage], total: int) -> list[Span]:
         need = f"{fixed + len(shared)} or more" if shared else str(fixed)
         raise InputError(f"optim: the run has {total} optimizer steps, the recipe's stages "
                          f"({', '.join(_describe(s) for s in stages)}) need {need}; set optim.max_steps accordingly")
-    share, extra = divmod(left, len(shared)) if shared else (0, 0)
+    # Equal samples per shared stage: weights proportional to 1/batch_scale (integers over the scales' lcm).
+    lcm = math.lcm(*(s.batch_scale for s in shared)) if shared else 1
+    weights = {id(s): lcm // s.batch_scale for s in shared}
+    unit = left // sum(weights.values()) if shared else 0
+    extra = left - unit * sum(weights.values())
+    if shared and unit == 0:  # too few steps to weight: one each, the rest to the last shared stage
+        weights = {k: 1 for k in weights}
+        unit, extra = 1, left - len(shared)
     spans, start = [], 0
     for s in stages:
-        n = s.steps if s.steps is not None else share + (extra if s is shared[-1] else 0)
+        n = s.steps if s.steps is not None else unit * weights[id(s)] + (extra if s is shared[-1] else 0)
         spans.append(Span(s, start, start + n))
         start += n
     return spans
