@@ -104,6 +104,33 @@ def overhead(steps: int, repeats: int) -> dict:
             "ratio_of_medians": round(pb / pa, 4), "steps": steps, "repeats": repeats}
 
 
+def api_cost(steps: int = 20000, batch: int = 64) -> dict:
+    """The Session API's own cost per step, alone: batches() + step_done() around nothing but the indexing,
+    against the plain loop's indexing. The whole-loop ratio above carries this VM's run-to-run spread
+    (+-5 % between two identical loops); this figure is the part the API adds, in microseconds."""
+    import relay
+
+    torch.set_num_threads(1)
+    x, loss = torch.randn(8192, 64), torch.tensor(0.5)
+    work = Path(tempfile.mkdtemp(prefix="bench-byo-api-"))
+    session = relay.open_session(total_steps=steps, workdir=str(work / "s"), save_every=1e9)
+    session.register(model=nn.Linear(2, 2))
+    session.restore()
+    t0 = time.process_time()
+    for idx in session.batches(len(x), batch):
+        x[idx]
+        session.step_done(loss=loss)
+    api = time.process_time() - t0
+    session.close()
+    shutil.rmtree(work, ignore_errors=True)
+    perm, per_epoch = torch.randperm(len(x)), len(x) // batch
+    t0 = time.process_time()
+    for step in range(steps):
+        i = (step % per_epoch) * batch
+        x[perm[i:i + batch]]
+    return {"api_us_per_step": round((api - (time.process_time() - t0)) / steps * 1e6, 1)}
+
+
 def _relay(*args: str) -> float:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     t0 = time.monotonic()
@@ -136,6 +163,8 @@ def run(steps: int = 400, repeats: int = 7, verify_steps: int = 60,
                "byo_session_cpu_s": o["session_cpu_s"], "byo_session_over_plain": o["session_over_plain"],
                "byo_ratio_of_medians": o["ratio_of_medians"], "byo_target_overhead": TARGET_OVERHEAD,
                "byo_meets_target": o["session_over_plain"] <= TARGET_OVERHEAD}
+    figures["byo_api_us_per_step"] = api_cost()["api_us_per_step"]
+    figures["byo_api_share_of_step"] = round(figures["byo_api_us_per_step"] * 1e-6 * steps / o["plain_cpu_s"], 4)
     if verify_steps:
         figures["byo_verify_steps"] = verify_steps
         for example, t in verify_times(verify_steps, examples).items():
@@ -150,6 +179,9 @@ def format_lines(f: dict) -> list[str]:
              f" thread; process CPU): {f['byo_session_cpu_s']} s vs {f['byo_plain_cpu_s']} s without it:"
              f" {f['byo_session_over_plain']:.3f}x (ratio of medians {f['byo_ratio_of_medians']:.3f}; target <="
              f" {f['byo_target_overhead']})  {'OK' if f['byo_meets_target'] else 'MISSED'}"]
+    if "byo_api_us_per_step" in f:
+        lines.append(f"  the API alone (batches + step_done, no training): {f['byo_api_us_per_step']} us per step,"
+                     f" {100 * f['byo_api_share_of_step']:.2f} % of the plain loop's step")
     for key in sorted(k for k in f if k.endswith("_verify_wall_s")):
         example = key.removesuffix("_verify_wall_s")
         lines.append(f"  relay verify-resume --steps {f['byo_verify_steps']} {example.replace('_', '-')}: {f[key]} s"
