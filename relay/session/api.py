@@ -31,7 +31,7 @@ from relay.session import api_distributed, atomic, checkpoint, data, distributed
 from relay.session.api_distributed import unwrap
 from relay.session.budget import SessionClock
 from relay.session.loop import rng_state, set_rng_state
-from relay.session.run import pick_device, seed_everything
+from relay.session.run import disk_besides, pick_device, seed_everything
 from relay.version import code_version
 
 log = logging.getLogger(__name__)
@@ -295,7 +295,8 @@ class Session:
                                          "epoch": self.epoch, "best": self._book.get("best")},
                                    disk_budget_bytes=int(float(c["disk_budget_gb"]) * 1e9),
                                    keep_last=int(c["keep_last"]), digest=c["digest"],
-                                   besides_bytes=self._besides(reason))
+                                   besides_bytes=disk_besides(self.workdir, self.workdir / "checkpoints",
+                                                              self._model(), reason))
         seconds = time.perf_counter() - t0
         self.clock.record_save(seconds)
         self._record["save_seconds"] = round(seconds, 3)
@@ -358,15 +359,6 @@ class Session:
         p = next(model.parameters(), None) if model is not None else None
         return p.device if p is not None else torch.device("cpu")
 
-    def _besides(self, reason: str) -> int:
-        """What shares the 20 GB output with the checkpoints (as relay.session.run counts it): everything else in
-        the workdir (the integrations' hf-resume/ and lightning-resume/ copies, a Trainer's output folder, the
-        export), and at the final save of a finished run the export about to be written."""
-        used = checkpoint.bytes_besides(self.workdir, self.workdir / "checkpoints")
-        model = self._model()
-        if reason == "done" and model is not None:
-            used += sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        return used
 
     def _carry_metrics(self) -> None:
         """A fresh kernel workdir starts with the run's metrics so far (the loss curve spans all sessions)."""

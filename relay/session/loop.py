@@ -231,35 +231,14 @@ class Trainer:
             return {}
         tensors = dict(self.model.named_parameters())
         tensors.update(self.model.named_buffers())
-        saved = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
-        saved_opt = _cpu_copy(self.optimizer.state_dict())
+        saved, saved_opt = _cpu_copy(tensors), _cpu_copy(self.optimizer.state_dict())
         self._step_rng = self._torch_rng()  # what a back-off restores
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         self._recipe_step(st.global_step)
         peaks = {}
         try:
             for phase in ("train", "eval") if self.recipe.preflight_eval else ("train",):
-                while True:
-                    if self.device.type == "cuda":
-                        torch.cuda.reset_peak_memory_stats(self.device)
-                    oom = None
-                    try:
-                        with torch.random.fork_rng(devices=devices):
-                            self._preflight_train() if phase == "train" else self._preflight_eval()
-                        peak = memory.peak_fraction(self.device)
-                        if peak > memory.PREFLIGHT_FRACTION:
-                            raise torch.cuda.OutOfMemoryError(
-                                f"pre-flight {phase} peak at {peak:.0%} of the device (over "
-                                f"{memory.PREFLIGHT_FRACTION:.0%}): as good as an OOM")
-                    except Exception as err:  # noqa: BLE001 - only OOM is handled
-                        if not memory.is_oom(err):
-                            raise
-                        oom = err
-                    finally:
-                        self.optimizer.zero_grad(set_to_none=True)
-                    oom = self._any_oom(oom)
-                    if oom is None:
-                        break
+                while (oom := self._any_oom(self._preflight_phase(phase, devices))) is not None:
                     self._back_off(oom, phase=phase)
                 peaks[phase] = self.monitor.peak_mb()
         finally:  # the step taken above must not change the trajectory: exact resume stays bit-identical
@@ -273,6 +252,25 @@ class Trainer:
         log.info("pre-flight at micro-batch %d x %d: %s on %s", st.micro_batch, st.grad_accum, used,
                  memory.describe_device(self.device))
         return sample
+
+    def _preflight_phase(self, phase: str, devices: list) -> Optional[BaseException]:
+        """One pre-flight phase; the OOM it met (a peak over PREFLIGHT_FRACTION counts as one), else None."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            with torch.random.fork_rng(devices=devices):
+                self._preflight_train() if phase == "train" else self._preflight_eval()
+            peak = memory.peak_fraction(self.device)
+            if peak > memory.PREFLIGHT_FRACTION:
+                raise torch.cuda.OutOfMemoryError(f"pre-flight {phase} peak at {peak:.0%} of the device (over "
+                                                  f"{memory.PREFLIGHT_FRACTION:.0%}): as good as an OOM")
+        except Exception as err:  # noqa: BLE001 - only OOM is handled
+            if not memory.is_oom(err):
+                raise
+            return err
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+        return None
 
     def _preflight_train(self) -> None:
         st = self.state

@@ -119,11 +119,12 @@ def _session(world, started, spec, workdir, budget, deadline, resume_from, data_
         clock.restore_signal_handlers()
 
 
-def _besides(workdir: Path, ckpt_root: Path, model, reason: str, exports: int = 1) -> int:
-    """What shares the output's disk budget with the checkpoints: the cache and export already there, and
-    at the final save of a finished run the export about to be written (about the weights' size)."""
+def disk_besides(workdir: Path, ckpt_root: Path, model, reason: str, exports: int = 1) -> int:
+    """What shares the output's disk budget with the checkpoints: everything else in the workdir (the cache,
+    an export, the integrations' hf-resume/ and lightning-resume/ copies, a Trainer's output folder), and at
+    the final save of a finished run the export about to be written (about the weights' size)."""
     used = checkpoint.bytes_besides(workdir, ckpt_root)
-    if reason == "done":  # twice with export/best/ beside the final export
+    if reason == "done" and model is not None:  # twice with export/best/ beside the final export
         used += exports * sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return used
 
@@ -240,7 +241,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
                   "epoch": schedule.epoch_of(max(0, state.global_step - 1)), "best": state.best},
             disk_budget_bytes=int(spec.checkpoints.disk_budget_gb * 1e9), keep_last=spec.checkpoints.keep_last,
             keep_best_mode=recipe.metric_mode if keep_best else None, digest=spec.checkpoints.digest,
-            besides_bytes=_besides(workdir, ckpt_root, model, reason, exports=1 + keep_best),
+            besides_bytes=disk_besides(workdir, ckpt_root, model, reason, exports=1 + keep_best),
             background=background, on_commit=committed)
         del resume_state
         if not background:
