@@ -6,9 +6,13 @@
 - `toy_spec(directory, **overrides)`: writes a small `toy` recipe spec and returns its path.
 - `relay_cli`: runs `python -m relay ...` in a new process with the venv's python, an isolated HOME and TMPDIR
   and a working directory outside the repository.
+- Two tiers: a test that starts a process (a Prefect server, the emulator's kernels, a `relay` subprocess,
+  spawned workers) is marked `slow` from the fixtures it uses; `make test-fast` (`-m "not slow"`) runs the rest.
+  In that tier a test that starts a process anyway fails and says how to mark it, so the tiers cannot drift.
 """
 from __future__ import annotations
 
+import _posixsubprocess
 import copy
 import os
 import subprocess
@@ -43,6 +47,40 @@ TOY_SPEC: dict[str, Any] = {
     "data": {"num_workers": 0},
     "session": {"threads": 1, "save_every": "1h", "safety_margin": 0},
 }
+
+
+# Fixtures that start processes: a test using any of them (directly or through another fixture) is `slow`.
+SLOW_FIXTURES = {"relay_cli", "prefect_api", "make_emulator", "relay_env", "reference", "spawns_processes"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts processes (Prefect server, emulator kernels, subprocesses)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def spawns_processes():
+    """Request this in a test that starts processes by itself (subprocess, torch.multiprocessing): it marks
+    the test `slow`."""
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process(request, monkeypatch):
+    """In the fast tier, starting a process is a mistake in the tier, reported as such (not a slow pass)."""
+    if request.node.get_closest_marker("slow") or "not slow" not in (request.config.option.markexpr or ""):
+        return
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{request.node.nodeid} starts a process but is not marked slow: request the "
+                           "`spawns_processes` fixture (tests/conftest.py) so `make test-fast` leaves it out")
+
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
 
 
 def deep_merge(base: dict, overrides: dict) -> dict:

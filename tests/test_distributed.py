@@ -185,7 +185,7 @@ def _flat(tree, prefix="") -> dict:
     return {prefix.rstrip("."): tree}
 
 
-def test_an_oom_on_one_rank_backs_off_every_rank_together(tmp_path, monkeypatch):
+def test_an_oom_on_one_rank_backs_off_every_rank_together(tmp_path, monkeypatch, spawns_processes):
     """Rank 1 alone runs out of memory mid-run: both ranks halve the micro-batch at the same step (no rank is
     left waiting in a collective), the effective batch is kept, and the run finishes."""
     import ddp_oom_worker
