@@ -8,9 +8,10 @@ export HF_HUB_OFFLINE := 1
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
+export NO_MKDOCS_2_WARNING := 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 90
 
-.PHONY: demo test test-fast bench serve setup clean
+.PHONY: demo test test-fast bench docs serve setup clean
 
 setup: $(STAMP)
 
@@ -31,6 +32,13 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
+# The reference pages are generated from the code; the home page is the README's first screen.
+docs: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[docs]'
+	$(PY) docs/gen_reference.py
+	sed 's#](docs/#](#g' README.md > docs/index.md
+	$(VENV)/bin/mkdocs build --strict -q
+
 bench: $(STAMP)
 	$(PY) bench/run.py
 
@@ -38,4 +46,4 @@ serve: $(STAMP)
 	bash deploy/serve.sh
 
 clean:
-	rm -rf runs .prefect bench/results.json
+	rm -rf runs .prefect bench/results.json site

@@ -92,7 +92,7 @@ def _bare_save(state: dict, folder: Path, fsync: bool) -> float:
     Why it matters here: on this VM, writing into memory pages that were freed a while ago costs ~2.4 us a page
     (0.7 s for 288 MB instead of 0.07 s; the host takes back freed guest pages), while pages freed a moment
     before are reused at once. The old baseline unlinked its file and wrote the same amount right after, so it
-    reused hot pages (seen with plain 288 MB file writes too, 2026-11-23; README)."""
+    reused hot pages (seen with plain 288 MB file writes too, docs/benchmarks.md)."""
     folder.mkdir(exist_ok=True)
     folders = sorted(folder.iterdir())
     target = folder / f"{int(folders[-1].name) + 1 if folders else 0:04d}"

@@ -77,22 +77,31 @@ class _Section(BaseModel):
 
 
 class OptimConfig(_Section):
-    micro_batch: PositiveInt = 8
-    grad_accum: PositiveInt = 1
-    precision: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
-    tf32: bool = True
-    activation_checkpointing: bool = False
-    clip_grad_norm: Optional[PositiveFloat] = 1.0
-    lr: PositiveFloat = 3e-4
-    weight_decay: NonNegativeFloat = 0.01
-    schedule: Literal["constant", "linear", "cosine"] = "linear"
-    warmup_steps: NonNegativeInt = 0
-    epochs: Optional[PositiveInt] = None
-    max_steps: Optional[PositiveInt] = None
-    eval_batch: PositiveInt = 16
-    eval_every_steps: Optional[PositiveInt] = None  # None: at the end of every epoch
-    log_every_steps: PositiveInt = 10
-    nonfinite_patience: PositiveInt = 3  # skipped non-finite steps in a row before falling back to fp32
+    micro_batch: PositiveInt = Field(8, description="Samples per forward/backward pass (per process).")
+    grad_accum: PositiveInt = Field(1, description=(
+        "Micro-batches accumulated per optimizer step; effective batch = micro_batch x grad_accum x "
+        "processes."))
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = Field("auto", description=(
+        "`auto`: bf16 where the GPU supports it, else fp16 with a GradScaler; fp32 on CPU."))
+    tf32: bool = Field(True, description="TF32 matmuls and convolutions on Ampere and newer GPUs.")
+    activation_checkpointing: bool = Field(False, description=(
+        "Recompute activations in backward (the recipe decides which modules): less memory, more time."))
+    clip_grad_norm: Optional[PositiveFloat] = Field(1.0, description="Gradient norm clipping; null turns it off.")
+    lr: PositiveFloat = Field(3e-4, description="AdamW peak learning rate.")
+    weight_decay: NonNegativeFloat = Field(0.01, description="AdamW weight decay (none on biases and norms).")
+    schedule: Literal["constant", "linear", "cosine"] = Field("linear", description=(
+        "Learning-rate schedule after warm-up: a pure function of the optimizer step."))
+    warmup_steps: NonNegativeInt = Field(0, description="Linear warm-up steps.")
+    epochs: Optional[PositiveInt] = Field(None, description=(
+        "Length of the whole run (all sessions) in epochs; set exactly one of epochs and max_steps."))
+    max_steps: Optional[PositiveInt] = Field(None, description=(
+        "Length of the whole run (all sessions) in optimizer steps."))
+    eval_batch: PositiveInt = Field(16, description="Evaluation batch (larger than training: no gradients are kept).")
+    eval_every_steps: Optional[PositiveInt] = Field(None, description=(
+        "Evaluation cadence in optimizer steps; null: at the end of every epoch."))
+    log_every_steps: PositiveInt = Field(10, description="A training line in metrics.jsonl every N optimizer steps.")
+    nonfinite_patience: PositiveInt = Field(3, description=(
+        "Skipped non-finite steps in a row before falling back to fp32 (in fp32: stop with an error)."))
 
     @model_validator(mode="after")
     def _one_length(self) -> "OptimConfig":
@@ -102,23 +111,32 @@ class OptimConfig(_Section):
 
 
 class DataConfig(_Section):
-    num_workers: NonNegativeInt = 2
-    pin_memory: Literal["auto", True, False] = "auto"  # auto: on when training on CUDA
-    prefetch_factor: PositiveInt = 2
-    persistent_workers: bool = True
-    non_blocking: bool = True
+    num_workers: NonNegativeInt = Field(2, description="DataLoader worker processes.")
+    pin_memory: Literal["auto", True, False] = Field("auto", description=(
+        "Pinned host memory; `auto`: on when training on CUDA."))
+    prefetch_factor: PositiveInt = Field(2, description="Batches each DataLoader worker loads ahead.")
+    persistent_workers: bool = Field(True, description="Keep DataLoader workers between epochs.")
+    non_blocking: bool = Field(True, description="Asynchronous host-to-GPU copies.")
 
 
 class SessionConfig(_Section):
-    budget: Optional[float] = None  # seconds of wall time per session; None runs to the end
-    max_steps: Optional[PositiveInt] = None  # optimizer steps per session (a count that no machine speed changes)
-    save_every: float = 1800.0  # periodic save as insurance against SIGKILL
-    safety_margin: float = 60.0  # reserved before the deadline on top of the measured save time
-    empty_cache_every_steps: Optional[PositiveInt] = 50
-    memory_log_every_steps: PositiveInt = 50
-    threads: Optional[PositiveInt] = None  # torch CPU threads; exact resume needs the same count
-    # processes training together: "auto" is every visible GPU (both T4s of a T4 x2), 1 on CPU
-    devices: Union[Literal["auto"], PositiveInt] = "auto"
+    budget: Optional[float] = Field(None, description=(
+        "Wall time of training per session (seconds or `11h30m`); none runs to the end. `relay train "
+        "--budget` overrides."))
+    max_steps: Optional[PositiveInt] = Field(None, description=(
+        "Optimizer steps per session (stop reason `steps`): a bound no machine speed changes. `relay train "
+        "--max-steps N|none` overrides."))
+    save_every: float = Field(1800.0, description="Periodic save, insurance against a SIGKILL (duration).")
+    safety_margin: float = Field(60.0, description=(
+        "Reserved before the deadline on top of the measured save time (duration)."))
+    empty_cache_every_steps: Optional[PositiveInt] = Field(50, description=(
+        "Periodic CUDA cache clean-up; null: never."))
+    memory_log_every_steps: PositiveInt = Field(50, description="A memory sample in metrics.jsonl every N steps.")
+    threads: Optional[PositiveInt] = Field(None, description=(
+        "torch CPU threads (default: torch's); exact resume needs the same count in every session."))
+    devices: Union[Literal["auto"], PositiveInt] = Field("auto", description=(
+        "Processes training together: `auto` is every visible GPU (both T4s of a T4 x2), 1 on CPU; or a "
+        "number."))
 
     @field_validator("budget", "save_every", "safety_margin", mode="before")
     @classmethod
@@ -140,10 +158,13 @@ class SessionConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    keep_last: PositiveInt = 2
-    keep_best: bool = True  # also keep the checkpoint with the best recipe metric
-    disk_budget_gb: PositiveFloat = 20.0
-    digest: Literal["crc32", "sha256"] = "crc32"  # manifest checksum; sha256 costs ~2x a save without SHA-NI
+    keep_last: PositiveInt = Field(2, description="Checkpoints kept (retention runs only after a successful save).")
+    keep_best: bool = Field(True, description=(
+        "Also keep the checkpoint with the best recipe metric (one-model recipes)."))
+    disk_budget_gb: PositiveFloat = Field(20.0, description=(
+        "Disk the checkpoints may use, at most Kaggle's 20 GB of kept output; older ones are pruned first."))
+    digest: Literal["crc32", "sha256"] = Field("crc32", description=(
+        "Checksum of every file in the manifest; sha256 costs about 2x a save without SHA-NI."))
 
     @field_validator("disk_budget_gb")
     @classmethod
@@ -160,17 +181,27 @@ DEFAULT_GPU_SHAPE = "NvidiaTeslaT4"  # "GPU T4 x2"
 class KaggleConfig(_Section):
     """What each session kernel mounts and runs on (used by the orchestrator only)."""
 
-    dataset_sources: list[str] = Field(default_factory=list)  # "owner/slug" of the raw data
-    competition_sources: list[str] = Field(default_factory=list)  # slugs; point params.data_dir at one
-    data_mount: Optional[str] = None  # which mounted source is the recipe's data_dir (default: first)
-    machine_shape: Optional[str] = None  # NvidiaTeslaT4 (GPU T4 x2) when enable_gpu and unset, see below
-    enable_gpu: bool = True
-    enable_internet: bool = False
-    session_timeout: float = 12 * 3600.0  # Kaggle's per-session cap
-    startup_overhead: float = 120.0  # kernel start + restore, kept out of the training budget
-    weekly_gpu_quota: float = 30 * 3600.0
-    max_failed_sessions: NonNegativeInt = 2
-    pip: list[str] = Field(default_factory=list)  # requirements installed at kernel start (needs enable_internet)
+    dataset_sources: list[str] = Field(default_factory=list, description=(
+        "`owner/slug` of the datasets every session mounts (the raw data)."))
+    competition_sources: list[str] = Field(default_factory=list, description=(
+        "Competition slugs every session mounts; point params.data_dir at one."))
+    data_mount: Optional[str] = Field(None, description=(
+        "Which mounted source is the recipe's data_dir (default: the first dataset source)."))
+    machine_shape: Optional[str] = Field(None, description=(
+        "Kaggle accelerator shape; `NvidiaTeslaT4` (GPU T4 x2) when enable_gpu and unset (without a shape "
+        "Kaggle gives a P100, which fails on its current image)."))
+    enable_gpu: bool = Field(True, description="Run sessions on a GPU (spends the weekly quota).")
+    enable_internet: bool = Field(False, description=(
+        "Internet inside the session (needs a phone-verified account); required by kaggle.pip."))
+    session_timeout: float = Field(12 * 3600.0, description="Kaggle's per-session cap (duration, at most 12h).")
+    startup_overhead: float = Field(120.0, description=(
+        "Kernel start and restore, kept out of the training budget (duration)."))
+    weekly_gpu_quota: float = Field(30 * 3600.0, description=(
+        "The account's weekly GPU quota (duration), used by the plan."))
+    max_failed_sessions: NonNegativeInt = Field(2, description=(
+        "Retries of a session that failed transiently, from the same checkpoint."))
+    pip: list[str] = Field(default_factory=list, description=(
+        "Requirements installed at kernel start (needs enable_internet)."))
 
     @field_validator("session_timeout", "startup_overhead", "weekly_gpu_quota", mode="before")
     @classmethod
@@ -222,25 +253,33 @@ class KaggleConfig(_Section):
 class CodeConfig(_Section):
     """The user's own code (relay/usercode.py): a folder shipped with every session kernel, and what to run."""
 
-    folder: str = "."  # relative to the spec file; inside a kernel, where the kernel unpacked it
-    entry: Optional[str] = None  # "train.py --lr 3e-4" or "pkg.module:function"; None with a user recipe
-    exclude: list[str] = Field(default_factory=list)  # glob patterns left out of the shipped folder
+    folder: str = Field(".", description="Your code's folder, relative to the spec file; shipped with every session.")
+    entry: Optional[str] = Field(None, description=(
+        "What a session runs: `train.py --lr 3e-4` or `pkg.module:function`; none with a user recipe."))
+    exclude: list[str] = Field(default_factory=list, description="Glob patterns left out of the shipped folder.")
 
 
 _NAME = r"^[a-z0-9][a-z0-9-]{2,49}$"
 
 
 class RunSpec(_Section):
-    name: str = Field(pattern=_NAME)  # also the Kaggle kernel/dataset slug stem
-    recipe: Optional[str] = None  # a built-in name, or "pkg.module:Class" from code.folder
-    code: Optional[CodeConfig] = None
-    params: dict[str, Any] = Field(default_factory=dict)
-    seed: int = Field(0, ge=0, le=2**32 - 1)  # numpy's seed range
-    optim: OptimConfig
-    data: DataConfig = DataConfig()
-    session: SessionConfig = SessionConfig()
-    checkpoints: CheckpointConfig = CheckpointConfig()
-    kaggle: KaggleConfig = KaggleConfig()
+    name: str = Field(pattern=_NAME, description=(
+        "Run name (`[a-z0-9-]`, 3-50), also the stem of the Kaggle kernel and dataset slugs."))
+    recipe: Optional[str] = Field(None, description=(
+        "A built-in recipe (`price_model`, `vqa_student`, `legal_bert`, `temporal`, `recsys`, `toy`) or "
+        "`pkg.module:Class` from code.folder."))
+    code: Optional[CodeConfig] = Field(None, description="Your own training code (docs/your-code.md).")
+    params: dict[str, Any] = Field(default_factory=dict, description=(
+        "The recipe's own parameters, validated by its Params model (docs/reference/params.md)."))
+    seed: int = Field(0, ge=0, le=2**32 - 1, description=(
+        "Seeds model init, data order (per epoch) and dropout (numpy's range)."))
+    optim: OptimConfig = Field(description="Optimization and the run's length.")
+    data: DataConfig = Field(DataConfig(), description="DataLoader settings.")
+    session: SessionConfig = Field(SessionConfig(), description=(
+        "One Kaggle session: its budget, saves and processes."))
+    checkpoints: CheckpointConfig = Field(CheckpointConfig(), description="Retention, disk budget and checksums.")
+    kaggle: KaggleConfig = Field(KaggleConfig(), description=(
+        "What each session kernel mounts and runs on (used by the orchestrator)."))
 
     @model_validator(mode="after")
     def _recipe_params(self) -> "RunSpec":

@@ -275,7 +275,7 @@ def run_entry(spec: "RunSpec", config: dict) -> dict:
         os.environ.pop(api.ENV, None)
     if api.sessions_opened() == opened_before:
         raise UserCodeError(f"code.entry {spec.code.entry}: ended without opening a relay session"
-                            " (call relay.open_session() and session.close(); see README 'Bring your own training code')")
+                            " (call relay.open_session() and session.close(); see docs/your-code.md)")
     api.close_open_sessions()  # a script that forgot close(): save and report for it
     progress = Path(config["workdir"]) / "progress.json"
     return json.loads(progress.read_text())

@@ -13,7 +13,7 @@ After the Trainer writes its checkpoint-N folder, the callback packs the folder'
 checkpoint (atomic, manifest-checked, relay retention within the disk budget) and removes the Trainer's copy,
 so `save_total_limit` plays no part. The Trainer's logs go into metrics.jsonl.
 
-Exactness: see README ("Bring your own training code"); the Trainer resumes its data order by skipping
+Exactness: see docs/your-code.md; the Trainer resumes its data order by skipping
 batches (transformers #11284), which is exact for map-style datasets but O(steps).
 """
 from __future__ import annotations
