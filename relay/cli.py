@@ -160,6 +160,13 @@ def cmd_verify_resume(args: argparse.Namespace) -> int:
     return 0 if verdict.identical else 1
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from relay import doctor
+    from relay.kaggle import from_env
+
+    return doctor.run(args.spec, from_env, timeout_s=args.timeout, poll_s=args.poll)
+
+
 def cmd_emulator(args: argparse.Namespace) -> int:
     from relay.kaggle.emulator.cli import main as emulator_main
 
@@ -214,6 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--seed", type=int, default=0, help="picks the random cut points")
     v.add_argument("--workdir", help="where both runs go (default: a new temporary folder)")
     v.set_defaults(func=cmd_verify_resume)
+
+    dr = sub.add_parser("doctor", help="check an account before spending GPU quota: credentials, quota, data"
+                                       " sources, and a CPU canary kernel that starts as a session would")
+    dr.add_argument("spec", nargs="?", help="run spec YAML (without it: credentials and quota only)")
+    dr.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the canary kernel")
+    dr.add_argument("--poll", type=float, default=5.0, help="seconds between its status checks")
+    dr.set_defaults(func=cmd_doctor)
 
     e = sub.add_parser("emulator", help="the local Kaggle API emulator (relay emulator serve --help)")
     e.add_argument("rest", nargs=argparse.REMAINDER)

@@ -120,7 +120,7 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
         return _hand_over_streamed(backend, spec, names, action, obs, local)
     out = backend.download_output(names.kernel, local / "outputs" / action.run_id, action.run_id, WORKDIR,
                                   version=obs.kernel_version)
-    tail = _log_tail(out.log_path)
+    tail = log_tail(out.log_path)
     if out.stale:
         return HandOver(False, f"stale output: it belongs to run {out.found_run_id}, not {action.run_id}",
                         log_tail=tail)
@@ -258,7 +258,8 @@ def _stage(stage: Path, newest: checkpoint.Checkpoint, workdir: Path, progress: 
     return stage
 
 
-def _log_tail(path: Optional[Path], lines: int = 40) -> str:
+def log_tail(path: Optional[Path], lines: int = 40) -> str:
+    """The last lines of a kernel log file, as text (Kaggle stores it as JSON)."""
     if not path or not Path(path).is_file():
         return ""
     return _log_tail_text(Path(path).read_text(errors="replace"), lines)

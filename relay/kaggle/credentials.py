@@ -21,6 +21,7 @@ class KaggleCredentials:
     username: str
     key: Optional[str] = field(default=None, repr=False)
     token: Optional[str] = field(default=None, repr=False)
+    source: str = field(default="", compare=False)  # where they were found (`relay doctor` says it)
 
     def __post_init__(self) -> None:
         if not self.username:
@@ -52,13 +53,13 @@ def resolve(source: Any = None, env: Optional[Mapping[str, str]] = None,
         user = username or env.get("KAGGLE_USERNAME")
         if not user:
             raise InputError("KAGGLE_API_TOKEN is set but no username: set KAGGLE_USERNAME too")
-        return KaggleCredentials(user, token=token)
+        return KaggleCredentials(user, token=token, source="KAGGLE_API_TOKEN")
     if env.get("KAGGLE_USERNAME") and env.get("KAGGLE_KEY"):
-        return KaggleCredentials(env["KAGGLE_USERNAME"], key=env["KAGGLE_KEY"])
+        return KaggleCredentials(env["KAGGLE_USERNAME"], key=env["KAGGLE_KEY"], source="KAGGLE_USERNAME/KAGGLE_KEY")
     config_dir = Path(env.get("KAGGLE_CONFIG_DIR") or Path(env.get("HOME", "~")).expanduser() / ".kaggle")
     kaggle_json = config_dir / "kaggle.json"
     if kaggle_json.is_file():
-        return _from_mapping(_parse_json(kaggle_json.read_text(), str(kaggle_json)), username)
+        return _from_mapping(_parse_json(kaggle_json.read_text(), str(kaggle_json)), username, str(kaggle_json))
     raise InputError("no Kaggle credentials: set KAGGLE_API_TOKEN, KAGGLE_USERNAME/KAGGLE_KEY,"
                      f" or write {kaggle_json}")
 
@@ -84,9 +85,10 @@ def _from_source(source: Any, username: Optional[str]) -> KaggleCredentials:
     raise InputError(f"unsupported Kaggle credential source: {type(source).__name__}")
 
 
-def _from_mapping(data: Mapping[str, Any], username: Optional[str]) -> KaggleCredentials:
+def _from_mapping(data: Mapping[str, Any], username: Optional[str], source: str = "") -> KaggleCredentials:
     user = data.get("username") or username
-    return KaggleCredentials(str(user or ""), key=data.get("key") or None, token=data.get("token") or None)
+    return KaggleCredentials(str(user or ""), key=data.get("key") or None, token=data.get("token") or None,
+                             source=source)
 
 
 def _parse_json(text: str, where: str) -> dict:

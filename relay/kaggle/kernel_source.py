@@ -69,6 +69,8 @@ def render(session: SessionKernel, bundle: Bundle) -> str:
         "user_code": bool(session.code_folder),
         "pip": list(session.pip),
     }
+    if session.canary is not None:
+        plan["canary"] = list(session.canary)
     encoded = base64.b64encode(bundle.data).decode("ascii")
     lines = [encoded[i:i + 100] for i in range(0, len(encoded), 100)]
     return (
@@ -144,6 +146,9 @@ def main():
         path = mounted(input_dir, ref)
         if path:
             cmd += ["--features", path]
+    if "canary" in plan:  # `relay doctor`: the same start, then checks instead of training (relay/canary.py)
+        cmd = [sys.executable, "-m", "relay.canary", spec_path, "--out", os.path.join(workdir, "doctor.json")]
+        cmd += [f"--mount={ref}={mounted(input_dir, ref) or ''}" for ref in plan["canary"]]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (code_dir, env.get("PYTHONPATH")) if p)
     print("relay: code", plan["code_version"], "run", plan["run_id"], flush=True)
     child = subprocess.Popen(cmd, env=env)

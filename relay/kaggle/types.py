@@ -66,6 +66,7 @@ class SessionKernel:
     code_folder: Optional[str] = None         # the user's code (spec code.folder), shipped beside the package
     code_exclude: tuple = ()
     pip: tuple = ()                           # requirements installed at kernel start (internet on)
+    canary: Optional[tuple] = None            # `relay doctor`: check these mounts instead of training
 
 
 @dataclass(frozen=True)
