@@ -8,7 +8,6 @@ Kaggle, so killing the flow anywhere and starting it again continues the relay.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from datetime import datetime, timezone
@@ -17,7 +16,8 @@ from typing import Literal, Optional
 
 from prefect import flow, get_run_logger
 
-from relay import chain, handoff, plan as planner, spec as spec_mod
+from relay import chain, handoff, spec as spec_mod
+from relay.policy import budget_lowered, plan_text, session_budget, utc
 from relay.chain import Do
 from relay.kaggle.types import Refusal
 from tasks import artifacts, relay_tasks as t
@@ -39,52 +39,6 @@ def make_backend(credentials_block: Optional[str] = None):
         value = Secret.load(credentials_block).get()
         creds = json.loads(value) if isinstance(value, str) else value
     return ClientBackend(creds, os.environ.get("RELAY_KAGGLE_ENDPOINT"))
-
-
-def session_budget(spec, quota) -> float:
-    """Seconds of training to ask of the next session: the spec's budget, within Kaggle's session cap
-    (less start-up), and within what is left of the weekly GPU quota."""
-    k = spec.kaggle
-    budget = min(spec.session.budget or math.inf, k.session_timeout - k.startup_overhead)
-    if quota is not None and quota.allowed_s > 0:
-        budget = min(budget, quota.remaining_s - k.startup_overhead)
-    return budget
-
-
-def plan_text(spec, progress: Optional[dict], quota, now: datetime) -> str:
-    try:
-        q = (planner.quota_from_api({"gpuQuota": {"timeUsed": quota.used_s, "totalTimeAllowed": quota.allowed_s,
-                                                  "timeReserved": quota.reserved_s},
-                                     "quotaRefreshTime": _utc(quota.refresh_time)}, now)
-             if quota is not None and quota.refresh_time else
-             planner.quota_from_ledger([(s["started"], s.get("seconds", 0)) for s in (progress or {}).get("sessions", [])],
-                                       now, total_allowed_s=spec.kaggle.weekly_gpu_quota))
-        limits = planner.SessionLimits(session_cap_s=spec.kaggle.session_timeout,
-                                       startup_s=spec.kaggle.startup_overhead,
-                                       save_s=spec.session.safety_margin + 1, handoff_s=0, min_train_s=0)
-        p = planner.plan_from_progress(progress or {}, q, now, limits=limits, step_seconds_estimate=None,
-                                       total_steps=(progress or {}).get("total_steps"),
-                                       steps_per_epoch=(progress or {}).get("steps_per_epoch"))
-        return planner.format_plan(p) + _limit_warning(spec, progress)
-    except (planner.PlanError, KeyError, TypeError, ValueError) as err:
-        return f"(no plan yet: {err})" + _limit_warning(spec, progress)
-
-
-def _budget_lowered(backend, names: chain.Names, spec) -> bool:
-    """After a session stopped at the limit left nothing to hand over: retry it only once the spec asks for
-    a shorter session than the stopped attempt was pushed with (the budget is in the kernel's source)."""
-    pushed = (backend.current_plan(names.kernel) or {}).get("budget")
-    return pushed is not None and session_budget(spec, None) < float(pushed) - 1
-
-
-def _limit_warning(spec, progress: Optional[dict]) -> str:
-    """The plan says so when the last handed-over session was stopped at Kaggle's session limit."""
-    if (progress or {}).get("stop_reason") != handoff.SESSION_LIMIT:
-        return ""
-    k = spec.kaggle
-    session = len(progress.get("sessions", [])) or 1
-    return "\nwarning: " + chain.session_limit_advice(session, session_budget(spec, None), k.session_timeout,
-                                                      k.startup_overhead)
 
 
 @flow(name="relay", log_prints=True)
@@ -116,7 +70,7 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
         if action.do in (Do.HARVEST, Do.SALVAGE):
             result = t.hand_over(backend, run_spec, names, action, obs, local)
             if chain.hit_session_limit(obs.kernel_state, obs.failure_message) and \
-                    (result.ok or not _budget_lowered(backend, names, run_spec)):
+                    (result.ok or not budget_lowered(backend, names, run_spec)):
                 # not transient: the same budget would hit the limit again; what it saved is handed over
                 k = run_spec.kaggle
                 advice = chain.session_limit_advice(action.session, session_budget(run_spec, None),
@@ -175,11 +129,6 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
         t.wait_for_kernel(backend, names.kernel, obs.kernel_version, max_seconds=600, poll_seconds=poll_seconds)
 
 
-def _utc(value: datetime) -> datetime:
-    # the kaggle client parses quotaRefreshTime without a zone; Kaggle's times are UTC
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
-
-
 def _wait_or_return(mode: str, why: str, until, poll_seconds: float, give_up: float, logger) -> Optional[str]:
     """In tick mode, report "waiting" and return; in watch mode, sleep (until the quota refresh, if known)."""
     logger.warning(why)
@@ -189,7 +138,7 @@ def _wait_or_return(mode: str, why: str, until, poll_seconds: float, give_up: fl
         raise RelayFailed(f"gave up: {why}")
     delay = poll_seconds
     if until is not None:
-        delay = max(poll_seconds, (_utc(until) - datetime.now(timezone.utc)).total_seconds())
+        delay = max(poll_seconds, (utc(until) - datetime.now(timezone.utc)).total_seconds())
     time.sleep(min(delay, 3600))
     return None
 

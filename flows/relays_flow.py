@@ -21,7 +21,8 @@ from typing import Dict, List, Literal, Optional
 
 from prefect import flow, get_run_logger
 
-from flows.relay_flow import RelayFailed, _utc, make_backend, session_budget
+from flows.relay_flow import RelayFailed, make_backend
+from relay.policy import session_budget, utc
 from relay import chain, handoff, joint_plan, plan as planner, spec as spec_mod
 from relay.chain import Do
 from relay.errors import InputError
@@ -111,7 +112,7 @@ def _ts(value) -> float:
     if value is None:
         return 0.0
     try:
-        return planner.as_utc(value).timestamp()
+        return planner.asutc(value).timestamp()
     except (planner.PlanError, ValueError, TypeError):
         return 0.0
 
@@ -147,7 +148,7 @@ def run_round(backend, relays: List[Relay], cap: int, logger) -> Round:
             if quota is not None and quota.allowed_s > 0:
                 budget = min(budget, quota.remaining_s / max(1, len(unfinished)))  # equal shares of what is left
             if budget <= relay.spec.session.safety_margin or rnd.quota_wait:
-                rnd.quota_wait = _utc(quota.refresh_time) if quota is not None and quota.refresh_time else None
+                rnd.quota_wait = utc(quota.refresh_time) if quota is not None and quota.refresh_time else None
                 break
             session = handoff.session_kernel(relay.spec, relay.spec_text, relay.names, relay.action, budget,
                                              relay.obs.features_published,
@@ -156,7 +157,7 @@ def run_round(backend, relays: List[Relay], cap: int, logger) -> Round:
             if pushed.refusal is not None:
                 rnd.refused += 1
                 if pushed.refusal is Refusal.QUOTA and quota is not None:
-                    rnd.quota_wait = _utc(quota.refresh_time)
+                    rnd.quota_wait = utc(quota.refresh_time)
                 break  # the cap (or the quota) is reached on Kaggle's side: the rest wait their turn
             relay.state = "pushed"
             rnd.pushed.append(relay.name)
@@ -175,7 +176,7 @@ def joint_eta(relays: List[Relay], quota, cap: int, now: datetime) -> Optional[j
             continue
         try:
             k = relay.spec.kaggle
-            q = planner.QuotaState(quota.allowed_s, quota.used_s, quota.reserved_s, _utc(quota.refresh_time), now) \
+            q = planner.QuotaState(quota.allowed_s, quota.used_s, quota.reserved_s, utc(quota.refresh_time), now) \
                 if quota is not None and quota.refresh_time else \
                 planner.quota_from_ledger([], now, total_allowed_s=k.weekly_gpu_quota)
             limits = planner.SessionLimits(session_cap_s=k.session_timeout, startup_s=k.startup_overhead,
@@ -190,7 +191,7 @@ def joint_eta(relays: List[Relay], quota, cap: int, now: datetime) -> Optional[j
         return None
     allowed = quota.allowed_s if quota is not None and quota.allowed_s > 0 else 30 * 3600.0
     left = quota.remaining_s if quota is not None and quota.allowed_s > 0 else allowed
-    refresh = _utc(quota.refresh_time) if quota is not None and quota.refresh_time else planner.next_weekly_reset(now)
+    refresh = utc(quota.refresh_time) if quota is not None and quota.refresh_time else planner.next_weekly_reset(now)
     running = [r.name for r in relays if r.state in ("running", "pushed")]
     return joint_plan.plan_jointly(needs, now=now, cap=cap, quota_left_s=left, quota_allowed_s=allowed,
                                    refresh_at=refresh, done_sessions=done, running=running)

@@ -130,6 +130,11 @@ GPUS_PER_SHAPE = {"NvidiaTeslaT4": 2, "NvidiaTeslaT4Highmem": 2}
 def cmd_status(args: argparse.Namespace) -> int:
     from relay import report
 
+    if not Path(args.dir).is_dir():  # a relay name or a spec: read from Kaggle
+        from relay import status
+        from relay.kaggle import from_env
+
+        return status.report(args.dir, from_env, Path(args.out) if args.out else None)
     progress = _load_progress(args.dir)
     print(report.format_table(report.session_table(progress)))
     best = progress.get("best") or {}
@@ -210,8 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-samples", type=int, help="training set size, to count steps of an epochs-based spec")
     p.set_defaults(func=cmd_plan)
 
-    st = sub.add_parser("status", help="the session table of a workdir, and its loss-curve and timeline PNGs")
-    st.add_argument("dir", help="a workdir, or a folder of harvested session outputs")
+    st = sub.add_parser("status", help="where a relay stands: its session table, running session, next step, ETA"
+                                       " and PNGs, read from Kaggle (NAME or SPEC) or from a local folder")
+    st.add_argument("dir", metavar="NAME|SPEC|DIR",
+                    help="a relay name or its spec (read from Kaggle), or a workdir / harvested outputs folder")
+    st.add_argument("--out", metavar="DIR", help="where the PNGs go for NAME|SPEC (default: relay-runs/NAME)")
     st.set_defaults(func=cmd_status)
 
     v = sub.add_parser("verify-resume", help="N steps straight vs the same N split into sessions with a SIGKILL"
