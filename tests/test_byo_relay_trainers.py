@@ -19,3 +19,12 @@ TRAINERS = {
 def test_trainer_example_relays_to_the_weights_of_one_run(example, relay_env, reference, monkeypatch):
     monkeypatch.setitem(test_byo_relay.EXAMPLES, example, TRAINERS[example])
     relayed(example, relay_env, reference, monkeypatch)
+    if example == "byo-hf":  # the final model dataset is what from_pretrained needs: config, weights, tokenizer
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        model_ds = f"{relay_env.kernel.split('/')[0]}/{relay_env.name}-model"
+        versions = relay_env.emu.store.datasets[model_ds]["versions"]
+        folder = relay_env.emu.store.dataset_dir(model_ds, versions[-1]["number"])
+        model = AutoModelForSequenceClassification.from_pretrained(folder)
+        tokens = AutoTokenizer.from_pretrained(folder)("a good movie", return_tensors="pt")
+        assert model(**tokens).logits.shape == (1, 2)

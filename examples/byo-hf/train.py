@@ -50,7 +50,8 @@ def main() -> None:
         dataloader_num_workers=0, disable_tqdm=True, use_cpu=not torch.cuda.is_available())
     callback = RelayCallback(session)  # relay
     resume = callback.restore()  # relay
-    trainer = Trainer(model=model, args=args, train_dataset=Reviews(tokenizer, 512, seed=0), callbacks=[callback])
+    trainer = Trainer(model=model, args=args, train_dataset=Reviews(tokenizer, 512, seed=0), callbacks=[callback],
+                      processing_class=tokenizer)  # exported with the final model
     trainer.train(resume_from_checkpoint=resume)  # relay: resume_from_checkpoint
     session.close()  # relay
 

@@ -11,13 +11,16 @@ At each step end the callback asks the session whether to stop (measured step an
 step cap); when it must, it sets BOTH `should_save` and `should_training_stop` (stop alone does not save).
 After the Trainer writes its checkpoint-N folder, the callback packs the folder's files into a relay
 checkpoint (atomic, manifest-checked, relay retention within the disk budget) and removes the Trainer's copy,
-so `save_total_limit` plays no part. The Trainer's logs go into metrics.jsonl.
+so `save_total_limit` plays no part. The Trainer's logs go into metrics.jsonl. When the run is done the export
+(and the relay's `<name>-model` dataset) holds the model as `save_pretrained` writes it, with the Trainer's
+tokenizer or processor: `from_pretrained` loads it.
 
 Exactness: see docs/your-code.md; the Trainer resumes its data order by skipping
 batches (transformers #11284), which is exact for map-style datasets but O(steps).
 """
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -61,6 +64,15 @@ class RelayCallback(TrainerCallback):
         self.folder = CheckpointFolder(session.workdir / "hf-resume" / "checkpoint")
         session.register(hf_checkpoint=self.folder)
         self._save_started: Optional[float] = None
+        logging.getLogger("transformers.trainer").addFilter(self._paused_is_not_completed)
+
+    def _paused_is_not_completed(self, record: logging.LogRecord) -> bool:
+        """The Trainer says "Training completed" whenever train() returns: a paused session has not."""
+        if "Training completed" in str(record.msg) and self.session.step < self.session.total_steps:
+            print(f"relay: session paused at step {self.session.step}/{self.session.total_steps}"
+                  f" ({self.session.stop_reason}); the next session resumes it", flush=True)
+            return False
+        return True
 
     def restore(self) -> Optional[str]:
         """Restore the session; the unpacked checkpoint for `trainer.train(resume_from_checkpoint=...)`."""
@@ -86,6 +98,9 @@ class RelayCallback(TrainerCallback):
             raise InputError(f"TrainingArguments.max_steps={args.max_steps}: set it to session.total_steps"
                              f" ({self.session.total_steps}) so every session agrees on the schedule")
         self.session.weights_model = model
+        processor = kwargs.get("processing_class") or kwargs.get("tokenizer")  # the name before transformers 4.46
+        if callable(getattr(processor, "save_pretrained", None)):  # exported with the model: from_pretrained loads it
+            self.session.export_extras = [processor]
         if state.global_step != self.session.step:
             raise InputError(f"the Trainer resumed at step {state.global_step} but the relay at {self.session.step}:"
                              " pass resume_from_checkpoint=callback.restore()")

@@ -97,6 +97,7 @@ class Session:
         self.clock.install_signal_handlers()
         self.objects: dict[str, Any] = {}
         self.weights_model: Optional[torch.nn.Module] = None  # whose weights_sha256/export (default: registered)
+        self.export_extras: list = []  # objects with save_pretrained() exported beside it (a tokenizer)
         self.step = 0
         self.stop_reason: Optional[str] = None
         self.closed = False
@@ -326,7 +327,7 @@ class Session:
             model = self._model()
             weights = checkpoint.weights_sha256(model.state_dict()) if model is not None else None
             if done and model is not None:
-                checkpoint.export_atomic(self.workdir / "export", lambda out: _export(model, out))
+                checkpoint.export_atomic(self.workdir / "export", lambda out: _export(model, out, self.export_extras))
             checkpoint.wait_for_deletions()
             progress = self._write_progress(checkpoint.list_valid(self.workdir / "checkpoints")[0],
                                             "done" if done else "paused", reason, weights)
@@ -409,7 +410,14 @@ class RunBatchSampler(torch.utils.data.Sampler):
         return self.session.total_steps
 
 
-def _export(model: torch.nn.Module, out: Path) -> None:
-    from safetensors.torch import save_model
+def _export(model: torch.nn.Module, out: Path, extras: list = ()) -> None:
+    """Weights only. A transformers model exports as its save_pretrained() writes it (config.json + safetensors)
+    with the extras (its tokenizer or processor), so `from_pretrained(export)` loads the final model."""
+    if callable(getattr(model, "save_pretrained", None)):
+        model.save_pretrained(str(out), safe_serialization=True)
+    else:
+        from safetensors.torch import save_model
 
-    save_model(model, str(out / "model.safetensors"))
+        save_model(model, str(out / "model.safetensors"))
+    for extra in extras:
+        extra.save_pretrained(str(out))
