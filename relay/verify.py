@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional
 import yaml
 
 from relay.errors import InputError
+from relay.session import trace
 from relay.version import PACKAGE_DIR
 
 KILL_MARKER_ENV = "RELAY_VERIFY_KILL_MARKER"
@@ -41,12 +42,14 @@ class Verdict:
     first_difference: Optional[str] = None
     differing: int = 0
     seconds: float = 0.0
+    diagnosis: Optional[str] = None  # the first step the runs part, and why (relay.session.trace)
 
     def text(self) -> str:
         split = ", ".join(f"{a}->{b}{'' if how == 'ok' else ' (' + how + ')'}" for a, b, how in self.sessions)
         head = (f"identical" if self.identical else f"differs: {self.first_difference}"
                 + (f" (and {self.differing - 1} more)" if self.differing > 1 else ""))
-        return f"{head}\n  {self.steps} steps straight vs sessions {split}; {self.seconds:.1f} s"
+        why = f"\n  why: {self.diagnosis}" if self.diagnosis else ""
+        return f"{head}\n  {self.steps} steps straight vs sessions {split}; {self.seconds:.1f} s{why}"
 
 
 def verify_resume(spec_path: Path, steps: Optional[int] = None, *, seed: int = 0,
@@ -83,7 +86,12 @@ def verify_resume(spec_path: Path, steps: Optional[int] = None, *, seed: int = 0
     left = checkpoint.load_latest(a / "checkpoints")[1]
     right = checkpoint.load_latest(b / "checkpoints")[1]
     diffs = list(compare(left, right))
-    return Verdict(not diffs, steps, sessions, diffs[0] if diffs else None, len(diffs), time.monotonic() - t0)
+    why = trace.diagnose(_trace_file(a), _trace_file(b)) if diffs else None
+    return Verdict(not diffs, steps, sessions, diffs[0] if diffs else None, len(diffs), time.monotonic() - t0, why)
+
+
+def _trace_file(workdir: Path) -> Path:
+    return workdir.with_name(workdir.name + ".trace.jsonl")
 
 
 def _spec_copy(spec_path: Path, root: Path) -> Path:
@@ -103,6 +111,7 @@ def _train(spec: Path, workdir: Path, max_steps: int, timeout: float, kill_marke
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_DIR.parent),
                                                                      os.environ.get("PYTHONPATH")])))
     env.pop(KILL_MARKER_ENV, None)
+    env[trace.ENV] = str(_trace_file(workdir))
     if kill_marker is not None:
         env[KILL_MARKER_ENV] = str(kill_marker)
     log = workdir.with_name(workdir.name + ".log")

@@ -211,6 +211,28 @@ def test_verify_resume_names_the_state_a_script_forgets(relay_cli, tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr[-3000:]
     first = out.stdout.splitlines()[0]
     assert first.startswith("differs: objects.model.") and "max |diff|" in first, out.stdout
+    why = out.stdout.split("why: ", 1)[1]
+    assert why.startswith("step ") and "(inside a session): " in why and "optimizer" in why.split(" at the")[0], why
+    assert "sched (LambdaLR)" in why and "session.register(sched=sched)" in why, why
+
+
+def test_verify_resume_names_the_step_where_a_prefetched_batch_breaks_exactness(relay_cli, tmp_path):
+    """The loop draws the next step's batch from the global RNG one step ahead: a resumed session draws it
+    again, so the first step after each resume trains on another batch. verify-resume names that step."""
+    spec = copy_example("byo-plain", tmp_path / "ex")
+    script = tmp_path / "ex" / "train.py"
+    script.write_text(script.read_text().replace(
+        "    for idx in session.batches(len(x), args.batch):  # relay: this step's samples, until it must stop\n",
+        "    nxt = torch.randint(len(x), (args.batch,))  # a prefetched batch\n"
+        "    for _ in session.batches(len(x), args.batch):\n"
+        "        idx, nxt = nxt, torch.randint(len(x), (args.batch,))\n"))
+    out = relay_cli.run("verify-resume", str(spec), "--steps", "24", "--workdir", str(tmp_path / "v"), timeout=600)
+    assert out.returncode == 1, out.stdout + out.stderr[-3000:]
+    why = out.stdout.split("why: ", 1)[1]
+    first_resume = int(out.stdout.split("sessions 0->", 1)[1].split(",")[0])
+    assert why.startswith(f"step {first_resume} (the first after a resume): the same state, RNG and batch"
+                          " indices gave a different loss"), out.stdout
+    assert "a prefetched batch" in why, why
 
 
 # -- the HF callback refuses what cannot resume -------------------------------------------------------------

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -27,7 +28,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from relay.errors import InputError
-from relay.session import api_distributed, atomic, checkpoint, data, distributed
+from relay.session import api_distributed, atomic, checkpoint, data, distributed, trace
 from relay.session.api_distributed import unwrap
 from relay.session.budget import SessionClock
 from relay.session.loop import rng_state, set_rng_state
@@ -111,6 +112,7 @@ class Session:
         self._session_samples = 0
         self._train_seconds = 0.0
         self._metrics = self.workdir / "metrics.jsonl"
+        self._trace = trace.StepTrace.from_env()  # per-step fingerprints, under `relay verify-resume` only
 
     @property
     def rank(self) -> int:
@@ -132,6 +134,7 @@ class Session:
         """Load the newest valid checkpoint (own workdir, then the relay's resume folders) into the registered
         objects and the RNGs; start this session's record. Returns the step to continue from (0 when fresh)."""
         restored = checkpoint.load_latest(self.workdir / "checkpoints", *map(Path, self.config["resume_from"]))
+        resumed = restored is not None
         if self.world.main:
             self._carry_metrics()
         if restored:
@@ -166,6 +169,8 @@ class Session:
         self._record = {"index": len(sessions) + 1, "run_id": self.run_id, "started": self.clock.started,
                         "step_start": self.step, "stop_reason": "running", "world_size": self.world.size}
         sessions.append(self._record)
+        if self._trace:
+            self._trace.start(self, resumed=resumed)
         self._mark = time.perf_counter()
         return self.step
 
@@ -190,7 +195,10 @@ class Session:
         s = self._schedule
         if s is None or (s.n_samples, s.effective_batch, s.seed) != (n_samples, batch_size, seed):
             self._schedule = s = data.StepSchedule(n_samples, batch_size, seed, setting="batch_size")
-        return data.rank_indices(s, self.step, self.world.rank, self.world.size)
+        indices = data.rank_indices(s, self.step, self.world.rank, self.world.size)
+        if self._trace:
+            self._trace.batch(indices)
+        return indices
 
     def batches(self, n_samples: int, batch_size: int, seed: Optional[int] = None) -> Iterator[list[int]]:
         """The current step's indices, until should_stop(); call step_done() after each."""
@@ -227,6 +235,8 @@ class Session:
         now = time.perf_counter()
         self.clock.record_step(now - self._mark)
         self._train_seconds += now - self._mark
+        if self._trace:
+            self._trace.step_done(self, loss, sys._getframe(1))
         self.step += 1
         if self._schedule is not None:
             self._session_samples += self._schedule.effective_batch
