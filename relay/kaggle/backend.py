@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, List, Optional, Protocol, Tuple
+from typing import Any, Iterator, List, Optional, Protocol, Tuple
 
 from relay.errors import InputError
 from relay.spec import DEFAULT_GPU_SHAPE
@@ -31,6 +31,16 @@ log = logging.getLogger(__name__)
 class KaggleBackend(Protocol):
     def push_session(self, session: SessionKernel) -> PushResult: ...
     def kernel_status(self, kernel: str, version: Optional[int] = None) -> KernelStatus: ...
+    def log_stream(self, kernel: str) -> Iterator[dict]:
+        """The kernel's log as events ({"data": ...}) through the client's kernels_logs_stream: live server-sent
+        events while the session runs, the stored log once it is done; replayed from the start on every call."""
+        with self.client.bound() as api:  # the SDK reads the endpoint while it connects: hold it until then
+            events = api.kernels_logs_stream(kernel)
+            first = next(events, None)
+        if first is not None:
+            yield first
+            yield from events
+
     def download_output(self, kernel: str, dest: Path, run_id: str, workdir_name: str = "relay",
                         version: Optional[int] = None) -> SessionOutput: ...
     def publish_folder(self, folder: Path, dataset: str, title: str, notes: str = "") -> PublishResult: ...
@@ -229,6 +239,16 @@ class ClientBackend:
         name = name.removeprefix("kernel_worker_status_")
         state = {"cancel_requested": KernelState.CANCELLED, "cancel_acknowledged": KernelState.CANCELLED}.get(name)
         return KernelStatus(state or KernelState(name), response.failure_message or "")
+
+    def log_stream(self, kernel: str) -> Iterator[dict]:
+        """The kernel's log as events ({"data": ...}) through the client's kernels_logs_stream: live server-sent
+        events while the session runs, the stored log once it is done; replayed from the start on every call."""
+        with self.client.bound() as api:  # the SDK reads the endpoint while it connects: hold it until then
+            events = api.kernels_logs_stream(kernel)
+            first = next(events, None)
+        if first is not None:
+            yield first
+            yield from events
 
     def download_output(self, kernel: str, dest: Path, run_id: str, workdir_name: str = "relay",
                         version: Optional[int] = None) -> SessionOutput:

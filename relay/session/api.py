@@ -32,6 +32,7 @@ from relay.session import api_distributed, atomic, checkpoint, data, distributed
 from relay.session.api_distributed import unwrap
 from relay.session.budget import SessionClock
 from relay.session.loop import rng_state, set_rng_state
+from relay.session.progress_line import ProgressLines
 from relay.session.run import disk_besides, pick_device, seed_everything
 from relay.version import code_version
 
@@ -112,6 +113,7 @@ class Session:
         self._session_samples = 0
         self._train_seconds = 0.0
         self._metrics = self.workdir / "metrics.jsonl"
+        self._progress: Optional[ProgressLines] = None  # from restore() on
         self._trace = trace.StepTrace.from_env()  # per-step fingerprints, under `relay verify-resume` only
 
     @property
@@ -168,6 +170,8 @@ class Session:
         self.run_id = self.run_id or (sessions[-1].get("run_id") if sessions else None)
         self._record = {"index": len(sessions) + 1, "run_id": self.run_id, "started": self.clock.started,
                         "step_start": self.step, "stop_reason": "running", "world_size": self.world.size}
+        self._progress = ProgressLines(self._record["index"], self.step, self.total_steps, self.clock.remaining,
+                                       run_id=self.run_id)
         sessions.append(self._record)
         if self._trace:
             self._trace.start(self, resumed=resumed)
@@ -283,6 +287,9 @@ class Session:
             return
         with open(self._metrics, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self._progress is not None:
+            speed = self._session_samples / self._train_seconds if self._train_seconds and self._session_samples else None
+            self._progress({**record, "samples_per_s": speed} if speed else record)
 
     # -- saving -----------------------------------------------------------------------------------------
     def save(self, reason: str = "manual", started: Optional[float] = None) -> Optional[checkpoint.Checkpoint]:
@@ -341,6 +348,7 @@ class Session:
             checkpoint.wait_for_deletions()
             progress = self._write_progress(checkpoint.list_valid(self.workdir / "checkpoints")[0],
                                             "done" if done else "paused", reason, weights)
+            self._progress.end(self.step, progress["status"], reason)
             distributed.barrier(self.world)
             return progress
         finally:

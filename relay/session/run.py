@@ -24,6 +24,7 @@ from relay.errors import InputError
 from relay.session import atomic, checkpoint, data, distributed, memory
 from relay.session.budget import SessionClock
 from relay.session.loop import Trainer, TrainState, resolve_precision
+from relay.session.progress_line import ProgressLines
 from relay.spec import RunSpec
 from relay.version import code_version
 
@@ -54,8 +55,8 @@ class MetricsLog:
     """metrics.jsonl: one line per record, appended and flushed so a kill loses at most one line.
     Without a path (ranks other than 0) it only keeps the last training loss."""
 
-    def __init__(self, path: Optional[Path], session: int):
-        self.path, self.session = path, session
+    def __init__(self, path: Optional[Path], session: int, progress: Optional[ProgressLines] = None):
+        self.path, self.session, self.progress = path, session, progress
         self.last_train_loss: Optional[float] = None
 
     def __call__(self, record: dict) -> None:
@@ -64,6 +65,8 @@ class MetricsLog:
             self.last_train_loss = record.get("loss")
         if self.path is None:
             return
+        if self.progress is not None:
+            self.progress(record)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -206,8 +209,9 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
         _change_world(state, world.size)
 
     total = data.total_steps(schedule, spec.optim.epochs, spec.optim.max_steps)
-    metrics_log = MetricsLog(workdir / "metrics.jsonl" if world.main else None, session=len(state.sessions) + 1)
     run_id = run_id or (state.sessions[-1].get("run_id") if state.sessions else None)
+    lines = ProgressLines(len(state.sessions) + 1, state.global_step, total, clock.remaining, run_id=run_id)
+    metrics_log = MetricsLog(workdir / "metrics.jsonl" if world.main else None, len(state.sessions) + 1, lines)
 
     session = {"index": len(state.sessions) + 1, "run_id": run_id, "started": clock.started,
                "step_start": state.global_step, "stop_reason": "running", "world_size": world.size,
@@ -276,6 +280,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     checkpoint.wait_for_deletions()
     progress = _write_progress(workdir, spec, state, total, schedule, checkpoint.list_valid(ckpt_root)[0],
                                status=status, reason=reason, run_id=run_id, weights=weights)
+    lines.end(state.global_step, status, reason)
     distributed.barrier(world)  # every rank leaves together (gloo aborted a rank that shut down first)
     return progress
 

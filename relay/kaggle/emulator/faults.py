@@ -8,7 +8,8 @@ Spec (JSON, or built from CLI flags):
    "upload_fail_midfile": 0.3,      # an upload PUT keeps only part of the bytes and answers 503
    "stale_output": true,            # after a failed run, output shows the previous successful run's files
    "kill_kernel": {"probability": 0.5, "min_s": 0.5, "max_s": 3},   # SIGKILL at a random instant
-   "status_lag": {"seconds": 60, "calls": 5}}   # after a push, unpinned status/output answer the previous version
+   "status_lag": {"seconds": 60, "calls": 5},   # after a push, unpinned status/output answer the previous version
+   "stream_drop": {"after_events": 20}}          # each version's live log stream is cut once, after 20 events
 Kinds: 429 (with Retry-After), 500, 503, reset (connection dropped before handling), lost (handled, then the
 connection dropped: the client cannot know it happened), slow (answered after slow_s seconds), refused (HTTP 200
 `{"versionNumber": 0, "error": ...}` without handling: a refused push; script it for SaveKernel).
@@ -51,6 +52,8 @@ class FaultPlan:
         unknown = set(self.status_lag) - {"seconds", "calls"}
         if unknown:
             raise InputError(f"faults: status_lag: unknown keys {sorted(unknown)} (use seconds, calls)")
+        self.stream_drop: dict = dict(spec.get("stream_drop") or {})
+        self._streams_cut: set = set()
         self._lagged: Dict[str, int] = defaultdict(int)  # kernel version -> unpinned calls answered since push
         self._counts: Dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()
@@ -120,6 +123,17 @@ class FaultPlan:
             with self._lock:
                 self.injected["status_lag"] += 1
         return lag
+
+    def stream_cut(self, kernel_ref: str, version: int) -> Optional[int]:
+        """After how many events to cut this connection of a live log stream (once per version), or None."""
+        if not self.stream_drop:
+            return None
+        with self._lock:
+            if (kernel_ref, version) in self._streams_cut:
+                return None
+            self._streams_cut.add((kernel_ref, version))
+            self.injected["stream_drop"] += 1
+        return int(self.stream_drop.get("after_events", 10))
 
     def kill_at(self, kernel_ref: str, version: int) -> Optional[float]:
         """Wall seconds after start at which to SIGKILL this kernel version, or None."""

@@ -209,21 +209,35 @@ class KernelsService:
             raise ApiError(404, "not found")
         return file_reply(self.store.kernel_dir(ref, version["number"]) / "working" / "/".join(rel), headers)
 
-    def log_stream(self, owner: str, slug: str, timeout: float = 600.0) -> Iterator[bytes]:
-        """Server-sent events: one `data: {json}` per log line, then `data: END_OF_LOG`."""
+    def log_stream(self, owner: str, slug: str, timeout: float = 600.0) -> tuple[str, Iterator[bytes]]:
+        """GET /api/v1/kernels/logs/stream/<owner>/<slug> as Kaggle serves it: while the session runs, server-sent
+        events (one `data: {json}` per log line, replayed from the start on every connection, `data: END_OF_LOG`
+        when it ends); once it is done, the stored log as one JSON array (not SSE). The `stream_drop` fault cuts
+        a live stream after some events (a load balancer's idle cut): the client reconnects."""
         ref = f"{owner}/{slug}"
         version = self.store.kernel_version(ref)
         if version is None:
             raise ApiError(404, f"Kernel {ref} not found")
-        sent, deadline = 0, time.time() + timeout
+        if version["status"] not in ACTIVE:
+            return "application/json", iter([json.dumps(self._log(ref, version["number"])).encode()])
+        return "text/event-stream", self._events(ref, version, timeout)
+
+    def _events(self, ref: str, version: dict, timeout: float) -> Iterator[bytes]:
+        cut = self.emu.faults.stream_cut(ref, version["number"])
+        sent, deadline, quiet = 0, time.time() + timeout, 0
         while True:
             entries = self._log(ref, version["number"])
             for entry in entries[sent:]:
+                if cut is not None and sent >= cut:
+                    raise ConnectionAbortedError("stream_drop")
                 yield f"data: {json.dumps(entry)}\n\n".encode()
-            sent = len(entries)
+                sent, quiet = sent + 1, 0
             if version["status"] not in ACTIVE or time.time() > deadline:
                 yield b"data: END_OF_LOG\n\n"
                 return
+            quiet += 1
+            if quiet % 5 == 0:  # a keep-alive comment each second of silence (the client reads 512-byte chunks)
+                yield b":" + b" " * 509 + b"\n\n"
             time.sleep(0.2)
 
 

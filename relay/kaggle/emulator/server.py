@@ -269,14 +269,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _stream(self, owner: str, slug: str) -> None:
         try:
-            events = self.emu.kernels.log_stream(owner, slug)
-            first = next(events)
+            content_type, chunks = self.emu.kernels.log_stream(owner, slug)
         except ApiError as err:
             return self._send(error_reply(err.status, err.message))
         self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Type", content_type)
+        self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(first)
-        for event in events:
-            self.wfile.write(event)
-            self.wfile.flush()
+        try:
+            for chunk in chunks:
+                self.wfile.write(chunk)
+                self.wfile.flush()
+        except ConnectionAbortedError:  # the stream_drop fault: cut the live stream mid-session
+            self._drop()

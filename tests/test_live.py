@@ -1,0 +1,55 @@
+"""Following a running session through Kaggle's log stream (the real client's kernels_logs_stream against the
+emulator): live events while it runs, a dropped stream reconnected without counting anything twice, the
+stored log after; and the early warnings read from the records."""
+from __future__ import annotations
+
+import json
+import math
+
+from kaggle_fixtures import USER, backend_for, make_emulator, isolated_env, push_script  # noqa: F401
+from relay.live import LiveSession, early_warnings
+from relay.session.progress_line import PREFIX
+
+KERNEL = f"{USER}/live-test"
+SCRIPT = '''
+import json, os, time
+print("relay: code abc run live-s001-a1", flush=True)
+print(%r + json.dumps({"run_id": "live-s000-a1", "step": 0, "kind": "train"}), flush=True)  # a stale run's line
+for step in range(1, 31):
+    print(%r + json.dumps({"run_id": "live-s001-a1", "step": step, "kind": "train", "loss": 1.0 / step}), flush=True)
+release = os.path.join(os.environ["KAGGLE_WORKING_DIR"], "release")
+while not os.path.exists(release):  # ends when the test says so: the stream is live until then
+    time.sleep(0.05)
+''' % (PREFIX, PREFIX)
+
+
+def test_a_dropped_live_stream_is_followed_to_the_end_with_each_record_once(make_emulator):
+    emulator = make_emulator(faults={"stream_drop": {"after_events": 10}})
+    backend = backend_for(emulator)
+    push_script(backend, KERNEL, SCRIPT, gpu=False)
+    live = LiveSession(backend, KERNEL, "live-s001-a1", sleep=lambda s: None).start()
+
+    records = live.wait(120, until=lambda r: len(r) >= 30)
+    assert [r["step"] for r in records] == list(range(1, 31))  # the stale run's line is not counted
+    assert not live.ended  # still running: these came from the live stream
+    assert live.reconnects >= 1 and emulator.faults.injected["stream_drop"] == 1
+
+    version = emulator.store.kernels[KERNEL]["versions"][-1]["number"]
+    (emulator.store.kernel_dir(KERNEL, version) / "working" / "release").write_text("")
+    live.wait(120, until=lambda r: False)
+    assert live.ended and [r["step"] for r in live.records] == list(range(1, 31))
+
+    # once done, the stream is the stored log: a new follower reads the same records at once
+    again = LiveSession(backend, KERNEL, "live-s001-a1").start()
+    assert [r["step"] for r in again.wait(60)] == list(range(1, 31)) and again.ended and again.reconnects == 0
+
+
+def test_early_warnings_name_a_blow_up_a_non_finite_loss_a_memory_back_off_and_a_slow_session():
+    train = [{"kind": "train", "step": s, "loss": 1.0, "micro_batch": 8, "samples_per_s": 100.0} for s in range(1, 6)]
+    assert early_warnings(train, slow_below=150) == []
+    keys = dict(early_warnings(train + [{"kind": "train", "step": 6, "loss": 50.0, "micro_batch": 4}]))
+    assert set(keys) == {"blowup", "oom"} and "50 at step 6" in keys["blowup"] and "8 -> 4" in keys["oom"]
+    assert dict(early_warnings(train + [{"kind": "train", "step": 6, "loss": math.nan}]))["nonfinite"] \
+        == "the loss is nan at step 6"
+    assert "under half the 300 the plan assumed" in dict(early_warnings(train, slow_below=300))["slow"]
+    assert json.dumps(early_warnings([]))  # plain data: goes into logs and notifications as is
