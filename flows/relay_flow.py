@@ -21,6 +21,7 @@ from relay.policy import budget_lowered, plan_text, session_budget, utc
 from relay.chain import Do
 from relay.kaggle.types import Refusal
 from tasks import artifacts, relay_tasks as t
+from tasks.live_view import LiveView
 
 
 class RelayFailed(RuntimeError):
@@ -44,8 +45,11 @@ def make_backend(credentials_block: Optional[str] = None):
 @flow(name="relay", log_prints=True)
 def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"] = "watch",
           credentials_block: Optional[str] = None, poll_seconds: float = 30.0,
-          max_hours: float = 24 * 14, state_dir: str = "runs") -> dict:
-    """Advance (tick) or run to the end (watch) the relay of `spec`. Returns {"state", "step", ...}."""
+          max_hours: float = 24 * 14, state_dir: str = "runs", live_seconds: float = 30.0,
+          tick_follow_seconds: float = 5.0) -> dict:
+    """Advance (tick) or run to the end (watch) the relay of `spec`. Returns {"state", "step", ...}.
+    While a session runs its progress is refreshed every `live_seconds`; a tick reads its log for at most
+    `tick_follow_seconds`."""
     logger = get_run_logger()
     run_spec = spec_mod.load(spec)
     spec_text = Path(spec).read_text()
@@ -55,6 +59,7 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
     local.mkdir(parents=True, exist_ok=True)
     give_up = time.monotonic() + max_hours * 3600
     reported = None  # the handed-over run the artifacts show
+    view = LiveView(backend, names, local)
 
     while True:
         obs = t.observe(backend, names, local)
@@ -121,12 +126,20 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
                 return _summary("pushed", obs.published, action)
             continue
 
-        # Do.WAIT: the kernel is queued or running.
-        if mode == "tick":
+        # Do.WAIT: the kernel is queued or running: follow its log and show the running session.
+        live = view.follow(action.run_id)
+        if mode == "tick":  # what the stream gives within a bounded time
+            live.wait(tick_follow_seconds)
+            view.refresh(obs.published, obs.kernel_state or "starting")
             return _summary("running", obs.published, action)
         if time.monotonic() > give_up:
             raise RelayFailed(f"gave up after {max_hours} h waiting for {action.run_id}")
-        t.wait_for_kernel(backend, names.kernel, obs.kernel_version, max_seconds=600, poll_seconds=poll_seconds)
+        waited = time.monotonic() + 600  # look at Kaggle again at least every 10 min
+        state = "starting"
+        while time.monotonic() < waited and state in ("starting", "queued", "running"):
+            state = t.wait_for_kernel(backend, names.kernel, obs.kernel_version, max_seconds=live_seconds,
+                                      poll_seconds=poll_seconds)
+            view.refresh(obs.published, state)
 
 
 def _wait_or_return(mode: str, why: str, until, poll_seconds: float, give_up: float, logger) -> Optional[str]:

@@ -109,3 +109,50 @@ def early_warnings(records: List[dict], *, median_window: int = 20, blowup: floa
         out.setdefault("slow", f"the session trains at {statistics.median(speeds[-3:]):.3g} samples/s, under half"
                                f" the {slow_below:.3g} the plan assumed from earlier sessions")
     return list(out.items())
+
+
+def running_row(records: List[dict], kernel_state: str = "running") -> Optional[dict]:
+    """The running session as a row of report.session_table (stop_reason "running")."""
+    latest = next((r for r in reversed(records) if r.get("kind") in ("train", "end")), None)
+    if latest is None:
+        return None
+    first = records[0]
+    losses = [r["loss"] for r in records if r.get("kind") == "train" and r.get("loss") is not None]
+    return {"session": latest.get("session"), "run_id": latest.get("run_id"), "start": None, "duration_s": None,
+            "billed_gpu_s": None, "steps": int(latest["step"]) - int(first.get("step_start", 0)),
+            "world_size": None, "samples_per_s": latest.get("samples_per_s"),
+            "peak_mem_mb": latest.get("gpu_peak_mb"), "loss_end": losses[-1] if losses else None,
+            "stop_reason": kernel_state if latest.get("kind") != "end" else latest.get("stop_reason"),
+            "gpus": None}
+
+
+def as_metrics(records: List[dict]) -> List[dict]:
+    """Progress records as metrics.jsonl records (for the loss curve with the running session)."""
+    out = []
+    for r in records:
+        if r.get("kind") == "train":
+            out.append({k: v for k, v in r.items() if k not in ("run_id", "step_start", "total_steps", "time_left_s")})
+        elif r.get("kind") == "eval":
+            out.append({"kind": "eval", "step": r["step"], "session": r.get("session"),
+                        **{k[len("eval_"):]: v for k, v in r.items() if k.startswith("eval_")}})
+    return out
+
+
+def eta_text(records: List[dict]) -> str:
+    """This session's and the run's remaining training time at the measured speed."""
+    timed = [r for r in records if r.get("kind") == "train" and r.get("time") is not None]
+    latest = timed[-1] if timed else None
+    if latest is None or len(timed) < 2 or latest["time"] <= timed[0]["time"]:
+        return "ETA: after the next progress lines"
+    steps_per_s = (latest["step"] - timed[0]["step"]) / (latest["time"] - timed[0]["time"])
+    if steps_per_s <= 0:
+        return "ETA: no steps since the first progress line"
+    left = latest.get("time_left_s")
+    session = f"session ends in ~{_hm(left)} (its budget)" if left is not None else "session runs to the end"
+    run_left = (latest["total_steps"] - latest["step"]) / steps_per_s
+    return f"{session}; the run needs ~{_hm(run_left)} of training at {steps_per_s:.3g} steps/s"
+
+
+def _hm(seconds: float) -> str:
+    h, m = divmod(int(seconds) // 60, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{int(seconds) % 60:02d}s"

@@ -62,3 +62,43 @@ def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_te
         data = base64.b64encode(Path(png).read_bytes()).decode()
         md.append(f"## {_TITLES.get(label, label)}\n\n![{label}](data:image/png;base64,{data})\n\n`{png}`")
     return "\n\n".join(md) + "\n"
+
+
+@task(name="live-view", cache_policy=NO_CACHE)
+def publish_live(name: str, progress: Optional[dict], records: list, local: Path, metrics: Optional[Path],
+                 progress_artifact: Optional[str] = None, curves: bool = True, kernel_state: str = "running",
+                 warnings: tuple = ()) -> Optional[str]:
+    """The running session in the UI: the run's progress artifact updated in place (steps of the run and of
+    this session, ETAs), the session table with the running row, and (when `curves`) the summary's loss curve
+    with the running session. Returns the progress artifact's id, to update it next time."""
+    from prefect.artifacts import update_progress_artifact
+
+    from relay import live
+
+    progress = progress or {}
+    latest = live.running_row(records, kernel_state)
+    if latest is None:
+        return progress_artifact
+    last = next(r for r in reversed(records) if r.get("kind") in ("train", "end"))
+    total = max(1, last.get("total_steps") or progress.get("total_steps") or 1)
+    text = (f"{name}: step {last['step']} of {total}; session {last.get('session')} ({last.get('run_id')}):"
+            f" {latest['steps']} steps, {kernel_state}; {live.eta_text(records)}")
+    if progress_artifact:
+        update_progress_artifact(progress_artifact, progress=100.0 * last["step"] / total, description=text)
+    else:
+        progress_artifact = str(create_progress_artifact(progress=100.0 * last["step"] / total,
+                                                         key=_key(name, "progress"), description=text))
+    rows = report.session_table(progress) + [latest]
+    create_table_artifact(table=rows, key=_key(name, "sessions"), description=f"{name}: one row per session, the last"
+                                                                              f" {kernel_state}")
+    if curves:
+        previous = report.read_metrics(metrics) if metrics is not None and metrics.is_file() else []
+        sessions = list(progress.get("sessions", [])) + [{"index": last.get("session"),
+                                                          "step_start": records[0].get("step_start")}]
+        images = {"curves": report.plot_curves(previous + live.as_metrics(records), local / "curves-live.png",
+                                               progress={**progress, "sessions": sessions})}
+        md = summary_markdown(name, {**progress, "global_step": last["step"], "total_steps": total}, images,
+                              text + "".join(f"\nwarning: {w}" for w in warnings), f"session {last.get('session')}"
+                              f" {kernel_state}")
+        create_markdown_artifact(markdown=md, key=_key(name, "summary"), description=f"{name}: plan, ETA and curves")
+    return progress_artifact

@@ -15,6 +15,7 @@ def test_lines_are_rate_bounded_but_evals_stages_and_the_end_always_print():
     lines({"kind": "train", "step": 43, "loss": 0.7, "stage": "b"})  # a stage change
     lines.end(43, "paused", "steps")
     records = [parse("2026-11-24 12:00:00 " + line) for line in out]
+    assert all(isinstance(r.pop("time"), float) for r in records)
     assert [r["step"] for r in records] == [41, 42, 43, 43]
     assert records[0] == {"run_id": None, "session": 2, "step_start": 40, "total_steps": 100, "step": 41, "kind": "train",
                           "loss": 1.0, "stage": "a", "time_left_s": 12.5}

@@ -43,6 +43,7 @@ class ProgressLines:
                     **{f"eval_{k}": v for k, v in record.items() if k not in ("session", "time", "kind", "step", "epoch")}}
         else:
             line = {**self.base, **{k: record[k] for k in (*_KEYS, "status", "stop_reason") if k in record}}
+        line["time"] = round(time.time(), 1)
         left = self.time_left()
         if left is not None and math.isfinite(left):
             line["time_left_s"] = round(left, 1)

@@ -1,0 +1,77 @@
+"""While a session runs, the Prefect UI shows it: the flow follows the session's log stream and keeps the run's
+progress artifact (updated in place), the session table with a running row and the loss curve current. The
+session is held at a step by the user's own script until the test has seen it (an event, not a sleep)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import yaml
+
+from kaggle_fixtures import KERNEL_ENV
+
+HOLD_AT = 15
+SCRIPT = '''
+import os, time, torch, relay
+session = relay.open_session()
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+session.register(model=model, optimizer=opt)
+session.restore()
+for idx in session.batches(64, 8):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    session.step_done(loss=loss.detach())
+    if session.step == %d:  # held here until the test saw this step in Prefect
+        while not os.path.exists(os.path.join(os.environ["KAGGLE_WORKING_DIR"], "release")):
+            time.sleep(0.05)
+session.close()
+''' % HOLD_AT
+
+
+def _artifact(key: str):
+    from prefect.artifacts import Artifact
+
+    return Artifact.get(key)
+
+
+def test_the_running_session_shows_in_prefect_while_it_trains(relay_env, monkeypatch):
+    import flows.relay_flow as relay_flow
+
+    relay_env.start(kernel_env={**KERNEL_ENV, "RELAY_PROGRESS_EVERY": "0"})
+    folder = relay_env.root / "live"
+    folder.mkdir()
+    (folder / "train.py").write_text(SCRIPT)
+    spec = folder / "spec.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": "live-relay", "code": {"folder": ".", "entry": "train.py"},
+        "optim": {"max_steps": 40, "log_every_steps": 5},
+        "session": {"threads": 1, "max_steps": 20, "safety_margin": "0.5s"},
+        "kaggle": {"session_timeout": "5m", "startup_overhead": "1s"}}))
+    relay_env.spec = spec
+    monkeypatch.setattr(relay_flow, "make_backend", lambda credentials_block=None: relay_env.backend())
+    result = {}
+    flow = threading.Thread(target=lambda: result.update(relay_flow.relay(
+        spec=str(spec), poll_seconds=0.3, live_seconds=0.5, state_dir=str(relay_env.root / "orch"))), daemon=True)
+    flow.start()
+
+    deadline = time.monotonic() + 300  # a hang guard: the test proceeds on what it sees
+    progress = table = None
+    while time.monotonic() < deadline:
+        progress, table = _artifact("live-relay-progress"), _artifact("live-relay-sessions")
+        if progress is not None and f"step {HOLD_AT} of 40" in (progress.description or ""):
+            break
+        time.sleep(0.2)
+    assert progress is not None and f"step {HOLD_AT} of 40; session 1 (live-relay-s001-a1): {HOLD_AT} steps, running" \
+        in progress.description, progress
+    assert progress.data == 100.0 * HOLD_AT / 40
+    rows = table.data if isinstance(table.data, list) else __import__("json").loads(table.data)
+    assert rows[-1]["run_id"] == "live-relay-s001-a1" and rows[-1]["stop_reason"] == "running"
+    assert rows[-1]["steps"] == HOLD_AT
+    summary = _artifact("live-relay-summary")
+    assert "session 1 running" in summary.data and "data:image/png;base64," in summary.data
+
+    kernel = relay_env.kernel_runs()[-1]
+    (relay_env.emu.store.kernel_dir(relay_env.kernel, kernel.version) / "working" / "release").write_text("")
+    flow.join(300)
+    assert result.get("state") == "done", result
