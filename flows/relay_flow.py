@@ -7,6 +7,7 @@ Kaggle, so killing the flow anywhere and starting it again continues the relay.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -22,6 +23,7 @@ from relay.chain import Do
 from relay.kaggle.types import Refusal
 from tasks import artifacts, relay_tasks as t
 from tasks.live_view import LiveView
+from tasks.notify import Notifier
 
 
 class RelayFailed(RuntimeError):
@@ -50,16 +52,28 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
     """Advance (tick) or run to the end (watch) the relay of `spec`. Returns {"state", "step", ...}.
     While a session runs its progress is refreshed every `live_seconds`; a tick reads its log for at most
     `tick_follow_seconds`."""
-    logger = get_run_logger()
     run_spec = spec_mod.load(spec)
-    spec_text = Path(spec).read_text()
     backend = make_backend(credentials_block)
     names = chain.Names(backend.username, run_spec.name)
     local = Path(state_dir) / run_spec.name  # a cache only: everything here can be rebuilt from Kaggle
     local.mkdir(parents=True, exist_ok=True)
-    give_up = time.monotonic() + max_hours * 3600
+    tell = Notifier(run_spec.name, run_spec.notify.block)
+    try:
+        return _drive(run_spec, Path(spec).read_text(), backend, names, local, mode, tell, poll_seconds,
+                      time.monotonic() + max_hours * 3600, live_seconds, tick_follow_seconds)
+    except RelayFailed as err:
+        reason = str(err).split("\n")[0]
+        tell("stopped", "stopped-" + hashlib.sha256(reason.encode()).hexdigest()[:12],
+             f"{run_spec.name} stopped and needs you: {reason}")
+        raise
+
+
+def _drive(run_spec, spec_text: str, backend, names: chain.Names, local: Path, mode: str, tell: Notifier,
+           poll_seconds: float, give_up: float, live_seconds: float, tick_follow_seconds: float) -> dict:
+    """The relay's loop: observe, decide, act; in tick mode one step."""
+    logger = get_run_logger()
     reported = None  # the handed-over run the artifacts show
-    view = LiveView(backend, names, local)
+    view = LiveView(backend, names, local, notify=lambda key, text: tell("warning", key, text))
 
     while True:
         obs = t.observe(backend, names, local)
@@ -88,6 +102,8 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
                     return _summary("handed-over", result.progress, action)
                 continue
             code_error = chain.looks_like_code_error(result.log_tail) if action.do is Do.SALVAGE else None
+            tell("session.failed", f"failed-{action.run_id}",
+                 f"{run_spec.name}: session {action.session} ({action.run_id}) failed: {code_error or result.reason}")
             if code_error:
                 raise RelayFailed(f"session {action.session} failed with a code error: {code_error}\n"
                                   f"--- log tail ---\n{result.log_tail}")
@@ -97,6 +113,9 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
                 raise RelayFailed(f"{action.reason}\n--- log tail ---\n{result.log_tail}")
 
         if action.do is Do.DONE:
+            done = obs.published or {}
+            tell("finished", "finished", f"{run_spec.name} finished at step {done.get('global_step')}, last eval"
+                 f" {done.get('metrics')}; the final model is the Kaggle dataset {names.model_dataset}")
             return _summary("done", obs.published, action)
         if action.do is Do.FAILED:
             raise RelayFailed(action.reason)
@@ -107,6 +126,8 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
             logger.info("plan:\n%s", plan_text(run_spec, obs.published, quota, datetime.now(timezone.utc)))
             if budget <= run_spec.session.safety_margin:
                 until = quota.refresh_time if quota is not None else None
+                tell("quota-wait", f"quota-{until}", f"{run_spec.name}: the weekly GPU quota is spent; the relay"
+                     f" waits until {until} UTC")
                 state = _wait_or_return(mode, f"weekly GPU quota spent; waiting until {until}", until,
                                         poll_seconds, give_up, logger)
                 if state:
@@ -133,7 +154,7 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
             view.refresh(obs.published, obs.kernel_state or "starting")
             return _summary("running", obs.published, action)
         if time.monotonic() > give_up:
-            raise RelayFailed(f"gave up after {max_hours} h waiting for {action.run_id}")
+            raise RelayFailed(f"gave up waiting for {action.run_id}: the flow's max_hours have passed")
         waited = time.monotonic() + 600  # look at Kaggle again at least every 10 min
         state = "starting"
         while time.monotonic() < waited and state in ("starting", "queued", "running"):

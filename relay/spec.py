@@ -250,6 +250,15 @@ class KaggleConfig(_Section):
         return self
 
 
+class NotifyConfig(_Section):
+    """Who is told when the relay needs them (docs/prefect.md, "Notifications")."""
+
+    block: Optional[str] = Field(None, pattern=r"^[a-z0-9-]+/[A-Za-z0-9_-]+$", description=(
+        "A Prefect notification block as `<block-type>/<name>` (`slack-webhook/team`, `custom-webhook/hook`,"
+        " `ms-teams-webhook/...`, `discord-webhook/...`, `sendgrid-email/...`), told once each when a session"
+        " fails, the relay stops or finishes, a quota wait begins or an early warning fires."))
+
+
 class CodeConfig(_Section):
     """The user's own code (relay/usercode.py): a folder shipped with every session kernel, and what to run."""
 
@@ -280,6 +289,7 @@ class RunSpec(_Section):
     checkpoints: CheckpointConfig = Field(CheckpointConfig(), description="Retention, disk budget and checksums.")
     kaggle: KaggleConfig = Field(KaggleConfig(), description=(
         "What each session kernel mounts and runs on (used by the orchestrator)."))
+    notify: NotifyConfig = Field(NotifyConfig(), description="Notifications through a Prefect block.")
 
     @model_validator(mode="after")
     def _recipe_params(self) -> "RunSpec":

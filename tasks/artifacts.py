@@ -91,8 +91,8 @@ def publish_live(name: str, progress: Optional[dict], records: list, local: Path
     rows = report.session_table(progress) + [latest]
     create_table_artifact(table=rows, key=_key(name, "sessions"), description=f"{name}: one row per session, the last"
                                                                               f" {kernel_state}")
-    if curves:
-        previous = report.read_metrics(metrics) if metrics is not None and metrics.is_file() else []
+    previous = report.read_metrics(metrics) if curves and metrics is not None and metrics.is_file() else []
+    if curves and (previous or live.as_metrics(records)):
         sessions = list(progress.get("sessions", [])) + [{"index": last.get("session"),
                                                           "step_start": records[0].get("step_start")}]
         images = {"curves": report.plot_curves(previous + live.as_metrics(records), local / "curves-live.png",

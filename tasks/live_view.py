@@ -46,8 +46,11 @@ class LiveView:
                 logger.warning("early warning, %s: %s", live.run_id, text)
                 self.notify(f"warning-{live.run_id}-{key}", f"{self.names.name} {live.run_id}: {text}")
         curves = time.monotonic() - self._curve_at >= self.curve_every_s
-        metrics = handoff.published_metrics(self.backend, self.names, self.local, progress) if progress else None
-        self._artifact = artifacts.publish_live(self.names.name, progress, records, self.local, metrics,
-                                                self._artifact, curves, kernel_state, tuple(t for _, t in found))
+        try:  # the live view never fails a relay
+            metrics = handoff.published_metrics(self.backend, self.names, self.local, progress) if progress else None
+            self._artifact = artifacts.publish_live(self.names.name, progress, records, self.local, metrics,
+                                                    self._artifact, curves, kernel_state, tuple(t for _, t in found))
+        except Exception as err:  # noqa: BLE001
+            logger.warning("live view of %s not refreshed: %s", live.run_id, err)
         if curves and records:
             self._curve_at = time.monotonic()

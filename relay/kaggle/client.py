@@ -12,12 +12,14 @@ import io
 import os
 import tempfile
 import threading
+import unittest.mock
 from typing import Any, Callable, Iterator, Optional
 
 from relay.kaggle.credentials import KaggleCredentials
 from relay.kaggle.retry import RetryPolicy, call
 
 _IMPORT_LOCK = threading.Lock()
+_PRINT = print
 # The SDK reads the LOCAL endpoint from a module-level dict each time it builds a client; calls against
 # different local endpoints in one process take turns under this lock.
 _ENDPOINT_LOCK = threading.RLock()
@@ -36,8 +38,11 @@ def kaggle_api_class() -> type:
                         del os.environ[name]
                 os.environ["HOME"] = scratch
                 os.environ["KAGGLE_CONFIG_DIR"] = scratch
-                # the import-time authenticate finds nothing and prints help; keep that off our stdout
-                with contextlib.redirect_stdout(io.StringIO()):
+                # the import-time authenticate finds nothing and prints help; keep that off our stdout, and
+                # out of a Prefect flow's log too (log_prints replaces builtins.print): a false alarm there
+                sink = io.StringIO()
+                with contextlib.redirect_stdout(sink), \
+                        unittest.mock.patch("builtins.print", lambda *a, **k: _PRINT(*a, **{**k, "file": sink})):
                     import kaggle  # noqa: F401
             finally:
                 os.environ.clear()

@@ -1,0 +1,86 @@
+"""Notifications through Prefect: a relay's events reach a person through a Prefect notification block (here a
+CustomWebhookNotificationBlock pointing at a local HTTP receiver standing in for Slack/Teams/a webhook), each
+once, also when the orchestrator is run again after it stopped (a restart sees the same facts)."""
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+import yaml
+
+from test_byo_relay import CRASHING
+
+FINISHING = CRASHING.replace('        raise ValueError("bad column in my data")\n', '        pass\n')
+
+
+class Receiver:
+    """A webhook on 127.0.0.1 that keeps every JSON body posted to it."""
+
+    def __init__(self):
+        received = self.received = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = HTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver()
+    yield r
+    r.server.shutdown()
+
+
+def _relay(relay_env, name: str, script: str, block: str) -> object:
+    folder = relay_env.root / name
+    folder.mkdir(exist_ok=True)
+    (folder / "train.py").write_text(script)
+    spec = folder / "spec.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": name, "code": {"folder": ".", "entry": "train.py"}, "optim": {"max_steps": 90},
+        "session": {"threads": 1, "max_steps": 30, "safety_margin": "0.5s"}, "notify": {"block": block},
+        "kaggle": {"session_timeout": "5m", "startup_overhead": "1s", "max_failed_sessions": 2}}))
+    relay_env.spec = spec
+    return spec
+
+
+def _block(receiver, name: str) -> str:
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+    CustomWebhookNotificationBlock(name="relay-test", url=receiver.url, allow_private_urls=True,
+                                   json_data={"subject": "{{subject}}", "body": "{{body}}"}).save(name, overwrite=True)
+    return f"custom-webhook/{name}"
+
+
+def test_a_stopped_relay_tells_once_even_when_run_again(relay_env, monkeypatch, receiver):
+    import flows.relay_flow as relay_flow
+
+    relay_env.start()
+    _relay(relay_env, "notify-crash", CRASHING, _block(receiver, "relay-hook-crash"))
+    for _ in range(2):  # the second run is a restarted orchestrator: it meets the same failure
+        with pytest.raises(relay_flow.RelayFailed):
+            relay_env.run_flow(monkeypatch)
+    subjects = [m["subject"] for m in receiver.received]
+    assert subjects == ["relay notify-crash: session.failed", "relay notify-crash: stopped"], receiver.received
+    assert "notify-crash-s002-a1" in receiver.received[0]["body"] and "ValueError" in receiver.received[0]["body"]
+    assert "stopped and needs you" in receiver.received[1]["body"] and "bad column" in receiver.received[1]["body"]
+
+
+def test_a_finished_relay_tells_once_with_where_the_model_is(relay_env, monkeypatch, receiver):
+    relay_env.start()
+    _relay(relay_env, "notify-done", FINISHING, _block(receiver, "relay-hook-done"))
+    assert relay_env.run_flow(monkeypatch)["state"] == "done"
+    assert relay_env.run_flow(monkeypatch)["state"] == "done"  # run again: nothing new to tell
+    assert [m["subject"] for m in receiver.received] == ["relay notify-done: finished"], receiver.received
+    assert "finished at step 90" in receiver.received[0]["body"] and "notify-done-model" in receiver.received[0]["body"]
