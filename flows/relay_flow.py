@@ -104,10 +104,12 @@ def _drive(run_spec, spec_text: str, backend, names: chain.Names, local: Path, m
             code_error = chain.looks_like_code_error(result.log_tail) if action.do is Do.SALVAGE else None
             tell("session.failed", f"failed-{action.run_id}",
                  f"{run_spec.name}: session {action.session} ({action.run_id}) failed: {code_error or result.reason}")
-            if code_error:
-                raise RelayFailed(f"session {action.session} failed with a code error: {code_error}\n"
+            if code_error and not handoff.code_changed(backend, names, run_spec, spec_text):
+                raise RelayFailed(f"session {action.session} failed with a code error: {code_error} (the code and"
+                                  " spec are unchanged since that push: fix them, then run the relay again)\n"
                                   f"--- log tail ---\n{result.log_tail}")
-            action = chain.retry_action(run_spec.name, action, run_spec.kaggle.max_failed_sessions + 1,
+            action = chain.new_attempt(run_spec.name, action, f"the code changed since: {code_error}") if code_error \
+                else chain.retry_action(run_spec.name, action, run_spec.kaggle.max_failed_sessions + 1,
                                         result.reason)
             if action.do is Do.FAILED:
                 raise RelayFailed(f"{action.reason}\n--- log tail ---\n{result.log_tail}")

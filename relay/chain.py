@@ -140,6 +140,13 @@ def retry_action(name: str, failed: Action, max_attempts: int, why: str) -> Acti
     return Action(Do.PUSH, run_id(name, failed.session, attempt), failed.session, attempt, f"retry: {why}")
 
 
+def new_attempt(name: str, failed: Action, why: str) -> Action:
+    """The same session again, from the same checkpoint, after the user changed the code or spec that failed:
+    not a retry of a transient failure, so it does not count against kaggle.max_failed_sessions."""
+    attempt = failed.attempt + 1
+    return Action(Do.PUSH, run_id(name, failed.session, attempt), failed.session, attempt, why)
+
+
 # A Python traceback ending in one of these is a bug in the code or the spec: retrying cannot help.
 _CODE_ERRORS = re.compile(
     r"^(?:\w+\.)*(SyntaxError|IndentationError|ImportError|ModuleNotFoundError|NameError|TypeError|"

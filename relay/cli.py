@@ -165,6 +165,12 @@ def cmd_verify_resume(args: argparse.Namespace) -> int:
     return 0 if verdict.identical else 1
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from relay import launch
+
+    return launch.run(args.spec, args.out, tick=args.tick, poll_seconds=args.poll)
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from relay import doctor
     from relay.kaggle import from_env
@@ -229,6 +235,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--seed", type=int, default=0, help="picks the random cut points")
     v.add_argument("--workdir", help="where both runs go (default: a new temporary folder)")
     v.set_defaults(func=cmd_verify_resume)
+
+    r = sub.add_parser("run", help="run the relay of a spec on Kaggle to the end (or one step with --tick), on an"
+                                    " embedded Prefect; stop it anywhere and run it again to continue")
+    r.add_argument("spec", help="run spec YAML, relative to the current folder (paths inside it: to its folder)")
+    r.add_argument("--out", metavar="DIR", help="where the session table, PNGs and Kaggle facts go (default:"
+                                                " relay-runs/ beside the spec)")
+    r.add_argument("--tick", action="store_true", help="do at most one step and return (cron, GitHub Actions)")
+    r.add_argument("--poll", type=float, metavar="SECONDS",
+                   help="seconds between status checks (default 30; 2 against the emulator)")
+    r.set_defaults(func=cmd_run)
 
     dr = sub.add_parser("doctor", help="check an account before spending GPU quota: credentials, quota, data"
                                        " sources, and a CPU canary kernel that starts as a session would")

@@ -98,6 +98,23 @@ def session_kernel(spec: RunSpec, spec_text: str, names: Names, action: Action, 
     )
 
 
+def code_changed(backend: KaggleBackend, names: Names, spec: RunSpec, spec_text: str) -> bool:
+    """Whether what a push would ship now (the relay's code, the user's code folder, the spec) differs from the
+    kernel's current version: after a code error, a fixed script or spec is worth a new attempt, the same
+    one is not. Read back from the pushed source, so it holds on any machine."""
+    import hashlib
+
+    from relay.kaggle.bundle import build_bundle
+
+    pushed = backend.current_plan(names.kernel) or {}
+    bundle = build_bundle(user_code=spec.code.folder if spec.code else None,
+                          exclude=tuple(spec.code.exclude) if spec.code else ())
+    if pushed.get("bundle_sha256") != hashlib.sha256(bundle.data).hexdigest():
+        return True
+    spec_sha = pushed.get("spec_sha256")  # kernels pushed before it was recorded: the bundle alone decides
+    return spec_sha is not None and spec_sha != hashlib.sha256(spec_text.encode()).hexdigest()
+
+
 @dataclass
 class HandOver:
     """What a finished (or failed) session left, and what was published from it."""

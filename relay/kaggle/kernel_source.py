@@ -66,6 +66,7 @@ def render(session: SessionKernel, bundle: Bundle) -> str:
         "features": list(session.features_datasets),
         "code_version": bundle.code_version,
         "bundle_sha256": hashlib.sha256(bundle.data).hexdigest(),
+        "spec_sha256": hashlib.sha256(session.spec_text.encode()).hexdigest(),
         "user_code": bool(session.code_folder),
         "pip": list(session.pip),
     }

@@ -94,7 +94,9 @@ def local_user(state: Path, user: Optional[str], key: Optional[str]) -> tuple:
 def export_lines(user: str, key: str, port: int) -> list:
     return [f"export KAGGLE_USERNAME={user}", f"export KAGGLE_KEY={key}",
             "export KAGGLE_API_ENVIRONMENT=LOCALHOST", f"export HTTP_PROXY=http://127.0.0.1:{port}",
-            "unset NO_PROXY no_proxy  # requests must not bypass the proxy for localhost"]
+            # the kaggle CLI calls `localhost`, through the proxy; a local Prefect server (127.0.0.1) is not
+            "export NO_PROXY=127.0.0.1", "export no_proxy=127.0.0.1",
+            f"export RELAY_KAGGLE_ENDPOINT=http://127.0.0.1:{port}  # for relay run/doctor/status"]
 
 
 def serve(args: argparse.Namespace) -> int:

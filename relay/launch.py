@@ -1,0 +1,77 @@
+"""`relay run SPEC`: the relay of a spec, run to the end (or one step with --tick) from the user's own folder.
+
+The `relay` Prefect flow runs in this process on an embedded, ephemeral Prefect (none to set up; with
+PREFECT_API_URL set it reports to that server instead). Paths: SPEC is relative to the current folder, paths
+inside the spec to the spec's folder. The session table, the PNGs and the cached Kaggle facts go under --out
+(default: relay-runs/ beside the spec, or ~/relay-runs when the spec lies inside the kaggle-relay checkout).
+The relay keeps no state of its own: stop it anywhere (Ctrl-C) and run it again, here or on another machine.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from relay.errors import InputError
+from relay.version import PACKAGE_DIR
+
+
+def outputs_dir(spec_path: Path, out: Optional[str]) -> Path:
+    if out is not None:
+        folder = Path(out)
+        if folder.exists() and not folder.is_dir():
+            raise InputError(f"--out {out}: exists and is not a folder")
+        return folder
+    folder = spec_path.resolve().parent / "relay-runs"
+    checkout = PACKAGE_DIR.parent
+    if (checkout / "pyproject.toml").is_file() and folder.is_relative_to(checkout):
+        return Path.home() / "relay-runs"  # never write a user's run into the project's own checkout
+    return folder
+
+
+def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: Optional[float] = None,
+        emit=print) -> int:
+    from relay import report, spec as spec_mod
+
+    path = Path(spec)
+    if not path.is_file():
+        raise InputError(f"{spec}: no such spec file (SPEC is relative to the current folder, {Path.cwd()})")
+    run_spec = spec_mod.load(path)  # a bad spec: one line, exit 2, nothing pushed
+    folder = outputs_dir(path, out)
+    folder.mkdir(parents=True, exist_ok=True)
+    # `relay emulator serve`'s exports proxy HTTP to the emulator; the embedded Prefect server is on 127.0.0.1
+    for name in ("NO_PROXY", "no_proxy"):
+        hosts = [h for h in os.environ.get(name, "").split(",") if h]
+        os.environ[name] = ",".join(hosts + ["127.0.0.1"] * ("127.0.0.1" not in hosts))
+    if poll_seconds is None:  # the emulator answers at once; Kaggle is polled gently
+        poll_seconds = 2.0 if os.environ.get("RELAY_KAGGLE_ENDPOINT") else 30.0
+
+    from flows.relay_flow import RelayFailed, relay
+
+    emit(f"relay {run_spec.name}: {'one step' if tick else 'to the end'}; outputs in {folder / run_spec.name}")
+    try:
+        summary = relay(spec=str(path.resolve()), mode="tick" if tick else "watch", poll_seconds=poll_seconds,
+                        state_dir=str(folder))
+    except RelayFailed as err:
+        first, _, rest = str(err).partition("\n")
+        emit(f"relay: stopped: {first}")
+        if rest:
+            emit(rest)
+        emit("Fix the cause and run `relay run` again: a changed code or spec is pushed as a new attempt of the same"
+             " session, from the same checkpoint (docs/relay.md, 'After a failure').")
+        return 1
+    except KeyboardInterrupt:
+        emit("relay: interrupted; nothing is lost: `relay run` again continues from what Kaggle shows")
+        return 130
+    local = folder / run_spec.name
+    emit(f"{summary['state']}: step {summary['step']}/{summary.get('total_steps') or '?'},"
+         f" {summary['sessions']} session(s) handed over")
+    progress_file = local / "published" / "progress.json"
+    if progress_file.is_file():
+        emit(report.format_table(report.session_table(report.load_progress(progress_file))))
+    for png in ("curves.png", "timeline.png"):
+        if (local / png).is_file():
+            emit(f"{png.split('.')[0]}: {local / png}")
+    if summary["state"] == "done":
+        emit(f"the final model: Kaggle dataset <you>/{run_spec.name}-model (`kaggle datasets download`)")
+    return 0
