@@ -141,9 +141,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"\n{progress['status']}: step {progress['global_step']}/{progress['total_steps']},"
           f" last eval {progress.get('metrics')}, best {best.get('metric')}={best.get('value')}")
     out = Path(args.dir) if Path(args.dir).is_dir() else Path(args.dir).parent
-    curves = report.plot_curves(args.dir, out / "curves.png", progress=progress)
-    timeline = report.plot_timeline(progress["sessions"], out / "timeline.png")
-    print(f"curves: {curves}\ntimeline: {timeline}")
+    if report.read_metrics(out):  # a folder the relay wrote may hold progress.json without metrics.jsonl
+        print(f"curves: {report.plot_curves(out, out / 'curves.png', progress=progress)}")
+    else:
+        print(f"curves: none (no metrics.jsonl records under {out})")
+    if progress.get("sessions"):
+        print(f"timeline: {report.plot_timeline(progress['sessions'], out / 'timeline.png')}")
     return 0
 
 

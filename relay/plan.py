@@ -38,6 +38,7 @@ class SessionLimits:
     handoff_s: float = 10 * 60         # harvest + publish checkpoint + push between sessions (not billed)
     min_train_s: float = 30 * 60       # leftover quota buying less training than this waits for the refresh
     concurrency: int = 1               # a relay chain is sequential; >1 only for independent work items
+    max_steps: int | None = None       # optimizer steps per session (session.max_steps), whatever time is left
 
     @property
     def max_train_s(self) -> float:
@@ -51,7 +52,8 @@ def limits_from_spec(spec: Any) -> SessionLimits:
     cap = spec.kaggle.session_timeout
     if spec.session.budget is not None:
         cap = min(cap, spec.kaggle.startup_overhead + spec.session.budget)
-    return SessionLimits(session_cap_s=cap, startup_s=spec.kaggle.startup_overhead, save_s=spec.session.safety_margin)
+    return SessionLimits(session_cap_s=cap, startup_s=spec.kaggle.startup_overhead, save_s=spec.session.safety_margin,
+                         max_steps=spec.session.max_steps)
 
 
 @dataclass(frozen=True)
@@ -323,8 +325,9 @@ def plan_sessions(
             if worth_it or (allot >= fresh_week_allotment and train >= step_seconds):
                 break
             t, waited = refresh, True
-        steps = steps_left if train >= needed else int(train // step_seconds)
-        budget = overhead + steps * step_seconds if steps == steps_left else allot
+        fits = int(train // step_seconds)
+        steps = min(steps_left, fits, limits.max_steps or steps_left)
+        budget = allot if steps == fits < steps_left else overhead + steps * step_seconds  # a deadline or a count
         before_refresh = min(budget, to_refresh)
         left_this_week -= before_refresh
         carried_to_next += budget - before_refresh

@@ -37,7 +37,8 @@ def plan_text(spec, progress: Optional[dict], quota, now: datetime) -> str:
                                        now, total_allowed_s=spec.kaggle.weekly_gpu_quota))
         limits = planner.SessionLimits(session_cap_s=spec.kaggle.session_timeout,
                                        startup_s=spec.kaggle.startup_overhead,
-                                       save_s=spec.session.safety_margin + 1, handoff_s=0, min_train_s=0)
+                                       save_s=spec.session.safety_margin + 1, handoff_s=0, min_train_s=0,
+                                       max_steps=spec.session.max_steps)
         p = planner.plan_from_progress(progress or {}, q, now, limits=limits, step_seconds_estimate=None,
                                        total_steps=(progress or {}).get("total_steps"),
                                        steps_per_epoch=(progress or {}).get("steps_per_epoch"))

@@ -281,3 +281,14 @@ def test_vqa_t4_spec_plan_caps_sessions_at_session_budget():
     assert total == 122200 and len(plan.sessions) == 6 and [s.week for s in plan.sessions] == [1, 1, 1, 2, 2, 2]
     assert max(s.train_s for s in plan.sessions) == 11 * HOUR + 25 * 60  # not 11h45m
     assert plan.finish.strftime("%a") == "Sun" and plan.sessions[-1].starts < monday + timedelta(days=7)
+
+
+def test_session_max_steps_caps_each_planned_session():
+    """session.max_steps ends a session after that many steps whatever time is left: the plan counts them."""
+    from relay.plan import SessionLimits, plan_sessions, quota_from_ledger
+
+    now = datetime(2026, 11, 23, 12, tzinfo=timezone.utc)
+    plan = plan_sessions(300, 0.01, quota_from_ledger([], now), now, limits=SessionLimits(max_steps=100))
+    assert [s.steps for s in plan.sessions] == [100, 100, 100]
+    assert all(s.budget_s == pytest.approx(SessionLimits().startup_s + SessionLimits().save_s + 1.0)
+               for s in plan.sessions)

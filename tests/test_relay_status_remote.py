@@ -44,6 +44,13 @@ def test_status_by_name_and_by_spec_reads_the_relay_from_kaggle(relay_env, monke
     assert "toy-relay-s002-a1" in out  # the session table's second row
     assert (tmp_path / "status" / "curves.png").stat().st_size > 0
 
+    # `relay status DIR` on every folder the orchestrator wrote: a table, never a traceback
+    from relay import cli
+
+    local = relay_env.root / "tick" / "toy-relay"
+    for folder in (local, local / "published"):
+        assert cli.main(["status", str(folder)]) == 0
+
 
 def test_status_refuses_what_is_neither_a_folder_a_spec_nor_a_name(tmp_path):
     with pytest.raises(InputError, match="neither a folder, a spec file nor a relay name"):

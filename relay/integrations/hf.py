@@ -106,7 +106,8 @@ class RelayCallback(TrainerCallback):
                              " pass resume_from_checkpoint=callback.restore()")
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.session.step_done(save=False)
+        self.session.step_done(save=False, samples=args.train_batch_size * args.gradient_accumulation_steps
+                               * max(1, args.world_size))
         if self.session.should_stop() or self.session.insurance_due():
             control.should_save = True
             control.should_training_stop = self.session.stop_reason is not None

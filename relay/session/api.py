@@ -233,17 +233,19 @@ class Session:
             self.stop_reason = self.clock.should_stop()
         return self.stop_reason is not None
 
-    def step_done(self, loss: Any = None, *, save: bool = True, **metrics: float) -> None:
+    def step_done(self, loss: Any = None, *, save: bool = True, samples: Optional[int] = None,
+                  **metrics: float) -> None:
         """Count one optimizer step: its time (from the previous step_done, data loading included),
-        its loss into metrics.jsonl every `log_every` steps, and a periodic insurance save."""
+        its loss into metrics.jsonl every `log_every` steps, and a periodic insurance save. `samples`: the
+        step's batch, for samples/s, when the script does not take its batches from session.batches()."""
         now = time.perf_counter()
         self.clock.record_step(now - self._mark)
         self._train_seconds += now - self._mark
         if self._trace:
             self._trace.step_done(self, loss, sys._getframe(1))
         self.step += 1
-        if self._schedule is not None:
-            self._session_samples += self._schedule.effective_batch
+        if samples is not None or self._schedule is not None:
+            self._session_samples += samples if samples is not None else self._schedule.effective_batch
         if loss is not None:
             self._losses.append(loss)
         if self.world.size > 1:
@@ -391,7 +393,8 @@ class Session:
     def _update_record(self, reason: str) -> None:
         self._record.update(
             ended=time.time(), seconds=round(self.clock.elapsed(), 3), step_end=self.step,
-            samples_per_s=round(self._session_samples / max(1e-9, self._train_seconds), 2),
+            samples_per_s=(round(self._session_samples / max(1e-9, self._train_seconds), 2)
+                           if self._session_samples else None),  # unknown without batches() or samples=
             stop_reason=reason if reason in ("budget", "steps", "sigterm", "done") else "running",
             save_seconds=self._record.get("save_seconds", round(self.clock.save_seconds or 0.0, 3)))
 
