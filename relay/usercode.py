@@ -228,7 +228,8 @@ def session_config(spec: "RunSpec", workdir: Path, *, budget, deadline, max_step
         "budget": budget, "deadline": deadline, "max_steps": max_steps,
         "total_steps": spec.optim.max_steps, "log_every": spec.optim.log_every_steps,
         "resume_from": [str(Path(p).resolve()) for p in resume_from],
-        "data": str(data_dir) if data_dir else None, "features": [str(p) for p in feature_dirs],
+        "data": str(Path(data_dir).resolve()) if data_dir else None,
+        "features": [str(Path(p).resolve()) for p in feature_dirs],
         "save_every": spec.session.save_every, "safety_margin": spec.session.safety_margin,
         "threads": spec.session.threads, "keep_last": spec.checkpoints.keep_last,
         "disk_budget_gb": spec.checkpoints.disk_budget_gb, "digest": spec.checkpoints.digest,
@@ -252,10 +253,14 @@ def run_entry(spec: "RunSpec", config: dict) -> dict:
     kind, target, args = parse_entry(spec.code.entry, Path(spec.code.folder))
     os.environ[api.ENV] = json.dumps(config)
     opened_before = api.sessions_opened()
-    argv = sys.argv
+    argv, cwd, path = sys.argv, os.getcwd(), list(sys.path)
+    # The entry runs as `python train.py ...` runs from its own folder: relative reads work in a session too.
+    # What a session must keep goes under session.workdir (the code folder is not a session's output).
+    os.chdir(Path(target).parent if kind == "script" else spec.code.folder)
     try:
         if kind == "script":
             sys.argv = [str(target), *args]
+            sys.path.insert(0, str(Path(target).parent))
             runpy.run_path(str(target), run_name="__main__")
         else:
             module, func = target.split(":")
@@ -271,7 +276,8 @@ def run_entry(spec: "RunSpec", config: dict) -> dict:
         traceback.print_exc()
         raise UserCodeError(f"code.entry {spec.code.entry} raised {type(err).__name__}: {err}") from None
     finally:
-        sys.argv = argv
+        sys.argv, sys.path[:] = argv, path
+        os.chdir(cwd)
         os.environ.pop(api.ENV, None)
     if api.sessions_opened() == opened_before:
         raise UserCodeError(f"code.entry {spec.code.entry}: ended without opening a relay session"

@@ -43,13 +43,17 @@ class Verdict:
     differing: int = 0
     seconds: float = 0.0
     diagnosis: Optional[str] = None  # the first step the runs part, and why (relay.session.trace)
+    lost_files: list = field(default_factory=list)  # written by the script outside its workdir
 
     def text(self) -> str:
         split = ", ".join(f"{a}->{b}{'' if how == 'ok' else ' (' + how + ')'}" for a, b, how in self.sessions)
         head = (f"identical" if self.identical else f"differs: {self.first_difference}"
                 + (f" (and {self.differing - 1} more)" if self.differing > 1 else ""))
         why = f"\n  why: {self.diagnosis}" if self.diagnosis else ""
-        return f"{head}\n  {self.steps} steps straight vs sessions {split}; {self.seconds:.1f} s{why}"
+        lost = (f"\n  warning: the script wrote {', '.join(self.lost_files[:5])}"
+                f"{' ...' if len(self.lost_files) > 5 else ''} in its code folder: a Kaggle session keeps only"
+                " what is written under session.workdir" if self.lost_files else "")
+        return f"{head}\n  {self.steps} steps straight vs sessions {split}; {self.seconds:.1f} s{why}{lost}"
 
 
 def verify_resume(spec_path: Path, steps: Optional[int] = None, *, seed: int = 0,
@@ -65,11 +69,13 @@ def verify_resume(spec_path: Path, steps: Optional[int] = None, *, seed: int = 0
         raise InputError(f"relay verify-resume: --steps {steps} is more than the run's optim.max_steps ({total})")
     if steps < 4:
         raise InputError("relay verify-resume: --steps must be at least 4 (three cuts and a kill need room)")
-    root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="relay-verify-"))
+    root = (Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="relay-verify-"))).resolve()  # entries chdir
     root.mkdir(parents=True, exist_ok=True)
     spec_copy = _spec_copy(spec_path, root)
 
     a, b = root / "straight", root / "split"
+    code = Path(spec.code.folder) if spec.code else None
+    before = _files(code, root)
     _train(spec_copy, a, steps, timeout)
     cuts = sorted(random.Random(seed).sample(range(1, steps), 3)) + [steps]
     sessions, step, killed = [], 0, False
@@ -87,7 +93,18 @@ def verify_resume(spec_path: Path, steps: Optional[int] = None, *, seed: int = 0
     right = checkpoint.load_latest(b / "checkpoints")[1]
     diffs = list(compare(left, right))
     why = trace.diagnose(_trace_file(a), _trace_file(b)) if diffs else None
-    return Verdict(not diffs, steps, sessions, diffs[0] if diffs else None, len(diffs), time.monotonic() - t0, why)
+    lost = sorted(rel for rel, mtime in _files(code, root).items() if before.get(rel) != mtime)
+    return Verdict(not diffs, steps, sessions, diffs[0] if diffs else None, len(diffs), time.monotonic() - t0, why,
+                   lost)
+
+
+def _files(folder: Optional[Path], skip: Path) -> dict:
+    """{relative path: mtime} of the files under the code folder, but the verification's own folder."""
+    if folder is None or not folder.is_dir():
+        return {}
+    skip = skip.resolve()
+    return {str(f.relative_to(folder)): f.stat().st_mtime_ns for f in folder.rglob("*")
+            if f.is_file() and "__pycache__" not in f.parts and not f.resolve().is_relative_to(skip)}
 
 
 def _trace_file(workdir: Path) -> Path:

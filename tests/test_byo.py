@@ -403,3 +403,22 @@ def test_session_batch_larger_than_the_data_names_batch_size(tmp_path):
             session.batch_indices(10, 32)
     finally:
         session.clock.restore_signal_handlers()
+
+
+def test_a_script_reads_relative_to_its_folder_and_verify_resume_warns_about_files_it_would_lose(
+        relay_cli, tmp_path):
+    """`python train.py` from its own folder reads config/lr.txt; so does a session, wherever it was started.
+    The script also saves a file next to itself: verify-resume says a Kaggle session would lose it."""
+    spec = copy_example("byo-plain", tmp_path / "ex")
+    (tmp_path / "ex" / "config").mkdir()
+    (tmp_path / "ex" / "config" / "lr.txt").write_text("0.003\n")
+    script = tmp_path / "ex" / "train.py"
+    script.write_text(script.read_text().replace(
+        '    ap.add_argument("--lr", type=float, default=3e-3)\n',
+        '    ap.add_argument("--lr", type=float, default=float(open("config/lr.txt").read()))\n').replace(
+        "    session.close()  # relay\n", '    torch.save(model.state_dict(), "last.pt")\n    session.close()  # relay\n'))
+    out = relay_cli.run("verify-resume", str(spec), "--steps", "12", "--workdir", "v", timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert out.stdout.startswith("identical")
+    assert "warning: the script wrote last.pt in its code folder" in out.stdout, out.stdout
+    assert (relay_cli.cwd / "v" / "straight" / "progress.json").is_file()  # --workdir relative to the caller
