@@ -17,7 +17,7 @@ from typing import Literal, Optional
 
 from prefect import flow, get_run_logger
 
-from relay import chain, handoff, plan as planner, spec as spec_mod
+from relay import chain, handoff, plan as planner, restore, spec as spec_mod
 from relay.chain import Do
 from relay.kaggle.types import Refusal
 from tasks import artifacts, relay_tasks as t
@@ -127,6 +127,17 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
             if result.ok:
                 if mode == "tick":
                     return _summary("handed-over", result.progress, action)
+                continue
+            corrupt = chain.mounted_checkpoint_corrupt(result.log_tail) if action.do is Do.SALVAGE else None
+            if corrupt:  # not the session's fault: make the newest valid checkpoint version current again
+                try:
+                    done = restore.restore_newest_valid(backend, names, f"{run_spec.name} checkpoint",
+                                                        action.run_id, corrupt, local)
+                except restore.NoValidCheckpoint as err:
+                    raise RelayFailed(str(err)) from None
+                logger.warning("%s", done)
+                if mode == "tick":
+                    return _summary("restored", obs.published, action)
                 continue
             code_error = chain.looks_like_code_error(result.log_tail) if action.do is Do.SALVAGE else None
             if code_error:

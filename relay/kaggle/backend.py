@@ -39,6 +39,7 @@ class KaggleBackend(Protocol):
     def current_run(self, kernel: str) -> Optional[Tuple[str, Optional[int]]]: ...
     def current_plan(self, kernel: str) -> Optional[dict]: ...
     def download_dataset_file(self, dataset: str, name: str, dest: Path) -> Path: ...
+    def dataset_versions(self, dataset: str) -> List[int]: ...
     username: str
 
 
@@ -253,6 +254,12 @@ class ClientBackend:
     def list_dataset_files(self, dataset: str, version: Optional[int] = None) -> List[DatasetFile]:
         split_ref(dataset, "dataset")
         return list_dataset_files(self.client, dataset, version)
+
+    def dataset_versions(self, dataset: str) -> List[int]:
+        """Every published version number of `dataset` (none when it does not exist)."""
+        split_ref(dataset, "dataset")
+        info = self.publisher._info(dataset)
+        return sorted(info["notes"]) if info else []
 
     def quota(self) -> Quota:
         response = self.client.run("quota", lambda api: api.quota_view())
