@@ -66,7 +66,7 @@ def _fetch_verified(backend, dataset: str, number: int, folder: Path) -> str:
     if MANIFEST not in names:
         return f"no {MANIFEST}"
     for name in names:
-        backend.download_dataset_file(f"{dataset}/{number}", name, folder)
+        backend.download_dataset_file(dataset, name, folder, version=number)
     (folder / "dataset-metadata.json").unlink(missing_ok=True)  # the publisher writes its own
     expected = json.loads((folder / MANIFEST).read_text()).get("files", {})
     actual = manifest_of(folder)
