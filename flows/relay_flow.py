@@ -17,7 +17,7 @@ from typing import Literal, Optional
 
 from prefect import flow, get_run_logger
 
-from relay import chain, handoff, spec as spec_mod
+from relay import chain, handoff, restore, spec as spec_mod
 from relay.policy import budget_lowered, plan_text, session_budget, utc
 from relay.chain import Do
 from relay.kaggle.types import Refusal
@@ -100,6 +100,17 @@ def _drive(run_spec, spec_text: str, backend, names: chain.Names, local: Path, m
             if result.ok:
                 if mode == "tick":
                     return _summary("handed-over", result.progress, action)
+                continue
+            corrupt = chain.mounted_checkpoint_corrupt(result.log_tail) if action.do is Do.SALVAGE else None
+            if corrupt:  # not the session's fault: make the newest valid checkpoint version current again
+                try:
+                    done = restore.restore_newest_valid(backend, names, f"{run_spec.name} checkpoint",
+                                                        action.run_id, corrupt, local)
+                except restore.NoValidCheckpoint as err:
+                    raise RelayFailed(str(err)) from None
+                logger.warning("%s", done)
+                if mode == "tick":
+                    return _summary("restored", obs.published, action)
                 continue
             code_error = chain.looks_like_code_error(result.log_tail) if action.do is Do.SALVAGE else None
             tell("session.failed", f"failed-{action.run_id}",

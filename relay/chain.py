@@ -97,6 +97,13 @@ def decide(name: str, obs: Observation) -> Action:
         # Nothing pushed yet, or the kernel's run is already handed over: start the next session.
         return Action(Do.PUSH, run_id(name, next_session, 1), next_session, 1, "next session")
     session, attempt = parsed
+    restored = (obs.published or {}).get("restored") or {}
+    if session >= next_session and restored.get("after_run") == obs.kernel_run:
+        # a bad checkpoint version was replaced by an older valid one (relay/restore.py): redo from there
+        attempt = int(restored.get("attempt", 1))
+        return Action(Do.PUSH, run_id(name, next_session, attempt), next_session, attempt,
+                      f"checkpoint v{restored.get('bad_version')} was bad; resuming from the restored"
+                      f" v{restored.get('from_version')}")
     if session > next_session:
         return Action(Do.FAILED, obs.kernel_run, session, attempt,
                       f"the kernel runs session {session} but only {obs.handed_over} are handed over:"
@@ -157,6 +164,16 @@ _CODE_ERRORS = re.compile(
 # `relay train` reports an InputError (SpecError, DiskBudgetError, bad --data ...) as one line and exits 2,
 # without a traceback: a bad spec or input, which the same session pushed again would hit again.
 _CLI_ERROR = re.compile(r"^relay: error: .*$", re.M)
+
+
+# `relay train` given --resume-from with nothing valid in it (relay.session.checkpoint.CorruptCheckpointError)
+_CORRUPT_MOUNT = re.compile(r"^relay: error: the mounted checkpoint .* is corrupt: .*$", re.M)
+
+
+def mounted_checkpoint_corrupt(log_tail: str) -> Optional[str]:
+    """The session's one-line reason when it refused to start from a corrupt or partial checkpoint."""
+    found = list(_CORRUPT_MOUNT.finditer(log_tail))
+    return found[-1].group(0).removeprefix("relay: error: ") if found else None
 
 
 def looks_like_code_error(log_tail: str) -> Optional[str]:

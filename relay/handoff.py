@@ -152,6 +152,8 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
                         log_tail=tail)
     limit = hit_session_limit(obs.kernel_state, obs.failure_message)
     stage = _stage(local / "stage" / action.run_id, newest, workdir, out.progress, session_limit=limit)
+    if not checkpoint.list_valid(stage, verify_hashes=True):  # what goes up is the copy: verify the copy
+        return HandOver(False, "the staged copy of the checkpoint fails verification", log_tail=tail)
     result = backend.publish_folder(stage, names.checkpoint_dataset, f"{spec.name} checkpoint",
                                     notes=f"run {action.run_id}, step {newest.step}, code {code_version()}")
     published = [f"{names.checkpoint_dataset} v{result.version}"]

@@ -64,7 +64,7 @@ def test_selective_handoff_verifies_checks_disk_and_resumes_exactly(relay_env, r
     with pytest.raises(selective_output.DiskSpaceError) as short:
         relay_env.run_flow(monkeypatch, mode="tick")
     message = str(short.value)
-    assert "\n" not in message and "needs" in message and "0.01 GB is free" in message, message
+    assert "\n" not in message and "needs" in message and "10.49 MB is free" in message, message
     assert len(checks) == 1, checks
     assert relay_env.ckpt_versions() == []
     assert not (local / "handoff").exists() or not any((local / "handoff").iterdir())

@@ -48,7 +48,9 @@ class KaggleBackend(Protocol):
     def list_dataset_files(self, dataset: str, version: Optional[int] = None) -> List[DatasetFile]: ...
     def current_run(self, kernel: str) -> Optional[Tuple[str, Optional[int]]]: ...
     def current_plan(self, kernel: str) -> Optional[dict]: ...
-    def download_dataset_file(self, dataset: str, name: str, dest: Path) -> Path: ...
+    def download_dataset_file(self, dataset: str, name: str, dest: Path,
+                              version: Optional[int] = None) -> Path: ...
+    def dataset_versions(self, dataset: str) -> List[int]: ...
     username: str
 
 
@@ -200,14 +202,15 @@ class ClientBackend:
         response = self._get_kernel(owner, slug)
         return kernel_source.find_plan((response.blob.source if response and response.blob else "") or "")
 
-    def download_dataset_file(self, dataset: str, name: str, dest: Path) -> Path:
-        """One file of a dataset's current version into `dest`; NotFound when either is absent."""
+    def download_dataset_file(self, dataset: str, name: str, dest: Path, version: Optional[int] = None) -> Path:
+        """One file of a dataset's current version (or of `version`) into `dest`; NotFound when either is absent."""
         split_ref(dataset, "dataset")
+        ref = f"{dataset}/{version}" if version else dataset  # the client reads owner/slug/N as version N
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
         try:
-            self.client.run(f"download {dataset}/{name}",
-                            lambda api: api.dataset_download_file(dataset, name, path=str(dest), force=True))
+            self.client.run(f"download {ref}/{name}",
+                            lambda api: api.dataset_download_file(ref, name, path=str(dest), force=True))
         except Exception as exc:  # noqa: BLE001
             if http_status(exc) == 404:
                 raise NotFound(f"dataset {dataset}: no file {name}") from exc
@@ -273,6 +276,12 @@ class ClientBackend:
     def list_dataset_files(self, dataset: str, version: Optional[int] = None) -> List[DatasetFile]:
         split_ref(dataset, "dataset")
         return list_dataset_files(self.client, dataset, version)
+
+    def dataset_versions(self, dataset: str) -> List[int]:
+        """Every published version number of `dataset` (none when it does not exist)."""
+        split_ref(dataset, "dataset")
+        info = self.publisher._info(dataset)
+        return sorted(info["notes"]) if info else []
 
     def quota(self) -> Quota:
         response = self.client.run("quota", lambda api: api.quota_view())

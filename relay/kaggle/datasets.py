@@ -101,7 +101,7 @@ class DatasetPublisher:
         try:
             for entry in entries:
                 (stage / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
-            (stage / MANIFEST).write_text(json.dumps({"marker": marker, "files": files}, indent=1))
+            manifest_bytes = (stage / MANIFEST).write_text(json.dumps({"marker": marker, "files": files}, indent=1))
             description = f"Published by kaggle-relay. {marker}"
             meta = {"id": dataset, "title": title, "licenses": [{"name": "CC0-1.0"}], "description": description}
             (stage / "dataset-metadata.json").write_text(json.dumps(meta))
@@ -111,7 +111,7 @@ class DatasetPublisher:
         finally:
             shutil.rmtree(stage, ignore_errors=True)
         version = self._wait_ready(dataset, marker)
-        files[MANIFEST] = {"bytes": None, "sha256": None}
+        files[MANIFEST] = {"bytes": manifest_bytes, "sha256": None}  # ascii: characters are bytes
         self._verify(dataset, version, files)
         files.pop(MANIFEST)
         log.info("dataset %s: version %d ready (%d files)", dataset, version, len(files))

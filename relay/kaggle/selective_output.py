@@ -180,8 +180,8 @@ def ensure_space(where: Path, need: int, reserve: int, what: str) -> None:
     free = free_bytes(where)
     if need + reserve > free:
         raise DiskSpaceError(
-            f"handoff: {what} needs {need / 1e9:.2f} GB (+{reserve / 1e9:.2f} GB reserve, {RESERVE_ENV}) on"
-            f" {Path(where).resolve()} but only {free / 1e9:.2f} GB is free; free some space, the next tick retries")
+            f"handoff: {what} needs {checkpoint.size_text(need)} (+{checkpoint.size_text(reserve)} reserve, {RESERVE_ENV})"
+            f" on {Path(where).resolve()} but only {checkpoint.size_text(free)} is free; free some space, the next tick retries")
 
 
 # -- streaming --------------------------------------------------------------------------------------

@@ -135,7 +135,8 @@ class Session:
     def restore(self) -> int:
         """Load the newest valid checkpoint (own workdir, then the relay's resume folders) into the registered
         objects and the RNGs; start this session's record. Returns the step to continue from (0 when fresh)."""
-        restored = checkpoint.load_latest(self.workdir / "checkpoints", *map(Path, self.config["resume_from"]))
+        restored = checkpoint.load_resume(self.workdir / "checkpoints",
+                                           [Path(p) for p in self.config["resume_from"]])
         resumed = restored is not None
         if self.world.main:
             self._carry_metrics()

@@ -25,7 +25,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from relay.errors import InputError
 from relay.session import atomic
@@ -47,6 +47,14 @@ class CheckpointError(RuntimeError):
 
 class DiskBudgetError(CheckpointError, InputError):
     """The configured disk budget cannot hold the checkpoints a resumable run needs."""
+
+
+class CorruptCheckpointError(CheckpointError, InputError):
+    """A session told to resume found nothing valid to resume from. Its one-line message starts with
+    CORRUPT_PREFIX, which the orchestrator reads in the kernel's log (relay.chain.mounted_checkpoint_corrupt)."""
+
+
+CORRUPT_PREFIX = "the mounted checkpoint"
 
 
 @dataclass(frozen=True)
@@ -325,17 +333,25 @@ def bytes_besides(workdir: Path, checkpoints: Path) -> int:
     return total
 
 
+def size_text(nbytes: float) -> str:
+    """Bytes in the largest unit that still shows them (a 40 KB checkpoint is not "0.00 GB")."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} bytes"
+
+
 def _make_room(root: Path, budget: int, keep_best_mode: Optional[str], besides: int = 0) -> None:
     """Prune oldest-first (sparing the newest valid and the best) until a new checkpoint fits."""
-    note = f" (besides {besides / 1e9:.2f} GB of cache/export in the same output)" if besides else ""
+    note = f" (besides {size_text(besides)} of cache/export in the same output)" if besides else ""
     valid = list_valid(root)
     if not valid:
         return
     expected = valid[0].nbytes()
     if valid[0].nbytes() + expected > budget:  # hopeless: refuse before deleting any fallback
         raise DiskBudgetError(
-            f"checkpoints.disk_budget_gb: a new checkpoint (~{expected / 1e9:.2f} GB) does not fit beside the"
-            f" newest one ({valid[0].nbytes() / 1e9:.2f} GB) in {budget / 1e9:.2f} GB{note}; raise the budget"
+            f"checkpoints.disk_budget_gb: a new checkpoint (~{size_text(expected)}) does not fit beside the"
+            f" newest one ({size_text(valid[0].nbytes())}) in {size_text(budget)}{note}; raise the budget"
         )
     used = sum(c.nbytes() for c in valid)
     spare = {valid[0].path}
@@ -353,8 +369,8 @@ def _make_room(root: Path, budget: int, keep_best_mode: Optional[str], besides: 
         used -= best.nbytes()
     if used + expected > budget:
         raise DiskBudgetError(
-            f"checkpoints.disk_budget_gb: a new checkpoint (~{expected / 1e9:.2f} GB) does not fit beside the"
-            f" newest one ({used / 1e9:.2f} GB) in {budget / 1e9:.2f} GB{note}; raise the budget"
+            f"checkpoints.disk_budget_gb: a new checkpoint (~{size_text(expected)}) does not fit beside the"
+            f" newest one ({size_text(used)}) in {size_text(budget)}{note}; raise the budget"
         )
 
 
@@ -427,6 +443,38 @@ def load_latest(*roots: Path, map_location: str = "cpu") -> Optional[tuple[Check
         except CheckpointError as err:
             log.warning("skipping checkpoint %s: %s", ckpt.path, err)
     return None
+
+
+def load_resume(own: Path, resume_from: Sequence[Path], map_location: str = "cpu"
+                ) -> Optional[tuple[Checkpoint, dict]]:
+    """load_latest over a session's own checkpoints and the folders it was told to resume from. Given such
+    folders and nothing valid anywhere, it raises rather than start over at step 0: a fresh run would spend
+    the session, and with time-bounded sessions could even pass the published step and be handed over."""
+    restored = load_latest(own, *resume_from, map_location=map_location)
+    if restored is None and resume_from:
+        source = Path(resume_from[0])
+        raise CorruptCheckpointError(f"{CORRUPT_PREFIX} {source} is corrupt: {why_unusable(source)}")
+    return restored
+
+
+def why_unusable(root: Path) -> str:
+    """What is wrong with the checkpoints in `root`, in a few words (for a folder list_valid/load reject)."""
+    paths = find_checkpoints(root)
+    if not paths:
+        return f"no checkpoint in it (no {MANIFEST})"
+    for path in paths:
+        manifest = read_manifest(path)
+        if manifest is None:
+            return f"{MANIFEST} is missing or unreadable"
+        for name, info in manifest["files"].items():
+            size = (path / name).stat().st_size if (path / name).is_file() else None
+            if size != info["bytes"]:
+                return f"{name} is {'missing' if size is None else f'{size} bytes'}, its manifest says" \
+                       f" {info['bytes']} (truncated)"
+            algo, expected = _digest_of(info)
+            if file_digest(path / name, algo) != expected:
+                return f"{name} {algo} mismatch"
+    return f"{STATE_FILE} cannot be loaded"
 
 
 def load(ckpt: Checkpoint, map_location: str = "cpu") -> dict:

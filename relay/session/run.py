@@ -191,7 +191,12 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     # Until a save is measured: model + AdamW's two moments at a pessimistic 200 MB/s.
     clock.estimated_save_seconds = 0.2 + 3 * sum(p.nbytes for p in model.parameters()) / 200e6
 
-    restored = checkpoint.load_latest(ckpt_root, *resume_from)
+    try:
+        restored = checkpoint.load_resume(ckpt_root, resume_from)
+    except InputError:  # nothing valid to resume from: leave nothing behind
+        if created is not None and world.main:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
     _carry_metrics(workdir, resume_from)
     if restored:
         state = TrainState.from_dict(restored[1]["trainer"])
