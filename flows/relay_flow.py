@@ -134,6 +134,13 @@ def _drive(run_spec, spec_text: str, backend, names: chain.Names, local: Path, m
             raise RelayFailed(action.reason)
 
         if action.do is Do.PUSH:
+            last = ((obs.published or {}).get("sessions") or [{}])[-1]
+            if (obs.published or {}).get("stop_reason") == "diverged" and \
+                    not handoff.code_changed(backend, names, run_spec, spec_text):
+                raise RelayFailed(f"session {len(obs.published['sessions'])} stopped itself: {last.get('diverged')}."
+                                  f" Its checkpoint at step {obs.published['global_step']} is handed over. Change the"
+                                  " spec or code (learning rate, data) and run the relay again, or set"
+                                  " session.stop_on_divergence: false to train on")
             quota = t.read_quota(backend)
             budget = session_budget(run_spec, quota)
             logger.info("plan:\n%s", plan_text(run_spec, obs.published, quota, datetime.now(timezone.utc)))

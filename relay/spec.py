@@ -134,6 +134,9 @@ class SessionConfig(_Section):
     memory_log_every_steps: PositiveInt = Field(50, description="A memory sample in metrics.jsonl every N steps.")
     threads: Optional[PositiveInt] = Field(None, description=(
         "torch CPU threads (default: torch's); exact resume needs the same count in every session."))
+    stop_on_divergence: bool = Field(True, description=(
+        "Stop the session (saving) when its loss is not finite or over 10x its recent median for 3 steps in a row;"
+        " the relay then stops and says why instead of spending quota on a diverged run. One process only."))
     devices: Union[Literal["auto"], PositiveInt] = Field("auto", description=(
         "Processes training together: `auto` is every visible GPU (both T4s of a T4 x2), 1 on CPU; or a "
         "number."))

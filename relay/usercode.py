@@ -232,6 +232,7 @@ def session_config(spec: "RunSpec", workdir: Path, *, budget, deadline, max_step
         "features": [str(Path(p).resolve()) for p in feature_dirs],
         "save_every": spec.session.save_every, "safety_margin": spec.session.safety_margin,
         "threads": spec.session.threads, "keep_last": spec.checkpoints.keep_last,
+        "stop_on_divergence": spec.session.stop_on_divergence,
         "disk_budget_gb": spec.checkpoints.disk_budget_gb, "digest": spec.checkpoints.digest,
     }
 

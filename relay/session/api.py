@@ -31,6 +31,7 @@ from relay.errors import InputError
 from relay.session import api_distributed, atomic, checkpoint, data, distributed, trace
 from relay.session.api_distributed import unwrap
 from relay.session.budget import SessionClock
+from relay.session.divergence import DivergenceGuard
 from relay.session.loop import rng_state, set_rng_state
 from relay.session.progress_line import ProgressLines
 from relay.session.run import disk_besides, pick_device, seed_everything
@@ -114,6 +115,8 @@ class Session:
         self._train_seconds = 0.0
         self._metrics = self.workdir / "metrics.jsonl"
         self._progress: Optional[ProgressLines] = None  # from restore() on
+        self._divergence = DivergenceGuard() if config.get("stop_on_divergence", True) else None
+        self.diverged: Optional[str] = None  # why the session stopped itself on a diverging loss
         self._trace = trace.StepTrace.from_env()  # per-step fingerprints, under `relay verify-resume` only
 
     @property
@@ -228,6 +231,8 @@ class Session:
         same answer: a SIGTERM to any rank, rank 0's clock for the budget."""
         if self.step >= self.total_steps:
             self.stop_reason = "done"
+        elif self.diverged:
+            self.stop_reason = "diverged"
         elif self.world.size > 1:
             self.stop_reason = self._agreement.stop_reason(self.step, self.clock.should_stop())
         else:
@@ -249,6 +254,8 @@ class Session:
             self._session_samples += samples if samples is not None else self._schedule.effective_batch
         if loss is not None:
             self._losses.append(loss)
+            if self._divergence is not None and self.world.size == 1 and self.diverged is None:
+                self.diverged = self._divergence.update(self.step, loss)
         if self.world.size > 1:
             return self._step_done_together(save, metrics)
         if (self._losses or metrics) and (self.step % int(self.config["log_every"]) == 0
@@ -396,7 +403,8 @@ class Session:
             ended=time.time(), seconds=round(self.clock.elapsed(), 3), step_end=self.step,
             samples_per_s=(round(self._session_samples / max(1e-9, self._train_seconds), 2)
                            if self._session_samples else None),  # unknown without batches() or samples=
-            stop_reason=reason if reason in ("budget", "steps", "sigterm", "done") else "running",
+            stop_reason=reason if reason in ("budget", "steps", "sigterm", "done", "diverged") else "running",
+            **({"diverged": self.diverged} if self.diverged else {}),
             save_seconds=self._record.get("save_seconds", round(self.clock.save_seconds or 0.0, 3)))
 
     def _write_progress(self, ckpt, status: str, reason: str, weights: Optional[str] = None) -> dict:

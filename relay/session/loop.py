@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from relay.recipes.base import Recipe
 from relay.session import data, distributed, memory, stages
 from relay.session.budget import SessionClock
+from relay.session.divergence import DivergenceGuard
 from relay.spec import RunSpec
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,9 @@ class Trainer:
         self.session_samples = 0
         self.train_seconds = 0.0
         self._recent_losses: list[float] = []
+        # a blow-up stops the session (non-finite losses have their own guard: skip, then fall back to fp32)
+        self.divergence = DivergenceGuard() if spec.session.stop_on_divergence and not world.active else None
+        self.diverged: Optional[str] = None
         self._shown: Optional[dict] = None  # what recipe.on_step last reported (e.g. the curriculum stage)
         rungs = {r.name: r for r in recipe.memory_rungs()}
         for name in state.memory_rungs:  # an earlier session's OOM fallbacks hold for the rest of the run
@@ -383,6 +387,8 @@ class Trainer:
         st, spec = self.state, self.spec
         if math.isfinite(loss):
             self._recent_losses.append(loss)
+            if self.divergence is not None and self.diverged is None:
+                self.diverged = self.divergence.update(st.global_step, loss)
         if st.global_step % spec.optim.log_every_steps == 0 or st.global_step == self.total_steps:
             self._log_train()
         every = spec.session.empty_cache_every_steps
@@ -413,7 +419,7 @@ class Trainer:
     def _decide(self, eval_due: bool) -> tuple[Optional[str], bool]:
         """Stop now (the reason), and is a periodic save due? With several ranks, rank 0's clock decides the
         budget and the save, a SIGTERM to any rank stops all, and every rank gets the same answer."""
-        reason = self.clock.should_stop(eval_due=eval_due)
+        reason = "diverged" if self.diverged else self.clock.should_stop(eval_due=eval_due)
         save_due = time.monotonic() - self._last_save >= self.spec.session.save_every
         if not self.world.active:
             return reason, save_due

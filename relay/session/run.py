@@ -344,7 +344,8 @@ def _update_session(session: dict, trainer: Trainer, clock: SessionClock, metric
         samples_per_s=round(trainer.session_samples / max(1e-9, trainer.train_seconds), 2),
         peak_mem_mb=round(trainer.monitor.peak_mb() or trainer.monitor.sample()["rss_mb"], 1),
         loss_end=metrics_log.last_train_loss,
-        stop_reason=reason if reason in ("budget", "steps", "sigterm", "done") else "running",
+        stop_reason=reason if reason in ("budget", "steps", "sigterm", "done", "diverged") else "running",
+        **({"diverged": trainer.diverged} if trainer.diverged else {}),
         # this save's own time is known only after it; the checkpoint carries the last measured one
         save_seconds=session.get("save_seconds", round(clock.save_seconds or 0.0, 3)),
     )
