@@ -3,7 +3,7 @@
     python bench/run.py [--only loop,checkpoint,features] [--quick]
 
 Each bench module has `run() -> dict` of figures (bench_loop, bench_checkpoint, bench_features, bench_relay,
-bench_vqa, bench_recsys, bench_byo).
+bench_vqa, bench_recsys, bench_byo, bench_live).
 Timings are of this machine at this moment: the output and the results file name the machine (CPU model, cores,
 torch version, load average; bench/machine.py). Every figure is a ratio against a baseline measured in the same
 run, compared variants alternate, and each is reported as a median with its spread.
@@ -34,6 +34,8 @@ BENCHES = {
     "recsys": ("bench_recsys", {}, {"n_ratings": 200_000}),
     # ~1 min: 7 rounds of 400 steps (~1.4 CPU s a run; shorter runs put the machine's noise above the 3%
     # asked), verify-resume of byo-plain only at 24 steps (six process starts)
+    # ~3 min: a 150-step session at 1 s a step, progress lines and refreshes at the defaults (30 s each)
+    "live": ("bench_live", {}, {"steps": 40, "step_s": 0.5, "progress_every_s": 5.0, "live_seconds": 5.0}),
     "byo": ("bench_byo", {"steps": 400, "repeats": 7, "verify_steps": 24, "examples": ("byo-plain",)},
             {"steps": 100, "repeats": 3, "verify_steps": 0}),
 }
@@ -100,6 +102,10 @@ def _lines(name: str, f: dict) -> list[str]:
         import bench_recsys
 
         return bench_recsys.format_lines(f)
+    if name == "live":
+        import bench_live
+
+        return bench_live.format_lines(f)
     if name == "byo":
         import bench_byo
 
