@@ -73,7 +73,8 @@ def _drive(run_spec, spec_text: str, backend, names: chain.Names, local: Path, m
     """The relay's loop: observe, decide, act; in tick mode one step."""
     logger = get_run_logger()
     reported = None  # the handed-over run the artifacts show
-    view = LiveView(backend, names, local, notify=lambda key, text: tell("warning", key, text))
+    view = LiveView(backend, names, local, curve_every_s=6 * live_seconds,  # 3 min by default
+                    notify=lambda key, text: tell("warning", key, text))
 
     while True:
         obs = t.observe(backend, names, local)

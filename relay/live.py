@@ -120,7 +120,7 @@ def running_row(records: List[dict], kernel_state: str = "running") -> Optional[
     losses = [r["loss"] for r in records if r.get("kind") == "train" and r.get("loss") is not None]
     return {"session": latest.get("session"), "run_id": latest.get("run_id"), "start": None, "duration_s": None,
             "billed_gpu_s": None, "steps": int(latest["step"]) - int(first.get("step_start", 0)),
-            "world_size": None, "samples_per_s": latest.get("samples_per_s"),
+            "world_size": None, "samples_per_s": _round(latest.get("samples_per_s"), 1),
             "peak_mem_mb": latest.get("gpu_peak_mb"), "loss_end": losses[-1] if losses else None,
             "stop_reason": kernel_state if latest.get("kind") != "end" else latest.get("stop_reason"),
             "gpus": None}
@@ -151,6 +151,10 @@ def eta_text(records: List[dict]) -> str:
     session = f"session ends in ~{_hm(left)} (its budget)" if left is not None else "session runs to the end"
     run_left = (latest["total_steps"] - latest["step"]) / steps_per_s
     return f"{session}; the run needs ~{_hm(run_left)} of training at {steps_per_s:.3g} steps/s"
+
+
+def _round(value: Optional[float], digits: int) -> Optional[float]:
+    return round(value, digits) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def _hm(seconds: float) -> str:

@@ -69,8 +69,9 @@ def publish_live(name: str, progress: Optional[dict], records: list, local: Path
                  progress_artifact: Optional[str] = None, curves: bool = True, kernel_state: str = "running",
                  warnings: tuple = ()) -> Optional[str]:
     """The running session in the UI: the run's progress artifact updated in place (steps of the run and of
-    this session, ETAs), the session table with the running row, and (when `curves`) the summary's loss curve
-    with the running session. Returns the progress artifact's id, to update it next time."""
+    this session, ETAs) and, when `curves` (every few minutes: each is a new artifact version), the session table
+    with the running row and the summary's loss curve with the running session. Returns the progress
+    artifact's id, to update it next time."""
     from prefect.artifacts import update_progress_artifact
 
     from relay import live
@@ -88,11 +89,13 @@ def publish_live(name: str, progress: Optional[dict], records: list, local: Path
     else:
         progress_artifact = str(create_progress_artifact(progress=100.0 * last["step"] / total,
                                                          key=_key(name, "progress"), description=text))
+    if not curves:
+        return progress_artifact  # the table and the summary are new artifact versions: not on every refresh
     rows = report.session_table(progress) + [latest]
     create_table_artifact(table=rows, key=_key(name, "sessions"), description=f"{name}: one row per session, the last"
                                                                               f" {kernel_state}")
-    previous = report.read_metrics(metrics) if curves and metrics is not None and metrics.is_file() else []
-    if curves and (previous or live.as_metrics(records)):
+    previous = report.read_metrics(metrics) if metrics is not None and metrics.is_file() else []
+    if previous or live.as_metrics(records):
         sessions = list(progress.get("sessions", [])) + [{"index": last.get("session"),
                                                           "step_start": records[0].get("step_start")}]
         images = {"curves": report.plot_curves(previous + live.as_metrics(records), local / "curves-live.png",

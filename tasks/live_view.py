@@ -28,6 +28,7 @@ class LiveView:
         right after a push it can still be the previous version's log)."""
         if self.live is None or self.live.run_id != run_id or (self.live.ended and not self.live.records):
             self.live = LiveSession(self.backend, self.names.kernel, run_id).start()
+            self._curve_at = -float("inf")  # a new session: its table row and curve at its first lines
         return self.live
 
     def refresh(self, progress: Optional[dict], kernel_state: str) -> None:

@@ -3,6 +3,7 @@ progress artifact (updated in place), the session table with a running row and t
 session is held at a step by the user's own script until the test has seen it (an event, not a sleep)."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -59,13 +60,14 @@ def test_the_running_session_shows_in_prefect_while_it_trains(relay_env, monkeyp
     progress = table = None
     while time.monotonic() < deadline:
         progress, table = _artifact("live-relay-progress"), _artifact("live-relay-sessions")
-        if progress is not None and f"step {HOLD_AT} of 40" in (progress.description or ""):
+        rows = (table.data if isinstance(table.data, list) else json.loads(table.data)) if table else [{}]
+        if progress is not None and f"step {HOLD_AT} of 40" in (progress.description or "") \
+                and rows[-1].get("steps") == HOLD_AT:  # the table is refreshed every 6 x live_seconds
             break
         time.sleep(0.2)
     assert progress is not None and f"step {HOLD_AT} of 40; session 1 (live-relay-s001-a1): {HOLD_AT} steps, running" \
         in progress.description, progress
     assert progress.data == 100.0 * HOLD_AT / 40
-    rows = table.data if isinstance(table.data, list) else __import__("json").loads(table.data)
     assert rows[-1]["run_id"] == "live-relay-s001-a1" and rows[-1]["stop_reason"] == "running"
     assert rows[-1]["steps"] == HOLD_AT
     summary = _artifact("live-relay-summary")
