@@ -30,7 +30,8 @@ def resolve_name(target: str):
     return target, SimpleNamespace(kaggle=spec_mod.KaggleConfig(), session=spec_mod.SessionConfig())
 
 
-def report(target: str, backend_factory: Callable, out_dir: Path | None = None, emit=print) -> int:
+def report(target: str, backend_factory: Callable, out_dir: Path | None = None, emit=print,
+           follow_s: float = 5.0) -> int:
     from relay import chain, handoff, policy, report as rep
     from relay.kaggle import KaggleError, NotFound
 
@@ -50,12 +51,21 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
     action = chain.decide(name, obs)
     emit(f"relay {name} (Kaggle user {names.owner}): {obs.handed_over} session(s) handed over, step"
          f" {progress.get('global_step', 0)}/{progress.get('total_steps', '?')}")
-    if progress.get("sessions"):
-        emit(rep.format_table(rep.session_table(progress)))
+    rows, eta = rep.session_table(progress), None
+    if action.do is chain.Do.WAIT and obs.kernel_state == "running":  # the running session, from its log stream
+        from relay import live
+
+        records = live.LiveSession(backend, names.kernel, action.run_id).start().wait(follow_s)
+        row = live.running_row(records)
+        rows, eta = (rows + [row], live.eta_text(records)) if row is not None else (rows, None)
+    if rows:
+        emit(rep.format_table(rows))
     if obs.kernel_run:
         state = obs.kernel_state or "starting"
         emit(f"kernel: {names.kernel} v{obs.kernel_version or '?'} runs {obs.kernel_run}: {state}"
              + (f" ({obs.failure_message})" if obs.failure_message else ""))
+    if eta:
+        emit(eta)
     emit(f"next: {action.do.value} {action.run_id or ''} ({action.reason})".replace("  ", " "))
     emit(policy.plan_text(run_spec, progress, quota, datetime.now(timezone.utc)))
     if progress.get("sessions"):

@@ -73,6 +73,14 @@ def test_the_running_session_shows_in_prefect_while_it_trains(relay_env, monkeyp
     summary = _artifact("live-relay-summary")
     assert "session 1 running" in summary.data and "data:image/png;base64," in summary.data
 
+    # `relay status NAME` shows the same running row, read from Kaggle's log stream
+    from relay import status
+
+    lines = []
+    status.report("live-relay", relay_env.backend, relay_env.root / "status", emit=lines.append, follow_s=2)
+    out = "\n".join(lines)
+    assert "live-relay-s001-a1" in out and "running" in out and "kernel: alice/live-relay-session v1" in out, out
+
     kernel = relay_env.kernel_runs()[-1]
     (relay_env.emu.store.kernel_dir(relay_env.kernel, kernel.version) / "working" / "release").write_text("")
     flow.join(300)
