@@ -62,6 +62,7 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
         return _drive(run_spec, Path(spec).read_text(), backend, names, local, mode, tell, poll_seconds,
                       time.monotonic() + max_hours * 3600, live_seconds, tick_follow_seconds)
     except RelayFailed as err:
+        artifacts.publish_stop(run_spec.name, str(err))
         reason = str(err).split("\n")[0]
         tell("stopped", "stopped-" + hashlib.sha256(reason.encode()).hexdigest()[:12],
              f"{run_spec.name} stopped and needs you: {reason}")

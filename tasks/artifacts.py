@@ -105,3 +105,13 @@ def publish_live(name: str, progress: Optional[dict], records: list, local: Path
                               f" {kernel_state}")
         create_markdown_artifact(markdown=md, key=_key(name, "summary"), description=f"{name}: plan, ETA and curves")
     return progress_artifact
+
+
+def publish_stop(name: str, reason: str) -> None:
+    """Why the relay stopped, as the run's summary artifact: on the flow run's page, not only in a worker's log."""
+    first, _, rest = reason.partition("\n")
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", rest)), default=0))
+    md = f"# {name}: stopped, needs you\n\n**{first}**\n"
+    if rest.strip():
+        md += f"\n{fence}text\n{rest.strip()}\n{fence}\n"
+    create_markdown_artifact(markdown=md, key=_key(name, "summary"), description=f"{name}: why the relay stopped")

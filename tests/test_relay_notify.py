@@ -75,6 +75,10 @@ def test_a_stopped_relay_tells_once_even_when_run_again(relay_env, monkeypatch, 
     assert subjects == ["relay notify-crash: session.failed", "relay notify-crash: stopped"], receiver.received
     assert "notify-crash-s002-a1" in receiver.received[0]["body"] and "ValueError" in receiver.received[0]["body"]
     assert "stopped and needs you" in receiver.received[1]["body"] and "bad column" in receiver.received[1]["body"]
+    from prefect.artifacts import Artifact
+
+    stop = Artifact.get("notify-crash-summary")
+    assert stop.data.startswith("# notify-crash: stopped, needs you\n\n**session 2 failed with a code error: relay: error")
 
 
 def test_a_finished_relay_tells_once_with_where_the_model_is(relay_env, monkeypatch, receiver):
