@@ -112,7 +112,7 @@ def _ts(value) -> float:
     if value is None:
         return 0.0
     try:
-        return planner.asutc(value).timestamp()
+        return planner.as_utc(value).timestamp()
     except (planner.PlanError, ValueError, TypeError):
         return 0.0
 
