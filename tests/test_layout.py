@@ -7,7 +7,8 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-KERNEL_SIDE = ["relay/session", "relay/recipes", "relay/integrations", "relay/usercode.py", "relay/spec.py"]
+KERNEL_SIDE = ["relay/session", "relay/recipes", "relay/integrations", "relay/usercode.py", "relay/spec.py",
+               "relay/canary.py"]
 ORCHESTRATOR = ("prefect", "flows", "tasks", "kaggle", "kagglesdk", "relay.kaggle", "relay.chain", "relay.handoff",
                 "relay.plan")
 
