@@ -5,6 +5,7 @@ timeline PNGs."""
 from __future__ import annotations
 
 import re
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,7 +41,8 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
     names = chain.Names(backend.username, name)
     out = Path(out_dir or Path("relay-runs") / name)
     try:
-        obs = handoff.observe(backend, names, out / "kaggle")
+        with tempfile.TemporaryDirectory(prefix="relay-status-") as scratch:  # nothing written for a wrong name
+            obs = handoff.observe(backend, names, Path(scratch))
         quota = backend.quota()
     except KaggleError as err:
         raise InputError(f"relay status {name}: {err}") from None

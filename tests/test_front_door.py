@@ -86,3 +86,25 @@ def test_after_a_code_error_a_fixed_script_is_pushed_and_an_unchanged_one_is_ref
     progress = json.loads((project / "relay-runs" / "byo-plain" / "published" / "progress.json").read_text())
     assert [s["step_start"] for s in progress["sessions"]][-2:] == [30, 60]  # session 2 again from step 30
     assert yaml.safe_load(spec.read_text())["name"] == "byo-plain"
+
+
+def test_bad_input_to_the_new_commands_is_one_line_exit_2_and_writes_nothing(make_emulator, tmp_path,
+                                                                             spawns_processes):
+    emulator = make_emulator()
+    project = tmp_path / "my-project"
+    copy_example("byo-plain", project)
+    (project / "not-a-folder").write_text("")
+    (project / "bad.yaml").write_text("name: Bad Name\noptim: {max_steps: 10}\n")
+    cases = {
+        ("run", "nope.yaml"): "relay: error: nope.yaml: no such spec file (SPEC is relative to the current folder,",
+        ("run", "spec.yaml", "--out", "not-a-folder"): "relay: error: --out not-a-folder: exists and is not a folder",
+        ("run", "bad.yaml"): "relay: error: bad.yaml: name: String should match pattern",
+        ("doctor", "nope.yaml"): "relay: error: nope.yaml: no such spec file",
+        ("status", "Not A Name"): "relay: error: relay status: 'Not A Name' is neither a folder, a spec file nor",
+        ("status", "no-such-relay"): "relay: error: relay status: no relay named no-such-relay for Kaggle user",
+    }
+    for args, expected in cases.items():
+        out = _relay(tmp_path, emulator, project, *args, timeout=300)
+        assert out.returncode == 2 and out.stderr.strip().startswith(expected) and "\n" not in out.stderr.strip(), \
+            (args, out.stderr[-2000:])
+    assert not (project / "relay-runs").exists() and not emulator.store.kernels  # nothing written, nothing pushed
