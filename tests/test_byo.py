@@ -417,8 +417,11 @@ def test_a_script_reads_relative_to_its_folder_and_verify_resume_warns_about_fil
         '    ap.add_argument("--lr", type=float, default=3e-3)\n',
         '    ap.add_argument("--lr", type=float, default=float(open("config/lr.txt").read()))\n').replace(
         "    session.close()  # relay\n", '    torch.save(model.state_dict(), "last.pt")\n    session.close()  # relay\n'))
-    out = relay_cli.run("verify-resume", str(spec), "--steps", "12", "--workdir", "v", timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    assert out.stdout.startswith("identical")
-    assert "warning: the script wrote last.pt in its code folder" in out.stdout, out.stdout
-    assert (relay_cli.cwd / "v" / "straight" / "progress.json").is_file()  # --workdir relative to the caller
+    try:
+        out = relay_cli.run("verify-resume", str(spec), "--steps", "12", "--workdir", "v", timeout=600)
+        assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+        assert out.stdout.startswith("identical")
+        assert "warning: the script wrote last.pt in its code folder" in out.stdout, out.stdout
+        assert (relay_cli.cwd / "v" / "straight" / "progress.json").is_file()  # --workdir relative to the caller
+    finally:  # the caller's folder is shared by every test that runs the CLI: leave it empty
+        shutil.rmtree(relay_cli.cwd / "v", ignore_errors=True)
