@@ -29,6 +29,20 @@ def outputs_dir(spec_path: Path, out: Optional[str]) -> Path:
     return folder
 
 
+def _still_running(run_spec, local: Path) -> Optional[str]:
+    """The cheap tick: one look at Kaggle (the same observe and decide the flow makes, a few calls); the
+    reason when the only step is to wait for a queued or running session, else None (the flow acts)."""
+    from relay import chain, handoff
+    from relay.kaggle import from_env
+
+    backend = from_env()
+    names = chain.Names(backend.username, run_spec.name)
+    action = chain.decide(run_spec.name, handoff.observe(backend, names, local))
+    if action.do is not chain.Do.WAIT:
+        return None
+    return f"session {action.session} ({action.run_id}) {action.reason.removeprefix('kernel ')}"
+
+
 def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: Optional[float] = None,
         emit=print) -> int:
     from relay import report, spec as spec_mod
@@ -45,6 +59,12 @@ def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: 
         os.environ[name] = ",".join(hosts + ["127.0.0.1"] * ("127.0.0.1" not in hosts))
     if poll_seconds is None:  # the emulator answers at once; Kaggle is polled gently
         poll_seconds = 2.0 if os.environ.get("RELAY_KAGGLE_ENDPOINT") else 30.0
+
+    if tick and not os.environ.get("PREFECT_API_URL"):
+        waiting = _still_running(run_spec, folder / run_spec.name)
+        if waiting:  # nothing to do but wait: no Prefect, no artifacts that an ephemeral server would drop
+            emit(f"relay {run_spec.name}: {waiting}; nothing to do (`relay status {run_spec.name}` shows its progress)")
+            return 0
 
     from flows.relay_flow import RelayFailed, relay
 

@@ -76,6 +76,8 @@ class KaggleClient:
         # the client's own retry helper (uploads, dataset creation) can sleep ~143 s; use our policy
         api.with_retry = self._with_retry
         api._upload_file = self._strict_upload(api._upload_file)
+        # every download printed "Dataset URL: ..." on stdout (a tick's output, a flow's log): say nothing
+        api._print_dataset_url_and_license = lambda *args, **kwargs: None
         self.api = api
 
     @property
