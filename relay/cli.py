@@ -171,7 +171,8 @@ def cmd_verify_resume(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from relay import launch
 
-    return launch.run(args.spec, args.out, tick=args.tick, poll_seconds=args.poll)
+    return launch.run(args.spec, args.out, tick=args.tick, poll_seconds=args.poll, submit=args.submit,
+                      credentials_block=args.credentials_block)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -247,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tick", action="store_true", help="do at most one step and return (cron, GitHub Actions)")
     r.add_argument("--poll", type=float, metavar="SECONDS",
                    help="seconds between status checks (default 30; 2 against the emulator)")
+    r.add_argument("--submit", action="store_true",
+                   help="run it on the Prefect server at PREFECT_API_URL (deployment relay/run, whose worker must see"
+                        " the same paths) and follow it here")
+    r.add_argument("--credentials-block", metavar="NAME",
+                   help="Kaggle credentials from this Prefect Secret block ({\"username\", \"key\"} JSON) instead of"
+                        " the environment / ~/.kaggle")
     r.set_defaults(func=cmd_run)
 
     dr = sub.add_parser("doctor", help="check an account before spending GPU quota: credentials, quota, data"
@@ -262,14 +269,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What only training needs; an orchestrator-only install (run, status, doctor, plan) has none of it.
+TRAINING_STACK = ("torch", "transformers", "tokenizers", "safetensors", "pyarrow", "pandas", "psutil", "PIL")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if not args.verbose:  # one line per HTTP request of the Prefect client says nothing to a user
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return args.func(args)
     except InputError as err:
         print(f"relay: error: {err}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:
+        if err.name not in TRAINING_STACK:
+            raise
+        print(f"relay: error: relay {args.command} needs the training stack ({err.name} is not installed):"
+              " pip install 'kaggle-relay[train]'", file=sys.stderr)
         return 2
 
 

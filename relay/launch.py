@@ -44,12 +44,15 @@ def _still_running(run_spec, local: Path) -> Optional[str]:
 
 
 def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: Optional[float] = None,
-        emit=print) -> int:
-    from relay import report, spec as spec_mod
+        submit: bool = False, credentials_block: Optional[str] = None, emit=print) -> int:
+    from relay import spec as spec_mod
 
     path = Path(spec)
     if not path.is_file():
         raise InputError(f"{spec}: no such spec file (SPEC is relative to the current folder, {Path.cwd()})")
+    if submit and not os.environ.get("PREFECT_API_URL"):
+        raise InputError("--submit: PREFECT_API_URL is not set (the Prefect server to submit to); without"
+                         " --submit the relay runs here")
     run_spec = spec_mod.load(path)  # a bad spec: one line, exit 2, nothing pushed
     folder = outputs_dir(path, out)
     folder.mkdir(parents=True, exist_ok=True)
@@ -57,41 +60,66 @@ def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: 
     for name in ("NO_PROXY", "no_proxy"):
         hosts = [h for h in os.environ.get(name, "").split(",") if h]
         os.environ[name] = ",".join(hosts + ["127.0.0.1"] * ("127.0.0.1" not in hosts))
+    local = folder / run_spec.name
+
+    if submit:  # a worker of the server runs it: its environment says emulator or Kaggle, and how often to poll
+        from relay.submit import stop_reason, submit as submit_run
+
+        state, message = submit_run(path, folder, tick, poll_seconds, credentials_block, emit)
+        if state != "Completed":
+            return _stopped(emit, f"the flow run ended {state}: {stop_reason(message)}")
+        _outputs(emit, run_spec.name, local, None)
+        return 0
+
     if poll_seconds is None:  # the emulator answers at once; Kaggle is polled gently
         poll_seconds = 2.0 if os.environ.get("RELAY_KAGGLE_ENDPOINT") else 30.0
-
     if tick and not os.environ.get("PREFECT_API_URL"):
-        waiting = _still_running(run_spec, folder / run_spec.name)
+        waiting = _still_running(run_spec, local)
         if waiting:  # nothing to do but wait: no Prefect, no artifacts that an ephemeral server would drop
             emit(f"relay {run_spec.name}: {waiting}; nothing to do (`relay status {run_spec.name}` shows its progress)")
             return 0
 
     from flows.relay_flow import RelayFailed, relay
 
-    emit(f"relay {run_spec.name}: {'one step' if tick else 'to the end'}; outputs in {folder / run_spec.name}")
+    emit(f"relay {run_spec.name}: {'one step' if tick else 'to the end'}; outputs in {local}")
     try:
         summary = relay(spec=str(path.resolve()), mode="tick" if tick else "watch", poll_seconds=poll_seconds,
-                        state_dir=str(folder))
+                        state_dir=str(folder), credentials_block=credentials_block)
     except RelayFailed as err:
-        first, _, rest = str(err).partition("\n")
-        emit(f"relay: stopped: {first}")
-        if rest:
-            emit(rest)
-        emit("Fix the cause and run `relay run` again: a changed code or spec is pushed as a new attempt of the same"
-             " session, from the same checkpoint (docs/relay.md, 'After a failure').")
-        return 1
+        return _stopped(emit, str(err))
     except KeyboardInterrupt:
         emit("relay: interrupted; nothing is lost: `relay run` again continues from what Kaggle shows")
         return 130
-    local = folder / run_spec.name
-    emit(f"{summary['state']}: step {summary['step']}/{summary.get('total_steps') or '?'},"
-         f" {summary['sessions']} session(s) handed over")
+    _outputs(emit, run_spec.name, local, summary)
+    return 0
+
+
+def _stopped(emit, reason: str) -> int:
+    first, _, rest = reason.partition("\n")
+    emit(f"relay: stopped: {first}")
+    if rest:
+        emit(rest)
+    emit("Fix the cause and run `relay run` again: a changed code or spec is pushed as a new attempt of the same"
+         " session, from the same checkpoint (docs/relay.md, 'After a failure').")
+    return 1
+
+
+def _outputs(emit, name: str, local: Path, summary: Optional[dict]) -> None:
+    """The outcome and what the run left under `local` (with --submit, when the worker shares this disk)."""
+    from relay import report
+
     progress_file = local / "published" / "progress.json"
-    if progress_file.is_file():
-        emit(report.format_table(report.session_table(report.load_progress(progress_file))))
+    progress = report.load_progress(progress_file) if progress_file.is_file() else None
+    if summary is not None:
+        emit(f"{summary['state']}: step {summary['step']}/{summary.get('total_steps') or '?'},"
+             f" {summary['sessions']} session(s) handed over")
+    elif progress is not None:
+        emit(f"{progress.get('status')}: step {progress.get('global_step')}/{progress.get('total_steps') or '?'},"
+             f" {len(progress.get('sessions') or [])} session(s) handed over")
+    if progress is not None:
+        emit(report.format_table(report.session_table(progress)))
     for png in ("curves.png", "timeline.png"):
         if (local / png).is_file():
             emit(f"{png.split('.')[0]}: {local / png}")
-    if summary["state"] == "done":
-        emit(f"the final model: Kaggle dataset <you>/{run_spec.name}-model (`kaggle datasets download`)")
-    return 0
+    if (summary["state"] if summary is not None else (progress or {}).get("status")) == "done":
+        emit(f"the final model: Kaggle dataset <you>/{name}-model (`kaggle datasets download`)")

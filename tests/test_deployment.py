@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from test_byo import copy_example
 from kaggle_fixtures import KERNEL_ENV, isolated_env, make_emulator  # noqa: F401
 from relay.kaggle import ClientBackend, KaggleCredentials
 
@@ -163,6 +164,18 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
 
         wait_healthy(api_url, server)
         t_healthy = time.monotonic() - t0
+        project = tmp_path / "my-project"  # a user's own script, outside the repository, that fails at once
+        spec_file = copy_example("byo-plain", project, **{"optim.max_steps": 20})
+        spec_file.write_text(spec_file.read_text().replace("name: byo-plain", "name: byo-submit"))
+        script = project / "train.py"
+        script.write_text(script.read_text().replace("    session.restore()  # relay\n",
+                                                     "    session.restore()  # relay\n    raise KeyError('label')\n"))
+        submit = [sys.executable, "-m", "relay", "run", "spec.yaml", "--submit", "--poll", "0.3",
+                  "--credentials-block", "emulator-credentials"]
+        undeployed = subprocess.run(submit, env=env, cwd=project, capture_output=True, text=True, timeout=120)
+        assert undeployed.returncode == 2 and undeployed.stderr.splitlines() == [
+            f"relay: error: --submit: no deployment relay/run on {api_url}: deploy it with prefect deploy --name run"
+            " --no-prompt --prefect-file deploy/prefect.yaml (docs/prefect.md)"], undeployed.stderr
         made = run_cli([PREFECT, "work-pool", "create", "relay-pool", "--type", "process"], env, 60)
         assert made.returncode == 0, made.stdout + made.stderr
         # The worker knows where Kaggle is but holds no credential: the run reads them from a Secret block.
@@ -175,7 +188,7 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         assert secret.wait(60) == 0, procs.tails()
         deployments = {d["name"]: d for d in api_post(api_url, "/deployments/filter", {})}
-        assert set(deployments) == {"price-model-demo", "byo-plain-demo", "price-model-kaggle", "price-model-tick",
+        assert set(deployments) == {"run", "price-model-demo", "byo-plain-demo", "price-model-kaggle", "price-model-tick",
                                     "relays-kaggle", "relays-tick"}
         assert all(d["work_pool_name"] == "relay-pool" for d in deployments.values())
         tick = deployments["price-model-tick"]
@@ -197,6 +210,16 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
         t_run = time.monotonic() - t0 - t_ready
         assert run.returncode == 0, f"{run.stdout[-4000:]}\n{run.stderr[-2000:]}\n{procs.tails()}"
         assert "Completed" in run.stdout
+
+        # `relay run --submit`: the generic deployment takes the user's spec; the failure's reason is printed.
+        failed = subprocess.run(submit, env=env, cwd=project, capture_output=True, text=True, timeout=600)
+        assert failed.returncode == 1, failed.stdout[-4000:] + failed.stderr[-2000:] + procs.tails()
+        assert "submitted flow run" in failed.stdout and "decide: push byo-submit-s001-a1" in failed.stdout
+        stopped = [line for line in failed.stdout.splitlines() if line.startswith("relay: stopped: ")]
+        assert len(stopped) == 1 and stopped[0].startswith(
+            "relay: stopped: the flow run ended Failed: session 1 failed with a code error:") and \
+            "raised KeyError: 'label'" in stopped[0], failed.stdout[-4000:]
+        assert key not in failed.stdout + failed.stderr
 
         # What Kaggle (the emulator) holds: the checkpoint dataset says done, after 3 sessions.
         progress_file = backend.download_dataset_file("demo/price-deploy-test-ckpt", "progress.json",

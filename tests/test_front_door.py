@@ -101,6 +101,7 @@ def test_bad_input_to_the_new_commands_is_one_line_exit_2_and_writes_nothing(mak
         ("run", "nope.yaml"): "relay: error: nope.yaml: no such spec file (SPEC is relative to the current folder,",
         ("run", "spec.yaml", "--out", "not-a-folder"): "relay: error: --out not-a-folder: exists and is not a folder",
         ("run", "bad.yaml"): "relay: error: bad.yaml: name: String should match pattern",
+        ("run", "spec.yaml", "--submit"): "relay: error: --submit: PREFECT_API_URL is not set (the Prefect server to",
         ("doctor", "nope.yaml"): "relay: error: nope.yaml: no such spec file",
         ("status", "Not A Name"): "relay: error: relay status: 'Not A Name' is neither a folder, a spec file nor",
         ("status", "no-such-relay"): "relay: error: relay status: no relay named no-such-relay for Kaggle user",
