@@ -3,7 +3,7 @@
     python bench/run.py [--only loop,checkpoint,features] [--quick]
 
 Each bench module has `run() -> dict` of figures (bench_loop, bench_checkpoint, bench_features, bench_relay,
-bench_vqa, bench_recsys, bench_byo, bench_live).
+bench_vqa, bench_recsys, bench_byo, bench_live, bench_tick).
 Timings are of this machine at this moment: the output and the results file name the machine (CPU model, cores,
 torch version, load average; bench/machine.py). Every figure is a ratio against a baseline measured in the same
 run, compared variants alternate, and each is reported as a median with its spread.
@@ -36,6 +36,8 @@ BENCHES = {
     # asked), verify-resume of byo-plain only at 24 steps (six process starts)
     # ~3 min: a 150-step session at 1 s a step, progress lines and refreshes at the defaults (30 s each)
     "live": ("bench_live", {}, {"steps": 40, "step_s": 0.5, "progress_every_s": 5.0, "live_seconds": 5.0}),
+    # ~1.5 min: 7 waiting ticks and 7 bare status calls alternating, 2 ticks through the flow, 1 push
+    "tick": ("bench_tick", {}, {"rounds": 3, "flow_rounds": 1}),
     "byo": ("bench_byo", {"steps": 400, "repeats": 7, "verify_steps": 24, "examples": ("byo-plain",)},
             {"steps": 100, "repeats": 3, "verify_steps": 0}),
 }
@@ -102,6 +104,10 @@ def _lines(name: str, f: dict) -> list[str]:
         import bench_recsys
 
         return bench_recsys.format_lines(f)
+    if name == "tick":
+        import bench_tick
+
+        return bench_tick.format_lines(f)
     if name == "live":
         import bench_live
 

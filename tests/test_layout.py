@@ -38,8 +38,8 @@ def test_kernel_side_modules_never_import_the_orchestrator():
 
 
 def test_the_orchestrator_never_imports_torch():
-    """The flows, the CLI and the spec loader (every built-in example spec) run without torch: a GitHub-hosted
-    tick stays small, and the handoff's peak RSS stays under its 300 MB goal (bench/bench_handoff.py)."""
+    """The flows, the CLI and the spec loader (every built-in example spec) run without torch or anything else
+    of the `[train]` extra (tests/test_tick.py runs whole ticks with them blocked): a GitHub-hosted tick stays small, and the handoff's peak RSS stays under its 300 MB goal (bench/bench_handoff.py)."""
     import subprocess
     import sys
 
@@ -47,10 +47,13 @@ def test_the_orchestrator_never_imports_torch():
 import sys
 from pathlib import Path
 import flows.relay_flow, flows.relays_flow, relay.cli, relay.handoff, relay.plan, tasks.relays_artifacts
+import relay.launch, relay.submit, relay.status, relay.doctor, relay.restore, relay.live, relay.report
 from relay import spec
+from relay.cli import TRAINING_STACK
 for path in sorted(Path("examples").glob("*.yaml")):
     spec.load(path).recipe_params()
-print("torch" in sys.modules)
+# the base install (pyproject's dependencies) has none of the training stack
+print([m for m in TRAINING_STACK if m in sys.modules and m != "PIL"] or False)
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

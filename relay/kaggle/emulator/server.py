@@ -282,3 +282,5 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.flush()
         except ConnectionAbortedError:  # the stream_drop fault: cut the live stream mid-session
             self._drop()
+        except (BrokenPipeError, ConnectionResetError):  # the follower hung up (a tick reads it for a few seconds)
+            self.close_connection = True
