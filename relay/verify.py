@@ -166,9 +166,11 @@ def _child() -> None:
             return real_launch(_armed_rank, world_size, (worker, *args))
 
         distributed.launch = launch
-    from relay.cli import main
+    import runpy
 
-    sys.exit(main(sys.argv[1:]))
+    # then the `relay` program itself, as `python -m relay` runs it (a program, not a library this module uses)
+    sys.argv[0] = "relay"
+    runpy.run_module("relay", run_name="__main__", alter_sys=True)
 
 
 def _arm_kill_hook(marker: str) -> None:
