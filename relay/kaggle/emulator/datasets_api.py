@@ -9,23 +9,22 @@ import shutil
 import time
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-from relay.kaggle.emulator.protocol import ApiError, Reply, file_reply, iso, slug_of, tree_files
-
-if TYPE_CHECKING:
-    from relay.kaggle.emulator.server import Call, Emulator
+from relay.kaggle.emulator.config import EmulatorConfig
+from relay.kaggle.emulator.faults import FaultPlan
+from relay.kaggle.emulator.protocol import ApiError, Call, Reply, file_reply, iso, slug_of, tree_files
+from relay.kaggle.emulator.store import Store
 
 _CONTENT_RANGE = re.compile(r"^bytes (?:(\d+)-(\d+)|\*)/(\d+)$")
 
 
 class DatasetsService:
-    def __init__(self, emulator: "Emulator"):
-        self.emu = emulator
-        self.store, self.config = emulator.store, emulator.config
+    def __init__(self, store: Store, config: EmulatorConfig, faults: FaultPlan):
+        self.store, self.config, self.faults = store, config, faults
 
     # -- blobs -----------------------------------------------------------------------------------
-    def StartBlobUpload(self, call: "Call") -> dict:
+    def StartBlobUpload(self, call: Call) -> dict:
         size = int(call.body.get("contentLength") or 0)
         name = os.path.basename(str(call.body.get("name") or ""))
         if not name:
@@ -59,7 +58,7 @@ class DatasetsService:
         with self.store.lock:
             if start != blob["received"]:
                 return self._upload_state(blob)
-            cut = self.emu.faults.upload_cut(f"{blob.get('seq', token)}:{blob['name']}", blob.setdefault("attempts", 0),
+            cut = self.faults.upload_cut(f"{blob.get('seq', token)}:{blob['name']}", blob.setdefault("attempts", 0),
                                              len(body))
             blob["attempts"] += 1
             kept = body if cut is None else body[:cut]
@@ -83,7 +82,7 @@ class DatasetsService:
         return Reply(308, b"", headers)
 
     # -- creating versions -----------------------------------------------------------------------
-    def CreateDataset(self, call: "Call") -> dict:
+    def CreateDataset(self, call: Call) -> dict:
         body = call.body
         owner, slug = body.get("ownerSlug") or call.user, slug_of(body, "slug")
         if owner != call.user:
@@ -102,18 +101,18 @@ class DatasetsService:
             self._add_version(ref, files, "Initial release")
         return {"ref": ref, "url": f"{call.base}/datasets/{ref}", "status": "ok"}
 
-    def CreateDatasetVersion(self, call: "Call") -> dict:
+    def CreateDatasetVersion(self, call: Call) -> dict:
         ref = f"{call.body.get('ownerSlug') or call.user}/{slug_of(call.body, 'datasetSlug')}"
         return self._new_version(call, ref)
 
-    def CreateDatasetVersionById(self, call: "Call") -> dict:
+    def CreateDatasetVersionById(self, call: Call) -> dict:
         wanted = int(call.body.get("id") or 0)
         ref = next((r for r, d in self.store.datasets.items() if d["id"] == wanted), None)
         if ref is None:
             raise ApiError(404, f"Dataset id {wanted} not found")
         return self._new_version(call, ref)
 
-    def _new_version(self, call: "Call", ref: str) -> dict:
+    def _new_version(self, call: Call, ref: str) -> dict:
         body = call.body.get("body") or {}
         with self.store.lock:
             dataset = self._dataset(ref)
@@ -168,18 +167,18 @@ class DatasetsService:
             raise ApiError(404, f"Dataset {ref} not found")
         return dataset
 
-    def _ref(self, call: "Call") -> str:
+    def _ref(self, call: Call) -> str:
         return f"{call.body.get('ownerSlug') or call.user}/{slug_of(call.body, 'datasetSlug')}"
 
     def _current(self, ref: str) -> Optional[dict]:
         return self.store.ready_version(ref, time.time())
 
-    def GetDatasetStatus(self, call: "Call") -> dict:
+    def GetDatasetStatus(self, call: Call) -> dict:
         dataset = self._dataset(self._ref(call))
         latest = dataset["versions"][-1]
         return {"status": "READY" if latest["ready_at"] <= time.time() else "BLOBS_RECEIVED"}
 
-    def GetDataset(self, call: "Call") -> dict:
+    def GetDataset(self, call: Call) -> dict:
         ref = self._ref(call)
         dataset = self._dataset(ref)
         current = self._current(ref)
@@ -207,7 +206,7 @@ class DatasetsService:
             raise ApiError(404, f"Dataset {ref} version {number or 'current'} not found or not ready")
         return found
 
-    def ListDatasetFiles(self, call: "Call") -> dict:
+    def ListDatasetFiles(self, call: Call) -> dict:
         ref = self._ref(call)
         version = self._version(ref, call.body.get("datasetVersionNumber"))
         size = min(int(call.body.get("pageSize") or 20), 200)
@@ -219,7 +218,7 @@ class DatasetsService:
             reply["nextPageToken"] = str(start + size)
         return reply
 
-    def GetDatasetMetadata(self, call: "Call") -> dict:
+    def GetDatasetMetadata(self, call: Call) -> dict:
         ref = self._ref(call)
         dataset = self._dataset(ref)
         current = self._current(ref) or dataset["versions"][-1]
@@ -229,7 +228,7 @@ class DatasetsService:
                          "licenses": [{"name": dataset["license"]}], "keywords": [],
                          "data": [{"name": n, "totalBytes": b} for n, b in current["files"]]}}
 
-    def DownloadDataset(self, call: "Call") -> Reply:
+    def DownloadDataset(self, call: Call) -> Reply:
         ref = self._ref(call)
         version = self._version(ref, call.body.get("datasetVersionNumber"))
         name = call.body.get("fileName")

@@ -6,14 +6,14 @@ import json
 import secrets
 import time
 import urllib.parse
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
-from relay.kaggle.emulator.protocol import ApiError, duration, file_reply, iso, slug_of, tree_files
-from relay.kaggle.emulator.runner import read_log
-from relay.kaggle.emulator.store import ACTIVE
+from relay.kaggle.emulator.protocol import ApiError, Call, duration, file_reply, iso, slug_of, tree_files
+from relay.kaggle.emulator.config import EmulatorConfig
+from relay.kaggle.emulator.faults import FaultPlan
+from relay.kaggle.emulator.runner import KernelRunner, read_log
+from relay.kaggle.emulator.store import ACTIVE, Store
 
-if TYPE_CHECKING:
-    from relay.kaggle.emulator.server import Call, Emulator
 
 CONCURRENCY_REFUSAL = "Maximum batch GPU session count of {n} reached."
 QUOTA_REFUSAL = ("Accelerator Quota Exceeded: You've exceeded the number of hours allowed to use GPU. "
@@ -24,12 +24,11 @@ META_FIELDS = ("language", "kernelType", "isPrivate", "enableGpu", "enableTpu", 
 
 
 class KernelsService:
-    def __init__(self, emulator: "Emulator"):
-        self.emu = emulator
-        self.store, self.config = emulator.store, emulator.config
+    def __init__(self, store: Store, config: EmulatorConfig, faults: FaultPlan, runner: KernelRunner):
+        self.store, self.config, self.faults, self.runner = store, config, faults, runner
 
     # -- SaveKernel ------------------------------------------------------------------------------
-    def SaveKernel(self, call: "Call") -> dict:
+    def SaveKernel(self, call: Call) -> dict:
         body = call.body
         ref = self._ref_for_save(call)
         owner, slug = ref.split("/", 1)
@@ -73,11 +72,11 @@ class KernelsService:
             kernel["versions"].append(version)
             self.store.save()
         if not quick:
-            self.emu.runner.start(ref, number)
+            self.runner.start(ref, number)
         return {"ref": f"/code/{ref}", "url": f"{call.base}/code/{ref}", "versionNumber": number,
                 "kernelId": kernel["id"]}
 
-    def _ref_for_save(self, call: "Call") -> str:
+    def _ref_for_save(self, call: Call) -> str:
         if call.body.get("slug"):
             ref = str(call.body["slug"])
             return ref if "/" in ref else f"{call.user}/{ref}"
@@ -113,7 +112,7 @@ class KernelsService:
         return None
 
     # -- reading ---------------------------------------------------------------------------------
-    def _lookup(self, call: "Call", lag: bool = False) -> tuple:
+    def _lookup(self, call: Call, lag: bool = False) -> tuple:
         owner = call.body.get("userName") or call.user
         slug = slug_of(call.body, "kernelSlug")
         label = call.body.get("versionLabel")
@@ -124,22 +123,22 @@ class KernelsService:
         if version is None:
             raise ApiError(404, f"Kernel {ref} not found" + (f" (version {label})" if label else ""))
         if lag and not label and version["number"] > 1 and \
-                self.emu.faults.lagging(ref, version["number"], version["pushed"], time.time()):
+                self.faults.lagging(ref, version["number"], version["pushed"], time.time()):
             # status_lag: Kaggle's "latest" still answers the previous version for a while after a push
             version = self.store.kernel_version(ref, f"v{version['number'] - 1}")
         return ref, version
 
-    def GetKernelSessionStatus(self, call: "Call") -> dict:
+    def GetKernelSessionStatus(self, call: Call) -> dict:
         _, version = self._lookup(call, lag=True)
         reply = {"status": version["status"]}
         if version.get("failure"):
             reply["failureMessage"] = version["failure"]
         return reply
 
-    def ListKernelSessionOutput(self, call: "Call") -> dict:
+    def ListKernelSessionOutput(self, call: Call) -> dict:
         ref, version = self._lookup(call, lag=True)
         served = version
-        if self.emu.faults.stale_output and version["status"] == "ERROR":
+        if self.faults.stale_output and version["status"] == "ERROR":
             # Kaggle has been seen to return the previous successful run's files after a failure
             earlier = [v for v in self.store.kernels[ref]["versions"]
                        if v["number"] < version["number"] and v["status"] == "COMPLETE"]
@@ -157,7 +156,7 @@ class KernelsService:
         return reply
 
     def _log(self, ref: str, number: int) -> list:
-        live = self.emu.runner.live_log(ref, number)
+        live = self.runner.live_log(ref, number)
         return live if live is not None else read_log(self.store.kernel_dir(ref, number) / "log.json")
 
     def _metadata(self, ref: str) -> dict:
@@ -169,7 +168,7 @@ class KernelsService:
         meta.update(latest["meta"])
         return meta
 
-    def GetKernel(self, call: "Call") -> dict:
+    def GetKernel(self, call: Call) -> dict:
         ref, version = self._lookup(call)
         directory = self.store.kernel_dir(ref, version["number"])
         pushed = directory / "pushed.txt"
@@ -179,14 +178,14 @@ class KernelsService:
                                            "kernelType": meta.get("kernelType", "script"),
                                            "slug": self.store.kernels[ref]["slug"]}}
 
-    def ListKernels(self, call: "Call") -> dict:
+    def ListKernels(self, call: Call) -> dict:
         user = call.body.get("user") or call.user
         search = (call.body.get("search") or "").lower()
         refs = sorted(r for r, k in self.store.kernels.items()
                       if k["owner"] == user and search in r.lower() and k["versions"])
         return {"kernels": [self._metadata(r) for r in refs]}
 
-    def GetAcceleratorQuotaStatistics(self, call: "Call") -> dict:
+    def GetAcceleratorQuotaStatistics(self, call: Call) -> dict:
         cfg, now = self.config, time.time()
         period = cfg.wall(cfg.quota_period_s)
         used = self.store.gpu_seconds_used(call.user, now, period, cfg.time_scale)
@@ -223,7 +222,7 @@ class KernelsService:
         return "text/event-stream", self._events(ref, version, timeout)
 
     def _events(self, ref: str, version: dict, timeout: float) -> Iterator[bytes]:
-        cut = self.emu.faults.stream_cut(ref, version["number"])
+        cut = self.faults.stream_cut(ref, version["number"])
         sent, deadline, quiet = 0, time.time() + timeout, 0
         while True:
             entries = self._log(ref, version["number"])

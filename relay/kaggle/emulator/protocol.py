@@ -13,6 +13,14 @@ from typing import Dict, Optional
 
 
 @dataclass
+class Call:
+    """One RPC as a service method sees it: who asked, the JSON body, and the base URL the client used."""
+    user: str
+    body: dict
+    base: str          # scheme://host the client used, for URLs we hand back
+
+
+@dataclass
 class Reply:
     status: int = 200
     body: bytes = b""

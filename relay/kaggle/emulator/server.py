@@ -17,7 +17,6 @@ import struct
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Optional
@@ -26,7 +25,7 @@ from relay.kaggle.emulator.config import EmulatorConfig
 from relay.kaggle.emulator.datasets_api import DatasetsService
 from relay.kaggle.emulator.faults import FaultPlan
 from relay.kaggle.emulator.kernels_api import KernelsService
-from relay.kaggle.emulator.protocol import ApiError, Reply, error_reply, json_reply
+from relay.kaggle.emulator.protocol import ApiError, Call, Reply, error_reply, json_reply
 from relay.kaggle.emulator.runner import KernelRunner
 from relay.kaggle.emulator.store import Store
 
@@ -42,13 +41,6 @@ SERVICES = {
 }
 
 
-@dataclass
-class Call:
-    user: str
-    body: dict
-    base: str          # scheme://host the client used, for URLs we hand back
-
-
 def _digest(secret: str) -> bytes:
     return hashlib.sha256(b"relay-emulator:" + secret.encode()).digest()
 
@@ -62,8 +54,8 @@ class Emulator:
         self.store = Store(Path(state_dir))
         self.faults = FaultPlan(self.config.faults)
         self.runner = KernelRunner(self.store, self.config, self.faults)
-        self.kernels = KernelsService(self)
-        self.datasets = DatasetsService(self)
+        self.kernels = KernelsService(self.store, self.config, self.faults, self.runner)
+        self.datasets = DatasetsService(self.store, self.config, self.faults)
         # only digests are kept, so no credential sits in memory dumps of state or in the state folder
         self._keys = {user: _digest(key) for user, key in self.config.users.items()}
         self._tokens = {_digest(token): user for token, user in self.config.tokens.items()}
