@@ -114,6 +114,14 @@ class Lease:
             raise LeaseLost(f"{claim.key}: not renewed")
         return renewed
 
+    def guard(self, claim: Claim) -> Callable[[], None]:
+        """A check to run before each act of a multi-act step (the hand-over's publications)."""
+        held = [claim]
+
+        def check() -> None:
+            held[0] = self.confirm(held[0])
+        return check
+
     # -- Kaggle ----------------------------------------------------------------------------------
     def _read(self, key: str, generation: int) -> Optional[Claim]:
         ref = f"{self.owner}/{self.slug(key, generation)}"
