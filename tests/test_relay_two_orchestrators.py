@@ -111,9 +111,10 @@ def test_a_killed_claim_holder_delays_the_relay_by_its_lease_never_stops_it(rela
     processing.held.add((relay_env.ckpt, 1))  # session 1's checkpoint version stays unconfirmed
     processing.start()
 
-    # A (a GitHub Actions tick loop: no Prefect step lock) claims session 1's hand-over, creates the checkpoint
-    # version and is SIGKILLed while waiting for Kaggle to process it: it dies holding the claim
-    a = relay_env.flow_process(mode="tick-loop", state_dir="orch-a", seed=7, log_name="a.log", step_lock=False)
+    # A (a Prefect tick loop) claims session 1's hand-over, creates the checkpoint version and is SIGKILLed
+    # while waiting for Kaggle to process it: it dies holding both guards, the Prefect step lock (B's wait for
+    # it is bounded) and the claim on Kaggle
+    a = relay_env.flow_process(mode="tick-loop", state_dir="orch-a", seed=7, log_name="a.log")
     wait_for(lambda: relay_env.ckpt_versions() or a.poll() is not None, 300, "session 1's checkpoint version")
     os.killpg(a.pid, signal.SIGKILL)
     assert a.wait() == -signal.SIGKILL, _log(relay_env, "a.log")
