@@ -36,8 +36,11 @@ class StepLock:
                                strict=True, raise_on_lease_renewal_failure=False)
             held.__enter__()
         except TimeoutError:
-            log.warning("step lock %s: still held by another flow run after %.0f s; going on, guarded by the"
-                        " Kaggle lease", self.limit, self.wait_s)
+            # its holder is busy for long or was killed (its slot lapses only after Prefect's lease): waiting
+            # again at every step would only slow this run; the Kaggle claims guard every act anyway
+            log.warning("step lock %s: still held by another flow run after %.0f s; this run goes on without"
+                        " it, guarded by the Kaggle lease", self.limit, self.wait_s)
+            self.wait_s = 0
             return False
         except Exception as err:  # noqa: BLE001 - no server, old server: the Kaggle lease still guards
             log.warning("step lock %s unavailable (%s); going on, guarded by the Kaggle lease", self.limit,

@@ -51,7 +51,9 @@ TOY_RELAY: dict = {
     # lease: short, so a killed orchestrator's claim on a step lapses soon (relay/kaggle/lease.py)
     "kaggle": {"session_timeout": "5m", "startup_overhead": "1s", "max_failed_sessions": 2, "lease": "10s"},
 }
-# how long a flow waits for another flow run's Prefect step lock (a SIGKILLed one's lapses only after 60 s+)
+# how long a flow waits for another flow run's Prefect step lock, where a test turns it on (step_lock=True):
+# a SIGKILLed holder's slot lapses only after Prefect's 60 s lease, and the test server reclaims none, so
+# the other tests (all on relays named toy-relay) leave it off
 STEP_LOCK_WAIT_S = 5
 STEPS_PER_SESSION = TOY_RELAY["session"]["max_steps"]
 
@@ -200,19 +202,21 @@ class RelayEnv:
 
     # driving the flow
     def run_flow(self, monkeypatch, mode: str = "watch", state_dir: str = "orchestrator", seed: int = 0,
-                 poll_seconds: float = 0.3) -> dict:
+                 poll_seconds: float = 0.3, step_lock: bool = False) -> dict:
         """The `relay` flow in this process (the session's Prefect server), with a fast retry policy."""
         import flows.relay_flow as relay_flow
 
         monkeypatch.setattr(relay_flow, "make_backend", lambda credentials_block=None: self.backend(seed))
         return relay_flow.relay(spec=str(self.spec), mode=mode, poll_seconds=poll_seconds,
-                                state_dir=str(self.root / state_dir), step_lock_wait_s=STEP_LOCK_WAIT_S)
+                                state_dir=str(self.root / state_dir),
+                                step_lock_wait_s=STEP_LOCK_WAIT_S if step_lock else 0)
 
     def flow_process(self, mode: str = "watch", state_dir: str = "orchestrator", seed: int = 0,
-                     log_name: str = "flow.log", step_lock: bool = True) -> subprocess.Popen:
+                     log_name: str = "flow.log", step_lock: bool = False) -> subprocess.Popen:
         """The `relay` flow in a child process (so a test can SIGKILL it), against the same Prefect server.
-        mode "tick-loop": ticks until done, as a schedule would. step_lock=False: an orchestrator that shares
-        nothing with the others but Kaggle (a GitHub Actions tick beside a Prefect server)."""
+        mode "tick-loop": ticks until done, as a schedule would. step_lock=True: it takes the relay's Prefect
+        step lock; without it, it stands for an orchestrator that shares nothing with the others but Kaggle (a
+        GitHub Actions tick beside a Prefect server)."""
         driver = self.root / "flow_driver.py"
         driver.write_text(FLOW_DRIVER)
         env = clean_env(HOME=str(self.root / "flow-home"), TMPDIR=str(self.root / "flow-tmp"),

@@ -68,13 +68,13 @@ def assert_one_run(env, reference, spec) -> None:
     ("watch", "watch", True, 1),            # two deployments (or a person) on one Prefect server
     ("tick-loop", "tick-loop", False, 2),   # a Prefect schedule and a GitHub Actions cron
     ("watch", "tick-loop", False, 3),       # a laptop's watch beside a scheduled tick
-])
+])  # the first always takes the Prefect step lock
 def test_two_orchestrators_push_and_publish_each_step_once(relay_env, reference, first, second, second_locked,
                                                            seed):
     emu = relay_env.start(faults=latency(seed))
     spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS})
     reference.start(spec)
-    a = relay_env.flow_process(mode=first, state_dir="orch-a", seed=seed, log_name="a.log")
+    a = relay_env.flow_process(mode=first, state_dir="orch-a", seed=seed, log_name="a.log", step_lock=True)
     b = relay_env.flow_process(mode=second, state_dir="orch-b", seed=seed + 100, log_name="b.log",
                                step_lock=second_locked)
     assert a.wait(400) == 0, _log(relay_env, "a.log")
@@ -85,6 +85,16 @@ def test_two_orchestrators_push_and_publish_each_step_once(relay_env, reference,
     # every push and every hand-over was claimed on Kaggle first
     keys = {c["key"] for c in _claims(emu).values()}
     assert {f"push-{r}" for r in RUN_IDS} | {f"handover-{r}" for r in RUN_IDS} <= keys, keys
+
+
+@pytest.fixture
+def drop_step_lock(prefect_api):
+    """A killed holder's slot would stay taken for the session's later tests (the test server reclaims none)."""
+    yield
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        client.delete_global_concurrency_limit_by_name("relay-toy-relay")
 
 
 class DatasetProcessing(threading.Thread):
@@ -103,7 +113,7 @@ class DatasetProcessing(threading.Thread):
                             version["ready_at"] = time.time()
 
 
-def test_a_killed_claim_holder_delays_the_relay_by_its_lease_never_stops_it(relay_env, reference):
+def test_a_killed_claim_holder_delays_the_relay_by_its_lease_never_stops_it(relay_env, reference, drop_step_lock):
     emu = relay_env.start(faults=latency(7), dataset_processing_delay=3600)
     spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS})
     reference.start(spec)
@@ -114,7 +124,7 @@ def test_a_killed_claim_holder_delays_the_relay_by_its_lease_never_stops_it(rela
     # A (a Prefect tick loop) claims session 1's hand-over, creates the checkpoint version and is SIGKILLed
     # while waiting for Kaggle to process it: it dies holding both guards, the Prefect step lock (B's wait for
     # it is bounded) and the claim on Kaggle
-    a = relay_env.flow_process(mode="tick-loop", state_dir="orch-a", seed=7, log_name="a.log")
+    a = relay_env.flow_process(mode="tick-loop", state_dir="orch-a", seed=7, log_name="a.log", step_lock=True)
     wait_for(lambda: relay_env.ckpt_versions() or a.poll() is not None, 300, "session 1's checkpoint version")
     os.killpg(a.pid, signal.SIGKILL)
     assert a.wait() == -signal.SIGKILL, _log(relay_env, "a.log")
@@ -124,7 +134,7 @@ def test_a_killed_claim_holder_delays_the_relay_by_its_lease_never_stops_it(rela
 
     # B (a Prefect watch) sees session 1 not handed over (its version is unconfirmed), finds A's claim, waits
     # for it to lapse, takes it over (generation 2), finds A's version by its marker and finishes the relay
-    b = relay_env.flow_process(mode="watch", state_dir="orch-b", seed=8, log_name="b.log")
+    b = relay_env.flow_process(mode="watch", state_dir="orch-b", seed=8, log_name="b.log", step_lock=True)
     wait_for(lambda: taken_over in _claims(emu) or b.poll() is not None, 300, "the claim taken over")
     processing.held.clear()
     assert b.wait(400) == 0, _log(relay_env, "b.log")
@@ -147,3 +157,21 @@ def test_pessimistic_status_lag_pushes_each_session_once(relay_env, reference, m
     assert summary["state"] == "done", summary
     assert emu.faults.injected["status_lag"] >= 2
     assert_one_run(relay_env, reference, spec)
+
+
+def test_one_relays_steps_are_serialized_on_a_prefect_server_by_its_name(prefect_api):
+    from tasks.step_lock import StepLock
+
+    first, second = StepLock("lock-test", wait_s=1), StepLock("lock-test", wait_s=1)
+    other = StepLock("another-relay", wait_s=1)
+    try:
+        assert first.acquire() and other.acquire()  # another relay is not held up
+        assert not second.acquire()  # held: after its bounded wait it goes on (guarded by the Kaggle claims)
+        assert second.wait_s == 0  # and does not wait again in this run
+        first.release()
+        third = StepLock("lock-test", wait_s=1)
+        assert third.acquire()
+    finally:
+        for lock in (first, second, other, locals().get("third")):
+            if lock is not None:
+                lock.release()
