@@ -20,7 +20,7 @@ from prefect import flow, get_run_logger
 from relay import chain, handoff, restore, spec as spec_mod
 from relay.policy import budget_lowered, plan_text, session_budget, utc
 from relay.chain import Do
-from relay.kaggle.lease import Lease, LeaseBusy, LeaseLost
+from relay.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
 from relay.kaggle.types import Refusal
 from tasks import artifacts, relay_tasks as t
 from tasks.step_lock import StepLock
@@ -96,6 +96,10 @@ def _drive(run_spec, spec_text: str, backend, names: chain.Names, local: Path, m
             return lease.acquire(key), None
         except LeaseBusy as busy:
             return None, wait_or_return(str(busy), lease_end=busy.claim.expires) or ""
+        except NotALease as err:
+            raise RelayFailed(str(err)) from None
+        except Exception as err:  # noqa: BLE001 - Kaggle failing past the retries: look again later
+            return None, wait_or_return(f"could not claim {key} on Kaggle: {err}") or ""
 
     while True:
         lock.acquire()

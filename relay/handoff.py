@@ -127,7 +127,7 @@ class HandOver:
     version: Optional[int] = None
     log_tail: str = ""
     published: list = field(default_factory=list)
-    stale: bool = False  # the output carried another run's id, or none: see pushed_within
+    stale: bool = False  # the output may be another version's (Kaggle's status lag): see pushed_within
 
 
 def pushed_within(backend: KaggleBackend, names: Names, run_id: str, seconds: float) -> bool:
@@ -143,6 +143,12 @@ def _no_check() -> None:
     return None
 
 
+def _lag_suspect(found_run_id: Optional[str], obs: Observation) -> bool:
+    """Output that may belong to another version: another run's id, or none at all while the status says
+    complete (a finished relay session always leaves its run id; a failed one may leave nothing)."""
+    return found_run_id is not None or obs.kernel_state == "complete"
+
+
 def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Action, obs: Observation,
               local: Path, confirm: Callable[[], None] = _no_check) -> HandOver:
     """Download the kernel's output (of the observed version), verify it is this run's, and publish its
@@ -156,7 +162,7 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
     tail = log_tail(out.log_path)
     if out.stale:
         return HandOver(False, f"stale output: it belongs to run {out.found_run_id}, not {action.run_id}",
-                        log_tail=tail, stale=True)
+                        log_tail=tail, stale=_lag_suspect(out.found_run_id, obs))
     workdir = out.directory / WORKDIR
     valid = checkpoint.list_valid(workdir / "checkpoints", verify_hashes=True)
     before = int((obs.published or {}).get("global_step", 0))
@@ -200,7 +206,7 @@ def _hand_over_streamed(backend: KaggleBackend, spec: RunSpec, names: Names, act
     try:
         if out.found_run_id != action.run_id:
             return HandOver(False, f"stale output: it belongs to run {out.found_run_id}, not {action.run_id}",
-                            log_tail=tail, stale=True)
+                            log_tail=tail, stale=_lag_suspect(out.found_run_id, obs))
         before = int((obs.published or {}).get("global_step", 0))
         if not out.candidates or out.progress is None:
             return HandOver(False, "the session left no valid checkpoint", log_tail=tail)

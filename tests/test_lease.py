@@ -9,8 +9,8 @@ import pytest
 
 from relay.errors import InputError
 from relay.kaggle.emulator.faults import FaultPlan
-from relay.kaggle.lease import Lease, LeaseBusy, LeaseLost
-from relay.kaggle.types import KaggleError, KernelState
+from relay.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
+from relay.kaggle.types import KernelState
 
 from kaggle_fixtures import USER, backend_for, isolated_env, make_emulator, push_script  # noqa: F401
 
@@ -84,7 +84,7 @@ def test_a_dataset_in_the_way_of_a_claim_is_one_line(make_emulator, tmp_path):
     folder.mkdir()
     (folder / "x.txt").write_text("x")
     backend.publish_folder(folder, f"{USER}/{lease.slug('push-r1', 1)}", "made by hand here")
-    with pytest.raises(KaggleError) as err:
+    with pytest.raises(NotALease) as err:
         lease.acquire("push-r1")
     assert "is not a relay lease" in str(err.value) and "\n" not in str(err.value)
 

@@ -62,6 +62,10 @@ class LeaseLost(Exception):
     """The claim was taken over (its holder stalled past the lease): stop before acting."""
 
 
+class NotALease(KaggleError):
+    """A dataset that is not a claim sits where one goes: a person must move it."""
+
+
 class Lease:
     def __init__(self, backend: Any, relay_name: str, ttl_s: float, holder: str = HOLDER,
                  sleep: Callable[[float], None] = time.sleep):
@@ -133,8 +137,8 @@ class Lease:
             data = json.loads(text[text.index(PREFIX) + len(PREFIX):].strip())
             return Claim(key, generation, str(data["holder"]), float(data["expires"]))
         except (ValueError, KeyError, TypeError):
-            raise KaggleError(f"dataset {ref} is not a relay lease (its description carries none): delete it"
-                              " or rename the relay") from None
+            raise NotALease(f"dataset {ref} is not a relay lease (its description carries none): delete it"
+                            " or rename the relay") from None
 
     def _create(self, key: str, generation: int) -> bool:
         """CreateDataset of the claim: True when it was created, False when the slug was taken (by anyone)."""
