@@ -116,3 +116,16 @@ def test_pessimistic_status_lag_answers_pinned_requests_with_the_previous_versio
     assert backend.kernel_status(kernel, 2).state is KernelState.ERROR
     assert backend.kernel_status(kernel, 1).state is KernelState.COMPLETE  # an older version: never lagged
     assert emu.faults.injected["status_lag"] == 2
+
+
+def test_emulator_flags_for_the_new_faults(tmp_path):
+    from relay.kaggle.emulator.cli import build_parser, load_config
+
+    def config(*flags):
+        return load_config(build_parser().parse_args(["serve", "--state", str(tmp_path), *flags]))
+    faults = config("--status-lag", "20", "--status-lag-pinned", "--latency", "0.2").faults
+    assert faults["status_lag"] == {"seconds": 20.0, "pinned": True} and faults["latency"]["max_s"] == 0.2
+    for flags, message in ((["--status-lag-pinned"], "needs --status-lag"), (["--latency", "-1"], "--latency -1")):
+        with pytest.raises(InputError, match=message) as err:
+            config(*flags)
+        assert "\n" not in str(err.value)
