@@ -170,6 +170,10 @@ def run_round(backend, relays: List[Relay], cap: int, logger) -> Round:
                 logger.info("relay %s: %s", relay.name, busy)
                 relay.state = "claimed by another orchestrator"
                 continue
+            except Exception as err:  # noqa: BLE001 - this relay's claim failed: the others go on, it retries
+                logger.warning("relay %s: could not claim its push: %s", relay.name, err)
+                relay.state = "error"
+                continue
             pushed = t.push_session(backend, session)
             if pushed.refusal is not None:
                 rnd.refused += 1
