@@ -81,10 +81,20 @@ def _drive(run_spec, spec_text: str, backend, names: chain.Names, local: Path, m
     """The relay's loop: observe, decide, act; in tick mode one step. Observing, deciding and acting hold
     the step lock; waiting does not."""
     logger = get_run_logger()
-    reported = None  # the handed-over run the artifacts show
     view = LiveView(backend, names, local, curve_every_s=6 * live_seconds,  # 3 min by default
                     notify=lambda key, text: tell("warning", key, text))
     lease = Lease(backend, run_spec.name, run_spec.kaggle.lease)
+    try:
+        return _loop(run_spec, spec_text, backend, names, local, mode, tell, poll_seconds, give_up, live_seconds,
+                     tick_follow_seconds, lock, logger, view, lease)
+    finally:  # claims of steps that took no effect: free for the next tick or run at once, not at expiry
+        lease.release_open()
+
+
+def _loop(run_spec, spec_text, backend, names, local, mode, tell, poll_seconds, give_up, live_seconds,
+          tick_follow_seconds, lock, logger, view, lease) -> dict:
+    """Observe, decide, act, until the relay is done or stopped (watch) or after one step (tick)."""
+    reported = None  # the handed-over run the artifacts show
 
     def wait_or_return(why: str, until=None, lease_end: Optional[float] = None) -> Optional[str]:
         lock.release()
@@ -145,6 +155,7 @@ def _drive(run_spec, spec_text: str, backend, names: chain.Names, local: Path, m
                          f"Nothing was handed over ({result.reason}).")
                 raise RelayFailed(f"{advice}. {saved}\n--- log tail ---\n{result.log_tail}")
             if result.ok:
+                lease.took_effect(f"handover-{action.run_id}")
                 if mode == "tick":
                     return _summary("handed-over", result.progress, action)
                 continue
@@ -158,6 +169,8 @@ def _drive(run_spec, spec_text: str, backend, names: chain.Names, local: Path, m
                     raise RelayFailed(str(err)) from None
                 except LeaseLost as lost:
                     done = f"restore after {action.run_id} stopped: {lost}"
+                else:
+                    lease.took_effect(f"handover-{action.run_id}")
                 logger.warning("%s", done)
                 if mode == "tick":
                     return _summary("restored", obs.published, action)
@@ -210,7 +223,9 @@ def _drive(run_spec, spec_text: str, backend, names: chain.Names, local: Path, m
                     return _summary(state, obs.published, action)
                 continue
             pushed = t.push_session(backend, session)
-            if pushed.refusal is not None:
+            if pushed.refusal is None:
+                lease.took_effect(f"push-{action.run_id}")
+            else:
                 until = quota.refresh_time if (pushed.refusal is Refusal.QUOTA and quota) else None
                 state = wait_or_return(f"push refused ({pushed.refusal.value}): {pushed.message}", until)
                 if state:

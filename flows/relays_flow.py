@@ -90,13 +90,18 @@ def _observe_and_hand_over(backend, relay: Relay, rnd: Round, logger) -> None:
     obs = t.observe(backend, relay.names, relay.local)
     action = chain.decide(spec.name, obs)
     if action.do in (Do.HARVEST, Do.SALVAGE):
-        lease = Lease(backend, spec.name, spec.kaggle.lease)  # claimed on Kaggle: see relay/kaggle/lease.py
+        # claimed on Kaggle first (relay/kaggle/lease.py)
+        lease, result = Lease(backend, spec.name, spec.kaggle.lease), None
         try:
             held = lease.acquire(f"handover-{action.run_id}")
             result = t.hand_over(backend, spec, relay.names, action, obs, relay.local, confirm=lease.guard(held))
         except (LeaseBusy, LeaseLost) as busy:
             logger.info("relay %s: %s", relay.name, busy)
             result = None
+        finally:
+            if result is not None and result.ok:
+                lease.took_effect(f"handover-{action.run_id}")
+            lease.release_open()  # a hand-over that did not happen: another orchestrator may try at once
         if result is None or (not result.ok and result.stale and handoff.pushed_within(
                 backend, relay.names, action.run_id, spec.kaggle.status_lag)):
             # another orchestrator hands it over, or Kaggle's status lag shows another run's output: look again
@@ -164,8 +169,9 @@ def run_round(backend, relays: List[Relay], cap: int, logger) -> Round:
             session = handoff.session_kernel(relay.spec, relay.spec_text, relay.names, relay.action, budget,
                                              relay.obs.features_published,
                                              has_checkpoint=relay.obs.published is not None)
+            lease = Lease(backend, relay.name, relay.spec.kaggle.lease)
             try:
-                Lease(backend, relay.name, relay.spec.kaggle.lease).acquire(f"push-{relay.action.run_id}")
+                lease.acquire(f"push-{relay.action.run_id}")
             except LeaseBusy as busy:
                 logger.info("relay %s: %s", relay.name, busy)
                 relay.state = "claimed by another orchestrator"
@@ -175,6 +181,9 @@ def run_round(backend, relays: List[Relay], cap: int, logger) -> Round:
                 relay.state = "error"
                 continue
             pushed = t.push_session(backend, session)
+            if pushed.refusal is None:
+                lease.took_effect(f"push-{relay.action.run_id}")
+            lease.release_open()
             if pushed.refusal is not None:
                 rnd.refused += 1
                 if pushed.refusal is Refusal.QUOTA and quota is not None:

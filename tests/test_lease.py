@@ -129,3 +129,16 @@ def test_emulator_flags_for_the_new_faults(tmp_path):
         with pytest.raises(InputError, match=message) as err:
             config(*flags)
         assert "\n" not in str(err.value)
+
+
+def test_a_released_claim_is_free_at_once_and_a_step_that_took_effect_keeps_its_claim(make_emulator):
+    emu = make_emulator(faults=LATENCY)
+    first = Lease(backend_for(emu), "toy-relay", 600, holder="first")
+    first.acquire("push-r1")       # refused, say: no effect
+    first.acquire("handover-r1")   # published
+    first.took_effect("handover-r1")
+    first.release_open()           # the process leaves the flow
+    second = Lease(backend_for(emu), "toy-relay", 600, holder="second")
+    assert (second.acquire("push-r1").generation, second.acquire("push-r1").holder) == (2, "second")
+    with pytest.raises(LeaseBusy):
+        second.acquire("handover-r1")

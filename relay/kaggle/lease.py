@@ -11,8 +11,12 @@ whose description (written by that same CreateDataset) names the holder and the 
 - read back after creating (a lost response then a retried create is "already in use" but ours);
 - before each act (the push, each publish) the holder confirms: no generation N+1 exists and at least half the
   lease is left (a taker waits for the whole lease), so its act lands before anyone may take over.
-Nothing is released: the step's effect (a pushed run id, a published checkpoint) is what the next observation
-sees, so it never asks for the same claim again; a killed holder delays the step by at most the lease.
+A claim whose step took effect (a pushed run id, a published checkpoint) is kept until it expires: the effect
+is what every next observation sees, so nobody asks for that claim again, and an orchestrator that observed
+before the effect backs off instead of downloading the output again. A claim whose step did not take effect
+(a refused push, a failed hand-over, a relay that stopped) is released when its process leaves the flow: a
+second version of the claim dataset whose notes say so; it then reads as expired. A killed holder releases
+nothing: its step waits for the lease, at most.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from relay.kaggle.types import KaggleError
 
 log = logging.getLogger(__name__)
 PREFIX = "relay-lease:"
+RELEASED = "relay-lease-released"  # in a claim's later version notes: its holder is done without effect
 # one holder per process: a retried tick job or a second flow process is another orchestrator
 HOLDER = f"{socket.gethostname()[:24]}:{os.getpid()}:{secrets.token_hex(3)}"
 
@@ -72,6 +77,7 @@ class Lease:
         self.backend, self.owner = backend, backend.username
         self.name, self.ttl_s, self.holder, self.sleep = relay_name, float(ttl_s), holder, sleep
         self._newest: Dict[str, int] = {}  # key -> newest generation seen (probing starts there)
+        self._open: Dict[str, Claim] = {}   # claims taken whose step has not taken effect (yet)
 
     def slug(self, key: str, generation: int) -> str:
         digest = hashlib.sha256(f"{self.name}/{key}".encode()).hexdigest()[:10]
@@ -94,6 +100,7 @@ class Lease:
             self._newest[key] = generation
             left = claim.expires - time.time()
             if claim.holder == self.holder and left >= self.ttl_s / 2:
+                self._open[key] = claim
                 return claim
             if left > 0:
                 raise LeaseBusy(claim)
@@ -118,6 +125,32 @@ class Lease:
             raise LeaseLost(f"{claim.key}: not renewed")
         return renewed
 
+    def took_effect(self, key: str) -> None:
+        """The step's effect is on Kaggle: keep the claim until it expires (see the module's docstring)."""
+        self._open.pop(key, None)
+
+    def release_open(self) -> None:
+        """Release every claim of this Lease whose step did not take effect, so that another process (the next
+        tick, the user's next `relay run`) need not wait for the lease. Best effort: expiry is the fallback."""
+        for key, claim in list(self._open.items()):
+            slug = self.slug(key, claim.generation)
+            folder = Path(tempfile.mkdtemp(prefix="relay-lease-"))
+            try:
+                (folder / "lease.json").write_text(json.dumps({"key": key, "released_by": self.holder}))
+                info = self.backend.publisher._info(f"{self.owner}/{slug}") or {}
+                (folder / "dataset-metadata.json").write_text(json.dumps({  # as created: the claim stays readable
+                    "id": f"{self.owner}/{slug}", "title": f"relay lease {slug[-18:]}",
+                    "licenses": [{"name": "CC0-1.0"}], "description": info.get("description", "")}))
+                response = self.backend.client.run(f"release {slug}", lambda api: api.dataset_create_version(
+                    str(folder), f"{RELEASED} by {self.holder}", quiet=True, dir_mode="zip"))
+                if getattr(response, "error", None):
+                    raise KaggleError(response.error)
+                self._open.pop(key, None)
+            except Exception as err:  # noqa: BLE001
+                log.warning("could not release the claim on %s (%s); it lapses at its expiry", key, err)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+
     def guard(self, claim: Claim) -> Callable[[], None]:
         """A check to run before each act of a multi-act step (the hand-over's publications)."""
         held = [claim]
@@ -135,7 +168,8 @@ class Lease:
         text = info["description"]
         try:
             data = json.loads(text[text.index(PREFIX) + len(PREFIX):].strip())
-            return Claim(key, generation, str(data["holder"]), float(data["expires"]))
+            released = any(RELEASED in notes for notes in info["notes"].values())
+            return Claim(key, generation, str(data["holder"]), 0.0 if released else float(data["expires"]))
         except (ValueError, KeyError, TypeError):
             raise NotALease(f"dataset {ref} is not a relay lease (its description carries none): delete it"
                             " or rename the relay") from None
