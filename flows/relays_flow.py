@@ -26,6 +26,7 @@ from relay.policy import session_budget, utc
 from relay import chain, handoff, joint_plan, plan as planner, spec as spec_mod
 from relay.chain import Do
 from relay.errors import InputError
+from relay.kaggle.lease import Lease, LeaseBusy, LeaseLost
 from relay.kaggle.types import Refusal
 from tasks import relay_tasks as t
 from tasks import relays_artifacts
@@ -89,8 +90,23 @@ def _observe_and_hand_over(backend, relay: Relay, rnd: Round, logger) -> None:
     obs = t.observe(backend, relay.names, relay.local)
     action = chain.decide(spec.name, obs)
     if action.do in (Do.HARVEST, Do.SALVAGE):
-        result = t.hand_over(backend, spec, relay.names, action, obs, relay.local)
-        if result.ok:
+        # claimed on Kaggle first (relay/kaggle/lease.py)
+        lease, result = Lease(backend, spec.name, spec.kaggle.lease), None
+        try:
+            held = lease.acquire(f"handover-{action.run_id}")
+            result = t.hand_over(backend, spec, relay.names, action, obs, relay.local, confirm=lease.guard(held))
+        except (LeaseBusy, LeaseLost) as busy:
+            logger.info("relay %s: %s", relay.name, busy)
+            result = None
+        finally:
+            if result is not None and result.ok:
+                lease.took_effect(f"handover-{action.run_id}")
+            lease.release_open()  # a hand-over that did not happen: another orchestrator may try at once
+        if result is None or (not result.ok and result.stale and handoff.pushed_within(
+                backend, relay.names, action.run_id, spec.kaggle.status_lag)):
+            # another orchestrator hands it over, or Kaggle's status lag shows another run's output: look again
+            action = chain.Action(Do.WAIT, action.run_id, action.session, action.attempt, "not ours to hand over yet")
+        elif result.ok:
             rnd.handed_over.append(relay.name)
             obs = t.observe(backend, relay.names, relay.local)
             action = chain.decide(spec.name, obs)
@@ -153,7 +169,21 @@ def run_round(backend, relays: List[Relay], cap: int, logger) -> Round:
             session = handoff.session_kernel(relay.spec, relay.spec_text, relay.names, relay.action, budget,
                                              relay.obs.features_published,
                                              has_checkpoint=relay.obs.published is not None)
+            lease = Lease(backend, relay.name, relay.spec.kaggle.lease)
+            try:
+                lease.acquire(f"push-{relay.action.run_id}")
+            except LeaseBusy as busy:
+                logger.info("relay %s: %s", relay.name, busy)
+                relay.state = "claimed by another orchestrator"
+                continue
+            except Exception as err:  # noqa: BLE001 - this relay's claim failed: the others go on, it retries
+                logger.warning("relay %s: could not claim its push: %s", relay.name, err)
+                relay.state = "error"
+                continue
             pushed = t.push_session(backend, session)
+            if pushed.refusal is None:
+                lease.took_effect(f"push-{relay.action.run_id}")
+            lease.release_open()
             if pushed.refusal is not None:
                 rnd.refused += 1
                 if pushed.refusal is Refusal.QUOTA and quota is not None:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from relay.chain import Action, Names, Observation, hit_session_limit
 from relay.kaggle.backend import KaggleBackend
@@ -126,21 +127,42 @@ class HandOver:
     version: Optional[int] = None
     log_tail: str = ""
     published: list = field(default_factory=list)
+    stale: bool = False  # the output may be another version's (Kaggle's status lag): see pushed_within
+
+
+def pushed_within(backend: KaggleBackend, names: Names, run_id: str, seconds: float) -> bool:
+    """Whether the kernel's current version (the one carrying `run_id`) was pushed less than `seconds` ago:
+    then output of another run is Kaggle's status lag (even a pinned request may answer the previous version
+    for a while), not a failed session. The push time is read back from the pushed source."""
+    plan = backend.current_plan(names.kernel) or {}
+    at = plan.get("pushed_at")
+    return plan.get("run_id") == run_id and at is not None and time.time() - float(at) < seconds
+
+
+def _no_check() -> None:
+    return None
+
+
+def _lag_suspect(found_run_id: Optional[str], obs: Observation) -> bool:
+    """Output that may belong to another version: another run's id, or none at all while the status says
+    complete (a finished relay session always leaves its run id; a failed one may leave nothing)."""
+    return found_run_id is not None or obs.kernel_state == "complete"
 
 
 def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Action, obs: Observation,
-              local: Path) -> HandOver:
+              local: Path, confirm: Callable[[], None] = _no_check) -> HandOver:
     """Download the kernel's output (of the observed version), verify it is this run's, and publish its
     newest valid checkpoint as the next version of the checkpoint dataset (plus the features once, and the
-    model when done)."""
+    model when done). `confirm` runs before each publication (the orchestrator's claim on this step is
+    still its own: relay/kaggle/lease.py) and raises to stop."""
     if hasattr(backend, "open_handoff_output"):
-        return _hand_over_streamed(backend, spec, names, action, obs, local)
+        return _hand_over_streamed(backend, spec, names, action, obs, local, confirm)
     out = backend.download_output(names.kernel, local / "outputs" / action.run_id, action.run_id, WORKDIR,
                                   version=obs.kernel_version)
     tail = log_tail(out.log_path)
     if out.stale:
         return HandOver(False, f"stale output: it belongs to run {out.found_run_id}, not {action.run_id}",
-                        log_tail=tail)
+                        log_tail=tail, stale=_lag_suspect(out.found_run_id, obs))
     workdir = out.directory / WORKDIR
     valid = checkpoint.list_valid(workdir / "checkpoints", verify_hashes=True)
     before = int((obs.published or {}).get("global_step", 0))
@@ -154,15 +176,18 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
     stage = _stage(local / "stage" / action.run_id, newest, workdir, out.progress, session_limit=limit)
     if not checkpoint.list_valid(stage, verify_hashes=True):  # what goes up is the copy: verify the copy
         return HandOver(False, "the staged copy of the checkpoint fails verification", log_tail=tail)
+    confirm()
     result = backend.publish_folder(stage, names.checkpoint_dataset, f"{spec.name} checkpoint",
                                     notes=f"run {action.run_id}, step {newest.step}, code {code_version()}")
     published = [f"{names.checkpoint_dataset} v{result.version}"]
     if not obs.features_published and (workdir / "cache").is_dir() and any((workdir / "cache").iterdir()):
+        confirm()
         res = backend.publish_folder(workdir / "cache", names.features_dataset, f"{spec.name} features",
                                      notes=f"built by run {action.run_id}")
         published.append(f"{names.features_dataset} v{res.version}")
     progress = json.loads((stage / "progress.json").read_text())
     if progress.get("status") == "done" and (workdir / "export").is_dir():
+        confirm()
         res = backend.publish_folder(workdir / "export", names.model_dataset, f"{spec.name} model",
                                      notes=f"final weights of run {action.run_id}")
         published.append(f"{names.model_dataset} v{res.version}")
@@ -170,7 +195,7 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
 
 
 def _hand_over_streamed(backend: KaggleBackend, spec: RunSpec, names: Names, action: Action, obs: Observation,
-                        local: Path) -> HandOver:
+                        local: Path, confirm: Callable[[], None] = _no_check) -> HandOver:
     """The same handoff, downloading only what it publishes (relay/kaggle/selective_output.py): the newest
     valid checkpoint straight into the flat staging folder, verified as it arrives; the cache and the export
     only when they are published. The checkpoint version is published last (it is what the next tick reads
@@ -181,7 +206,7 @@ def _hand_over_streamed(backend: KaggleBackend, spec: RunSpec, names: Names, act
     try:
         if out.found_run_id != action.run_id:
             return HandOver(False, f"stale output: it belongs to run {out.found_run_id}, not {action.run_id}",
-                            log_tail=tail)
+                            log_tail=tail, stale=_lag_suspect(out.found_run_id, obs))
         before = int((obs.published or {}).get("global_step", 0))
         if not out.candidates or out.progress is None:
             return HandOver(False, "the session left no valid checkpoint", log_tail=tail)
@@ -208,11 +233,12 @@ def _hand_over_streamed(backend: KaggleBackend, spec: RunSpec, names: Names, act
         published = []
         if want_cache:
             published += _publish_tree(backend, out, root, "cache", names.features_dataset, f"{spec.name} features",
-                                       f"built by run {action.run_id}")
+                                       f"built by run {action.run_id}", confirm)
         if progress.get("status") == "done":
             published += _publish_tree(backend, out, root, "export", names.model_dataset, f"{spec.name} model",
-                                       f"final weights of run {action.run_id}")
+                                       f"final weights of run {action.run_id}", confirm)
         known = {n: h for n, h in out.sha256.items() if (stage / n).is_file() and n != "progress.json"}
+        confirm()
         result = backend.publish_folder(stage, names.checkpoint_dataset, f"{spec.name} checkpoint",
                                         notes=f"run {action.run_id}, step {newest.step}, code {code_version()}",
                                         known_sha256=known)
@@ -223,11 +249,12 @@ def _hand_over_streamed(backend: KaggleBackend, spec: RunSpec, names: Names, act
 
 
 def _publish_tree(backend: KaggleBackend, out, root: Path, name: str, dataset: str, title: str,
-                  notes: str) -> list[str]:
+                  notes: str, confirm: Callable[[], None] = _no_check) -> list[str]:
     """Fetch one output folder (the cache, the export), publish it, and delete it at once."""
     folder = out.fetch_tree(name, root / name)
     if folder is None:
         return []
+    confirm()
     result = backend.publish_folder(folder, dataset, title, notes=notes)
     shutil.rmtree(folder)
     return [f"{dataset} v{result.version}"]

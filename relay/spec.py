@@ -205,8 +205,16 @@ class KaggleConfig(_Section):
         "Retries of a session that failed transiently, from the same checkpoint."))
     pip: list[str] = Field(default_factory=list, description=(
         "Requirements installed at kernel start (needs enable_internet)."))
+    lease: float = Field(1200.0, gt=0, description=(
+        "How long one orchestrator's claim on a step (a push, a hand-over) lasts on Kaggle; another takes the "
+        "step over only after it, so a killed orchestrator delays the relay by at most this (duration; a "
+        "hand-over longer than half of it pauses to renew its claim)."))
+    status_lag: float = Field(300.0, ge=0, description=(
+        "For this long after a push, output of another run is read as Kaggle's status lag (look again), not as "
+        "a failed session (duration)."))
 
-    @field_validator("session_timeout", "startup_overhead", "weekly_gpu_quota", mode="before")
+    @field_validator("session_timeout", "startup_overhead", "weekly_gpu_quota", "lease", "status_lag",
+                     mode="before")
     @classmethod
     def _duration(cls, value: Any) -> Optional[float]:
         return parse_duration(value)

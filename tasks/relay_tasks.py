@@ -44,11 +44,12 @@ def push_session(backend, session: SessionKernel) -> PushResult:
 def _retry_unless_disk_short(task, task_run, state) -> bool:
     """A short disk is not transient within a tick: fail at once with its one-line message (the next tick
     retries, after someone freed space)."""
+    from relay.kaggle.lease import LeaseLost
     from relay.kaggle.selective_output import DiskSpaceError
 
     try:
         state.result(raise_on_failure=True)
-    except DiskSpaceError:
+    except (DiskSpaceError, LeaseLost):  # LeaseLost: another orchestrator has the step now
         return False
     except BaseException:  # noqa: BLE001
         return True
@@ -56,8 +57,9 @@ def _retry_unless_disk_short(task, task_run, state) -> bool:
 
 
 @task(name="hand-over", retry_condition_fn=_retry_unless_disk_short, **RETRY)
-def hand_over(backend, spec, names: Names, action: Action, obs: Observation, local: Path) -> handoff.HandOver:
-    result = handoff.hand_over(backend, spec, names, action, obs, local)
+def hand_over(backend, spec, names: Names, action: Action, obs: Observation, local: Path,
+              confirm=None) -> handoff.HandOver:
+    result = handoff.hand_over(backend, spec, names, action, obs, local, **({"confirm": confirm} if confirm else {}))
     logger = get_run_logger()
     if result.ok:
         logger.info("session %d handed over at step %d: %s", action.session, result.step, ", ".join(result.published))

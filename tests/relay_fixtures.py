@@ -48,8 +48,13 @@ TOY_RELAY: dict = {
     # max_steps ends sessions; budget: generous backstop; save_every: small, so a SIGKILL always finds saves
     "session": {"threads": 1, "max_steps": 150, "budget": "10m", "save_every": "0.3s", "safety_margin": "0.5s"},
     "checkpoints": {"keep_last": 2},
-    "kaggle": {"session_timeout": "5m", "startup_overhead": "1s", "max_failed_sessions": 2},
+    # lease: short, so a killed orchestrator's claim on a step lapses soon (relay/kaggle/lease.py)
+    "kaggle": {"session_timeout": "5m", "startup_overhead": "1s", "max_failed_sessions": 2, "lease": "10s"},
 }
+# how long a flow waits for another flow run's Prefect step lock, where a test turns it on (step_lock=True):
+# a SIGKILLed holder's slot lapses only after Prefect's 60 s lease, and the test server reclaims none, so
+# the other tests (all on relays named toy-relay) leave it off
+STEP_LOCK_WAIT_S = 5
 STEPS_PER_SESSION = TOY_RELAY["session"]["max_steps"]
 
 def spec_dict(**overrides) -> dict:
@@ -197,23 +202,28 @@ class RelayEnv:
 
     # driving the flow
     def run_flow(self, monkeypatch, mode: str = "watch", state_dir: str = "orchestrator", seed: int = 0,
-                 poll_seconds: float = 0.3) -> dict:
+                 poll_seconds: float = 0.3, step_lock: bool = False) -> dict:
         """The `relay` flow in this process (the session's Prefect server), with a fast retry policy."""
         import flows.relay_flow as relay_flow
 
         monkeypatch.setattr(relay_flow, "make_backend", lambda credentials_block=None: self.backend(seed))
         return relay_flow.relay(spec=str(self.spec), mode=mode, poll_seconds=poll_seconds,
-                                state_dir=str(self.root / state_dir))
+                                state_dir=str(self.root / state_dir),
+                                step_lock_wait_s=STEP_LOCK_WAIT_S if step_lock else 0)
 
     def flow_process(self, mode: str = "watch", state_dir: str = "orchestrator", seed: int = 0,
-                     log_name: str = "flow.log") -> subprocess.Popen:
-        """The `relay` flow in a child process (so a test can SIGKILL it), against the same Prefect server."""
+                     log_name: str = "flow.log", step_lock: bool = False) -> subprocess.Popen:
+        """The `relay` flow in a child process (so a test can SIGKILL it), against the same Prefect server.
+        mode "tick-loop": ticks until done, as a schedule would. step_lock=True: it takes the relay's Prefect
+        step lock; without it, it stands for an orchestrator that shares nothing with the others but Kaggle (a
+        GitHub Actions tick beside a Prefect server)."""
         driver = self.root / "flow_driver.py"
         driver.write_text(FLOW_DRIVER)
         env = clean_env(HOME=str(self.root / "flow-home"), TMPDIR=str(self.root / "flow-tmp"),
                         PREFECT_API_URL=self.prefect_api, PREFECT_HOME=os.environ.get("PREFECT_HOME", ""),
                         PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
-                        RELAY_TEST_ENDPOINT=self.emu.url, RELAY_TEST_USER=USER, RELAY_TEST_KEY=FAKE_KEY)
+                        RELAY_TEST_ENDPOINT=self.emu.url, RELAY_TEST_USER=USER, RELAY_TEST_KEY=FAKE_KEY,
+                        RELAY_TEST_STEP_LOCK_WAIT=str(STEP_LOCK_WAIT_S if step_lock else 0))
         for d in ("flow-home", "flow-tmp"):
             (self.root / d).mkdir(exist_ok=True)
         log = open(self.root / log_name, "a")
@@ -265,6 +275,7 @@ import json
 import os
 import random
 import sys
+import time
 
 import flows.relay_flow as relay_flow
 from relay.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
@@ -278,7 +289,16 @@ def make_backend(credentials_block=None):
 
 
 relay_flow.make_backend = make_backend
-summary = relay_flow.relay(spec=sys.argv[1], mode=sys.argv[2], poll_seconds=0.3, state_dir=sys.argv[3])
+kwargs = dict(spec=sys.argv[1], poll_seconds=0.3, state_dir=sys.argv[3],
+              step_lock_wait_s=float(os.environ["RELAY_TEST_STEP_LOCK_WAIT"]))
+if sys.argv[2] == "tick-loop":  # a schedule's ticks, back to back
+    while True:
+        summary = relay_flow.relay(mode="tick", tick_follow_seconds=0.2, **kwargs)
+        if summary["state"] == "done":
+            break
+        time.sleep(0.2)
+else:
+    summary = relay_flow.relay(mode=sys.argv[2], **kwargs)
 print("RELAY-SUMMARY " + json.dumps(summary), flush=True)
 '''
 

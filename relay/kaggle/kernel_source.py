@@ -14,6 +14,7 @@ import base64
 import hashlib
 import json
 import re
+import time
 from typing import Optional
 
 from relay.errors import InputError
@@ -69,6 +70,8 @@ def render(session: SessionKernel, bundle: Bundle) -> str:
         "spec_sha256": hashlib.sha256(session.spec_text.encode()).hexdigest(),
         "user_code": bool(session.code_folder),
         "pip": list(session.pip),
+        # when it was pushed (this machine's clock): output of another run soon after is Kaggle's status lag
+        "pushed_at": round(time.time(), 1),
     }
     if session.canary is not None:
         plan["canary"] = list(session.canary)

@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="mounts at <input>/<slug> (flat) or <input>/datasets|notebooks/<owner>/<slug> (nested)")
     serve.add_argument("--status-lag", type=float,
                        help="after a push, unpinned status/output answer the previous version for S seconds")
+    serve.add_argument("--status-lag-pinned", action="store_true",
+                       help="with --status-lag: requests pinned to the new version (versionLabel) lag too")
+    serve.add_argument("--latency", type=float, metavar="S",
+                       help="every request takes up to S seconds more (seeded by --seed), as over a network")
     serve.add_argument("--faults", help="JSON fault plan (see relay/kaggle/emulator/faults.py)")
     serve.add_argument("--fault-rate", type=float, default=0.0, help="fraction of calls failing (429/500/reset/lost)")
     serve.add_argument("--seed", type=int, default=0, help="fault seed, so a failing run replays")
@@ -69,7 +73,15 @@ def load_config(args: argparse.Namespace) -> EmulatorConfig:
             raise InputError(f"--fault-rate {args.fault_rate}: use a fraction in [0, 1)")
         config.faults = from_flags(args.fault_rate, args.seed)
     if args.status_lag:
-        config.faults = dict(config.faults or {}, status_lag={"seconds": args.status_lag})
+        config.faults = dict(config.faults or {}, status_lag={"seconds": args.status_lag,
+                                                              "pinned": bool(args.status_lag_pinned)})
+    elif args.status_lag_pinned:
+        raise InputError("--status-lag-pinned needs --status-lag S")
+    if args.latency is not None:
+        if not 0 <= args.latency <= 60:
+            raise InputError(f"--latency {args.latency}: use seconds in [0, 60]")
+        config.faults = dict(config.faults or {}, latency={"min_s": 0.0, "max_s": args.latency})
+        config.faults.setdefault("seed", args.seed)
     return config.validate()
 
 

@@ -9,6 +9,7 @@ Spec (JSON, or built from CLI flags):
    "stale_output": true,            # after a failed run, output shows the previous successful run's files
    "kill_kernel": {"probability": 0.5, "min_s": 0.5, "max_s": 3},   # SIGKILL at a random instant
    "status_lag": {"seconds": 60, "calls": 5},   # after a push, unpinned status/output answer the previous version
+   "latency": {"min_s": 0.01, "max_s": 0.1},     # every request waits a seeded draw, half before, half after
    "stream_drop": {"after_events": 20}}          # each version's live log stream is cut once, after 20 events
 Kinds: 429 (with Retry-After), 500, 503, reset (connection dropped before handling), lost (handled, then the
 connection dropped: the client cannot know it happened), slow (answered after slow_s seconds), refused (HTTP 200
@@ -16,7 +17,11 @@ connection dropped: the client cannot know it happened), slow (answered after sl
 status_lag: GetKernelSessionStatus and ListKernelSessionOutput without a versionLabel answer the previous
 version while the newest was pushed less than `seconds` ago OR fewer than `calls` such calls have been
 answered since its push (`calls` alone is independent of the machine's speed). With a versionLabel they
-answer that version, as Kaggle does.
+answer that version, as Kaggle does; with `"pinned": true` (the pessimistic reading: whether the lag reaches
+pinned requests is undocumented) a versionLabel naming the newest version is answered with the previous one too.
+latency: each RPC, file GET and upload PUT is delayed by a draw from [min_s, max_s], half before it is handled
+(the request's way in) and half after (the response's way out), so two orchestrators' check-then-act steps
+interleave as they do over a real network.
 Each decision draws from Random(f"{seed}/{key}/{n}"): the n-th call of a method gets the same fate whatever
 other threads do.
 """
@@ -49,9 +54,17 @@ class FaultPlan:
         self.stale_output = bool(spec.get("stale_output", False))
         self.kill_kernel: Optional[dict] = spec.get("kill_kernel")
         self.status_lag: dict = dict(spec.get("status_lag") or {})
-        unknown = set(self.status_lag) - {"seconds", "calls"}
+        unknown = set(self.status_lag) - {"seconds", "calls", "pinned"}
         if unknown:
-            raise InputError(f"faults: status_lag: unknown keys {sorted(unknown)} (use seconds, calls)")
+            raise InputError(f"faults: status_lag: unknown keys {sorted(unknown)} (use seconds, calls, pinned)")
+        self.lag_pinned = bool(self.status_lag.pop("pinned", False))
+        self.latency: dict = dict(spec.get("latency") or {})
+        unknown = set(self.latency) - {"min_s", "max_s"}
+        if unknown:
+            raise InputError(f"faults: latency: unknown keys {sorted(unknown)} (use min_s, max_s)")
+        if not 0 <= float(self.latency.get("min_s", 0)) <= float(self.latency.get("max_s", 0)) or \
+                float(self.latency.get("max_s", 0)) > 60:
+            raise InputError("faults: latency: need 0 <= min_s <= max_s <= 60")
         self.stream_drop: dict = dict(spec.get("stream_drop") or {})
         self._streams_cut: set = set()
         self._lagged: Dict[str, int] = defaultdict(int)  # kernel version -> unpinned calls answered since push
@@ -97,6 +110,18 @@ class FaultPlan:
             if u < edge:
                 return kind
         return "ok"
+
+    def delay(self, key: str) -> tuple:
+        """(seconds before handling, seconds after) for one request to `key` (latency)."""
+        if not self.latency:
+            return 0.0, 0.0
+        with self._lock:
+            n = self._counts["latency/" + key]
+            self._counts["latency/" + key] += 1
+        rng = self._rng("latency", key, n)
+        total = rng.uniform(float(self.latency.get("min_s", 0)), float(self.latency["max_s"]))
+        before = total * rng.random()
+        return before, total - before
 
     def upload_cut(self, token: str, attempt: int, size: int) -> Optional[int]:
         """How many bytes of this PUT to keep before failing it, or None to let it through."""

@@ -122,9 +122,12 @@ class KernelsService:
         version = self.store.kernel_version(ref, label)
         if version is None:
             raise ApiError(404, f"Kernel {ref} not found" + (f" (version {label})" if label else ""))
-        if lag and not label and version["number"] > 1 and \
-                self.faults.lagging(ref, version["number"], version["pushed"], time.time()):
-            # status_lag: Kaggle's "latest" still answers the previous version for a while after a push
+        faults = self.faults
+        newest = version is self.store.kernel_version(ref)
+        if lag and (not label or (faults.lag_pinned and newest)) and version["number"] > 1 and \
+                faults.lagging(ref, version["number"], version["pushed"], time.time()):
+            # status_lag: Kaggle's "latest" (pessimistically: even the newest version asked by its label) still
+            # answers the previous version for a while after a push
             version = self.store.kernel_version(ref, f"v{version['number'] - 1}")
         return ref, version
 

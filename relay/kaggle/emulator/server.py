@@ -172,6 +172,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.connection.close()
 
     def _with_faults(self, key: str, handle) -> None:
+        before, after = self.emu.faults.delay(key)
+        time.sleep(before)  # latency: the request's way in
         fault = self.emu.faults.decide(key)
         if fault.kind == "slow":
             time.sleep(fault.slow_s)
@@ -192,6 +194,7 @@ class _Handler(BaseHTTPRequestHandler):
             reply = error_reply(500, f"Internal error: {type(exc).__name__}")
         if fault.kind == "lost":
             return self._drop()
+        time.sleep(after)  # the response's way out
         self._send(reply)
 
     # -- verbs -----------------------------------------------------------------------------------
@@ -232,6 +235,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._body()
         if len(segments) != 2 or segments[0] != "upload":
             return self._send(error_reply(404, "not found"))
+        time.sleep(sum(self.emu.faults.delay("upload")))
         fault = self.emu.faults.decide("upload")
         if fault.kind == "reset":
             return self._drop()
