@@ -50,6 +50,7 @@ class TrainState:
     exactness_lost: Optional[dict] = None  # {"step", "why"}: from that step on, not bit-identical to one run
     sessions: list = field(default_factory=list)
     memory_rungs: list = field(default_factory=list)  # names of the recipe's OOM rungs taken, in order
+    tracking: dict = field(default_factory=dict)  # {"wandb_run_id", "wandb_mode"}: one tracker run per relay
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainState":
