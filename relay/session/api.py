@@ -127,6 +127,12 @@ class Session:
         """Where your own SummaryWriter / Lightning TensorBoardLogger writes, to be one run with the relay's."""
         return self.trackers.tensorboard_dir
 
+    def track_writer(self, writer: Any) -> Any:
+        """Your own SummaryWriter (on session.tensorboard_dir): flushed before every checkpoint commits, so a
+        SIGKILL after a save loses none of the steps the checkpoint covers. Returns it."""
+        self.trackers.writers.append(writer)
+        return writer
+
     @property
     def rank(self) -> int:
         return self.world.rank

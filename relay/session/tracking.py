@@ -48,6 +48,9 @@ class Trackers:
         self.internet = internet
         self.writer = None
         self.run = None
+        self.main = main
+        self.writers: list = []  # the script's own SummaryWriters (Session.track_writer): flushed before a save
+        self.muted: set = set()  # trackers a trainer reports to itself (HF report_to): the relay skips them
         self._step: Callable[[], int] = lambda: 0
 
     @property
@@ -60,6 +63,8 @@ class Trackers:
         every checkpoint and progress.json (the W&B run id is created there once); `current_step` gives the
         step of log calls without one."""
         self._step = current_step or (lambda: step)
+        if self.main:  # HF's report_to="tensorboard" writes here, on or off (TensorBoardCallback reads it)
+            os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(self.tensorboard_dir))
         if self.tb_on:
             self._guard("TensorBoard", self._start_tensorboard, step, resume_from)
         if self.wandb_config:
@@ -76,7 +81,6 @@ class Trackers:
                     shutil.copyfile(p, self.tensorboard_dir / p.name)
                 if carried:
                     break
-        os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(self.tensorboard_dir))  # HF report_to=tensorboard
         # purge_step: TensorBoard drops the steps >= it logged before this restart (a killed session's tail)
         self.writer = SummaryWriter(str(self.tensorboard_dir), purge_step=step + 1 if step else None,
                                     flush_secs=30)
@@ -124,9 +128,9 @@ class Trackers:
         kind, step = record.get("kind", "train"), int(record.get("step", 0))
         values = {f"{kind}/{k}": v for k, v in record.items() if k not in _BOOKKEEPING and v is not None}
         numbers = {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if self.writer is not None:
+        if self.writer is not None and "tensorboard" not in self.muted:
             self._guard("TensorBoard", self._write_tb, step, numbers, values)
-        if self.run is not None:
+        if self.run is not None and "wandb" not in self.muted:
             self._guard("W&B", self.run.log, values, step=step)
 
     def _write_tb(self, step: int, numbers: dict, values: dict) -> None:
@@ -138,8 +142,8 @@ class Trackers:
 
     def flush(self) -> None:
         """Before a checkpoint commits: every step it covers is on disk (a SIGKILL after it loses none)."""
-        if self.writer is not None:
-            self._guard("TensorBoard", self.writer.flush)
+        for writer in ([self.writer] if self.writer is not None else []) + self.writers:
+            self._guard("TensorBoard", writer.flush)
 
     def close(self) -> None:
         if self.writer is not None:
