@@ -64,7 +64,7 @@ class Trackers:
         step of log calls without one."""
         self._step = current_step or (lambda: step)
         if self.main:  # HF's report_to="tensorboard" writes here, on or off (TensorBoardCallback reads it)
-            os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(self.tensorboard_dir))
+            _point_hf_here(self.tensorboard_dir)
         if self.tb_on:
             self._guard("TensorBoard", self._start_tensorboard, step, resume_from)
         if self.wandb_config:
@@ -166,6 +166,16 @@ class Trackers:
                 self.writer = None
             else:
                 self.run = None
+
+
+_HF_DIR = "TENSORBOARD_LOGGING_DIR"
+_set_here: list = []  # the values this module set (a user's own setting is left alone)
+
+
+def _point_hf_here(folder: Path) -> None:
+    if os.environ.get(_HF_DIR) in (None, *_set_here):
+        os.environ[_HF_DIR] = str(folder)
+        _set_here.append(str(folder))
 
 
 def _new_run_id() -> str:
