@@ -84,6 +84,9 @@ class Trackers:
         # purge_step: TensorBoard drops the steps >= it logged before this restart (a killed session's tail)
         self.writer = SummaryWriter(str(self.tensorboard_dir), purge_step=step + 1 if step else None,
                                     flush_secs=30)
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        self._summary = Summary
 
     def _start_wandb(self, step: int, tracking: dict, name: Optional[str]) -> None:
         import wandb
@@ -134,8 +137,9 @@ class Trackers:
             self._guard("W&B", self.run.log, values, step=step)
 
     def _write_tb(self, step: int, numbers: dict, values: dict) -> None:
-        for tag, value in numbers.items():
-            self.writer.add_scalar(tag, value, step)
+        # one event per record with every scalar in it (what add_scalar writes, one value each: ~4x cheaper)
+        summary = self._summary(value=[self._summary.Value(tag=t, simple_value=v) for t, v in numbers.items()])
+        self.writer._get_file_writer().add_summary(summary, step)
         for tag, value in values.items():
             if isinstance(value, str):  # a stage name: text, shown in TensorBoard's text tab
                 self.writer.add_text(tag, value, step)
