@@ -83,14 +83,14 @@ def test_a_resumed_session_supersedes_the_steps_logged_after_its_checkpoint(tmp_
 def test_a_failing_tracker_is_a_warning_and_the_session_goes_on(tmp_path, monkeypatch, caplog):
     import torch
     import wandb
-    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard.writer import FileWriter
 
     import relay
 
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(SummaryWriter, "add_scalar", broken)
+    monkeypatch.setattr(FileWriter, "add_summary", broken)
     monkeypatch.setattr(wandb, "init", broken)
     monkeypatch.delenv("RELAY_SESSION", raising=False)
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "hf"))  # a user's own: left alone
