@@ -7,7 +7,8 @@ never a sleep), after it logged steps past its last committed checkpoint: those 
 again by session 3.
 - TensorBoard: the log the orchestrator assembled, read back with TensorBoard's own EventAccumulator and raw
   event-file loader, has every logged step once, increasing, from the first log to the end, with the values of
-  an uninterrupted `relay train` of the same spec (bit-equal).
+  an uninterrupted `relay train` of the same spec, bit-equal (a resume inside a logging window included: the
+  checkpoint carries the window's losses).
 - W&B: what the orchestrator hands to `wandb sync` (a local stand-in records the call: no W&B server can be
   reached here, so the upload itself is NOT proven) is every session's offline run, all of one run id (the one
   in progress.json), their history rows (read with W&B's record protobuf) each step once after the cut, with
@@ -101,10 +102,9 @@ def test_relay_is_one_tensorboard_and_one_wandb_run_with_a_kill_after_a_periodic
     logged = list(range(10, TOTAL + 1, 10))
     assert [s for s, _ in got["train/loss"]] == logged == raw_steps(assembled, "train/loss")
     assert [s for s, _ in got["eval/loss"]] == [s for s, _ in want["eval/loss"]] == [100, 200, 300, 400]
-    resumed = {s["step_start"] for s in progress["sessions"]}  # a log window cut by a resume averages fewer steps
-    for tag in ("train/loss", "train/lr", "eval/loss"):
-        expected = {s: v for s, v in want[tag] if tag != "train/loss" or not any(s - 10 < r < s for r in resumed)}
-        assert expected and {s: v for s, v in got[tag] if s in expected} == expected, tag
+    assert any(s["step_start"] % 10 for s in progress["sessions"])  # a resume inside a logging window: its
+    for tag in ("train/loss", "train/lr", "eval/loss"):                 # mean is exact (the window is carried)
+        assert got[tag] == want[tag], tag
 
     # W&B: one run id, each step once after the superseded rows are cut, the same values
     run_id = progress["tracking"]["wandb_run_id"]

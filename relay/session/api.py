@@ -167,6 +167,7 @@ class Session:
                 if not (isinstance(saved_state, dict) and not saved_state):  # a disabled GradScaler saves {}
                     unwrap(obj).load_state_dict(saved_state)  # and refuses to load it
             self._book = dict(state["relay"])
+            self._losses = list(self._book.pop("window_losses", []))  # the logging window a resume cut
             self.step = self._saved_step = int(self._book["global_step"])
             rngs = state.get("rng_ranks") or [state["rng"]]
             if self.world.rank < len(rngs):
@@ -336,7 +337,8 @@ class Session:
         its own checkpoint that this one packs; the clock plans the final save with both phases."""
         t0 = time.perf_counter() if started is None else started
         self._update_record(reason)
-        self._book.update(global_step=self.step, threads=torch.get_num_threads())
+        self._book.update(global_step=self.step, threads=torch.get_num_threads(),
+                          window_losses=[float(x) for x in self._losses])  # logged exactly after a resume
         rngs = distributed.gather(self.world, rng_state(self._device()))
         ckpt = None
         if self.world.main:
