@@ -82,8 +82,7 @@ class Trackers:
                 if carried:
                     break
         # purge_step: TensorBoard drops the steps >= it logged before this restart (a killed session's tail)
-        self.writer = SummaryWriter(str(self.tensorboard_dir), purge_step=step + 1 if step else None,
-                                    flush_secs=30)
+        self.writer = SummaryWriter(str(self.tensorboard_dir), purge_step=step + 1, flush_secs=30)
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         self._summary = Summary
