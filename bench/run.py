@@ -40,6 +40,8 @@ BENCHES = {
     "tick": ("bench_tick", {}, {"rounds": 3, "flow_rounds": 1}),
     "byo": ("bench_byo", {"steps": 400, "repeats": 7, "verify_steps": 24, "examples": ("byo-plain",)},
             {"steps": 100, "repeats": 3, "verify_steps": 0}),
+    # ~30 s: 7 alternating rounds of ~1.5 CPU s each, tracking on vs off (sized from a step time measured first)
+    "tracking": ("bench_tracking", {"repeats": 7, "target_s": 1.5}, {"repeats": 3, "target_s": 0.5}),
 }
 
 
@@ -116,6 +118,10 @@ def _lines(name: str, f: dict) -> list[str]:
         import bench_byo
 
         return bench_byo.format_lines(f)
+    if name == "tracking":
+        import bench_tracking
+
+        return bench_tracking.format_lines(f)
     return [json.dumps(f)]
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from relay import tracking_handoff
 from relay.chain import Action, Names, Observation, hit_session_limit
 from relay.kaggle.backend import KaggleBackend
 from relay.kaggle.types import NotFound, SessionKernel
@@ -150,13 +151,15 @@ def _lag_suspect(found_run_id: Optional[str], obs: Observation) -> bool:
 
 
 def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Action, obs: Observation,
-              local: Path, confirm: Callable[[], None] = _no_check) -> HandOver:
+              local: Path, confirm: Callable[[], None] = _no_check,
+              wandb_key=tracking_handoff.key_from_env) -> HandOver:
     """Download the kernel's output (of the observed version), verify it is this run's, and publish its
     newest valid checkpoint as the next version of the checkpoint dataset (plus the features once, and the
-    model when done). `confirm` runs before each publication (the orchestrator's claim on this step is
-    still its own: relay/kaggle/lease.py) and raises to stop."""
+    model when done), with the relay's TensorBoard log cut at its step; then sync the W&B offline run
+    (`wandb_key`: where the API key comes from). `confirm` runs before each publication (the orchestrator's
+    claim on this step is still its own: relay/kaggle/lease.py) and raises to stop."""
     if hasattr(backend, "open_handoff_output"):
-        return _hand_over_streamed(backend, spec, names, action, obs, local, confirm)
+        return _hand_over_streamed(backend, spec, names, action, obs, local, confirm, wandb_key)
     out = backend.download_output(names.kernel, local / "outputs" / action.run_id, action.run_id, WORKDIR,
                                   version=obs.kernel_version)
     tail = log_tail(out.log_path)
@@ -174,6 +177,7 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
                         log_tail=tail)
     limit = hit_session_limit(obs.kernel_state, obs.failure_message)
     stage = _stage(local / "stage" / action.run_id, newest, workdir, out.progress, session_limit=limit)
+    tracking_handoff.stage_from_workdir(workdir, stage, newest.step, local)
     if not checkpoint.list_valid(stage, verify_hashes=True):  # what goes up is the copy: verify the copy
         return HandOver(False, "the staged copy of the checkpoint fails verification", log_tail=tail)
     confirm()
@@ -191,11 +195,14 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
         res = backend.publish_folder(workdir / "export", names.model_dataset, f"{spec.name} model",
                                      notes=f"final weights of run {action.run_id}")
         published.append(f"{names.model_dataset} v{res.version}")
+    if spec.tracking.wandb is not None:
+        tracking_handoff.sync_session(spec, progress, workdir / "wandb", before, newest.step,
+                                      stage / "metrics.jsonl", wandb_key)
     return HandOver(True, "handed over", progress, newest.step, result.version, tail, published)
 
 
 def _hand_over_streamed(backend: KaggleBackend, spec: RunSpec, names: Names, action: Action, obs: Observation,
-                        local: Path, confirm: Callable[[], None] = _no_check) -> HandOver:
+                        local: Path, confirm: Callable[[], None], wandb_key) -> HandOver:
     """The same handoff, downloading only what it publishes (relay/kaggle/selective_output.py): the newest
     valid checkpoint straight into the flat staging folder, verified as it arrives; the cache and the export
     only when they are published. The checkpoint version is published last (it is what the next tick reads
@@ -229,6 +236,7 @@ def _hand_over_streamed(backend: KaggleBackend, spec: RunSpec, names: Names, act
                                     hit_session_limit(obs.kernel_state, obs.failure_message))
         (stage / "progress.json").write_text(json.dumps(progress, indent=1, sort_keys=True))
         out.fetch_file("metrics.jsonl", stage / "metrics.jsonl")
+        tracking_handoff.stage_from_output(out, root, stage, newest.step, local)
 
         published = []
         if want_cache:
@@ -243,9 +251,20 @@ def _hand_over_streamed(backend: KaggleBackend, spec: RunSpec, names: Names, act
                                         notes=f"run {action.run_id}, step {newest.step}, code {code_version()}",
                                         known_sha256=known)
         published.insert(0, f"{names.checkpoint_dataset} v{result.version}")
+        if spec.tracking.wandb is not None:  # after the publish: a tracker never holds the relay up
+            tracking_handoff.sync_session(spec, progress, _fetch_wandb(out, root), before, newest.step,
+                                          stage / "metrics.jsonl", wandb_key)
         return HandOver(True, "handed over", progress, newest.step, result.version, tail, published)
     finally:
         shutil.rmtree(root, ignore_errors=True)  # confirmed or not: everything here can be fetched again
+
+
+def _fetch_wandb(out, root: Path) -> Optional[Path]:
+    try:
+        return tracking_handoff.fetch_wandb(out, root)
+    except Exception as err:  # noqa: BLE001 - a tracker error is a warning
+        log.warning("W&B: the offline run could not be fetched (%s)", err)
+        return None
 
 
 def _publish_tree(backend: KaggleBackend, out, root: Path, name: str, dataset: str, title: str,

@@ -27,6 +27,7 @@ from pydantic import (
 from relay import recipes
 from relay.errors import InputError
 from relay.inputs import DuplicateKey, decode_utf8, load_yaml
+from relay.tracking_spec import TrackingConfig
 
 
 class SpecError(InputError):
@@ -301,6 +302,8 @@ class RunSpec(_Section):
     kaggle: KaggleConfig = Field(KaggleConfig(), description=(
         "What each session kernel mounts and runs on (used by the orchestrator)."))
     notify: NotifyConfig = Field(NotifyConfig(), description="Notifications through a Prefect block.")
+    tracking: TrackingConfig = Field(TrackingConfig(), description=(
+        "TensorBoard and Weights & Biases: one run per relay (docs/tracking.md); off unless asked."))
 
     @model_validator(mode="after")
     def _recipe_params(self) -> "RunSpec":
@@ -332,6 +335,13 @@ class RunSpec(_Section):
             why = "the longest Kaggle session" if limit == KAGGLE_SESSION_LIMIT_S else "kaggle.weekly_gpu_quota"
             raise ValueError(f"session.budget: must be at most {format_duration(limit)}, {why};"
                              f" 'none' runs to the end (got {format_duration(budget)})")
+        return self
+
+    @model_validator(mode="after")
+    def _wandb_online_needs_internet(self) -> "RunSpec":
+        if self.tracking.wandb and self.tracking.wandb.mode == "online" and not self.kaggle.enable_internet:
+            raise ValueError("tracking.wandb.mode: online needs kaggle.enable_internet: true; use offline"
+                             " (the orchestrator syncs the run) or auto")
         return self
 
     def recipe_params(self):

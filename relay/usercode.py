@@ -234,6 +234,7 @@ def session_config(spec: "RunSpec", workdir: Path, *, budget, deadline, max_step
         "threads": spec.session.threads, "keep_last": spec.checkpoints.keep_last,
         "stop_on_divergence": spec.session.stop_on_divergence,
         "disk_budget_gb": spec.checkpoints.disk_budget_gb, "digest": spec.checkpoints.digest,
+        "tracking": spec.tracking.model_dump(), "internet": spec.kaggle.enable_internet,
     }
 
 

@@ -59,13 +59,29 @@ def _retry_unless_disk_short(task, task_run, state) -> bool:
 @task(name="hand-over", retry_condition_fn=_retry_unless_disk_short, **RETRY)
 def hand_over(backend, spec, names: Names, action: Action, obs: Observation, local: Path,
               confirm=None) -> handoff.HandOver:
-    result = handoff.hand_over(backend, spec, names, action, obs, local, **({"confirm": confirm} if confirm else {}))
+    result = handoff.hand_over(backend, spec, names, action, obs, local, wandb_key=lambda: wandb_api_key(spec),
+                               **({"confirm": confirm} if confirm else {}))
     logger = get_run_logger()
     if result.ok:
         logger.info("session %d handed over at step %d: %s", action.session, result.step, ", ".join(result.published))
     else:
         logger.warning("session %d not handed over: %s", action.session, result.reason)
     return result
+
+
+def wandb_api_key(spec) -> Optional[str]:
+    """The W&B key for `wandb sync`: the spec's Prefect Secret block (tracking.wandb.api_key_block), else
+    WANDB_API_KEY of this process. Read only when a sync runs; it goes into the sync's environment alone."""
+    import os
+
+    from prefect.blocks.system import Secret
+
+    try:
+        return Secret.load(spec.tracking.wandb.api_key_block).get()
+    except Exception as err:  # noqa: BLE001 - no such block: wandb's own login (env, ~/.netrc) may still work
+        get_run_logger().warning("W&B: Prefect Secret block %r not loaded (%s); using WANDB_API_KEY or wandb's"
+                                 " own login", spec.tracking.wandb.api_key_block, type(err).__name__)
+        return os.environ.get("WANDB_API_KEY")
 
 
 @task(name="wait-for-kernel", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=10)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 KERNEL_SIDE = ["relay/session", "relay/recipes", "relay/integrations", "relay/usercode.py", "relay/spec.py",
-               "relay/canary.py"]
+               "relay/canary.py", "relay/tracking_spec.py"]
 ORCHESTRATOR = ("prefect", "flows", "tasks", "kaggle", "kagglesdk", "relay.kaggle", "relay.chain", "relay.handoff",
-                "relay.plan")
+                "relay.plan", "relay.tracking_handoff", "relay.wandb_file")
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -1,6 +1,8 @@
 """A Hugging Face Trainer script relayed by kaggle-relay: a tiny BERT built from a config (random weights,
 nothing downloaded) and a word-level tokenizer made in memory. The lines marked `# relay` are all it adds.
 """
+import argparse
+
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast, Trainer,
@@ -39,6 +41,9 @@ class Reviews(torch.utils.data.Dataset):
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--report-to", default="none", help="tensorboard, wandb or both (comma-separated); none")
+    report_to = [t for t in ap.parse_args().report_to.split(",") if t != "none"]
     session = relay.open_session(total_steps=120)  # relay
     tokenizer = make_tokenizer()
     config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -46,7 +51,7 @@ def main() -> None:
     model = BertForSequenceClassification(config)
     args = TrainingArguments(
         output_dir=str(session.workdir / "hf"), max_steps=session.total_steps, per_device_train_batch_size=16,
-        learning_rate=1e-3, logging_steps=10, save_strategy="no", report_to=[], seed=session.config["seed"],
+        learning_rate=1e-3, logging_steps=10, save_strategy="no", report_to=report_to, seed=session.config["seed"],
         dataloader_num_workers=0, disable_tqdm=True, use_cpu=not torch.cuda.is_available())
     callback = RelayCallback(session)  # relay
     resume = callback.restore()  # relay

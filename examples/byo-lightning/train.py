@@ -1,4 +1,7 @@
-"""A Lightning module relayed by kaggle-relay. The lines marked `# relay` are all it adds."""
+"""A Lightning module relayed by kaggle-relay. The lines marked `# relay` are all it adds.
+`--logger tensorboard,wandb`: Lightning's own loggers, one run each across the relay (docs/tracking.md)."""
+import argparse
+
 import lightning.pytorch as pl
 import torch
 from torch import nn
@@ -18,7 +21,9 @@ class Regressor(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_mse", loss)
+        return loss
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
@@ -33,13 +38,30 @@ class Regressor(pl.LightningModule):
         return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0)
 
 
+def make_loggers(kinds: str, session) -> list:
+    loggers = []
+    if "tensorboard" in kinds:  # relay: into the session's TensorBoard folder, carried across sessions
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(save_dir=str(session.tensorboard_dir), name="", version=""))
+    if "wandb" in kinds:  # the relay's W&B run (resumed by id in every session) when the spec turns it on
+        from lightning.pytorch.loggers import WandbLogger
+
+        loggers.append(WandbLogger(project="byo-lightning"))
+    return loggers
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--logger", default="none", help="tensorboard, wandb or both (comma-separated); none")
+    args = ap.parse_args()
     session = relay.open_session(total_steps=300)  # relay
     module = Regressor(session)
     callback = RelayLightningCallback(session)  # relay
     ckpt_path = callback.restore()  # relay
     trainer = pl.Trainer(max_steps=session.total_steps, callbacks=[callback], enable_checkpointing=False,
-                         logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="auto",
+                         logger=make_loggers(args.logger, session) or False, log_every_n_steps=10,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="auto",
                          devices=1, num_sanity_val_steps=0)
     trainer.fit(module, ckpt_path=ckpt_path)  # relay: ckpt_path
     session.close()  # relay

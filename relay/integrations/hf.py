@@ -132,8 +132,13 @@ class RelayCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         values = {k: float(v) for k, v in (logs or {}).items() if isinstance(v, (int, float))}
         kind = "eval" if any(k.startswith("eval_") for k in values) else "train"
-        if kind == "train" and "loss" in values:
-            self.session.log("train", **values)
-        elif kind == "eval":
-            self.session.log("eval", **{k.removeprefix("eval_"): v for k, v in values.items()})
+        # the trackers the Trainer reports to itself (report_to) get its logs once, from its own callback
+        self.session.trackers.muted = {t for t in ("tensorboard", "wandb") if t in (args.report_to or [])}
+        try:
+            if kind == "train" and "loss" in values:
+                self.session.log("train", **values)
+            elif kind == "eval":
+                self.session.log("eval", **{k.removeprefix("eval_"): v for k, v in values.items()})
+        finally:
+            self.session.trackers.muted = set()
         return control

@@ -81,6 +81,8 @@ class RelayLightningCallback(pl.Callback):
         path = self.session.workdir / "lightning-save"
         path.mkdir(exist_ok=True)
         started = time.perf_counter()  # the clock plans the final save with the Trainer's write included
+        for logger in getattr(trainer, "loggers", ()):  # a TensorBoardLogger's events up to this step on disk before the commit
+            logger.save()
         trainer.save_checkpoint(path / CKPT_NAME)
         self.folder.source = path
         try:

@@ -35,6 +35,7 @@ from relay.session.divergence import DivergenceGuard
 from relay.session.loop import rng_state, set_rng_state
 from relay.session.progress_line import ProgressLines
 from relay.session.run import disk_besides, pick_device, seed_everything
+from relay.session.tracking import Trackers
 from relay.version import code_version
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,19 @@ class Session:
         self._divergence = DivergenceGuard() if config.get("stop_on_divergence", True) else None
         self.diverged: Optional[str] = None  # why the session stopped itself on a diverging loss
         self._trace = trace.StepTrace.from_env()  # per-step fingerprints, under `relay verify-resume` only
+        self.trackers = Trackers(config.get("tracking"), self.workdir, main=world.main,
+                                 internet=bool(config.get("internet")))  # started by restore()
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        """Where your own SummaryWriter / Lightning TensorBoardLogger writes, to be one run with the relay's."""
+        return self.trackers.tensorboard_dir
+
+    def track_writer(self, writer: Any) -> Any:
+        """Your own SummaryWriter (on session.tensorboard_dir): flushed before every checkpoint commits, so a
+        SIGKILL after a save loses none of the steps the checkpoint covers. Returns it."""
+        self.trackers.writers.append(writer)
+        return writer
 
     @property
     def rank(self) -> int:
@@ -153,6 +167,7 @@ class Session:
                 if not (isinstance(saved_state, dict) and not saved_state):  # a disabled GradScaler saves {}
                     unwrap(obj).load_state_dict(saved_state)  # and refuses to load it
             self._book = dict(state["relay"])
+            self._losses = list(self._book.pop("window_losses", []))  # the logging window a resume cut
             self.step = self._saved_step = int(self._book["global_step"])
             rngs = state.get("rng_ranks") or [state["rng"]]
             if self.world.rank < len(rngs):
@@ -177,6 +192,9 @@ class Session:
         self._progress = ProgressLines(self._record["index"], self.step, self.total_steps, self.clock.remaining,
                                        run_id=self.run_id)
         sessions.append(self._record)
+        self.trackers.start(self.step, self._book.setdefault("tracking", {}),
+                            [Path(p) for p in self.config["resume_from"]], name=self.config.get("name"),
+                            current_step=lambda: self.step)
         if self._trace:
             self._trace.start(self, resumed=resumed)
         self._mark = time.perf_counter()
@@ -297,9 +315,19 @@ class Session:
             return
         with open(self._metrics, "a") as f:
             f.write(json.dumps(record) + "\n")
+        speed = self._session_samples / self._train_seconds if self._train_seconds and self._session_samples else None
         if self._progress is not None:
-            speed = self._session_samples / self._train_seconds if self._train_seconds and self._session_samples else None
             self._progress({**record, "samples_per_s": speed} if speed else record)
+        if self.trackers.enabled:
+            self.trackers.log({**record, **self._train_extras(speed)} if kind == "train" else record)
+
+    def _train_extras(self, speed: Optional[float]) -> dict:
+        """What a tracker shows beside a train record: samples/s and the first registered optimizer's lr."""
+        extras = {"samples_per_s": speed} if speed else {}
+        opt = next((o for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)), None)
+        if opt is not None and "lr" not in extras:
+            extras["lr"] = float(opt.param_groups[0]["lr"])
+        return extras
 
     # -- saving -----------------------------------------------------------------------------------------
     def save(self, reason: str = "manual", started: Optional[float] = None) -> Optional[checkpoint.Checkpoint]:
@@ -309,10 +337,12 @@ class Session:
         its own checkpoint that this one packs; the clock plans the final save with both phases."""
         t0 = time.perf_counter() if started is None else started
         self._update_record(reason)
-        self._book.update(global_step=self.step, threads=torch.get_num_threads())
+        self._book.update(global_step=self.step, threads=torch.get_num_threads(),
+                          window_losses=[float(x) for x in self._losses])  # logged exactly after a resume
         rngs = distributed.gather(self.world, rng_state(self._device()))
         ckpt = None
         if self.world.main:
+            self.trackers.flush()  # what this checkpoint covers is on disk before it commits
             state = {"objects": {n: unwrap(o).state_dict() for n, o in self.objects.items()},
                      "rng": rngs[0], "relay": self._book}
             if self.world.size > 1:
@@ -364,6 +394,7 @@ class Session:
         finally:
             self.closed = True
             self.clock.restore_signal_handlers()
+            self.trackers.close()
 
     def __enter__(self) -> "Session":
         return self
@@ -374,6 +405,7 @@ class Session:
         else:  # mid-step state is not worth saving; the last checkpoint stands
             self.closed = True
             self.clock.restore_signal_handlers()
+            self.trackers.close()
 
     # -- helpers ----------------------------------------------------------------------------------------
     def _model(self) -> Optional[torch.nn.Module]:
@@ -421,7 +453,7 @@ class Session:
             "world_size": self.world.size, "exactness_lost": self._book.get("exactness_lost"),
             "checkpoint": (str(ckpt.path.relative_to(self.workdir)) if ckpt.path.is_relative_to(self.workdir)
                            else str(ckpt.path)),
-            "weights_sha256": weights, "sessions": sessions,
+            "weights_sha256": weights, "sessions": sessions, "tracking": self._book.get("tracking"),
             "total_seconds": round(sum(s.get("seconds", 0.0) for s in sessions), 3),
         }
         atomic.write_json(self.workdir / "progress.json", progress)

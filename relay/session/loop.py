@@ -50,6 +50,7 @@ class TrainState:
     exactness_lost: Optional[dict] = None  # {"step", "why"}: from that step on, not bit-identical to one run
     sessions: list = field(default_factory=list)
     memory_rungs: list = field(default_factory=list)  # names of the recipe's OOM rungs taken, in order
+    tracking: dict = field(default_factory=dict)  # {"wandb_run_id", "wandb_mode"}: one tracker run per relay
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainState":
@@ -203,6 +204,7 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "rng": rngs[0],
             "trainer": asdict(self.state),
+            "losses": list(self._recent_losses),  # the logging window so far: a resumed session logs its mean exactly
         }
         if self.world.size > 1:
             sd["rng_ranks"] = rngs
@@ -210,6 +212,7 @@ class Trainer:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.model.load_state_dict(sd["model"])
+        self._recent_losses = list(sd.get("losses", []))
         if self.optimizer is not None:  # the optimizer of the stage global_step is in
             self.optimizer.load_state_dict(sd["optimizer"])  # optimizer before scheduler
             self.scheduler.load_state_dict(sd["scheduler"])

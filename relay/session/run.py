@@ -25,6 +25,7 @@ from relay.session import atomic, checkpoint, data, distributed, memory
 from relay.session.budget import SessionClock
 from relay.session.loop import Trainer, TrainState, resolve_precision
 from relay.session.progress_line import ProgressLines
+from relay.session.tracking import Trackers
 from relay.spec import RunSpec
 from relay.version import code_version
 
@@ -55,8 +56,9 @@ class MetricsLog:
     """metrics.jsonl: one line per record, appended and flushed so a kill loses at most one line.
     Without a path (ranks other than 0) it only keeps the last training loss."""
 
-    def __init__(self, path: Optional[Path], session: int, progress: Optional[ProgressLines] = None):
-        self.path, self.session, self.progress = path, session, progress
+    def __init__(self, path: Optional[Path], session: int, progress: Optional[ProgressLines] = None,
+                 trackers: Optional[Trackers] = None):
+        self.path, self.session, self.progress, self.trackers = path, session, progress, trackers
         self.last_train_loss: Optional[float] = None
 
     def __call__(self, record: dict) -> None:
@@ -69,6 +71,8 @@ class MetricsLog:
             self.progress(record)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.trackers is not None:
+            self.trackers.log(record)
 
 
 def run_session(
@@ -216,7 +220,11 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     total = data.total_steps(schedule, spec.optim.epochs, spec.optim.max_steps)
     run_id = run_id or (state.sessions[-1].get("run_id") if state.sessions else None)
     lines = ProgressLines(len(state.sessions) + 1, state.global_step, total, clock.remaining, run_id=run_id)
-    metrics_log = MetricsLog(workdir / "metrics.jsonl" if world.main else None, len(state.sessions) + 1, lines)
+    trackers = Trackers(spec.tracking.model_dump(), workdir, main=world.main, internet=spec.kaggle.enable_internet)
+    trackers.start(state.global_step, state.tracking, resume_from, name=spec.name,
+                   current_step=lambda: state.global_step)
+    metrics_log = MetricsLog(workdir / "metrics.jsonl" if world.main else None, len(state.sessions) + 1, lines,
+                             trackers)
 
     session = {"index": len(state.sessions) + 1, "run_id": run_id, "started": clock.started,
                "step_start": state.global_step, "stop_reason": "running", "world_size": world.size,
@@ -234,6 +242,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
             distributed.barrier(world)
             return
         background = reason in ("periodic", "best")  # the session's last save is waited for
+        trackers.flush()  # what this checkpoint covers is on disk before it commits
         keep_best = spec.checkpoints.keep_best and trainer.track_best  # not with several stages (Trainer)
         snapshot = copy.deepcopy(state)  # training changes `state` while the commit runs
 
@@ -268,8 +277,11 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
              "none" if clock.limit == float("inf") else f"{clock.limit:.0f}s")
 
     trainer.preflight()
-    reason = trainer.fit()
-    trainer.save(reason)
+    try:
+        reason = trainer.fit()
+        trainer.save(reason)
+    finally:
+        trackers.close()
     if not world.main:
         distributed.barrier(world)  # wait for rank 0's export: a rank tearing its group down early aborts
         return {}
@@ -371,6 +383,7 @@ def _write_progress(workdir: Path, spec: RunSpec, state: TrainState, total: int,
         "world_size": state.world_size,
         "exactness_lost": state.exactness_lost,
         "memory_rungs": state.memory_rungs,
+        "tracking": state.tracking,
         "checkpoint": str(ckpt.path.relative_to(workdir)) if ckpt.path.is_relative_to(workdir) else str(ckpt.path),
         "weights_sha256": weights,
         "sessions": state.sessions,

@@ -1,0 +1,125 @@
+"""Tracking without a relay (docs/tracking.md): the spec's `tracking:` errors, TensorBoard's purge on restart in
+a session workdir, a tracker failure as a warning, and the W&B run file reader/writer. The relay itself:
+tests/test_tracking_relay.py and tests/test_tracking_trainers.py."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from relay import spec as spec_mod
+from relay import wandb_file
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = {"name": "trk", "recipe": "toy", "optim": {"max_steps": 10}}
+
+
+@pytest.mark.parametrize("tracking, error", [
+    ({"wandb": {}}, "spec: tracking.wandb.project: required key is missing"),
+    ({"wandb": {"project": "p", "mode": "online"}}, "spec: tracking.wandb.mode: online needs kaggle.enable_internet"),
+    ({"tensorboard": "yes"}, "spec: tracking.tensorboard: Input should be a valid boolean"),
+    ({"mlflow": True}, "spec: tracking.mlflow: unknown key"),
+])
+def test_bad_tracking_is_one_line_naming_the_field(tracking, error):
+    with pytest.raises(spec_mod.SpecError) as err:
+        spec_mod.validate({**BASE, "tracking": tracking})
+    assert str(err.value).startswith(error) and "\n" not in str(err.value)
+
+
+def test_tracking_is_off_unless_asked():
+    spec = spec_mod.validate(BASE)
+    assert not spec.tracking.enabled and spec.tracking.wandb is None
+
+
+KILLED_AFTER_A_SAVE = """
+import os, signal, sys, torch, relay
+s = relay.open_session(total_steps=40, workdir=sys.argv[1], log_every=1, tracking={"tensorboard": True})
+m = torch.nn.Linear(4, 1); o = torch.optim.SGD(m.parameters(), lr=0.1)
+s.register(model=m, optimizer=o)
+s.restore()
+for idx in s.batches(64, 8):
+    loss = m(torch.randn(8, 4)).pow(2).mean(); o.zero_grad(); loss.backward(); o.step()
+    s.step_done(loss=loss.detach(), save=False)
+    if s.step == 20 and sys.argv[2] == "kill":
+        s.save("periodic")
+    if s.step == 25 and sys.argv[2] == "kill":  # steps 21-25 logged after the checkpoint, then a SIGKILL
+        s.trackers.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+s.close()
+"""
+
+
+def test_a_resumed_session_supersedes_the_steps_logged_after_its_checkpoint(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    script, workdir = tmp_path / "train.py", tmp_path / "w"
+    script.write_text(KILLED_AFTER_A_SAVE)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RELAY_DEVICE": "cpu"}
+    env.pop("RELAY_SESSION", None)
+    first = subprocess.run([sys.executable, str(script), str(workdir), "kill"], env=env, capture_output=True)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
+    second = subprocess.run([sys.executable, str(script), str(workdir), "go"], env=env, capture_output=True)
+    assert second.returncode == 0, second.stderr[-2000:]
+
+    folder = workdir / "tensorboard"
+    raw = [e.step for p in sorted(folder.iterdir()) for e in EventFileLoader(str(p)).Load()
+           for v in e.summary.value if v.tag == "train/loss"]
+    assert sorted(raw) == sorted(list(range(1, 41)) + list(range(21, 26)))  # on disk: 21-25 twice
+    acc = EventAccumulator(str(folder))
+    acc.Reload()  # TensorBoard's reader applies the second session's purge_step (21)
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 41))
+    metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    resumed = {r["step"]: r["loss"] for r in metrics if r["session"] == 2}
+    assert {e.step: e.value for e in acc.Scalars("train/loss") if e.step > 20} == pytest.approx(resumed)
+
+
+def test_a_failing_tracker_is_a_warning_and_the_session_goes_on(tmp_path, monkeypatch, caplog):
+    import torch
+    import wandb
+    from torch.utils.tensorboard.writer import FileWriter
+
+    import relay
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(FileWriter, "add_summary", broken)
+    monkeypatch.setattr(wandb, "init", broken)
+    monkeypatch.delenv("RELAY_SESSION", raising=False)
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "hf"))  # a user's own: left alone
+    s = relay.open_session(total_steps=12, workdir=str(tmp_path / "w"), log_every=2,
+                           tracking={"tensorboard": True, "wandb": {"project": "p", "mode": "offline"}})
+    m = torch.nn.Linear(2, 1)
+    s.register(model=m)
+    with caplog.at_level(logging.WARNING):
+        s.restore()
+        for _ in s.batches(16, 4):
+            s.step_done(loss=m(torch.ones(4, 2)).sum().detach())
+        progress = s.close()
+    assert progress["status"] == "done" and os.environ["TENSORBOARD_LOGGING_DIR"] == str(tmp_path / "hf")
+    warned = [r.getMessage() for r in caplog.records if "tracking failed" in r.getMessage()]
+    assert len(warned) == 2 and all("disk full" in w for w in warned), warned  # once each, then off
+
+
+def test_wandb_file_round_trip_across_blocks_and_a_torn_tail(tmp_path):
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    path = tmp_path / "run-x.wandb"
+    run = pb.Record()
+    run.run.run_id, run.run.project = "x1", "p"
+    wandb_file.write_records(path, [run.SerializeToString()])
+    rows = [(s, {"train/loss": s / 10, "blob": "y" * (70_000 if s == 30 else 10)}) for s in range(10, 60, 10)]
+    assert wandb_file.append_rows(path, rows) == 5  # one row spans three 32 KiB blocks
+    assert wandb_file.run_id(path) == "x1"
+    assert [(s, r["train/loss"]) for s, r in wandb_file.history(path)] == [(s, s / 10) for s in range(10, 60, 10)]
+    assert wandb_file.cut(path, 30) == 2
+    assert [s for s, _ in wandb_file.history(path)] == [10, 20, 30]
+    path.write_bytes(path.read_bytes()[:-5])  # a SIGKILLed writer: the last record is torn
+    assert [s for s, _ in wandb_file.history(path)] == [10, 20]

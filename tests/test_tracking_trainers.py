@@ -1,0 +1,66 @@
+"""The HF Trainer and Lightning examples with their tracker flags on (`--report-to tensorboard,wandb`,
+`--logger tensorboard,wandb`), relayed on the emulator like tests/test_byo_relay_trainers.py (>= 3 step-bounded
+sessions, one kernel SIGKILLed mid-save, the weights of one uninterrupted run): the trainers' own TensorBoard
+writers land in the relay's one log (each step once), and their W&B loggers in the relay's one W&B run
+(offline; what `wandb sync` is handed is recorded by a local stand-in, no W&B server being reachable).
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tensorboard")
+pytest.importorskip("wandb")
+
+import test_byo_relay  # noqa: E402
+from relay import tracking_handoff, wandb_file  # noqa: E402
+from test_byo_relay import test_example_relays_to_the_weights_of_one_run_with_a_kill_mid_save as relayed  # noqa: E402
+from test_tracking_relay import raw_steps, scalars  # noqa: E402
+
+TRACKING = {"tensorboard": True, "wandb": {"project": "relay-test", "mode": "offline"}}
+TRAINERS = {  # the example's flags, its own tag, the steps TensorBoard and W&B show it at
+    "byo-hf": ({"optim.max_steps": 90, "session.max_steps": 30, "code.entry": "train.py --report-to tensorboard,wandb"},
+               "train/loss", list(range(10, 91, 10)), list(range(10, 91, 10))),
+    # Lightning's TensorBoardLogger writes its own step (the optimizer steps before this one: 9, 19, ...; after a
+    # resume its cadence shifts by one, 198 beside 199: Lightning's own counting, still each step once); its
+    # WandbLogger's calls carry none, so the relay pins them to its optimizer step (10, 20, ...)
+    "byo-lightning": ({"optim.max_steps": 240, "session.max_steps": 80,
+                       "code.entry": "train.py --logger tensorboard,wandb"}, "train_mse", list(range(9, 240, 10)),
+                      list(range(10, 241, 10))),
+}
+
+
+@pytest.mark.parametrize("example", list(TRAINERS))
+def test_trainer_example_with_its_trackers_is_one_run(example, relay_env, reference, monkeypatch, tmp_path):
+    overrides, tag, steps, wandb_steps = TRAINERS[example]
+    synced: list = []
+
+    def stand_in(cmd, env):
+        for run in (Path(a) for a in cmd if a.startswith("/") and Path(a).is_dir()):
+            synced.append((cmd, shutil.copytree(run, tmp_path / "synced" / f"{len(synced)}-{run.name}")))
+
+    monkeypatch.setattr(tracking_handoff, "run_sync", stand_in)
+    monkeypatch.setitem(test_byo_relay.EXAMPLES, example, {**overrides, "tracking": TRACKING})
+    relayed(example, relay_env, reference, monkeypatch)
+
+    progress = relay_env.published_progress()
+    assembled = relay_env.root / "orchestrator" / relay_env.name / "tensorboard"
+    shown = scalars(assembled)
+    got = [s for s, _ in shown[tag]]
+    assert got == raw_steps(assembled, tag) == sorted(set(got)), sorted(shown)  # each step once, increasing
+    assert set(steps) <= set(got), got
+
+    run_id = progress["tracking"]["wandb_run_id"]
+    files = [f for _, run in synced for f in Path(run).glob("run-*.wandb")]
+    assert files and {wandb_file.run_id(f) for f in files} == {run_id}
+    assert all(cmd[cmd.index("--id") + 1] == run_id for cmd, _ in synced)
+    rows = [(s, row) for f in files for s, row in wandb_file.history(f)]
+    assert [s for s, row in rows if "train/loss" in row] == wandb_steps  # the relay's records: complete
+    logged = [s for s, row in rows if tag in row]
+    assert logged == sorted(set(logged))  # each step once, increasing (Lightning's cadence shifts at a resume)
+    if example == "byo-hf":  # HF's logs are in metrics.jsonl too: the rows a killed wandb-core lost are filled
+        assert logged == wandb_steps
+    # KNOWN GAP: Lightning's own W&B metrics (train_mse) of the killed session that wandb-core still held in its
+    # write buffer are lost (wandb has no flush call; only the relay's records can be filled in)
