@@ -203,8 +203,8 @@ class Trainer:
             "scheduler": self.scheduler.state_dict() if self.scheduler else {},
             "scaler": self.scaler.state_dict(),
             "rng": rngs[0],
-            "trainer": asdict(self.state),
-            "losses": list(self._recent_losses),  # the logging window so far: a resumed session logs its mean exactly
+            # with the logging window so far: a session resumed inside it logs the uninterrupted run's mean
+            "trainer": {**asdict(self.state), "window_losses": list(self._recent_losses)},
         }
         if self.world.size > 1:
             sd["rng_ranks"] = rngs
@@ -212,7 +212,7 @@ class Trainer:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.model.load_state_dict(sd["model"])
-        self._recent_losses = list(sd.get("losses", []))
+        self._recent_losses = list(sd["trainer"].get("window_losses", []))
         if self.optimizer is not None:  # the optimizer of the stage global_step is in
             self.optimizer.load_state_dict(sd["optimizer"])  # optimizer before scheduler
             self.scheduler.load_state_dict(sd["scheduler"])
