@@ -260,6 +260,23 @@ class RelayEnv:
                 proc.wait()
 
 
+class DatasetProcessing(threading.Thread):
+    """Kaggle's dataset processing, driven by the test: every new dataset version becomes READY at once,
+    except those the test holds (a publish the orchestrator is left waiting on)."""
+
+    def __init__(self, emu):
+        super().__init__(daemon=True, name="dataset-processing")
+        self.emu, self.held, self.done = emu, set(), threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.02):
+            with self.emu.store.lock:
+                for ref, dataset in self.emu.store.datasets.items():
+                    for version in dataset["versions"]:
+                        if (ref, version["number"]) not in self.held and version["ready_at"] > time.time():
+                            version["ready_at"] = time.time()
+
+
 @pytest.fixture
 def relay_env(tmp_path, isolated_env, make_emulator, prefect_api):  # noqa: F811
     env = RelayEnv(tmp_path / "relay", make_emulator, prefect_api)

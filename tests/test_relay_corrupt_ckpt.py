@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from relay_fixtures import PYTHON, STEPS_PER_SESSION, clean_env, wait_for, write_spec  # noqa: E402
-from test_relay_status_lag import DatasetProcessing  # noqa: E402
+from relay_fixtures import (PYTHON, STEPS_PER_SESSION, DatasetProcessing, clean_env, wait_for,  # noqa: E402
+                            write_spec)
 
 SESSIONS = 3
 MAX_STEPS = SESSIONS * STEPS_PER_SESSION

@@ -13,13 +13,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
-import time
 from pathlib import Path
 
 from relay.kaggle.types import KernelState
 
-from relay_fixtures import STEPS_PER_SESSION, wait_for  # noqa: E402
+from relay_fixtures import STEPS_PER_SESSION, DatasetProcessing, wait_for  # noqa: E402
 
 SESSIONS = 3
 MAX_STEPS = SESSIONS * STEPS_PER_SESSION
@@ -28,23 +26,6 @@ LAG = {"calls": 10 ** 9}  # unpinned status/output never see the newest version
 # (GetKernel: counted, never failed, so the test can see an orchestrator's first observation)
 FAULTS = {"seed": 11, "status_lag": LAG,
           "methods": {"SaveKernel": {"script": ["ok", "refused"]}, "GetKernel": {"rate": 0}}}
-
-
-class DatasetProcessing(threading.Thread):
-    """Kaggle's dataset processing, driven by the test: every new dataset version becomes READY at once,
-    except those the test holds (a publish the orchestrator is left waiting on)."""
-
-    def __init__(self, emu):
-        super().__init__(daemon=True, name="dataset-processing")
-        self.emu, self.held, self.done = emu, set(), threading.Event()
-
-    def run(self) -> None:
-        while not self.done.wait(0.02):
-            with self.emu.store.lock:
-                for ref, dataset in self.emu.store.datasets.items():
-                    for version in dataset["versions"]:
-                        if (ref, version["number"]) not in self.held and version["ready_at"] > time.time():
-                            version["ready_at"] = time.time()
 
 
 def test_relay_under_status_lag_pushes_each_session_once_through_orchestrator_kills(relay_env, reference):

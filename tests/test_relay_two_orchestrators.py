@@ -12,15 +12,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from relay.kaggle.lease import Lease
 
-from relay_fixtures import STEPS_PER_SESSION, USER, wait_for  # noqa: E402
+from relay_fixtures import STEPS_PER_SESSION, USER, DatasetProcessing, wait_for  # noqa: E402
 
 SESSIONS = 2
 MAX_STEPS = SESSIONS * STEPS_PER_SESSION
@@ -95,22 +93,6 @@ def drop_step_lock(prefect_api):
 
     with get_client(sync_client=True) as client:
         client.delete_global_concurrency_limit_by_name("relay-toy-relay")
-
-
-class DatasetProcessing(threading.Thread):
-    """Kaggle's dataset processing, driven by the test: each new version READY at once, except held ones."""
-
-    def __init__(self, emu):
-        super().__init__(daemon=True, name="dataset-processing")
-        self.emu, self.held, self.done = emu, set(), threading.Event()
-
-    def run(self) -> None:
-        while not self.done.wait(0.02):
-            with self.emu.store.lock:
-                for ref, dataset in self.emu.store.datasets.items():
-                    for version in dataset["versions"]:
-                        if (ref, version["number"]) not in self.held and version["ready_at"] > time.time():
-                            version["ready_at"] = time.time()
 
 
 def test_a_killed_claim_holder_delays_the_relay_by_its_lease_never_stops_it(relay_env, reference, drop_step_lock):
