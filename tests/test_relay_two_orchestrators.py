@@ -90,9 +90,13 @@ def drop_step_lock(prefect_api):
     """A killed holder's slot would stay taken for the session's later tests (the test server reclaims none)."""
     yield
     from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
 
     with get_client(sync_client=True) as client:
-        client.delete_global_concurrency_limit_by_name("relay-toy-relay")
+        try:
+            client.delete_global_concurrency_limit_by_name("relay-toy-relay")
+        except ObjectNotFound:  # nobody left it taken (the holder died before creating it, or it was freed)
+            pass
 
 
 def test_a_killed_claim_holder_delays_the_relay_by_its_lease_never_stops_it(relay_env, reference, drop_step_lock):
