@@ -157,12 +157,12 @@ class KernelRunner:
         version = self.store.kernel_version(ref, f"v{number}")
         ended = time.time()
         write_json(self.store.kernel_dir(ref, number) / "log.json", entries)
-        with self.store.lock:
+        with self.store.lock:  # one step: a reader never sees the run ended but not yet charged (quota 0)
             version.update(status=status, failure=failure, ended=ended, exit_code=rc)
+            if version.get("enable_gpu") and version.get("started"):
+                self.store.charge(self.store.kernels[ref]["owner"], ref, number, version["started"], ended,
+                                  self.config.time_scale)
             self.store.save()
-        if version.get("enable_gpu") and version.get("started"):
-            self.store.charge(self.store.kernels[ref]["owner"], ref, number, version["started"], ended,
-                              self.config.time_scale)
         with self.lock:
             self.logs.pop(f"{ref}/v{number}", None)
         log.info("kernel %s v%d: %s %s", ref, number, status, failure)
