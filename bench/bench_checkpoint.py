@@ -1,11 +1,11 @@
 """Benchmark 2: checkpoint save/restore overhead and the cost of resuming deep into a run.
 
-save     what a periodic save costs the training loop: relay.session.checkpoint.start_save (torch.save into a
+save     what a periodic save costs the training loop: relay.kernel.session.checkpoint.start_save (torch.save into a
          temporary folder; the crc32, fsync, manifest, rename and retention then run on a thread while
          training goes on) vs bare torch.save of the same state dict into a new file (no fsync). Also the
          commit's latency (call to durable and visible, what the session's last save costs) vs torch.save +
          fsync (like with like: both durable)
-restore  relay.session.checkpoint.load_latest (crc32 of the file beside torch.load(weights_only, mmap)) vs
+restore  relay.kernel.session.checkpoint.load_latest (crc32 of the file beside torch.load(weights_only, mmap)) vs
          bare torch.load(weights_only); both then touch every tensor (a lazily mapped load is not finished
          until its pages are read)
 resume   building the step schedule + micro-batch sampler + DataLoader and taking the first batch at optimizer
@@ -51,7 +51,7 @@ import torch
 from machine import describe, spread  # noqa: E402  (bench/machine.py)
 from torch import nn
 
-from relay.session import checkpoint, data
+from relay.kernel.session import checkpoint, data
 
 TARGET_RATIO = 1.15
 TARGET_RESUME_EXTRA_S = 1.0

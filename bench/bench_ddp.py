@@ -47,8 +47,8 @@ def _train(devices: int, steps: int, root: Path) -> float:
 def _sync_worker(rank: int, world_size: int, port: int, errors, iters: int, out: str) -> None:
     import torch
 
-    from relay.recipes.toy import ToyParams, ToyRecipe
-    from relay.session import distributed
+    from relay.kernel.recipes.toy import ToyParams, ToyRecipe
+    from relay.kernel.session import distributed
 
     torch.set_num_threads(1)
     world = distributed.init(rank, world_size, port, "cpu")
@@ -71,7 +71,7 @@ def _sync_worker(rank: int, world_size: int, port: int, errors, iters: int, out:
 
 
 def run(steps: int = 300, repeats: int = 3, sync_iters: int = 200) -> dict:
-    from relay.session import distributed
+    from relay.kernel.session import distributed
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -23,8 +23,8 @@ except ImportError:  # run as a script from a checkout without an installed pack
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from machine import describe  # noqa: E402  (bench/machine.py)
-from relay.recipes import price_data
-from relay.recipes.price_model import PriceModelParams, PriceModelRecipe
+from relay.kernel.recipes import price_data
+from relay.kernel.recipes.price_model import PriceModelParams, PriceModelRecipe
 
 TARGET_SPEEDUP = 10.0
 FEATURE_PARAMS = dict(max_len=256, vocab_size=128100)

@@ -7,7 +7,7 @@ A kernel of the emulator writes a session's output the way `relay train` leaves 
 `gb` GB each (random bytes: incompressible, crc32 in the manifest), progress.json, metrics.jsonl, a 50 MB
 feature cache and the relay-kernel.json marker. Then, each in a fresh subprocess (so peak RSS is its own):
 
-- handoff:  relay.handoff.hand_over (selective, streamed, verified) publishing the checkpoint dataset version
+- handoff:  relay.orchestrator.handoff.hand_over (selective, streamed, verified) publishing the checkpoint dataset version
 - baseline: the same checkpoint bytes plainly downloaded (1 MiB chunks, no checks) and uploaded once to the
             emulator's blob endpoint (StartBlobUpload + PUT of the file): the transfer cost alone.
 
@@ -63,8 +63,9 @@ CHILD = r'''
 import json, os, resource, sys, threading, time
 sys.path.insert(0, {root!r})
 mode, endpoint, local = sys.argv[1], sys.argv[2], sys.argv[3]
-from relay import chain, handoff, spec as spec_mod
-from relay.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
+from relay.orchestrator import chain, handoff
+from relay.shared import spec as spec_mod
+from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
 import requests
 watch = [local, os.environ["TMPDIR"]]
 peak, rss_peak = [0], [0]
@@ -99,7 +100,7 @@ def timed(fn, key):
     return wrapper
 backend = ClientBackend(KaggleCredentials({user!r}, key={key!r}), endpoint,
                         RetryPolicy(attempts=8, base_delay_s=0.05, max_delay_s=0.5), dataset_poll_s=0.05, dataset_wait_s=600)
-from relay.kaggle import selective_output
+from relay.orchestrator.kaggle import selective_output
 selective_output.stream_verified = timed(selective_output.stream_verified, "download_s")
 backend.publish_folder = timed(backend.publish_folder, "publish_s")
 t0 = time.perf_counter()
@@ -112,7 +113,7 @@ if mode == "handoff":
     assert result.ok, result.reason
     moved = result.step
 else:
-    from relay.kaggle.output import list_output
+    from relay.orchestrator.kaggle.output import list_output
     from kagglesdk.blobs.types.blob_api_service import ApiStartBlobUploadRequest, ApiBlobType
     files, _ = list_output(backend.client, *{kernel!r}.split("/"))
     url = dict(files)["relay/checkpoints/step-00000100/state.pt"]
@@ -166,8 +167,8 @@ def _child(mode: str, endpoint: str, work: Path, spec: Path) -> dict:
 def run(gb: float = 2.0, keep: bool = False) -> dict:
     """Figures for one synthetic checkpoint of `gb` GB (decimal)."""
     sys.path.insert(0, str(ROOT))
-    from relay.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
-    from relay.kaggle.emulator import Emulator, EmulatorConfig
+    from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
+    from relay.emulator import Emulator, EmulatorConfig
 
     work = Path(tempfile.mkdtemp(prefix="bench-handoff-"))
     spec = work / "spec.yaml"

@@ -46,7 +46,7 @@ def run(steps: int = 150, step_s: float = 1.0, progress_every_s: float = 30.0, l
         (root / d).mkdir()
     os.environ.update(HOME=str(root / "home"), TMPDIR=str(root / "tmp"), KAGGLE_USERNAME="bench",
                       KAGGLE_KEY="bench-key", HF_HUB_OFFLINE="1")
-    from relay.kaggle.emulator import Emulator, EmulatorConfig
+    from relay.emulator import Emulator, EmulatorConfig
 
     emulator = Emulator(root / "emulator", EmulatorConfig(users={"bench": "bench-key"}, kernel_env={
         "OMP_NUM_THREADS": "1", "RELAY_PROGRESS_EVERY": str(progress_every_s)})).start()
@@ -89,8 +89,8 @@ def run(steps: int = 150, step_s: float = 1.0, progress_every_s: float = 30.0, l
 
 def _progress_lines(emulator, root: Path) -> list:
     """The session's own progress lines, from the kernel log the emulator stored."""
-    from relay.kaggle.emulator.runner import read_log
-    from relay.session.progress_line import parse
+    from relay.emulator.runner import read_log
+    from relay.shared.progress_line import parse
 
     log = read_log(emulator.store.kernel_dir("bench/bench-live-session", 1) / "log.json")
     records = [parse(entry.get("data", "")) for entry in log]

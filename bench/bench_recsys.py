@@ -25,7 +25,7 @@ CHILD = r"""
 import importlib.util, json, sys, time
 import numpy as np, pandas as pd
 sys.path.insert(0, {root!r})
-# recsys_data alone (relay.recipes/__init__ would import torch, whose import dwarfs what is measured)
+# recsys_data alone (relay.kernel.recipes/__init__ would import torch, whose import dwarfs what is measured)
 spec = importlib.util.spec_from_file_location("recsys_data", {root!r} + "/relay/recipes/recsys_data.py")
 recsys_data = sys.modules["recsys_data"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(recsys_data)
@@ -63,7 +63,7 @@ def _child(mode: str, path: Path) -> dict:
 
 def run(n_ratings: int = 1_000_000, n_users: int = 6040, n_items: int = 3706, workdir: Path | None = None) -> dict:
     sys.path.insert(0, str(ROOT))
-    from relay.recipes import recsys_data
+    from relay.kernel.recipes import recsys_data
 
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         path = recsys_data.generate(tmp, n_ratings, n_users, n_items, rank=8, seed=0)

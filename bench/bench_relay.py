@@ -2,10 +2,10 @@
 
     python bench/bench_relay.py            # prints both policies side by side; run() returns the figures
 
-The same toy workload (relay/recipes/toy.py, one CPU thread) is trained to the end twice, as kernels of the
+The same toy workload (relay/kernel/recipes/toy.py, one CPU thread) is trained to the end twice, as kernels of the
 emulator with the same session cap (`session_s` wall seconds, time scale 1):
 
-- relay: the relay's own loop (relay.chain.decide + relay.handoff: push, wait, hand over; the `relay` flow
+- relay: the relay's own loop (relay.orchestrator.chain.decide + relay.orchestrator.handoff: push, wait, hand over; the `relay` flow
   minus Prefect). Each kernel runs `relay train` with the budget the flow would give it (session cap minus the
   spec's kaggle.startup_overhead); it stops itself before the cap, saves once and exits; the next session
   resumes from that exact step.
@@ -70,9 +70,9 @@ SPEC = {
 def seeds_session(spec_path: str, workdir: str, resume: Optional[str], every_epochs: int) -> None:
     """The seed notebooks' policy on the relay runtime: save every N epochs, no budget, no SIGTERM handler
     (the session cap kills the process), resume from the newest epoch checkpoint."""
-    from relay import spec as spec_mod
-    from relay.session import budget, loop
-    from relay.session.run import run_session
+    from relay.shared import spec as spec_mod
+    from relay.kernel.session import budget, loop
+    from relay.kernel.session.run import run_session
 
     budget.SessionClock.install_signal_handlers = lambda self: None
 
@@ -102,7 +102,7 @@ runpy.run_path({bench!r})["seeds_session"]({spec!r}, {workdir!r}, {resume!r}, {e
 
 # -- driving the emulator ------------------------------------------------------------------------------------
 def _backend(emu, key: str):
-    from relay.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
+    from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
 
     policy = RetryPolicy(attempts=8, base_delay_s=0.05, max_delay_s=0.5, rng=random.Random(0))
     return ClientBackend(KaggleCredentials(USER, key=key), emu.url, policy, dataset_poll_s=0.1, dataset_wait_s=120)
@@ -122,8 +122,9 @@ def relay_session(backend, spec_path: Path, local: Path) -> bool:
     """One session of the relay flow's loop without Prefect (observe, decide, act: flows/relay_flow.py):
     push, wait, hand over. False once the relay is done."""
     from flows.relay_flow import session_budget
-    from relay import chain, handoff, spec as spec_mod
-    from relay.chain import Do
+    from relay.orchestrator import chain, handoff
+    from relay.shared import spec as spec_mod
+    from relay.orchestrator.chain import Do
 
     spec = spec_mod.load(spec_path)
     names = chain.Names(USER, spec.name)
@@ -298,7 +299,7 @@ def run(session_s: float = 30.0, every_epochs: int = 1, epoch_share: float = 0.2
 
     import yaml
 
-    from relay.kaggle.emulator import Emulator, EmulatorConfig
+    from relay.emulator import Emulator, EmulatorConfig
 
     work = Path(tempfile.mkdtemp(prefix="bench-relay-"))
     saved_env = {k: os.environ.get(k) for k in ("HOME", "TMPDIR")}

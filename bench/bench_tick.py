@@ -60,7 +60,7 @@ def _timed(args: list, env: dict, cwd: Path) -> tuple[float, float, str]:
 def run(rounds: int = 7, flow_rounds: int = 2, install: bool = False) -> dict:
     import yaml
 
-    from relay.kaggle.emulator import Emulator, EmulatorConfig
+    from relay.emulator import Emulator, EmulatorConfig
 
     root = Path(tempfile.mkdtemp(prefix="bench-tick-"))
     for d in ("home", "tmp", "project"):

@@ -52,7 +52,7 @@ def loop(steps: int, workdir: Path, tensorboard: bool) -> float:
 
 def record_cost(records: int = 5000) -> float:
     """Microseconds of CPU per train record the TensorBoard tracker writes (4 scalars), flush included."""
-    from relay.session.tracking import Trackers
+    from relay.kernel.session.tracking import Trackers
 
     work = Path(tempfile.mkdtemp(prefix="bench-tracking-rec-"))
     trackers = Trackers({"tensorboard": True}, work)

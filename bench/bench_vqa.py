@@ -33,8 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _recipe(spec_file: str, data_dir: Path, **params):
-    from relay import spec as spec_mod
-    from relay.recipes.vqa_student import VQAStudentRecipe
+    from relay.shared import spec as spec_mod
+    from relay.kernel.recipes.vqa_student import VQAStudentRecipe
 
     raw = yaml.safe_load((REPO / "examples" / spec_file).read_text())
     raw["params"].update(data_dir=str(data_dir), **params)
@@ -73,7 +73,7 @@ def _steps(recipe, model, opt, batches, device: str, amp: bool, scaler=None) -> 
 
 
 def run_cpu(steps: int = 20, repeats: int = 3, micro: int = 4) -> dict:
-    from relay.recipes import vqa_data
+    from relay.kernel.recipes import vqa_data
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,7 +112,7 @@ def run_cuda(steps: int = 10, micro: int = 3) -> dict:
 
     `static_gb` is what stays allocated between steps (weights + AdamW state); `activation_gb` is the peak above
     it (activations, gradients, logits): the part AMP and checkpointing act on."""
-    from relay.recipes import vqa_data
+    from relay.kernel.recipes import vqa_data
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:

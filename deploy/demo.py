@@ -34,7 +34,7 @@ def main() -> int:
     os.environ.update(HOME=str(RUN / "home"), TMPDIR=str(RUN / "tmp"), KAGGLE_USERNAME=USER, KAGGLE_KEY=key,
                       HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 
-    from relay.recipes import price_data
+    from relay.kernel.recipes import price_data
 
     data = RUN / "data"
     price_data.generate(data, 1200, 200, 0)
@@ -45,14 +45,14 @@ def main() -> int:
          "--budget", "none", "--max-steps", "none", "--data", str(data)],
         stdout=subprocess.DEVNULL, stderr=open(RUN / "reference.log", "w"))
 
-    from relay.kaggle.emulator import Emulator, EmulatorConfig
+    from relay.emulator import Emulator, EmulatorConfig
 
     emulator = Emulator(RUN / "emulator", EmulatorConfig(
         users={USER: key}, kernel_env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})).start()
     os.environ["RELAY_KAGGLE_ENDPOINT"] = emulator.url
     print(f"emulator: {emulator.url} (state {RUN / 'emulator'})")
     try:
-        from relay.kaggle import from_env
+        from relay.orchestrator.kaggle import from_env
 
         backend = from_env(dataset_poll_s=0.2)
         result = backend.publish_folder(data, f"{USER}/price-data", "Synthetic price data")
@@ -70,7 +70,7 @@ def main() -> int:
 
 
 def report(summary: dict) -> int:
-    from relay import report as rep
+    from relay.orchestrator import report as rep
 
     local = RUN / "orchestrator" / "price-demo"
     progress = json.loads((local / "published" / "progress.json").read_text())

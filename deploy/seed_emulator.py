@@ -3,7 +3,7 @@
     python deploy/seed_emulator.py [--dataset demo/price-data] [--data runs/serve/data]
 
 The emulator comes from RELAY_KAGGLE_ENDPOINT and the account from KAGGLE_USERNAME/KAGGLE_KEY (what
-`python -m relay.kaggle.emulator serve` prints). The data is the synthetic price data of `make demo`
+`python -m relay.emulator serve` prints). The data is the synthetic price data of `make demo`
 (same sizes and seed, so byte-identical files); publishing is idempotent: a second run finds the same
 version and publishes nothing. Used by deploy/serve.sh and tests/test_deployment.py.
 """
@@ -37,7 +37,7 @@ def wait_for(endpoint: str, timeout: float) -> None:
 
 def seed(backend, data_dir: Path, dataset: str = DEFAULT_DATASET, n_train: int = 1200, n_test: int = 200):
     """Generate the synthetic price data into `data_dir` and publish it as `dataset`; a PublishResult."""
-    from relay.recipes import price_data
+    from relay.kernel.recipes import price_data
 
     price_data.generate(data_dir, n_train, n_test, 0)
     return backend.publish_folder(Path(data_dir), dataset, "Synthetic price data", "demo data")
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         return 2
     wait_for(endpoint, args.wait)
     sys.path.insert(0, str(ROOT))
-    from relay.kaggle import from_env
+    from relay.orchestrator.kaggle import from_env
 
     result = seed(from_env(dataset_poll_s=0.2), Path(args.data), args.dataset, args.train, args.test)
     state = "already there" if result.already_published else "published"

@@ -100,7 +100,7 @@ printf '{"kernel_env": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_
 unset KAGGLE_API_TOKEN KAGGLE_CONFIG_DIR
 export HOME="$STATE/home" TMPDIR="$STATE/tmp"
 export RELAY_KAGGLE_ENDPOINT="http://127.0.0.1:$EMU_PORT" KAGGLE_USERNAME=demo KAGGLE_KEY="$KEY"
-"$PY" -m relay.kaggle.emulator serve --port "$EMU_PORT" --state "$STATE/emulator" --config "$STATE/emulator.json" \
+"$PY" -m relay.emulator serve --port "$EMU_PORT" --state "$STATE/emulator" --config "$STATE/emulator.json" \
   --user demo --key "$KEY" >"$LOGS/emulator.log" 2>&1 &
 EMU_PID=$!
 "$PY" deploy/seed_emulator.py --data "$STATE/data" || { tail -n 30 "$LOGS/emulator.log" >&2; exit 1; }

@@ -60,20 +60,20 @@ def model_table(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def spec_page() -> str:
-    from relay.spec import RunSpec
+    from relay.shared.spec import RunSpec
 
     lines = ["# Run spec reference", "",
-             "A spec is YAML, validated by `relay/spec.py`: an unknown key, a wrong type or an impossible value is "
+             "A spec is YAML, validated by `relay/shared/spec.py`: an unknown key, a wrong type or an impossible value is "
              "refused in one line naming the key (`spec.yaml: optim.lr: Input should be greater than 0`). "
              "Durations take seconds or `90s`, `45m`, `11h30m`.", ""]
     return GENERATED + "\n".join(lines + model_table(RunSpec)).rstrip() + "\n"
 
 
 def params_page() -> str:
-    from relay import recipes
+    from relay.kernel import recipes
 
     lines = ["# Recipe `params:` reference", "",
-             "Each built-in recipe validates its own `params:` (torch-free models in `relay/recipes/params.py`).", ""]
+             "Each built-in recipe validates its own `params:` (torch-free models in `relay/shared/params.py`).", ""]
     for name in recipes.names():
         cls = recipes.params_class(name)
         lines += [f"## `{name}`", "", (cls.__doc__ or "").strip().split("\n\n")[0], ""]

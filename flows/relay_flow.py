@@ -1,6 +1,6 @@
 """The relay flow: train a run spec to the end across as many Kaggle sessions as it takes.
 
-Each iteration observes Kaggle, decides one step (relay.chain.decide) and does it. `mode="watch"` loops
+Each iteration observes Kaggle, decides one step (relay.orchestrator.chain.decide) and does it. `mode="watch"` loops
 until the work is done (a laptop, a self-hosted worker); `mode="tick"` does at most one step and returns
 (a 15-minute schedule in Prefect or GitHub Actions: nothing waits 12 h). Both rebuild everything from
 Kaggle, so killing the flow anywhere and starting it again continues the relay.
@@ -17,11 +17,12 @@ from typing import Literal, Optional
 
 from prefect import flow, get_run_logger
 
-from relay import chain, handoff, restore, spec as spec_mod
-from relay.policy import budget_lowered, plan_text, session_budget, utc
-from relay.chain import Do
-from relay.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
-from relay.kaggle.types import Refusal
+from relay.orchestrator import chain, handoff, restore
+from relay.shared import spec as spec_mod
+from relay.orchestrator.policy import budget_lowered, plan_text, session_budget, utc
+from relay.orchestrator.chain import Do
+from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
+from relay.orchestrator.kaggle.types import Refusal
 from tasks import artifacts, relay_tasks as t
 from tasks.step_lock import StepLock
 from tasks.live_view import LiveView
@@ -35,7 +36,7 @@ class RelayFailed(RuntimeError):
 def make_backend(credentials_block: Optional[str] = None):
     """The real Kaggle, or the emulator when RELAY_KAGGLE_ENDPOINT is set; credentials from the
     environment / kaggle.json, or from a Prefect Secret block holding {"username", "key"} JSON."""
-    from relay.kaggle import ClientBackend
+    from relay.orchestrator.kaggle import ClientBackend
 
     creds = None
     if credentials_block:

@@ -1,7 +1,7 @@
 """The relays flow: several run specs (folds, seeds, a sweep) trained at once under Kaggle's concurrent GPU
 session cap and one weekly GPU quota.
 
-Each round observes every relay (relay.chain.decide, as the `relay` flow does), hands over finished sessions
+Each round observes every relay (relay.orchestrator.chain.decide, as the `relay` flow does), hands over finished sessions
 (no slot or quota needed), then fills the free slots: `cap` minus the sessions in flight, given fairly to the
 relays waiting to push (fewest sessions so far first, then the one whose last session ended earliest, then the
 name). Every new session's budget is an equal share of the quota left among the unfinished relays (capped by
@@ -22,12 +22,13 @@ from typing import Dict, List, Literal, Optional
 from prefect import flow, get_run_logger
 
 from flows.relay_flow import RelayFailed, make_backend
-from relay.policy import session_budget, utc
-from relay import chain, handoff, joint_plan, plan as planner, spec as spec_mod
-from relay.chain import Do
-from relay.errors import InputError
-from relay.kaggle.lease import Lease, LeaseBusy, LeaseLost
-from relay.kaggle.types import Refusal
+from relay.orchestrator.policy import session_budget, utc
+from relay.orchestrator import chain, handoff, joint_plan, plan as planner
+from relay.shared import spec as spec_mod
+from relay.orchestrator.chain import Do
+from relay.shared.errors import InputError
+from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost
+from relay.orchestrator.kaggle.types import Refusal
 from tasks import relay_tasks as t
 from tasks import relays_artifacts
 
@@ -90,7 +91,7 @@ def _observe_and_hand_over(backend, relay: Relay, rnd: Round, logger) -> None:
     obs = t.observe(backend, relay.names, relay.local)
     action = chain.decide(spec.name, obs)
     if action.do in (Do.HARVEST, Do.SALVAGE):
-        # claimed on Kaggle first (relay/kaggle/lease.py)
+        # claimed on Kaggle first (relay/orchestrator/kaggle/lease.py)
         lease, result = Lease(backend, spec.name, spec.kaggle.lease), None
         try:
             held = lease.acquire(f"handover-{action.run_id}")
@@ -199,7 +200,7 @@ def run_round(backend, relays: List[Relay], cap: int, logger) -> Round:
 
 
 def joint_eta(relays: List[Relay], quota, cap: int, now: datetime) -> Optional[joint_plan.JointPlan]:
-    """One plan across the relays (relay/joint_plan.py) from each relay's own remaining-session plan."""
+    """One plan across the relays (relay/orchestrator/joint_plan.py) from each relay's own remaining-session plan."""
     needs, done = {}, {}
     for relay in relays:
         if relay.failed or relay.state == "done" or not relay.progress:

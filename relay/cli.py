@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from relay.errors import InputError
-from relay.inputs import OneLineArgumentParser
+from relay.shared.errors import InputError
+from relay.shared.inputs import OneLineArgumentParser
 
 
 def _budget(value: str) -> Optional[float]:
-    from relay.spec import parse_duration
+    from relay.shared.spec import parse_duration
 
     try:
         return parse_duration(value)
@@ -44,8 +44,8 @@ def _deadline(value: str) -> float:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from relay import spec as spec_mod
-    from relay.session.run import run_session
+    from relay.shared import spec as spec_mod
+    from relay.kernel.session.run import run_session
 
     overrides = {}
     if args.budget is not _UNSET:
@@ -53,8 +53,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.max_steps is not _UNSET:
         overrides["session.max_steps"] = args.max_steps
     spec = spec_mod.load(args.spec, overrides)
-    if spec.code is not None and spec.code.entry:  # the user's own loop (relay/usercode.py)
-        from relay import usercode
+    if spec.code is not None and spec.code.entry:  # the user's own loop (relay/kernel/usercode.py)
+        from relay.kernel import usercode
 
         config = usercode.session_config(
             spec, Path(args.workdir), budget=spec.session.budget, deadline=args.deadline,
@@ -79,7 +79,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from relay.recipes import legal_data, price_data, recsys_data, temporal_data, vqa_data
+    from relay.kernel.recipes import legal_data, price_data, recsys_data, temporal_data, vqa_data
 
     generators = {"price-model": price_data.main, "vqa": vqa_data.main, "legal": legal_data.main,
                   "temporal": temporal_data.main, "recsys": recsys_data.main}
@@ -89,8 +89,8 @@ def cmd_data(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from datetime import datetime, timezone
 
-    from relay import plan as planner, report
-    from relay import spec as spec_mod
+    from relay.orchestrator import plan as planner, report
+    from relay.shared import spec as spec_mod
 
     spec = spec_mod.load(args.spec)
     progress = _load_progress(args.progress) if args.progress else {}
@@ -128,11 +128,11 @@ GPUS_PER_SHAPE = {"NvidiaTeslaT4": 2, "NvidiaTeslaT4Highmem": 2}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from relay import report
+    from relay.orchestrator import report
 
     if not Path(args.dir).is_dir():  # a relay name or a spec: read from Kaggle
-        from relay import status
-        from relay.kaggle import from_env
+        from relay.orchestrator import status
+        from relay.orchestrator.kaggle import from_env
 
         return status.report(args.dir, from_env, Path(args.out) if args.out else None)
     progress = _load_progress(args.dir)
@@ -151,7 +151,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _load_progress(path: str) -> dict:
-    from relay import report
+    from relay.orchestrator import report
 
     try:
         return report.load_progress(path)
@@ -160,7 +160,7 @@ def _load_progress(path: str) -> dict:
 
 
 def cmd_verify_resume(args: argparse.Namespace) -> int:
-    from relay.verify import verify_resume
+    from relay.kernel.verify import verify_resume
 
     verdict = verify_resume(Path(args.spec), args.steps, seed=args.seed,
                             workdir=Path(args.workdir) if args.workdir else None)
@@ -176,14 +176,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from relay import doctor
-    from relay.kaggle import from_env
+    from relay.orchestrator import doctor
+    from relay.orchestrator.kaggle import from_env
 
     return doctor.run(args.spec, from_env, timeout_s=args.timeout, poll_s=args.poll)
 
 
 def cmd_emulator(args: argparse.Namespace) -> int:
-    from relay.kaggle.emulator.cli import main as emulator_main
+    from relay.emulator.cli import main as emulator_main
 
     return emulator_main(args.rest) or 0
 

@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from relay.errors import InputError
-from relay.version import PACKAGE_DIR
+from relay.shared.errors import InputError
+from relay.shared.version import PACKAGE_DIR
 
 
 def outputs_dir(spec_path: Path, out: Optional[str]) -> Path:
@@ -32,8 +32,8 @@ def outputs_dir(spec_path: Path, out: Optional[str]) -> Path:
 def _still_running(run_spec, local: Path) -> Optional[str]:
     """The cheap tick: one look at Kaggle (the same observe and decide the flow makes, a few calls); the
     reason when the only step is to wait for a queued or running session, else None (the flow acts)."""
-    from relay import chain, handoff
-    from relay.kaggle import from_env
+    from relay.orchestrator import chain, handoff
+    from relay.orchestrator.kaggle import from_env
 
     backend = from_env()
     names = chain.Names(backend.username, run_spec.name)
@@ -45,7 +45,7 @@ def _still_running(run_spec, local: Path) -> Optional[str]:
 
 def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: Optional[float] = None,
         submit: bool = False, credentials_block: Optional[str] = None, emit=print) -> int:
-    from relay import spec as spec_mod
+    from relay.shared import spec as spec_mod
 
     path = Path(spec)
     if not path.is_file():
@@ -63,7 +63,7 @@ def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: 
     local = folder / run_spec.name
 
     if submit:  # a worker of the server runs it: its environment says emulator or Kaggle, and how often to poll
-        from relay.submit import stop_reason, submit as submit_run
+        from relay.orchestrator.submit import stop_reason, submit as submit_run
 
         state, message = submit_run(path, folder, tick, poll_seconds, credentials_block, emit)
         if state != "Completed":
@@ -106,7 +106,7 @@ def _stopped(emit, reason: str) -> int:
 
 def _outputs(emit, name: str, local: Path, summary: Optional[dict]) -> None:
     """The outcome and what the run left under `local` (with --submit, when the worker shares this disk)."""
-    from relay import report
+    from relay.orchestrator import report
 
     progress_file = local / "published" / "progress.json"
     progress = report.load_progress(progress_file) if progress_file.is_file() else None

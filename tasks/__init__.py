@@ -1,1 +1,1 @@
-"""Prefect tasks: thin wrappers over relay.handoff / relay.plan / relay.report with retries and artifacts."""
+"""Prefect tasks: thin wrappers over relay.orchestrator.handoff / relay.orchestrator.plan / relay.orchestrator.report with retries and artifacts."""

@@ -10,7 +10,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from relay import report
+from relay.orchestrator import report
 
 
 _TITLES = {"curves": "Loss curves", "timeline": "Sessions timeline"}
@@ -74,7 +74,7 @@ def publish_live(name: str, progress: Optional[dict], records: list, local: Path
     artifact's id, to update it next time."""
     from prefect.artifacts import update_progress_artifact
 
-    from relay import live
+    from relay.orchestrator import live
 
     progress = progress or {}
     latest = live.running_row(records, kernel_state)

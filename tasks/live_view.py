@@ -1,4 +1,4 @@
-"""The flow's view of the running session: follows its log (relay.live) and refreshes the artifacts, at most
+"""The flow's view of the running session: follows its log (relay.orchestrator.live) and refreshes the artifacts, at most
 every `curve_every_s` for the loss-curve image; early warnings go to the flow's log (and notifications)."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Callable, Optional
 
 from prefect import get_run_logger
 
-from relay import handoff
-from relay.live import LiveSession, early_warnings
+from relay.orchestrator import handoff
+from relay.orchestrator.live import LiveSession, early_warnings
 from tasks import artifacts
 
 

@@ -8,9 +8,9 @@ from typing import Optional
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from relay import handoff
-from relay.chain import Action, Names, Observation
-from relay.kaggle.types import NotFound, PushResult, Quota, SessionKernel
+from relay.orchestrator import handoff
+from relay.orchestrator.chain import Action, Names, Observation
+from relay.orchestrator.kaggle.types import NotFound, PushResult, Quota, SessionKernel
 
 RETRY = dict(retries=3, retry_delay_seconds=[2, 10, 30], retry_jitter_factor=0.5, cache_policy=NO_CACHE)
 
@@ -44,8 +44,8 @@ def push_session(backend, session: SessionKernel) -> PushResult:
 def _retry_unless_disk_short(task, task_run, state) -> bool:
     """A short disk is not transient within a tick: fail at once with its one-line message (the next tick
     retries, after someone freed space)."""
-    from relay.kaggle.lease import LeaseLost
-    from relay.kaggle.selective_output import DiskSpaceError
+    from relay.orchestrator.kaggle.lease import LeaseLost
+    from relay.orchestrator.kaggle.selective_output import DiskSpaceError
 
     try:
         state.result(raise_on_failure=True)

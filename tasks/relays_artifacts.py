@@ -9,7 +9,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from relay import report
+from relay.orchestrator import report
 
 KEY = "relays"
 

@@ -4,7 +4,7 @@ not by the deployment. Prefect holds the slot as a lease that it renews while th
 back once it lapses (at least 60 s after a killed holder's last renewal, plus its repossessor's loop).
 
 The lock is an optimisation, not the guarantee: waiting is bounded (`wait_s`), and after it, or when the
-server cannot be reached, the step goes on guarded by the claim on Kaggle (relay/kaggle/lease.py), which
+server cannot be reached, the step goes on guarded by the claim on Kaggle (relay/orchestrator/kaggle/lease.py), which
 is what also covers orchestrators that share no Prefect server.
 """
 from __future__ import annotations

@@ -182,7 +182,7 @@ def relay_cli(tmp_path_factory) -> RelayCLI:
 def register_recipe(monkeypatch):
     """register_recipe(name, cls): make a test recipe class known to the spec and the runtime (for this test).
     The class must live at module level of an imported module (the registry stores 'module:Class')."""
-    from relay import recipes
+    from relay.kernel import recipes
 
     def register(name: str, cls: type) -> str:
         monkeypatch.setitem(recipes._REGISTRY, name, f"{cls.__module__}:{cls.__qualname__}")
@@ -192,7 +192,7 @@ def register_recipe(monkeypatch):
 
 
 def load_toy_spec(*layers: dict, **overrides):
-    """A validated RunSpec of the toy recipe (for driving relay.session.run.run_session in-process)."""
-    from relay import spec
+    """A validated RunSpec of the toy recipe (for driving relay.kernel.session.run.run_session in-process)."""
+    from relay.shared import spec
 
     return spec.validate(toy_spec_dict(*layers, **overrides), source="test-spec")

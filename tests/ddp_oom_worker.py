@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from relay import recipes
-from relay.recipes.toy import ToyRecipe
+from relay.kernel import recipes
+from relay.kernel.recipes.toy import ToyRecipe
 
 
 class OomOnRank1(ToyRecipe):
@@ -30,8 +30,8 @@ NAME, PATH = "oom-on-rank-1", f"{__name__}:OomOnRank1"
 
 
 def worker(rank: int, world_size: int, port: int, errors, spec, workdir: str) -> None:
-    from relay.session import distributed
-    from relay.session.run import _session
+    from relay.kernel.session import distributed
+    from relay.kernel.session.run import _session
 
     recipes._REGISTRY[NAME] = PATH
     torch.set_num_threads(1)

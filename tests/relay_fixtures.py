@@ -48,7 +48,7 @@ TOY_RELAY: dict = {
     # max_steps ends sessions; budget: generous backstop; save_every: small, so a SIGKILL always finds saves
     "session": {"threads": 1, "max_steps": 150, "budget": "10m", "save_every": "0.3s", "safety_margin": "0.5s"},
     "checkpoints": {"keep_last": 2},
-    # lease: short, so a killed orchestrator's claim on a step lapses soon (relay/kaggle/lease.py)
+    # lease: short, so a killed orchestrator's claim on a step lapses soon (relay/orchestrator/kaggle/lease.py)
     "kaggle": {"session_timeout": "5m", "startup_overhead": "1s", "max_failed_sessions": 2, "lease": "10s"},
 }
 # how long a flow waits for another flow run's Prefect step lock, where a test turns it on (step_lock=True):
@@ -234,7 +234,7 @@ class RelayEnv:
 
     # what the emulator holds
     def kernel_runs(self) -> List[KernelRun]:
-        from relay.kaggle.kernel_source import find_run_id
+        from relay.orchestrator.kaggle.kernel_source import find_run_id
 
         with self.emu.store.lock:
             kernel = json.loads(json.dumps(self.emu.store.kernels.get(self.kernel) or {"versions": []}))
@@ -295,7 +295,7 @@ import sys
 import time
 
 import flows.relay_flow as relay_flow
-from relay.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
+from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
 
 
 def make_backend(credentials_block=None):

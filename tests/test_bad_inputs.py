@@ -20,7 +20,7 @@ import yaml
 
 from conftest import RelayCLI, deep_merge, toy_spec_dict
 from relay.cli import main as relay_main
-from relay.recipes import price_data
+from relay.kernel.recipes import price_data
 
 # The toy spec of conftest, written out by hand so that duplicate-key cases know their line numbers.
 TOY_YAML = """\
@@ -368,14 +368,14 @@ def test_good_worlds_train(case_root, capsys, monkeypatch):
 
 def test_yaml_merge_keys_may_be_overridden(case_root):
     """Not a duplicate: a `<<: *anchor` merge brings keys in that the mapping may set again, as YAML intends."""
-    from relay import spec as spec_mod
+    from relay.shared import spec as spec_mod
 
     text = TOY_YAML.replace("optim:\n", "defaults: &d {lr: 0.1, micro_batch: 4}\noptim:\n  <<: *d\n")
     path = case_root / "merge.yaml"
     path.write_text(text.replace("defaults: &d", "x-defaults: &d"))
     with pytest.raises(spec_mod.SpecError, match="x-defaults: unknown key"):  # parsed fine; only the key is foreign
         spec_mod.load(path)
-    from relay.inputs import load_yaml
+    from relay.shared.inputs import load_yaml
 
     data = load_yaml(text)
     assert data["optim"]["lr"] == 0.003 and data["optim"]["micro_batch"] == 8

@@ -86,7 +86,7 @@ def _bad(tmp_path: Path, files: dict, spec: dict) -> tuple[Path, dict]:
     return path, base
 
 
-USER_PARAMS = ("from relay.recipes import Recipe, RecipeParams\n\n\nclass P(RecipeParams):\n    hidden: int = 4\n\n\n"
+USER_PARAMS = ("from relay.kernel.recipes import Recipe, RecipeParams\n\n\nclass P(RecipeParams):\n    hidden: int = 4\n\n\n"
                "class Mine(Recipe):\n    Params = P\n")
 BAD = {
     "recipe does not import": ({"mypkg/__init__.py": "", "mypkg/r.py": "import not_a_module_anywhere\n"},
@@ -137,7 +137,7 @@ def test_bad_user_code_is_one_line_exit_2_nothing_written(case, tmp_path, capsys
     assert not workdir.exists()
 
 
-PIP_ONLY = "import not_installed_here_xyz\nfrom relay.recipes import Recipe\n\nclass Mine(Recipe):\n    pass\n"
+PIP_ONLY = "import not_installed_here_xyz\nfrom relay.kernel.recipes import Recipe\n\nclass Mine(Recipe):\n    pass\n"
 
 
 @pytest.mark.parametrize("spec", [{"recipe": "pkgq.r:Mine", "params": {"anything": 1}},
@@ -145,7 +145,7 @@ PIP_ONLY = "import not_installed_here_xyz\nfrom relay.recipes import Recipe\n\nc
 def test_user_code_needing_a_kaggle_pip_package_loads_in_the_orchestrator(spec, tmp_path, monkeypatch):
     """The orchestrator never pip-installs: a module importing what kaggle.pip provides is checked for its file
     only, and the Recipe/Params check happens in the kernel's `relay train`, after pip."""
-    from relay import spec as spec_mod
+    from relay.shared import spec as spec_mod
 
     monkeypatch.setattr("sys.path", list(__import__("sys").path))
     kaggle = {"pip": ["not-installed-here-xyz"], "enable_internet": True}
@@ -161,7 +161,7 @@ def test_user_code_needing_a_kaggle_pip_package_loads_in_the_orchestrator(spec, 
 
 
 def test_loading_a_user_recipe_writes_nothing_in_its_folder(tmp_path, monkeypatch):
-    from relay import spec as spec_mod
+    from relay.shared import spec as spec_mod
 
     monkeypatch.setattr("sys.path", list(__import__("sys").path))
     monkeypatch.setattr("sys.dont_write_bytecode", False)  # as for a user without PYTHONDONTWRITEBYTECODE
@@ -173,14 +173,14 @@ def test_loading_a_user_recipe_writes_nothing_in_its_folder(tmp_path, monkeypatc
 
 
 def test_code_exclude_and_hidden_files_do_not_ship(tmp_path):
-    from relay.kaggle.bundle import build_bundle
+    from relay.orchestrator.kaggle.bundle import build_bundle
     import io
     import zipfile
 
     path, _ = _bad(tmp_path, {"train.py": "x", "data/big.bin": "x" * 2_100_000, ".git/HEAD": "x",
                               "pkg/__pycache__/a.pyc": "x", "relay-run/progress.json": "{}"},
                    {"code": {"folder": "code", "entry": "train.py", "exclude": ["data"]}})
-    from relay import spec as spec_mod
+    from relay.shared import spec as spec_mod
 
     spec = spec_mod.load(path)
     bundle = build_bundle(user_code=spec.code.folder, exclude=spec.code.exclude)
@@ -246,8 +246,8 @@ def test_hf_callback_refuses_configs_that_cannot_resume(setting, expected, tmp_p
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     import relay
-    from relay.errors import InputError
-    from relay.integrations.hf import RelayCallback
+    from relay.shared.errors import InputError
+    from relay.kernel.integrations.hf import RelayCallback
 
     session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
     try:
@@ -277,7 +277,7 @@ def test_hf_save_time_counts_from_the_trainers_write(fake_clock, tmp_path):
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     import relay
-    from relay.integrations.hf import RelayCallback
+    from relay.kernel.integrations.hf import RelayCallback
 
     session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
     try:
@@ -302,7 +302,7 @@ def test_lightning_save_time_counts_from_the_trainers_write(fake_clock, tmp_path
     from types import SimpleNamespace
 
     import relay
-    from relay.integrations.lightning import RelayLightningCallback
+    from relay.kernel.integrations.lightning import RelayLightningCallback
 
     session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
     try:
@@ -326,7 +326,7 @@ def test_session_saves_count_the_rest_of_the_workdir_against_the_disk_budget(tmp
     import torch
 
     import relay
-    from relay.session import checkpoint
+    from relay.kernel.session import checkpoint
 
     workdir = tmp_path / "w"
     session = relay.open_session(total_steps=10, workdir=str(workdir), keep_last=5)
@@ -368,8 +368,8 @@ def test_hf_callback_refuses_an_iterable_train_set(tmp_path):
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     import relay
-    from relay.errors import InputError
-    from relay.integrations.hf import RelayCallback
+    from relay.shared.errors import InputError
+    from relay.kernel.integrations.hf import RelayCallback
 
     class Stream(IterableDataset):
         def __iter__(self):
@@ -393,7 +393,7 @@ def test_session_batch_larger_than_the_data_names_batch_size(tmp_path):
     import torch
 
     import relay
-    from relay.errors import InputError
+    from relay.shared.errors import InputError
 
     session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
     try:

@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from relay.session import checkpoint
+from relay.kernel.session import checkpoint
 from relay_fixtures import wait_for
 from test_distributed import ranks  # the spawned rank processes, rank 0 first
 
@@ -177,8 +177,8 @@ def test_world_size_2_to_1_keeps_the_effective_batch_and_says_exactness_is_lost(
 
 def test_the_ranks_slices_make_up_the_steps_effective_batch(tmp_path):
     """What batches() gives rank r is the r-th half of the one-process batch of the same step."""
-    from relay.session.api import Session
-    from relay.session.distributed import World
+    from relay.kernel.session.api import Session
+    from relay.kernel.session.distributed import World
 
     def indices(world: World, step: int) -> list[int]:
         session = Session({"workdir": str(tmp_path), "total_steps": 100, "seed": 3, "log_every": 10,
@@ -213,7 +213,7 @@ def test_an_input_refused_by_rank_1_alone_stops_rank_0_and_is_one_line_exit_2(re
         "    session.restore()  # relay: every rank's own RNG\n",
         "    session.restore()  # relay: every rank's own RNG\n"
         "    if session.rank == 1:\n"
-        "        from relay.errors import InputError\n"
+        "        from relay.shared.errors import InputError\n"
         "        raise InputError('data/shard-1.csv: line 3: expected 33 columns, got 2')\n"))
     proc = relay_cli.train(spec, tmp_path / "w", None, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -222,15 +222,15 @@ def test_an_input_refused_by_rank_1_alone_stops_rank_0_and_is_one_line_exit_2(re
     assert "Traceback" not in proc.stderr and not (tmp_path / "w").exists()
 
 
-@pytest.mark.parametrize("callback", ["relay.integrations.hf:RelayCallback",
-                                      "relay.integrations.lightning:RelayLightningCallback"])
+@pytest.mark.parametrize("callback", ["relay.kernel.integrations.hf:RelayCallback",
+                                      "relay.kernel.integrations.lightning:RelayLightningCallback"])
 def test_the_trainer_callbacks_refuse_several_processes_in_one_line(callback, tmp_path):
     """HF Trainer and Lightning under several processes are not proved: refused, never half-supported."""
     import importlib
 
-    from relay.errors import InputError
-    from relay.session.api import Session
-    from relay.session.distributed import World
+    from relay.shared.errors import InputError
+    from relay.kernel.session.api import Session
+    from relay.kernel.session.distributed import World
 
     module, name = callback.split(":")
     cls = getattr(importlib.import_module(module), name)

@@ -32,7 +32,7 @@ def _spec(relay_env, example: str, **overrides):
 @pytest.mark.parametrize("example", list(EXAMPLES))
 def test_example_relays_to_the_weights_of_one_run_with_a_kill_mid_save(example, relay_env, reference, monkeypatch):
     per_session = EXAMPLES[example]["session.max_steps"]
-    # the kernel of session 2 stops itself inside a save half-way through it (a seam of relay.session.checkpoint)
+    # the kernel of session 2 stops itself inside a save half-way through it (a seam of relay.kernel.session.checkpoint)
     relay_env.start(kernel_env={**KERNEL_ENV, "RELAY_TEST_STOP_MID_SAVE": str(per_session + per_session // 2)})
     spec = _spec(relay_env, example)
     reference.start(spec)

@@ -1,4 +1,4 @@
-"""relay.chain: the relay's next step as a pure function of what Kaggle shows, and its failure policy."""
+"""relay.orchestrator.chain: the relay's next step as a pure function of what Kaggle shows, and its failure policy."""
 from __future__ import annotations
 
 import pytest
@@ -105,9 +105,9 @@ TRACEBACK = "Traceback (most recent call last):\n  File \"x.py\", line 1, in <mo
     ("ValueError: optim.micro_batch x optim.grad_accum (32) is larger than the training set (16 samples)",
      "ValueError: optim.micro_batch x optim.grad_accum (32) is larger than the training set (16 samples)"),
     ("ModuleNotFoundError: No module named 'transformers'", "ModuleNotFoundError: No module named 'transformers'"),
-    ("relay.session.loop.NonFiniteLossError: loss was non-finite", "relay.session.loop.NonFiniteLossError: loss was non-finite"),
+    ("relay.kernel.session.loop.NonFiniteLossError: loss was non-finite", "relay.kernel.session.loop.NonFiniteLossError: loss was non-finite"),
     ("KeyError: 'price'", "KeyError: 'price'"),
-    ("relay.spec.SpecError: spec.yaml: optim.lr: must be greater than 0", "relay.spec.SpecError: spec.yaml: optim.lr: must be greater than 0"),
+    ("relay.shared.spec.SpecError: spec.yaml: optim.lr: must be greater than 0", "relay.shared.spec.SpecError: spec.yaml: optim.lr: must be greater than 0"),
 ])
 def test_code_errors_are_recognised_by_their_exception(last_line, expected):
     assert looks_like_code_error(TRACEBACK + "    boom()\n" + last_line + "\n") == expected

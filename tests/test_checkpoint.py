@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import load_toy_spec
-from relay.session import checkpoint as ck
-from relay.session.run import run_session
+from relay.kernel.session import checkpoint as ck
+from relay.kernel.session.run import run_session
 
 N = 50_000  # floats per checkpoint: ~200 kB state files
 
@@ -424,7 +424,7 @@ def test_a_failed_background_commit_is_raised_and_leaves_the_previous_checkpoint
 STOP_SCRIPT = """
 import sys, torch
 from pathlib import Path
-from relay.session import checkpoint as ck
+from relay.kernel.session import checkpoint as ck
 for step in (1, 2, 5):
     ck.save(Path(sys.argv[1]), {"w": torch.full((10,), float(step))}, step=step, meta={"run_id": "r"})
 """

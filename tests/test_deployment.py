@@ -24,7 +24,7 @@ import yaml
 
 from test_byo import copy_example
 from kaggle_fixtures import KERNEL_ENV, isolated_env, make_emulator  # noqa: F401
-from relay.kaggle import ClientBackend, KaggleCredentials
+from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -130,7 +130,7 @@ def run_cli(args: list, env: dict, timeout: float) -> subprocess.CompletedProces
 def test_byo_demo_deployment_is_declared_like_the_price_demo():
     """Cheap (no server): `prefect deployment run 'relay/byo-plain-demo'` relays examples/byo-plain the way
     'relay/price-model-demo' relays the price model (its run through a real server is this file's other test's)."""
-    from relay import spec as spec_mod
+    from relay.shared import spec as spec_mod
 
     deployments = {d["name"]: d for d in yaml.safe_load((REPO / "deploy" / "prefect.yaml").read_text())["deployments"]}
     byo, demo = deployments["byo-plain-demo"], deployments["price-model-demo"]

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import toy_spec_dict, write_spec
-from relay.session import checkpoint
-from relay.session.distributed import split_batch
+from relay.kernel.session import checkpoint
+from relay.kernel.session.distributed import split_batch
 from relay_fixtures import wait_for
 
 # 256 samples / 16 = 16 steps per epoch; 64 steps; eval every 16 (the first is a best save); periodic saves
@@ -88,7 +88,7 @@ def test_split_by_steps_sigkill_mid_save_and_sigterm_to_rank_1_is_bit_identical(
     workdir, ckpts = tmp_path / "w", tmp_path / "w" / "checkpoints"
 
     # session 1: rank 0 saves at step 16 (the first eval is a best save), then stops itself inside its next save
-    # (the RELAY_TEST_STOP_MID_SAVE seam of relay.session.checkpoint); every process is then SIGKILLed
+    # (the RELAY_TEST_STOP_MID_SAVE seam of relay.kernel.session.checkpoint); every process is then SIGKILLed
     proc = relay_cli.popen(*relay_cli.train_args(spec_path, workdir, "none"), start_new_session=True,
                            env={**relay_cli.env, "RELAY_TEST_STOP_MID_SAVE": "17"},
                            stdout=open(tmp_path / "s1.log", "w"), stderr=open(tmp_path / "s1.err", "w"))
@@ -153,7 +153,7 @@ def test_split_batch_keeps_the_effective_batch():
     assert split_batch(16, 1, 8) == (8, 2)
     assert split_batch(8, 2, 8) == (4, 1)   # the micro-batch shrinks when one rank's share is smaller
     assert split_batch(36, 2, 8) == (6, 3)  # the largest micro-batch <= 8 that divides a rank's 18
-    from relay.errors import InputError
+    from relay.shared.errors import InputError
 
     with pytest.raises(InputError, match="divisible by the number of processes"):
         split_batch(9, 2, 3)
@@ -190,9 +190,9 @@ def test_an_oom_on_one_rank_backs_off_every_rank_together(tmp_path, monkeypatch,
     left waiting in a collective), the effective batch is kept, and the run finishes."""
     import ddp_oom_worker
     from conftest import load_toy_spec
-    from relay.session import distributed
+    from relay.kernel.session import distributed
 
-    from relay import recipes
+    from relay.kernel import recipes
 
     monkeypatch.setitem(recipes._REGISTRY, ddp_oom_worker.NAME, ddp_oom_worker.PATH)
     spec = load_toy_spec(DDP, recipe=ddp_oom_worker.NAME, session={"save_every": "1h"})

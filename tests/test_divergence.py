@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from relay.session.divergence import DivergenceGuard
+from relay.kernel.session.divergence import DivergenceGuard
 
 
 def test_the_guard_needs_patience_and_ignores_a_single_spike():

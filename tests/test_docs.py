@@ -23,7 +23,7 @@ def test_generated_reference_pages_match_the_code(monkeypatch):
 
 
 def test_every_spec_field_is_described():
-    from relay.spec import RunSpec
+    from relay.shared.spec import RunSpec
 
     missing = []
 

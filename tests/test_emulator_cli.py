@@ -1,4 +1,4 @@
-"""The unmodified `kaggle` CLI, in a subprocess, against `python -m relay.kaggle.emulator serve` (also a
+"""The unmodified `kaggle` CLI, in a subprocess, against `python -m relay.emulator serve` (also a
 subprocess), configured only by the export lines the emulator printed."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from kaggle_fixtures import run_kaggle
 
 
 def start_serve(state: Path, *flags: str) -> tuple:
-    proc = subprocess.Popen([sys.executable, "-m", "relay.kaggle.emulator", "serve", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "relay.emulator", "serve", "--port", "0",
                              "--state", str(state), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     exports = {}

@@ -1,11 +1,11 @@
-"""relay/joint_plan.py: several relays' remaining sessions on the cap's slots and one weekly quota."""
+"""relay/orchestrator/joint_plan.py: several relays' remaining sessions on the cap's slots and one weekly quota."""
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from relay.joint_plan import plan_jointly
+from relay.orchestrator.joint_plan import plan_jointly
 
 NOW = datetime(2026, 1, 3, tzinfo=timezone.utc)
 H = 3600.0

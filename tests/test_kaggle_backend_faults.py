@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kaggle_fixtures import USER, backend_for, isolated_env, make_emulator  # noqa: F401
-from relay.kaggle import KernelState, SessionKernel
+from relay.orchestrator.kaggle import KernelState, SessionKernel
 
 TOY_SPEC = """\
 name: toy-relay

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kaggle_fixtures import FAKE_KEY, USER, backend_for, isolated_env, make_emulator, push_script, wait_state  # noqa: F401
-from relay.kaggle import KaggleCredentials, KaggleError, KernelState, SessionKernel
-from relay.kaggle.credentials import resolve
+from relay.orchestrator.kaggle import KaggleCredentials, KaggleError, KernelState, SessionKernel
+from relay.orchestrator.kaggle.credentials import resolve
 from test_kaggle_backend_faults import TOY_SPEC
 
 NEEDLES = [FAKE_KEY.encode(), base64.b64encode(f"{USER}:{FAKE_KEY}".encode())]

@@ -11,13 +11,13 @@ import io
 import pytest
 import requests
 
-from relay.errors import InputError
-from relay.kaggle import RetriesExhausted, RetryPolicy, SessionKernel
-from relay.kaggle.bundle import build_bundle
-from relay.kaggle.credentials import resolve
-from relay.kaggle.emulator.faults import FaultPlan
-from relay.kaggle.kernel_source import render, run_id_marker
-from relay.kaggle.retry import call, is_transient
+from relay.shared.errors import InputError
+from relay.orchestrator.kaggle import RetriesExhausted, RetryPolicy, SessionKernel
+from relay.orchestrator.kaggle.bundle import build_bundle
+from relay.orchestrator.kaggle.credentials import resolve
+from relay.emulator.faults import FaultPlan
+from relay.orchestrator.kaggle.kernel_source import render, run_id_marker
+from relay.orchestrator.kaggle.retry import call, is_transient
 
 
 def http_error(status: int, headers=None, body=b"{}") -> requests.HTTPError:
@@ -69,12 +69,12 @@ def test_credentials_from_env_and_kaggle_json(tmp_path):
 def test_bundle_is_deterministic_and_versioned_like_code_version(tmp_path):
     bundle = build_bundle()
     names = zipfile.ZipFile(io.BytesIO(bundle.data)).namelist()
-    assert "relay/cli.py" in names and "relay/kaggle/kernel_source.py" in names
+    assert "relay/cli.py" in names and "relay/orchestrator/kaggle/kernel_source.py" in names
     assert not any("__pycache__" in n for n in names)
     zipfile.ZipFile(io.BytesIO(bundle.data)).extractall(tmp_path)
     extracted = build_bundle(tmp_path / "relay")
     assert extracted.data == bundle.data and extracted.code_version == bundle.code_version
-    inside = subprocess.run([sys.executable, "-c", "from relay.version import code_version; print(code_version())"],
+    inside = subprocess.run([sys.executable, "-c", "from relay.shared.version import code_version; print(code_version())"],
                             cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)},
                             capture_output=True, text=True, timeout=60)
     assert inside.stdout.strip() == bundle.code_version  # what a session records inside the kernel

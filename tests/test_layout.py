@@ -7,10 +7,10 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-KERNEL_SIDE = ["relay/session", "relay/recipes", "relay/integrations", "relay/usercode.py", "relay/spec.py",
-               "relay/canary.py", "relay/tracking_spec.py"]
-ORCHESTRATOR = ("prefect", "flows", "tasks", "kaggle", "kagglesdk", "relay.kaggle", "relay.chain", "relay.handoff",
-                "relay.plan", "relay.tracking_handoff", "relay.wandb_file")
+KERNEL_SIDE = ["relay/kernel/session", "relay/kernel/recipes", "relay/kernel/integrations", "relay/kernel/usercode.py", "relay/shared/spec.py",
+               "relay/kernel/canary.py", "relay/shared/tracking_spec.py"]
+ORCHESTRATOR = ("prefect", "flows", "tasks", "kaggle", "kagglesdk", "relay.orchestrator.kaggle", "relay.orchestrator.chain", "relay.orchestrator.handoff",
+                "relay.orchestrator.plan", "relay.orchestrator.tracking_handoff", "relay.orchestrator.wandb_file")
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -46,9 +46,9 @@ def test_the_orchestrator_never_imports_torch():
     code = """
 import sys
 from pathlib import Path
-import flows.relay_flow, flows.relays_flow, relay.cli, relay.handoff, relay.plan, tasks.relays_artifacts
-import relay.launch, relay.submit, relay.status, relay.doctor, relay.restore, relay.live, relay.report
-from relay import spec
+import flows.relay_flow, flows.relays_flow, relay.cli, relay.orchestrator.handoff, relay.orchestrator.plan, tasks.relays_artifacts
+import relay.launch, relay.orchestrator.submit, relay.orchestrator.status, relay.orchestrator.doctor, relay.orchestrator.restore, relay.orchestrator.live, relay.orchestrator.report
+from relay.shared import spec
 from relay.cli import TRAINING_STACK
 for path in sorted(Path("examples").glob("*.yaml")):
     spec.load(path).recipe_params()
@@ -82,7 +82,7 @@ def import_graph() -> dict[str, set[str]]:
                 targets |= {owner(a.name) for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 subs = {f"{node.module}.{a.name}" for a in node.names}
-                # `from relay.kaggle import backend` imports the submodule, not the package's own code
+                # `from relay.orchestrator.kaggle import backend` imports the submodule, not the package's own code
                 targets |= {owner(n) for n in subs} if subs <= modules.keys() else {owner(node.module)} | {
                     owner(n) for n in subs}
         graph[module] = {t for t in targets if t and t != module}
@@ -120,8 +120,8 @@ def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 
 # The one cycle left (issue 17): the spec validates user code, which runs the session path, which reads the
 # spec. A ratchet: it may shrink, nothing may join it, and no other cycle may appear.
-KNOWN_CYCLE = {"relay.spec", "relay.recipes", "relay.usercode", "relay.session.api", "relay.session.api_distributed",
-               "relay.session.loop", "relay.session.run", "relay.session.trace"}
+KNOWN_CYCLE = {"relay.shared.spec", "relay.kernel.recipes", "relay.kernel.usercode", "relay.kernel.session.api", "relay.kernel.session.api_distributed",
+               "relay.kernel.session.loop", "relay.kernel.session.run", "relay.kernel.session.trace"}
 
 
 def test_no_new_import_cycles():

@@ -1,4 +1,4 @@
-"""The claim on a relay step (relay/kaggle/lease.py) against the emulator with request latency, and the
+"""The claim on a relay step (relay/orchestrator/kaggle/lease.py) against the emulator with request latency, and the
 emulator's new faults (latency, the pessimistic status lag). Outcomes only: who holds which generation."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from relay.errors import InputError
-from relay.kaggle.emulator.faults import FaultPlan
-from relay.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
-from relay.kaggle.types import KernelState
+from relay.shared.errors import InputError
+from relay.emulator.faults import FaultPlan
+from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
+from relay.orchestrator.kaggle.types import KernelState
 
 from kaggle_fixtures import USER, backend_for, isolated_env, make_emulator, push_script  # noqa: F401
 
@@ -119,7 +119,7 @@ def test_pessimistic_status_lag_answers_pinned_requests_with_the_previous_versio
 
 
 def test_emulator_flags_for_the_new_faults(tmp_path):
-    from relay.kaggle.emulator.cli import build_parser, load_config
+    from relay.emulator.cli import build_parser, load_config
 
     def config(*flags):
         return load_config(build_parser().parse_args(["serve", "--state", str(tmp_path), *flags]))

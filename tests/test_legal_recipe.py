@@ -12,10 +12,10 @@ import torch
 import yaml
 
 from conftest import write_spec
-from relay.errors import InputError
-from relay.recipes import legal_data
-from relay.recipes.legal_bert import LegalBertParams, LegalBertRecipe, load_exported, macro_f1
-from relay.session import checkpoint
+from relay.shared.errors import InputError
+from relay.kernel.recipes import legal_data
+from relay.kernel.recipes.legal_bert import LegalBertParams, LegalBertRecipe, load_exported, macro_f1
+from relay.kernel.session import checkpoint
 from split_sessions import progress, random_splits, run_split
 
 torch.set_num_threads(1)
@@ -155,12 +155,12 @@ class OomAbove4(LegalBertRecipe):
 
 
 def test_oom_backs_off_to_the_seeds_ultra_low_memory_ladder(data_dir, tmp_path, register_recipe, caplog):
-    from relay import spec as spec_mod
-    from relay.session.run import run_session
+    from relay.shared import spec as spec_mod
+    from relay.kernel.session.run import run_session
 
     register_recipe("legal_oom", OomAbove4)
     spec = spec_mod.validate({**tiny_spec(data_dir, max_steps=3, epochs=None), "recipe": "legal_oom"})
-    with caplog.at_level(logging.WARNING, logger="relay.session.loop"):
+    with caplog.at_level(logging.WARNING, logger="relay.kernel.session.loop"):
         result = run_session(spec, tmp_path / "wd")
     assert (result["micro_batch"], result["grad_accum"]) == (4, 4) and result["status"] == "done"
     assert "micro-batch 4 x accumulation 4" in caplog.text
@@ -169,7 +169,7 @@ def test_oom_backs_off_to_the_seeds_ultra_low_memory_ladder(data_dir, tmp_path, 
 def test_precision_auto_is_fp16_on_a_t4(monkeypatch):
     """The seed's fp16 on a T4: torch.cuda.is_bf16_supported() counts emulated bf16 by default (True on a
     T4, sm_75); the runtime asks for native support. Faked here: this machine has no GPU."""
-    from relay.session.loop import resolve_precision
+    from relay.kernel.session.loop import resolve_precision
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     assert resolve_precision("auto", torch.device("cuda")) == "fp16"

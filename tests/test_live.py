@@ -7,8 +7,8 @@ import json
 import math
 
 from kaggle_fixtures import USER, backend_for, make_emulator, isolated_env, push_script  # noqa: F401
-from relay.live import LiveSession, early_warnings
-from relay.session.progress_line import PREFIX
+from relay.orchestrator.live import LiveSession, early_warnings
+from relay.shared.progress_line import PREFIX
 
 KERNEL = f"{USER}/live-test"
 SCRIPT = '''

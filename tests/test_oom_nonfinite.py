@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from conftest import load_toy_spec
-from relay.recipes.toy import ToyRecipe
-from relay.session import checkpoint
-from relay.session.loop import NonFiniteLossError, Trainer
-from relay.session.run import run_session
+from relay.kernel.recipes.toy import ToyRecipe
+from relay.kernel.session import checkpoint
+from relay.kernel.session.loop import NonFiniteLossError, Trainer
+from relay.kernel.session.run import run_session
 
 
 class Script:

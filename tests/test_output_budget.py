@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relay.session import checkpoint
+from relay.kernel.session import checkpoint
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""relay.plan: session splitting, weekly quota, waits, ledger, errors."""
+"""relay.orchestrator.plan: session splitting, weekly quota, waits, ledger, errors."""
 from __future__ import annotations
 
 import random
@@ -268,8 +268,8 @@ def test_leftover_quota_below_min_train_waits_but_a_fresh_week_never_does():
 def test_vqa_t4_spec_plan_caps_sessions_at_session_budget():
     """The VQA example of docs/recipes.md: 100 epochs of 11k questions at 1.72 s a step, started on a Monday with a full
     quota. session.budget 11h30m (below Kaggle's 12 h) caps every session's training at 11h25m."""
-    from relay import spec as spec_mod
-    from relay.plan import limits_from_spec
+    from relay.shared import spec as spec_mod
+    from relay.orchestrator.plan import limits_from_spec
 
     spec = spec_mod.load(REPO / "examples" / "vqa-t4.yaml")
     limits = limits_from_spec(spec)
@@ -285,7 +285,7 @@ def test_vqa_t4_spec_plan_caps_sessions_at_session_budget():
 
 def test_session_max_steps_caps_each_planned_session():
     """session.max_steps ends a session after that many steps whatever time is left: the plan counts them."""
-    from relay.plan import SessionLimits, plan_sessions, quota_from_ledger
+    from relay.orchestrator.plan import SessionLimits, plan_sessions, quota_from_ledger
 
     now = datetime(2026, 11, 23, 12, tzinfo=timezone.utc)
     plan = plan_sessions(300, 0.01, quota_from_ledger([], now), now, limits=SessionLimits(max_steps=100))

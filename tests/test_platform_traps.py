@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from kaggle_fixtures import USER, backend_for, isolated_env, make_emulator, push_script, wait_state  # noqa: F401
-from relay import chain, handoff
-from relay.kaggle import KernelState, Refusal, SessionKernel
-from relay.kaggle.backend import ClientBackend
-from relay.kaggle.kernel_source import _RUNNER
-from relay.spec import DEFAULT_GPU_SHAPE, KaggleConfig
+from relay.orchestrator import chain, handoff
+from relay.orchestrator.kaggle import KernelState, Refusal, SessionKernel
+from relay.orchestrator.kaggle.backend import ClientBackend
+from relay.orchestrator.kaggle.kernel_source import _RUNNER
+from relay.shared.spec import DEFAULT_GPU_SHAPE, KaggleConfig
 
 LAG_FOREVER = {"status_lag": {"calls": 10 ** 9}}  # unpinned status/output never see the newest version
 SESSION_LIMIT = "Your notebook was stopped because it exceeded the max allowed execution duration"
@@ -210,7 +210,7 @@ def test_gpu_without_a_shape_gets_t4_x2_not_a_p100_and_p100_warns(caplog):
     assert KaggleConfig(machine_shape=None).machine_shape == "NvidiaTeslaT4"
     assert KaggleConfig(enable_gpu=False).machine_shape is None
     assert KaggleConfig(machine_shape="NvidiaL4").machine_shape == "NvidiaL4"
-    with caplog.at_level(logging.WARNING, logger="relay.spec"):
+    with caplog.at_level(logging.WARNING, logger="relay.shared.spec"):
         assert KaggleConfig(machine_shape="NvidiaTeslaP100").machine_shape == "NvidiaTeslaP100"
     assert "P100s fail on Kaggle's current CUDA 12.8 image" in caplog.text
     # the backend never pushes a GPU kernel without a shape, whoever built the SessionKernel
@@ -222,8 +222,8 @@ def test_gpu_without_a_shape_gets_t4_x2_not_a_p100_and_p100_warns(caplog):
 
 
 def test_gpus_are_recorded_per_session_and_shown_in_the_table():
-    from relay import report
-    from relay.session import memory
+    from relay.orchestrator import report
+    from relay.kernel.session import memory
 
     import torch
 

@@ -1,8 +1,8 @@
-"""The session's parseable progress lines (relay/session/progress_line.py): bounded in rate, evals, stage
+"""The session's parseable progress lines (relay/shared/progress_line.py): bounded in rate, evals, stage
 changes and the end always, and parsed back from a log line."""
 from __future__ import annotations
 
-from relay.session.progress_line import ProgressLines, parse
+from relay.shared.progress_line import ProgressLines, parse
 
 
 def test_lines_are_rate_bounded_but_evals_stages_and_the_end_always_print():

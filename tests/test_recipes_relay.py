@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from relay.recipes import legal_data, recsys_data, temporal_data
+from relay.kernel.recipes import legal_data, recsys_data, temporal_data
 from relay_fixtures import USER, prefect_api, relay_env  # noqa: F401
 from split_sessions import progress
 

@@ -10,11 +10,11 @@ import torch
 import yaml
 
 from conftest import write_spec
-from relay.errors import InputError
-from relay.recipes import recsys_data
-from relay.recipes.recsys import RecsysParams, RecsysRecipe, load_exported
-from relay.session import checkpoint
-from relay.session.stages import Stage
+from relay.shared.errors import InputError
+from relay.kernel.recipes import recsys_data
+from relay.kernel.recipes.recsys import RecsysParams, RecsysRecipe, load_exported
+from relay.kernel.session import checkpoint
+from relay.kernel.session.stages import Stage
 from split_sessions import progress, random_splits, run_split
 
 torch.set_num_threads(1)
@@ -133,7 +133,7 @@ def test_sessions_ending_between_als_iterations_end_with_the_same_factor_matrice
 
 def test_als_gives_a_row_with_no_training_ratings_zero_factors_not_a_singular_solve():
     # `relay data recsys` at its default size leaves some movies rated only in the held-out split.
-    from relay.recipes.recsys_data import CSR
+    from relay.kernel.recipes.recsys_data import CSR
 
     m = CSR.from_coo(np.array([0, 0, 2]), np.array([0, 1, 1]), np.array([1.0, 2.0, 3.0]), (3, 2))  # row 1 empty
     recipe = RecsysRecipe(RecsysParams(), data_dir=Path("."), cache_dirs=[], seed=0)
@@ -147,9 +147,9 @@ def test_als_gives_a_row_with_no_training_ratings_zero_factors_not_a_singular_so
 def test_a_fit_only_recipe_runs_in_one_process_on_a_t4_x2(monkeypatch, capsys):
     """micro-batch 1 x 1 over the 2 processes of `devices: auto` on a T4 x2 stopped the run (exit 2): closed-form
     fits have no batch to split, so the recsys recipe takes one process; a gradient recipe still takes both."""
-    from relay import spec as spec_mod
+    from relay.shared import spec as spec_mod
     from relay.cli import main
-    from relay.session import distributed
+    from relay.kernel.session import distributed
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a T4 x2 on this CPU machine
     recsys, legal = (spec_mod.load(REPO / f"examples/{n}-t4.yaml") for n in ("recsys", "legal"))
@@ -161,7 +161,7 @@ def test_a_fit_only_recipe_runs_in_one_process_on_a_t4_x2(monkeypatch, capsys):
 
 
 def test_several_devices_asked_for_a_fit_only_recipe_is_a_one_line_spec_error(tmp_path):
-    from relay import spec as spec_mod
+    from relay.shared import spec as spec_mod
 
     spec = yaml.safe_load((REPO / "examples/recsys-t4.yaml").read_text())
     spec["session"]["devices"] = 2
@@ -175,8 +175,8 @@ def test_several_devices_asked_for_a_fit_only_recipe_is_a_one_line_spec_error(tm
 @pytest.mark.parametrize("example", ["legal", "price", "recsys", "temporal", "vqa"])
 def test_params_fit_only_matches_the_recipes_stages(example, tmp_path):
     """`fit_only` is declared torch-free on the Params class; it must say what the recipe's stages say."""
-    from relay import recipes
-    from relay import spec as spec_mod
+    from relay.kernel import recipes
+    from relay.shared import spec as spec_mod
 
     spec = spec_mod.load(REPO / f"examples/{example}-tiny.yaml")
     recipe = recipes.get(spec.recipe)(spec.recipe_params(), data_dir=tmp_path, cache_dirs=[tmp_path], seed=0)

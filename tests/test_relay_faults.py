@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from relay.chain import parse_run_id
+from relay.orchestrator.chain import parse_run_id
 
 from relay_fixtures import KERNEL_ENV, STEPS_PER_SESSION, wait_for  # noqa: E402
 
@@ -31,7 +31,7 @@ STOP_MID_SAVE_AT = STEPS_PER_SESSION + 50  # inside session 2, after it committe
 
 class MidSaveKiller(threading.Thread):
     """SIGKILLs the kernel that stops itself mid-save (the RELAY_TEST_STOP_MID_SAVE seam in
-    relay.session.checkpoint: files written, folder not yet renamed) after committing checkpoints of its own
+    relay.kernel.session.checkpoint: files written, folder not yet renamed) after committing checkpoints of its own
     (so the relay can salvage one); any later kernel the seam stops is continued. Event-driven: the kill lands
     inside the save on a machine of any speed."""
 

@@ -74,7 +74,7 @@ def test_the_running_session_shows_in_prefect_while_it_trains(relay_env, monkeyp
     assert "session 1 running" in summary.data and "data:image/png;base64," in summary.data
 
     # `relay status NAME` shows the same running row, read from Kaggle's log stream
-    from relay import status
+    from relay.orchestrator import status
 
     lines = []
     status.report("live-relay", relay_env.backend, relay_env.root / "status", emit=lines.append, follow_s=2)

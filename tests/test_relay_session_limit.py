@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from relay import spec as spec_mod
+from relay.shared import spec as spec_mod
 
 from relay_fixtures import wait_for  # noqa: E402
 

@@ -15,7 +15,7 @@ import os
 import signal
 from pathlib import Path
 
-from relay.kaggle.types import KernelState
+from relay.orchestrator.kaggle.types import KernelState
 
 from relay_fixtures import STEPS_PER_SESSION, DatasetProcessing, wait_for  # noqa: E402
 

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from kaggle_fixtures import FAKE_KEY, USER
-from relay import status
-from relay.errors import InputError
+from relay.orchestrator import status
+from relay.shared.errors import InputError
 from relay_fixtures import STEPS_PER_SESSION
 
 

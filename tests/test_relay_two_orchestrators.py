@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.kaggle.lease import Lease
+from relay.orchestrator.kaggle.lease import Lease
 
 from relay_fixtures import STEPS_PER_SESSION, USER, DatasetProcessing, wait_for  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""relay.report: session table, metrics de-duplication, PNGs."""
+"""relay.orchestrator.report: session table, metrics de-duplication, PNGs."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.plan import HOUR, QuotaState, plan_sessions
+from relay.orchestrator.plan import HOUR, QuotaState, plan_sessions
 from relay.report import (dedupe_metrics, format_table, load_progress, plot_curves, plot_timeline, read_metrics,
                           session_table)
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import toy_spec_dict, write_spec
-from relay.session import checkpoint, data
+from relay.kernel.session import checkpoint, data
 
 # 512 samples / (8 x 2) = 32 optimizer steps per epoch, 5 epochs = 160 steps; dropout 0.2 makes every step
 # depend on the RNG; eval at each epoch end (best-checkpoint saves); a periodic save every 0.2 s so a SIGKILL
@@ -33,7 +33,7 @@ RESUME = dict(
     checkpoints={"keep_last": 2},
 )
 TOTAL = 160
-SESSION_LINE = "relay.session.run: session "  # logged right before the first training step
+SESSION_LINE = "relay.kernel.session.run: session "  # logged right before the first training step
 
 
 def load_final(workdir: Path) -> tuple[dict, dict]:
@@ -124,7 +124,7 @@ class Session:
 
     def kill_in_save(self) -> bool:
         """SIGKILL this process once it has stopped itself inside a save (the RELAY_TEST_STOP_MID_SAVE seam of
-        relay.session.checkpoint). Returns whether the save was torn: its .tmp folder there, uncommitted."""
+        relay.kernel.session.checkpoint). Returns whether the save was torn: its .tmp folder there, uncommitted."""
         root, suffix = self.workdir / "checkpoints", f"-{self.proc.pid}"
         while self.proc.poll() is None and not _stopped(self.proc.pid):
             time.sleep(0.001)

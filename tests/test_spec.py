@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from conftest import toy_spec_dict, write_spec
-from relay import recipes, spec as spec_mod
+from relay.kernel import recipes
+from relay.shared import spec as spec_mod
 from relay.cli import main as relay_main
 
 

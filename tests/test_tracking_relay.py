@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")
 
-from relay import tracking_handoff, wandb_file  # noqa: E402
+from relay.orchestrator import tracking_handoff, wandb_file  # noqa: E402
 from relay_fixtures import KERNEL_ENV  # noqa: E402
 from test_relay_faults import MidSaveKiller  # noqa: E402
 

@@ -15,7 +15,7 @@ pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")
 
 import test_byo_relay  # noqa: E402
-from relay import tracking_handoff, wandb_file  # noqa: E402
+from relay.orchestrator import tracking_handoff, wandb_file  # noqa: E402
 from test_byo_relay import test_example_relays_to_the_weights_of_one_run_with_a_kill_mid_save as relayed  # noqa: E402
 from test_tracking_relay import raw_steps, scalars  # noqa: E402
 

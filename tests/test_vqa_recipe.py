@@ -15,12 +15,13 @@ import torch
 import yaml
 
 from conftest import REPO, deep_merge
-from relay import cli, report
-from relay.errors import InputError
-from relay import spec as spec_mod
-from relay.recipes import vqa_data
-from relay.recipes.vqa_student import NO_LOGIT, VQARows, VQAStudentRecipe, first_tokens
-from relay.session.run import run_session
+from relay import cli
+from relay.orchestrator import report
+from relay.shared.errors import InputError
+from relay.shared import spec as spec_mod
+from relay.kernel.recipes import vqa_data
+from relay.kernel.recipes.vqa_student import NO_LOGIT, VQARows, VQAStudentRecipe, first_tokens
+from relay.kernel.session.run import run_session
 
 torch.set_num_threads(1)
 
@@ -125,7 +126,7 @@ def test_fusion_layers_have_the_formulas_parameters_and_resume_bit_identically(d
     """params.fusion_layers > 0: a Transformer encoder over the concatenated image + question states, whose
     size is fusion_parameters(d_model, d_ff, layers); split at a random step and at the stage boundary it ends
     with the weights of one uninterrupted run."""
-    from relay.recipes.vqa_model import fusion_parameters
+    from relay.kernel.recipes.vqa_model import fusion_parameters
 
     spec = load(data_dir, **FUSION)
     recipe = VQAStudentRecipe(spec.recipe_params(), data_dir=data_dir, cache_dirs=[], seed=0)
@@ -263,7 +264,7 @@ class SizedVQA(VQAStudentRecipe):
 def test_preflight_steps_the_optimizer_and_a_peak_over_90_percent_is_an_oom(data_dir, tmp_path, monkeypatch,
                                                                             register_recipe):
     """The simulated device: micro-batches above 1 fit a forward/backward but not with AdamW's state."""
-    from relay.session import loop, memory
+    from relay.kernel.session import loop, memory
 
     register_recipe(SizedVQA.name, SizedVQA)
     optimizers, SizedVQA.last = [], []

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import relay
-from relay.integrations.lightning import RelayLightningCallback
+from relay.kernel.integrations.lightning import RelayLightningCallback
 
 
 class Regressor(pl.LightningModule):

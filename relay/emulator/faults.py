@@ -1,0 +1,178 @@
+"""Seeded fault injection, so a failing test replays exactly.
+
+Spec (JSON, or built from CLI flags):
+  {"seed": 7,
+   "methods": {"*": {"rate": 0.25},                        # any RPC or output download: 25 % faults
+               "SaveKernel": {"script": ["lost", "ok"]},    # scripted first calls, then the rates
+               "GetKernelSessionStatus": {"429": 0.1, "500": 0.1, "slow": 0.1, "slow_s": 0.5}},
+   "upload_fail_midfile": 0.3,      # an upload PUT keeps only part of the bytes and answers 503
+   "stale_output": true,            # after a failed run, output shows the previous successful run's files
+   "kill_kernel": {"probability": 0.5, "min_s": 0.5, "max_s": 3},   # SIGKILL at a random instant
+   "status_lag": {"seconds": 60, "calls": 5},   # after a push, unpinned status/output answer the previous version
+   "latency": {"min_s": 0.01, "max_s": 0.1},     # every request waits a seeded draw, half before, half after
+   "stream_drop": {"after_events": 20}}          # each version's live log stream is cut once, after 20 events
+Kinds: 429 (with Retry-After), 500, 503, reset (connection dropped before handling), lost (handled, then the
+connection dropped: the client cannot know it happened), slow (answered after slow_s seconds), refused (HTTP 200
+`{"versionNumber": 0, "error": ...}` without handling: a refused push; script it for SaveKernel).
+status_lag: GetKernelSessionStatus and ListKernelSessionOutput without a versionLabel answer the previous
+version while the newest was pushed less than `seconds` ago OR fewer than `calls` such calls have been
+answered since its push (`calls` alone is independent of the machine's speed). With a versionLabel they
+answer that version, as Kaggle does; with `"pinned": true` (the pessimistic reading: whether the lag reaches
+pinned requests is undocumented) a versionLabel naming the newest version is answered with the previous one too.
+latency: each RPC, file GET and upload PUT is delayed by a draw from [min_s, max_s], half before it is handled
+(the request's way in) and half after (the response's way out), so two orchestrators' check-then-act steps
+interleave as they do over a real network.
+Each decision draws from Random(f"{seed}/{key}/{n}"): the n-th call of a method gets the same fate whatever
+other threads do.
+"""
+from __future__ import annotations
+
+import random
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from relay.shared.errors import InputError
+
+KINDS = ("429", "500", "503", "reset", "lost", "slow", "refused")
+DEFAULT_RATE_KINDS = ("429", "500", "reset", "lost")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str            # "ok" or one of KINDS
+    slow_s: float = 0.0
+
+
+class FaultPlan:
+    def __init__(self, spec: Optional[dict] = None):
+        spec = dict(spec or {})
+        self.seed = spec.get("seed", 0)
+        self.methods: Dict[str, dict] = spec.get("methods", {})
+        self.upload_fail_midfile = float(spec.get("upload_fail_midfile", 0.0))
+        self.stale_output = bool(spec.get("stale_output", False))
+        self.kill_kernel: Optional[dict] = spec.get("kill_kernel")
+        self.status_lag: dict = dict(spec.get("status_lag") or {})
+        unknown = set(self.status_lag) - {"seconds", "calls", "pinned"}
+        if unknown:
+            raise InputError(f"faults: status_lag: unknown keys {sorted(unknown)} (use seconds, calls, pinned)")
+        self.lag_pinned = bool(self.status_lag.pop("pinned", False))
+        self.latency: dict = dict(spec.get("latency") or {})
+        unknown = set(self.latency) - {"min_s", "max_s"}
+        if unknown:
+            raise InputError(f"faults: latency: unknown keys {sorted(unknown)} (use min_s, max_s)")
+        if not 0 <= float(self.latency.get("min_s", 0)) <= float(self.latency.get("max_s", 0)) or \
+                float(self.latency.get("max_s", 0)) > 60:
+            raise InputError("faults: latency: need 0 <= min_s <= max_s <= 60")
+        self.stream_drop: dict = dict(spec.get("stream_drop") or {})
+        self._streams_cut: set = set()
+        self._lagged: Dict[str, int] = defaultdict(int)  # kernel version -> unpinned calls answered since push
+        self._counts: Dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()
+        self.injected: Dict[str, int] = defaultdict(int)  # kind -> count, for tests and logs
+        for name, rule in self.methods.items():
+            for kind in rule.get("script", []):
+                if kind != "ok" and kind not in KINDS:
+                    raise InputError(f"faults: method {name}: unknown kind {kind!r} (use ok or {', '.join(KINDS)})")
+
+    def _rng(self, *key: object) -> random.Random:
+        return random.Random("/".join(str(k) for k in (self.seed,) + key))
+
+    def decide(self, method: str) -> Fault:
+        rule = self.methods.get(method, self.methods.get("*"))
+        if not rule:
+            return Fault("ok")
+        with self._lock:
+            n = self._counts[method]
+            self._counts[method] += 1
+        script = rule.get("script", [])
+        if n < len(script):
+            kind = script[n]
+        else:
+            kind = self._draw(rule, self._rng(method, n).random())
+        if kind != "ok":
+            with self._lock:
+                self.injected[kind] += 1
+        return Fault(kind, float(rule.get("slow_s", 0.3)) if kind == "slow" else 0.0)
+
+    @staticmethod
+    def _draw(rule: dict, u: float) -> str:
+        if "rate" in rule:
+            kinds = rule.get("kinds", DEFAULT_RATE_KINDS)
+            share = float(rule["rate"]) / len(kinds)
+            weights = {k: share for k in kinds}
+        else:
+            weights = {k: float(rule[k]) for k in KINDS if k in rule}
+        edge = 0.0
+        for kind, weight in weights.items():
+            edge += weight
+            if u < edge:
+                return kind
+        return "ok"
+
+    def delay(self, key: str) -> tuple:
+        """(seconds before handling, seconds after) for one request to `key` (latency)."""
+        if not self.latency:
+            return 0.0, 0.0
+        with self._lock:
+            n = self._counts["latency/" + key]
+            self._counts["latency/" + key] += 1
+        rng = self._rng("latency", key, n)
+        total = rng.uniform(float(self.latency.get("min_s", 0)), float(self.latency["max_s"]))
+        before = total * rng.random()
+        return before, total - before
+
+    def upload_cut(self, token: str, attempt: int, size: int) -> Optional[int]:
+        """How many bytes of this PUT to keep before failing it, or None to let it through."""
+        if size < 2 or self.upload_fail_midfile <= 0:
+            return None
+        rng = self._rng("upload", token, attempt)
+        if rng.random() >= self.upload_fail_midfile:
+            return None
+        with self._lock:
+            self.injected["upload_midfile"] += 1
+        return max(1, min(size - 1, int(size * rng.uniform(0.1, 0.9))))
+
+    def lagging(self, kernel_ref: str, version: int, pushed: float, now: float) -> bool:
+        """Whether an unpinned status/output call now answers the version before `version` (status_lag)."""
+        if not self.status_lag:
+            return False
+        key = f"{kernel_ref}/v{version}"
+        with self._lock:
+            calls = self._lagged[key]
+            self._lagged[key] += 1
+        lag = (now - pushed < float(self.status_lag.get("seconds", 0))
+               or calls < int(self.status_lag.get("calls", 0)))
+        if lag:
+            with self._lock:
+                self.injected["status_lag"] += 1
+        return lag
+
+    def stream_cut(self, kernel_ref: str, version: int) -> Optional[int]:
+        """After how many events to cut this connection of a live log stream (once per version), or None."""
+        if not self.stream_drop:
+            return None
+        with self._lock:
+            if (kernel_ref, version) in self._streams_cut:
+                return None
+            self._streams_cut.add((kernel_ref, version))
+            self.injected["stream_drop"] += 1
+        return int(self.stream_drop.get("after_events", 10))
+
+    def kill_at(self, kernel_ref: str, version: int) -> Optional[float]:
+        """Wall seconds after start at which to SIGKILL this kernel version, or None."""
+        spec = self.kill_kernel
+        if not spec:
+            return None
+        rng = self._rng("kill", kernel_ref, version)
+        if rng.random() >= float(spec.get("probability", 1.0)):
+            return None
+        return rng.uniform(float(spec.get("min_s", 0.0)), float(spec.get("max_s", 1.0)))
+
+
+def from_flags(rate: float = 0.0, seed: int = 0, kinds: Optional[list] = None) -> dict:
+    spec: dict = {"seed": seed, "methods": {}}
+    if rate > 0:
+        spec["methods"]["*"] = {"rate": rate, "kinds": list(kinds or DEFAULT_RATE_KINDS)}
+    return spec

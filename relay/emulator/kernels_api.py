@@ -1,0 +1,260 @@
+"""kernels.KernelsApiService: push (SaveKernel), status, output (paged, with log), pull (GetKernel), list,
+accelerator quota, and the files and log stream behind them."""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import urllib.parse
+from typing import Iterator, Optional
+
+from relay.emulator.protocol import ApiError, Call, duration, file_reply, iso, slug_of, tree_files
+from relay.emulator.config import EmulatorConfig
+from relay.emulator.faults import FaultPlan
+from relay.emulator.runner import KernelRunner, read_log
+from relay.emulator.store import ACTIVE, Store
+
+
+CONCURRENCY_REFUSAL = "Maximum batch GPU session count of {n} reached."
+QUOTA_REFUSAL = ("Accelerator Quota Exceeded: You've exceeded the number of hours allowed to use GPU. "
+                 "Your quota will reset at {when}. You will not be able to commit unless you turn off GPU.")
+META_FIELDS = ("language", "kernelType", "isPrivate", "enableGpu", "enableTpu", "enableInternet", "categoryIds",
+               "datasetDataSources", "kernelDataSources", "competitionDataSources", "modelDataSources",
+               "dockerImage", "machineShape")
+
+
+class KernelsService:
+    def __init__(self, store: Store, config: EmulatorConfig, faults: FaultPlan, runner: KernelRunner):
+        self.store, self.config, self.faults, self.runner = store, config, faults, runner
+
+    # -- SaveKernel ------------------------------------------------------------------------------
+    def SaveKernel(self, call: Call) -> dict:
+        body = call.body
+        ref = self._ref_for_save(call)
+        owner, slug = ref.split("/", 1)
+        if owner != call.user:
+            raise ApiError(403, f"Permission denied: {call.user} cannot push to {owner}'s kernels")
+        title = body.get("newTitle") or slug
+        if len(title) < 5:
+            return {"error": "Title must be at least five characters"}
+        language, kernel_type = body.get("language") or "python", body.get("kernelType") or "script"
+        if language != "python":
+            return {"error": f"The emulator runs python kernels only (got {language})"}
+        text = body.get("text") or ""
+        source = notebook_to_script(text) if kernel_type == "notebook" else text
+        quick = str(body.get("kernelExecutionType", "")).upper() in ("QUICK_SAVE", "3")
+        gpu = bool(body.get("enableGpu"))
+        now = time.time()
+        with self.store.lock:
+            sources, invalid = self._resolve_sources(body, now)
+            if invalid["datasets"] or invalid["kernels"]:
+                return {"error": "Some data sources are missing or not ready",
+                        "invalidDatasetSources": invalid["datasets"], "invalidKernelSources": invalid["kernels"]}
+            if gpu and not quick:
+                refusal = self._refusal(owner, now)
+                if refusal:
+                    return {"error": refusal}
+            kernel = self.store.kernels.get(ref)
+            if kernel is None:
+                kernel = {"id": self.store.new_id(), "owner": owner, "slug": slug, "versions": []}
+                self.store.kernels[ref] = kernel
+            kernel["title"] = title
+            number = len(kernel["versions"]) + 1
+            requested = body.get("sessionTimeoutSeconds") or self.config.session_timeout_s
+            version = {"number": number, "status": "NEW_SCRIPT" if quick else "QUEUED", "failure": "",
+                       "pushed": now, "enable_gpu": gpu, "enable_internet": body.get("enableInternet", True),
+                       "timeout_s": min(float(requested), self.config.session_timeout_s), "sources": sources,
+                       "meta": {k: body[k] for k in META_FIELDS if k in body}, "output_key": secrets.token_hex(12)}
+            directory = self.store.kernel_dir(ref, number)
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "source.py").write_text(source)
+            (directory / "pushed.txt").write_text(text) if kernel_type == "notebook" else None
+            kernel["versions"].append(version)
+            self.store.save()
+        if not quick:
+            self.runner.start(ref, number)
+        return {"ref": f"/code/{ref}", "url": f"{call.base}/code/{ref}", "versionNumber": number,
+                "kernelId": kernel["id"]}
+
+    def _ref_for_save(self, call: Call) -> str:
+        if call.body.get("slug"):
+            ref = str(call.body["slug"])
+            return ref if "/" in ref else f"{call.user}/{ref}"
+        kernel_id = call.body.get("id")
+        for ref, kernel in self.store.kernels.items():
+            if kernel["id"] == kernel_id:
+                return ref
+        raise ApiError(404, f"kernel id {kernel_id} not found")
+
+    def _resolve_sources(self, body: dict, now: float) -> tuple:
+        sources, invalid = [], {"datasets": [], "kernels": []}
+        for ref in body.get("datasetDataSources") or []:
+            ready = self.store.ready_version(ref, now)
+            if ready is None:
+                invalid["datasets"].append(ref)
+            else:
+                sources.append({"kind": "dataset", "ref": ref, "version": ready["number"]})
+        for ref in body.get("kernelDataSources") or []:
+            version = self.store.kernel_version(ref)
+            if version is None:
+                invalid["kernels"].append(ref)
+            else:
+                sources.append({"kind": "kernel", "ref": ref, "version": version["number"]})
+        return sources, invalid
+
+    def _refusal(self, owner: str, now: float) -> Optional[str]:
+        cfg = self.config
+        if self.store.running_gpu_sessions(owner) >= cfg.max_gpu_sessions:
+            return CONCURRENCY_REFUSAL.format(n=cfg.max_gpu_sessions)
+        period = cfg.wall(cfg.quota_period_s)
+        if self.store.gpu_seconds_used(owner, now, period, cfg.time_scale) >= cfg.gpu_quota_s:
+            return QUOTA_REFUSAL.format(when=iso(self.store.quota_window(now, period)[1]))
+        return None
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _lookup(self, call: Call, lag: bool = False) -> tuple:
+        owner = call.body.get("userName") or call.user
+        slug = slug_of(call.body, "kernelSlug")
+        label = call.body.get("versionLabel")
+        if "/" in slug:  # `kernels pull owner/slug/N` sends kernelSlug "slug/N"
+            slug, label = slug.split("/", 1)
+        ref = f"{owner}/{slug}"
+        version = self.store.kernel_version(ref, label)
+        if version is None:
+            raise ApiError(404, f"Kernel {ref} not found" + (f" (version {label})" if label else ""))
+        faults = self.faults
+        newest = version is self.store.kernel_version(ref)
+        if lag and (not label or (faults.lag_pinned and newest)) and version["number"] > 1 and \
+                faults.lagging(ref, version["number"], version["pushed"], time.time()):
+            # status_lag: Kaggle's "latest" (pessimistically: even the newest version asked by its label) still
+            # answers the previous version for a while after a push
+            version = self.store.kernel_version(ref, f"v{version['number'] - 1}")
+        return ref, version
+
+    def GetKernelSessionStatus(self, call: Call) -> dict:
+        _, version = self._lookup(call, lag=True)
+        reply = {"status": version["status"]}
+        if version.get("failure"):
+            reply["failureMessage"] = version["failure"]
+        return reply
+
+    def ListKernelSessionOutput(self, call: Call) -> dict:
+        ref, version = self._lookup(call, lag=True)
+        served = version
+        if self.faults.stale_output and version["status"] == "ERROR":
+            # Kaggle has been seen to return the previous successful run's files after a failure
+            earlier = [v for v in self.store.kernels[ref]["versions"]
+                       if v["number"] < version["number"] and v["status"] == "COMPLETE"]
+            served = earlier[-1] if earlier else version
+        files = [] if served["status"] in ACTIVE else tree_files(self.store.kernel_dir(ref, served["number"]) / "working")
+        size = min(int(call.body.get("pageSize") or 20), 200)
+        start = int(call.body.get("pageToken") or 0)
+        page = files[start:start + size]
+        base = f"{call.base}/files/kout/{ref}/v{served['number']}"
+        reply = {"files": [{"fileName": name, "url": f"{base}/{urllib.parse.quote(name)}?k={served['output_key']}"}
+                           for name, _ in page],
+                 "log": json.dumps(self._log(ref, served["number"]))}
+        if start + size < len(files):
+            reply["nextPageToken"] = str(start + size)
+        return reply
+
+    def _log(self, ref: str, number: int) -> list:
+        live = self.runner.live_log(ref, number)
+        return live if live is not None else read_log(self.store.kernel_dir(ref, number) / "log.json")
+
+    def _metadata(self, ref: str) -> dict:
+        kernel = self.store.kernels[ref]
+        latest = kernel["versions"][-1]
+        meta = {"id": kernel["id"], "ref": ref, "title": kernel["title"], "author": kernel["owner"],
+                "slug": kernel["slug"], "lastRunTime": iso(latest.get("started") or latest["pushed"]),
+                "currentVersionNumber": latest["number"], "language": "python", "kernelType": "script"}
+        meta.update(latest["meta"])
+        return meta
+
+    def GetKernel(self, call: Call) -> dict:
+        ref, version = self._lookup(call)
+        directory = self.store.kernel_dir(ref, version["number"])
+        pushed = directory / "pushed.txt"
+        source = (pushed if pushed.exists() else directory / "source.py").read_text()
+        meta = self._metadata(ref)
+        return {"metadata": meta, "blob": {"source": source, "language": meta.get("language", "python"),
+                                           "kernelType": meta.get("kernelType", "script"),
+                                           "slug": self.store.kernels[ref]["slug"]}}
+
+    def ListKernels(self, call: Call) -> dict:
+        user = call.body.get("user") or call.user
+        search = (call.body.get("search") or "").lower()
+        refs = sorted(r for r, k in self.store.kernels.items()
+                      if k["owner"] == user and search in r.lower() and k["versions"])
+        return {"kernels": [self._metadata(r) for r in refs]}
+
+    def GetAcceleratorQuotaStatistics(self, call: Call) -> dict:
+        cfg, now = self.config, time.time()
+        period = cfg.wall(cfg.quota_period_s)
+        used = self.store.gpu_seconds_used(call.user, now, period, cfg.time_scale)
+        has_run = any(e["owner"] == call.user for e in self.store.data["quota"])
+        return {"quotaRefreshTime": iso(self.store.quota_window(now, period)[1]),
+                "gpuQuota": {"timeUsed": duration(used), "timeReserved": duration(0),
+                             "totalTimeAllowed": duration(cfg.gpu_quota_s),
+                             "minimumTimeAllowed": duration(cfg.gpu_quota_s), "hasEverRun": has_run},
+                "tpuQuota": {"timeUsed": duration(0), "timeReserved": duration(0),
+                             "totalTimeAllowed": duration(20 * 3600), "minimumTimeAllowed": duration(20 * 3600)}}
+
+    # -- plain GETs ------------------------------------------------------------------------------
+    def output_file(self, parts: list, query: dict, headers: dict):
+        """GET /files/kout/<owner>/<slug>/v<N>/<path>?k=<key>: no auth, the key in the url is the capability."""
+        if len(parts) < 4:
+            raise ApiError(404, "not found")
+        ref, label, rel = f"{parts[0]}/{parts[1]}", parts[2], parts[3:]
+        version = self.store.kernel_version(ref, label)
+        if version is None or query.get("k") != version["output_key"] or ".." in rel:
+            raise ApiError(404, "not found")
+        return file_reply(self.store.kernel_dir(ref, version["number"]) / "working" / "/".join(rel), headers)
+
+    def log_stream(self, owner: str, slug: str, timeout: float = 600.0) -> tuple[str, Iterator[bytes]]:
+        """GET /api/v1/kernels/logs/stream/<owner>/<slug> as Kaggle serves it: while the session runs, server-sent
+        events (one `data: {json}` per log line, replayed from the start on every connection, `data: END_OF_LOG`
+        when it ends); once it is done, the stored log as one JSON array (not SSE). The `stream_drop` fault cuts
+        a live stream after some events (a load balancer's idle cut): the client reconnects."""
+        ref = f"{owner}/{slug}"
+        version = self.store.kernel_version(ref)
+        if version is None:
+            raise ApiError(404, f"Kernel {ref} not found")
+        if version["status"] not in ACTIVE:
+            return "application/json", iter([json.dumps(self._log(ref, version["number"])).encode()])
+        return "text/event-stream", self._events(ref, version, timeout)
+
+    def _events(self, ref: str, version: dict, timeout: float) -> Iterator[bytes]:
+        cut = self.faults.stream_cut(ref, version["number"])
+        sent, deadline, quiet = 0, time.time() + timeout, 0
+        while True:
+            entries = self._log(ref, version["number"])
+            for entry in entries[sent:]:
+                if cut is not None and sent >= cut:
+                    raise ConnectionAbortedError("stream_drop")
+                yield f"data: {json.dumps(entry)}\n\n".encode()
+                sent, quiet = sent + 1, 0
+            if version["status"] not in ACTIVE or time.time() > deadline:
+                yield b"data: END_OF_LOG\n\n"
+                return
+            quiet += 1
+            if quiet % 5 == 0:  # a keep-alive comment each second of silence (the client reads 512-byte chunks)
+                yield b":" + b" " * 509 + b"\n\n"
+            time.sleep(0.2)
+
+
+def notebook_to_script(text: str) -> str:
+    """The code cells of an .ipynb, in order; shell (!) and magic (%) lines are commented out."""
+    try:
+        cells = json.loads(text).get("cells", [])
+    except ValueError:
+        return text
+    lines = []
+    for cell in cells:
+        if cell.get("cell_type") != "code":
+            continue
+        source = cell.get("source", "")
+        source = "".join(source) if isinstance(source, list) else source
+        lines += [("# " + line) if line.lstrip().startswith(("!", "%")) else line for line in source.splitlines()]
+        lines.append("")
+    return "\n".join(lines) + "\n"

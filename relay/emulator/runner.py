@@ -1,0 +1,219 @@
+"""Runs pushed kernels as local processes, the way a Kaggle session would.
+
+Each version runs `sys.executable source.py` (so it gets this venv) in its own process group, cwd = its working
+folder, with mounted inputs under input/<slug> named by KAGGLE_INPUT_DIR and the working folder by
+KAGGLE_WORKING_DIR; the environment is built from scratch, so no credential of the emulator's host process
+reaches a kernel. Enforced: the session timeout (SIGTERM to the group, grace, SIGKILL; the output is what the
+working folder holds then), the output cap, injected kills; GPU wall time is charged to the quota ledger.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from relay.emulator.config import EmulatorConfig
+from relay.emulator.faults import FaultPlan
+from relay.emulator.protocol import tree_size
+from relay.emulator.store import Store, write_json
+
+log = logging.getLogger(__name__)
+NO_INTERNET_PROXY = "http://127.0.0.1:9"  # a closed port: well-behaved HTTP clients fail fast, as offline
+# What Kaggle shows for a batch run stopped at the session limit: status CANCEL_ACKNOWLEDGED and this message
+SESSION_LIMIT_STATUS = "CANCEL_ACKNOWLEDGED"
+SESSION_LIMIT_MESSAGE = "Your notebook was stopped because it exceeded the max allowed execution duration"
+
+
+class KernelRunner:
+    def __init__(self, store: Store, config: EmulatorConfig, faults: FaultPlan):
+        self.store, self.config, self.faults = store, config, faults
+        self.stopping = threading.Event()
+        self.threads: Dict[str, threading.Thread] = {}
+        self.logs: Dict[str, List[dict]] = {}   # live logs of versions in flight
+        self.expired: set = set()               # versions whose session limit was moved to now (expire_now)
+        self.lock = threading.Lock()
+
+    def start(self, ref: str, number: int) -> None:
+        key = f"{ref}/v{number}"
+        thread = threading.Thread(target=self._guarded, args=(ref, number), name=f"kernel {key}", daemon=True)
+        with self.lock:
+            self.threads[key] = thread
+            self.logs[key] = []
+        thread.start()
+
+    def expire_now(self, ref: str, number: int) -> None:
+        """Reach version `number`'s session limit now (SIGTERM, grace, SIGKILL, CANCEL_ACKNOWLEDGED), as if its
+        time were up: tests trigger the timeout on an event instead of waiting a machine-dependent time."""
+        with self.lock:
+            self.expired.add(f"{ref}/v{number}")
+
+    def live_log(self, ref: str, number: int) -> Optional[List[dict]]:
+        with self.lock:
+            entries = self.logs.get(f"{ref}/v{number}")
+            return list(entries) if entries is not None else None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.stopping.set()
+        for thread in list(self.threads.values()):
+            thread.join(timeout)
+
+    # -- one session -----------------------------------------------------------------------------
+    def _guarded(self, ref: str, number: int) -> None:
+        try:
+            self._run(ref, number)
+        except Exception as exc:  # noqa: BLE001 - a runner bug must end the session, not hang it
+            log.exception("kernel %s v%d: runner failed", ref, number)
+            self._finish(ref, number, "ERROR", f"emulator runner error: {exc}", None, [])
+
+    def _run(self, ref: str, number: int) -> None:
+        version = self.store.kernel_version(ref, f"v{number}")
+        if self.stopping.wait(self.config.queue_delay):
+            return self._finish(ref, number, "ERROR", "The emulator stopped before this session ran.", None, [])
+        base = self.store.kernel_dir(ref, number)
+        working, inputs = base / "working", base / "input"
+        for folder in (working, inputs, base / "home", base / "tmp"):
+            folder.mkdir(parents=True, exist_ok=True)
+        self._mount(version, inputs)
+        with self.store.lock:
+            version.update(status="RUNNING", started=time.time())
+            self.store.save()
+        started = version["started"]
+        entries = self.logs[f"{ref}/v{number}"]
+        proc = subprocess.Popen([sys.executable, "-u", str(base / "source.py")], cwd=working,
+                                env=self._env(version, base), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        readers = [threading.Thread(target=self._collect, args=(stream, name, started, entries), daemon=True)
+                   for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
+        for reader in readers:
+            reader.start()
+        reason = self._supervise(proc, ref, number, started, version["timeout_s"], working)
+        for reader in readers:
+            reader.join(5)
+        rc = proc.returncode
+        if reason is None and rc == 0:
+            return self._finish(ref, number, "COMPLETE", "", rc, entries)
+        if reason == SESSION_LIMIT_MESSAGE:
+            if not self.config.timeout_keeps_output:
+                shutil.rmtree(working, ignore_errors=True)
+                working.mkdir()
+            return self._finish(ref, number, SESSION_LIMIT_STATUS, reason, rc, entries)
+        message = reason or f"Kernel exited with code {rc}"
+        return self._finish(ref, number, "ERROR", message, rc, entries)
+
+    def _supervise(self, proc: subprocess.Popen, ref: str, number: int, started: float,
+                   timeout_s: float, working: Path) -> Optional[str]:
+        deadline = started + self.config.wall(timeout_s)
+        kill_at = self.faults.kill_at(ref, number)
+        next_size_check = 0.0
+        key = f"{ref}/v{number}"
+        while proc.poll() is None:
+            now = time.time()
+            if now >= deadline or key in self.expired:
+                self._terminate(proc)
+                return SESSION_LIMIT_MESSAGE
+            if kill_at is not None and now - started >= kill_at:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+                return "The kernel was killed (injected fault)."
+            if self.stopping.is_set():
+                self._terminate(proc, grace=min(1.0, self.config.sigterm_grace))
+                return "The emulator stopped while this session ran."
+            if now >= next_size_check:
+                next_size_check = now + 0.5
+                if tree_size(working) > self.config.output_cap_bytes:
+                    self._terminate(proc)
+                    return f"Output exceeds the {self.config.output_cap_bytes / 1e9:g} GB limit of the working folder."
+            time.sleep(0.05)
+        _signal_group(proc, signal.SIGKILL)  # leftovers the kernel started must not outlive it
+        if tree_size(working) > self.config.output_cap_bytes:
+            return f"Output exceeds the {self.config.output_cap_bytes / 1e9:g} GB limit of the working folder."
+        return None
+
+    def _terminate(self, proc: subprocess.Popen, grace: Optional[float] = None) -> None:
+        _signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(self.config.sigterm_grace if grace is None else grace)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+
+    @staticmethod
+    def _collect(stream, name: str, started: float, entries: List[dict]) -> None:
+        for raw in iter(stream.readline, b""):
+            entries.append({"stream_name": name, "time": round(time.time() - started, 3),
+                            "data": raw.decode("utf-8", "replace")})
+        stream.close()
+
+    def _finish(self, ref: str, number: int, status: str, failure: str, rc: Optional[int], entries: list) -> None:
+        version = self.store.kernel_version(ref, f"v{number}")
+        ended = time.time()
+        write_json(self.store.kernel_dir(ref, number) / "log.json", entries)
+        with self.store.lock:  # one step: a reader never sees the run ended but not yet charged (quota 0)
+            version.update(status=status, failure=failure, ended=ended, exit_code=rc)
+            if version.get("enable_gpu") and version.get("started"):
+                self.store.charge(self.store.kernels[ref]["owner"], ref, number, version["started"], ended,
+                                  self.config.time_scale)
+            self.store.save()
+        with self.lock:
+            self.logs.pop(f"{ref}/v{number}", None)
+        log.info("kernel %s v%d: %s %s", ref, number, status, failure)
+
+    # -- environment -----------------------------------------------------------------------------
+    def _mount(self, version: dict, inputs: Path) -> None:
+        for source in version["sources"]:
+            owner, slug = source["ref"].split("/", 1)
+            if self.config.mount_layout == "nested":  # Kaggle's layout since 2026-08
+                folder = "datasets" if source["kind"] == "dataset" else "notebooks"
+                target = inputs / folder / owner / slug
+            else:                                     # older images: <input>/<slug>
+                target = inputs / slug
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.exists():
+                continue
+            if source["kind"] == "dataset":
+                origin = self.store.dataset_dir(source["ref"], source["version"])
+            else:
+                origin = self.store.kernel_dir(source["ref"], source["version"]) / "working"
+            shutil.copytree(origin, target, copy_function=_link_or_copy, symlinks=False)
+
+    def _env(self, version: dict, base: Path) -> dict:
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(base / "home"),
+               "TMPDIR": str(base / "tmp"), "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1",
+               "KAGGLE_INPUT_DIR": str(base / "input"), "KAGGLE_WORKING_DIR": str(base / "working"),
+               "KAGGLE_KERNEL_RUN_TYPE": "Batch", "KAGGLE_EMULATOR": "1"}
+        if not version.get("enable_internet"):
+            for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+                env[name] = NO_INTERNET_PROXY
+        env.update(self.config.kernel_env)
+        return env
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard links keep mounting a large checkpoint cheap; fall back to a copy across filesystems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def read_log(path: Path) -> list:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []

@@ -1,5 +1,0 @@
-import sys
-
-from relay.kaggle.emulator.cli import main
-
-sys.exit(main())

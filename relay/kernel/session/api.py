@@ -1,0 +1,486 @@
+"""The Session API: a plain PyTorch loop relayed across quota-sized sessions with exact resume.
+
+    session = relay.open_session(total_steps=1000)        # what the relay passes, or local defaults
+    session.register(model=model, optimizer=opt, scheduler=sched)
+    session.restore()                                     # newest VALID checkpoint + RNG; returns the step
+    for idx in session.batches(len(dataset), batch_size=32):   # step-derived order, until should_stop()
+        loss = train_step([dataset[i] for i in idx])
+        session.step_done(loss=loss)                      # step time, metrics.jsonl, periodic insurance save
+    session.close()                                       # final save, progress.json (done or paused)
+
+Under `relay train` (locally or in a Kaggle kernel) the session reads its settings from the RELAY_SESSION
+environment variable (relay.kernel.usercode.session_config); run by hand it trains in ./relay-run with no deadline,
+so the same script runs on a laptop, in the emulator and on Kaggle. A SIGTERM only sets a flag; the save
+happens at the next step boundary (never inside the handler: Lightning #21406). The stop is decided from
+the measured step and save times (relay.kernel.session.budget.SessionClock), not a fixed lead.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from relay.shared.errors import InputError
+from relay.kernel.session import api_distributed, checkpoint, data, distributed, trace
+from relay.shared import atomic
+from relay.kernel.session.api_distributed import unwrap
+from relay.kernel.session.budget import SessionClock
+from relay.kernel.session.divergence import DivergenceGuard
+from relay.kernel.session.loop import rng_state, set_rng_state
+from relay.shared.progress_line import ProgressLines
+from relay.kernel.session.run import disk_besides, pick_device, seed_everything
+from relay.kernel.session.tracking import Trackers
+from relay.shared.version import code_version
+
+log = logging.getLogger(__name__)
+
+ENV = "RELAY_SESSION"
+_opened: list["Session"] = []
+
+
+def sessions_opened() -> int:
+    return len(_opened)
+
+
+def close_open_sessions() -> None:
+    for s in _opened:
+        if not s.closed:
+            log.warning("the script did not call session.close(); closing it now")
+            s.close()
+
+
+def open_session(total_steps: Optional[int] = None, *, workdir: Optional[str] = None, seed: int = 0,
+                 log_every: int = 10, save_every: float = 1800.0, **overrides) -> "Session":
+    """A session from what the relay passes (env RELAY_SESSION), else from these arguments.
+    Under the relay the spec's values win (optim.max_steps is the run's total_steps, `seed` the spec's).
+    Seeds python, numpy and torch from `seed`: build the model after this call. Under several processes
+    (WORLD_SIZE > 1, set by `relay train` with session.devices: N) it joins the process group first."""
+    config = {"workdir": workdir or "relay-run", "total_steps": total_steps, "seed": seed,
+              "log_every": log_every, "save_every": save_every, "safety_margin": 60.0, "keep_last": 2,
+              "disk_budget_gb": 20.0, "digest": "crc32", "resume_from": [], "features": [], **overrides}
+    if os.environ.get(ENV):
+        relayed = {k: v for k, v in json.loads(os.environ[ENV]).items() if v is not None}
+        if total_steps is not None and relayed.get("total_steps") not in (None, total_steps):
+            log.warning("open_session(total_steps=%d): the spec's optim.max_steps (%d) wins",
+                        total_steps, relayed["total_steps"])
+        config.update(relayed)
+    if not config.get("total_steps"):
+        raise InputError("relay.open_session: total_steps is unknown: pass open_session(total_steps=N)"
+                         " or set optim.max_steps in the spec")
+    world, device = api_distributed.join_world(pick_device())
+    session = Session(config, world, device)
+    seed_everything(int(config["seed"]))  # a fresh run is reproducible; restore() replaces all three RNGs
+    _opened.append(session)
+    return session
+
+
+class Session:
+    def __init__(self, config: dict, world: distributed.World = distributed.SINGLE,
+                 device: Optional[torch.device] = None):
+        self.config = config
+        self.world = world  # rank 0 alone writes checkpoints, metrics.jsonl, progress.json and the export
+        self.device = device or pick_device()  # where this rank trains (cuda:LOCAL_RANK under several GPUs)
+        self._agreement = api_distributed.StepAgreement(world, self.device if self.device.type == "cuda"
+                                                        else torch.device("cpu"))
+        self.workdir = Path(config["workdir"])
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.total_steps = int(config["total_steps"])
+        self.run_id = config.get("run_id")
+        self.data_dir = Path(config["data"]) if config.get("data") else None
+        self.feature_dirs = [Path(p) for p in config.get("features", [])]
+        if config.get("threads"):
+            torch.set_num_threads(int(config["threads"]))
+        self.clock = SessionClock(config.get("budget"), config.get("deadline"), float(config["safety_margin"]),
+                                  max_steps=config.get("max_steps"))
+        self.clock.install_signal_handlers()
+        self.objects: dict[str, Any] = {}
+        self.weights_model: Optional[torch.nn.Module] = None  # whose weights_sha256/export (default: registered)
+        self.export_extras: list = []  # objects with save_pretrained() exported beside it (a tokenizer)
+        self.step = 0
+        self.stop_reason: Optional[str] = None
+        self.closed = False
+        self._book = {"sessions": [], "best": None, "last_eval": {}}
+        self._record: dict = {}
+        self._losses: list = []
+        self._mark = time.perf_counter()
+        self._last_save = time.monotonic()
+        self._saved_step: Optional[int] = None
+        self._schedule: Optional[data.StepSchedule] = None
+        self._session_samples = 0
+        self._train_seconds = 0.0
+        self._metrics = self.workdir / "metrics.jsonl"
+        self._progress: Optional[ProgressLines] = None  # from restore() on
+        self._divergence = DivergenceGuard() if config.get("stop_on_divergence", True) else None
+        self.diverged: Optional[str] = None  # why the session stopped itself on a diverging loss
+        self._trace = trace.StepTrace.from_env()  # per-step fingerprints, under `relay verify-resume` only
+        self.trackers = Trackers(config.get("tracking"), self.workdir, main=world.main,
+                                 internet=bool(config.get("internet")))  # started by restore()
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        """Where your own SummaryWriter / Lightning TensorBoardLogger writes, to be one run with the relay's."""
+        return self.trackers.tensorboard_dir
+
+    def track_writer(self, writer: Any) -> Any:
+        """Your own SummaryWriter (on session.tensorboard_dir): flushed before every checkpoint commits, so a
+        SIGKILL after a save loses none of the steps the checkpoint covers. Returns it."""
+        self.trackers.writers.append(writer)
+        return writer
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.world.size
+
+    # -- state ------------------------------------------------------------------------------------------
+    def register(self, **objects: Any) -> None:
+        """Objects saved and restored by name: anything with state_dict() / load_state_dict()."""
+        for name, obj in objects.items():
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"session.register({name}=...): {type(obj).__name__} has no state_dict/load_state_dict")
+            self.objects[name] = obj
+
+    def restore(self) -> int:
+        """Load the newest valid checkpoint (own workdir, then the relay's resume folders) into the registered
+        objects and the RNGs; start this session's record. Returns the step to continue from (0 when fresh)."""
+        restored = checkpoint.load_resume(self.workdir / "checkpoints",
+                                           [Path(p) for p in self.config["resume_from"]])
+        resumed = restored is not None
+        if self.world.main:
+            self._carry_metrics()
+        if restored:
+            ckpt, state = restored
+            saved, here = set(state["objects"]), set(self.objects)
+            if saved != here:  # lesson 6 of the anchors: say what changed rather than resume half a state
+                raise InputError(f"{ckpt.path}: holds {sorted(saved)} but the script registered {sorted(here)}")
+            for name, obj in self.objects.items():
+                saved_state = state["objects"][name]
+                if not (isinstance(saved_state, dict) and not saved_state):  # a disabled GradScaler saves {}
+                    unwrap(obj).load_state_dict(saved_state)  # and refuses to load it
+            self._book = dict(state["relay"])
+            self._losses = list(self._book.pop("window_losses", []))  # the logging window a resume cut
+            self.step = self._saved_step = int(self._book["global_step"])
+            rngs = state.get("rng_ranks") or [state["rng"]]
+            if self.world.rank < len(rngs):
+                set_rng_state(rngs[self.world.rank], self._device())
+            else:  # a rank the saving session did not have (the world grew): exactness is lost already
+                seed_everything(distributed.rank_seed(int(self.config["seed"]) + self.step, self.world.rank))
+            if self._book.get("threads") not in (None, torch.get_num_threads()):
+                log.warning("resuming with %d threads, saved with %s: results will not be bit-identical",
+                            torch.get_num_threads(), self._book.get("threads"))
+            log.info("resumed from %s (step %d)", ckpt.path, self.step)
+            del restored, state
+        elif self.world.rank:  # the same initial weights on every rank (seeded alike), then each its own RNG
+            seed_everything(distributed.rank_seed(int(self.config["seed"]), self.world.rank))
+        self._check_world_size()
+        model_bytes = sum(p.nbytes for o in self.objects.values() if isinstance(o, torch.nn.Module)
+                          for p in o.parameters())
+        self.clock.estimated_save_seconds = 0.2 + 3 * model_bytes / 200e6  # until a save is measured
+        sessions = self._book["sessions"]
+        self.run_id = self.run_id or (sessions[-1].get("run_id") if sessions else None)
+        self._record = {"index": len(sessions) + 1, "run_id": self.run_id, "started": self.clock.started,
+                        "step_start": self.step, "stop_reason": "running", "world_size": self.world.size}
+        self._progress = ProgressLines(self._record["index"], self.step, self.total_steps, self.clock.remaining,
+                                       run_id=self.run_id)
+        sessions.append(self._record)
+        self.trackers.start(self.step, self._book.setdefault("tracking", {}),
+                            [Path(p) for p in self.config["resume_from"]], name=self.config.get("name"),
+                            current_step=lambda: self.step)
+        if self._trace:
+            self._trace.start(self, resumed=resumed)
+        self._mark = time.perf_counter()
+        return self.step
+
+    def _check_world_size(self) -> None:
+        """Resumed with another number of processes: the effective batch (what batches() is given) is kept;
+        progress.json says from which step the run is no longer bit-identical to an uninterrupted one."""
+        saved = int(self._book.get("world_size") or 1)
+        if "global_step" in self._book and saved != self.world.size:
+            why = f"world size changed from {saved} to {self.world.size} processes"
+            log.warning("%s at step %d: the effective batch is kept, but the run is no longer bit-identical to"
+                        " an uninterrupted one", why, self.step)
+            self._book["exactness_lost"] = self._book.get("exactness_lost") or {"step": self.step, "why": why}
+        self._book["world_size"] = self.world.size
+
+    # -- data -------------------------------------------------------------------------------------------
+    def batch_indices(self, n_samples: int, batch_size: int, seed: Optional[int] = None) -> list[int]:
+        """The sample indices of the current step: epoch e is a permutation seeded by (seed, e), so any step's
+        batch costs one permutation (O(1) in the step), never a replay of the batches before it. With several
+        processes, `batch_size` is the effective batch and rank r gets the r-th equal slice of it."""
+        seed = self.config["seed"] if seed is None else seed
+        api_distributed.rank_batch(self.world, batch_size)
+        s = self._schedule
+        if s is None or (s.n_samples, s.effective_batch, s.seed) != (n_samples, batch_size, seed):
+            self._schedule = s = data.StepSchedule(n_samples, batch_size, seed, setting="batch_size")
+        indices = data.rank_indices(s, self.step, self.world.rank, self.world.size)
+        if self._trace:
+            self._trace.batch(indices)
+        return indices
+
+    def batches(self, n_samples: int, batch_size: int, seed: Optional[int] = None) -> Iterator[list[int]]:
+        """The current step's indices, until should_stop(); call step_done() after each."""
+        while not self.should_stop():
+            yield self.batch_indices(n_samples, batch_size, seed)
+
+    def batch_sampler(self, n_samples: int, batch_size: int, seed: Optional[int] = None) -> "RunBatchSampler":
+        """A DataLoader batch_sampler for trainers that own the loop (Lightning): each iteration starts at the
+        session's current step, in the same step-derived order as batches(); its length is the whole run, so
+        a trainer that resumes mid-"epoch" counts the remaining batches right and never starts a second pass."""
+        self.batch_indices(n_samples, batch_size, seed)  # builds the schedule
+        return RunBatchSampler(self, self._schedule)
+
+    @property
+    def epoch(self) -> int:
+        return self._schedule.epoch_of(self.step) if self._schedule else 0
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def should_stop(self) -> bool:
+        """True when the work is done, the session's step cap is reached, a SIGTERM came, or one more step
+        plus the final save would not fit before the deadline. With several processes every rank gets the
+        same answer: a SIGTERM to any rank, rank 0's clock for the budget."""
+        if self.step >= self.total_steps:
+            self.stop_reason = "done"
+        elif self.diverged:
+            self.stop_reason = "diverged"
+        elif self.world.size > 1:
+            self.stop_reason = self._agreement.stop_reason(self.step, self.clock.should_stop())
+        else:
+            self.stop_reason = self.clock.should_stop()
+        return self.stop_reason is not None
+
+    def step_done(self, loss: Any = None, *, save: bool = True, samples: Optional[int] = None,
+                  **metrics: float) -> None:
+        """Count one optimizer step: its time (from the previous step_done, data loading included),
+        its loss into metrics.jsonl every `log_every` steps, and a periodic insurance save. `samples`: the
+        step's batch, for samples/s, when the script does not take its batches from session.batches()."""
+        now = time.perf_counter()
+        self.clock.record_step(now - self._mark)
+        self._train_seconds += now - self._mark
+        if self._trace:
+            self._trace.step_done(self, loss, sys._getframe(1))
+        self.step += 1
+        if samples is not None or self._schedule is not None:
+            self._session_samples += samples if samples is not None else self._schedule.effective_batch
+        if loss is not None:
+            self._losses.append(loss)
+            if self._divergence is not None and self.world.size == 1 and self.diverged is None:
+                self.diverged = self._divergence.update(self.step, loss)
+        if self.world.size > 1:
+            return self._step_done_together(save, metrics)
+        if (self._losses or metrics) and (self.step % int(self.config["log_every"]) == 0
+                                          or self.step == self.total_steps):
+            losses = [float(x) for x in self._losses]
+            self._losses.clear()
+            self.log("train", loss=sum(losses) / len(losses) if losses else None, **metrics)
+        if save and self.insurance_due():
+            self.save("periodic")
+        self._mark = time.perf_counter()
+
+    def _step_done_together(self, save: bool, metrics: dict) -> None:
+        """step_done's logging and insurance save, agreed by every rank in one all-reduce."""
+        log_due = self.step % int(self.config["log_every"]) == 0 or self.step == self.total_steps
+        clock_reason = None if self.step >= self.total_steps else self.clock.should_stop()
+        _, save_now, mean = self._agreement.decide(self.step, clock_reason, save and self.insurance_due(),
+                                                   self._losses if log_due else None)
+        if log_due:
+            self._losses.clear()
+            if mean is not None or metrics:
+                self.log("train", loss=mean, **metrics)
+        if save_now:
+            self.save("periodic")
+        self._mark = time.perf_counter()
+
+    def insurance_due(self) -> bool:
+        """A periodic save is due (session.save_every since the last one): insurance against a SIGKILL."""
+        return time.monotonic() - self._last_save >= float(self.config["save_every"])
+
+    def log(self, kind: str = "train", **values: Any) -> None:
+        """One metrics.jsonl record at the current step; `kind="eval"` records become progress metrics."""
+        record = {"session": self._record.get("index"), "time": round(time.time(), 3), "kind": kind,
+                  "step": self.step, "epoch": self.epoch, **values}
+        if kind == "train":
+            self._record["loss_end"] = values.get("loss")
+        elif kind == "eval":
+            self._book["last_eval"] = {"step": self.step, **values}
+        if not self.world.main:
+            return
+        with open(self._metrics, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        speed = self._session_samples / self._train_seconds if self._train_seconds and self._session_samples else None
+        if self._progress is not None:
+            self._progress({**record, "samples_per_s": speed} if speed else record)
+        if self.trackers.enabled:
+            self.trackers.log({**record, **self._train_extras(speed)} if kind == "train" else record)
+
+    def _train_extras(self, speed: Optional[float]) -> dict:
+        """What a tracker shows beside a train record: samples/s and the first registered optimizer's lr."""
+        extras = {"samples_per_s": speed} if speed else {}
+        opt = next((o for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)), None)
+        if opt is not None and "lr" not in extras:
+            extras["lr"] = float(opt.param_groups[0]["lr"])
+        return extras
+
+    # -- saving -----------------------------------------------------------------------------------------
+    def save(self, reason: str = "manual", started: Optional[float] = None) -> Optional[checkpoint.Checkpoint]:
+        """An atomic checkpoint of the registered objects, the RNGs and the relay's bookkeeping. With several
+        processes every rank calls it: rank 0 writes it, with every rank's RNG (`rng_ranks`), while the
+        others wait at a barrier and get None. `started` (time.perf_counter()): when a trainer began writing
+        its own checkpoint that this one packs; the clock plans the final save with both phases."""
+        t0 = time.perf_counter() if started is None else started
+        self._update_record(reason)
+        self._book.update(global_step=self.step, threads=torch.get_num_threads(),
+                          window_losses=[float(x) for x in self._losses])  # logged exactly after a resume
+        rngs = distributed.gather(self.world, rng_state(self._device()))
+        ckpt = None
+        if self.world.main:
+            self.trackers.flush()  # what this checkpoint covers is on disk before it commits
+            state = {"objects": {n: unwrap(o).state_dict() for n, o in self.objects.items()},
+                     "rng": rngs[0], "relay": self._book}
+            if self.world.size > 1:
+                state["rng_ranks"] = rngs
+            c = self.config
+            ckpt = checkpoint.save(self.workdir / "checkpoints", state, step=self.step,
+                                   meta={"run_id": self.run_id, "code_version": code_version(), "reason": reason,
+                                         "epoch": self.epoch, "best": self._book.get("best")},
+                                   disk_budget_bytes=int(float(c["disk_budget_gb"]) * 1e9),
+                                   keep_last=int(c["keep_last"]), digest=c["digest"],
+                                   besides_bytes=disk_besides(self.workdir, self.workdir / "checkpoints",
+                                                              self._model(), reason))
+        seconds = time.perf_counter() - t0
+        self.clock.record_save(seconds)
+        self._record["save_seconds"] = round(seconds, 3)
+        self._last_save, self._saved_step = time.monotonic(), self.step
+        if ckpt is not None:
+            self._write_progress(ckpt, "paused", reason)
+        distributed.barrier(self.world)
+        return ckpt
+
+    def close(self) -> dict:
+        """Final save (unless this step is saved already), export when done, progress.json. Returns it."""
+        if self.closed:
+            return json.loads((self.workdir / "progress.json").read_text())
+        try:
+            reason = self.stop_reason or ("done" if self.step >= self.total_steps else "stopped")
+            if not self._record:
+                raise InputError("session.close() before session.restore(): call restore() once after register()")
+            unsaved = self._saved_step != self.step or not checkpoint.list_valid(self.workdir / "checkpoints")
+            if distributed.broadcast(self.world, unsaved):  # rank 0's view: every rank must take part
+                self.save(reason)
+            else:
+                self._update_record(reason)
+            done = self.step >= self.total_steps
+            if not self.world.main:  # rank 0 exports and writes progress.json; every rank leaves together
+                distributed.barrier(self.world)
+                return json.loads((self.workdir / "progress.json").read_text())
+            model = self._model()
+            weights = checkpoint.weights_sha256(model.state_dict()) if model is not None else None
+            if done and model is not None:
+                checkpoint.export_atomic(self.workdir / "export", lambda out: _export(model, out, self.export_extras))
+            checkpoint.wait_for_deletions()
+            progress = self._write_progress(checkpoint.list_valid(self.workdir / "checkpoints")[0],
+                                            "done" if done else "paused", reason, weights)
+            self._progress.end(self.step, progress["status"], reason)
+            distributed.barrier(self.world)
+            return progress
+        finally:
+            self.closed = True
+            self.clock.restore_signal_handlers()
+            self.trackers.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # mid-step state is not worth saving; the last checkpoint stands
+            self.closed = True
+            self.clock.restore_signal_handlers()
+            self.trackers.close()
+
+    # -- helpers ----------------------------------------------------------------------------------------
+    def _model(self) -> Optional[torch.nn.Module]:
+        if self.weights_model is not None:
+            return unwrap(self.weights_model)
+        if isinstance(self.objects.get("model"), torch.nn.Module):
+            return unwrap(self.objects["model"])
+        return next((unwrap(o) for o in self.objects.values() if isinstance(o, torch.nn.Module)), None)
+
+    def _device(self) -> torch.device:
+        model = self._model()
+        p = next(model.parameters(), None) if model is not None else None
+        return p.device if p is not None else torch.device("cpu")
+
+
+    def _carry_metrics(self) -> None:
+        """A fresh kernel workdir starts with the run's metrics so far (the loss curve spans all sessions)."""
+        if self._metrics.exists():
+            return
+        for source in self.config["resume_from"]:
+            if (Path(source) / "metrics.jsonl").is_file():
+                shutil.copyfile(Path(source) / "metrics.jsonl", self._metrics)
+                return
+
+    def _update_record(self, reason: str) -> None:
+        self._record.update(
+            ended=time.time(), seconds=round(self.clock.elapsed(), 3), step_end=self.step,
+            samples_per_s=(round(self._session_samples / max(1e-9, self._train_seconds), 2)
+                           if self._session_samples else None),  # unknown without batches() or samples=
+            stop_reason=reason if reason in ("budget", "steps", "sigterm", "done", "diverged") else "running",
+            **({"diverged": self.diverged} if self.diverged else {}),
+            save_seconds=self._record.get("save_seconds", round(self.clock.save_seconds or 0.0, 3)))
+
+    def _write_progress(self, ckpt, status: str, reason: str, weights: Optional[str] = None) -> dict:
+        """progress.json in the format relay.kernel.session.run writes, so tables, plots and handoff work unchanged."""
+        sessions = self._book["sessions"]
+        progress = {
+            "status": status, "stop_reason": reason, "run_id": self.run_id, "name": self.config.get("name"),
+            "code_version": code_version(), "global_step": self.step, "total_steps": self.total_steps,
+            "epoch": self.epoch,
+            "steps_per_epoch": self._schedule.steps_per_epoch if self._schedule else None,
+            "metrics": self._book.get("last_eval") or {}, "best": self._book.get("best"),
+            "micro_batch": self._schedule.effective_batch // self.world.size if self._schedule else None,
+            "grad_accum": 1, "precision": None,
+            "world_size": self.world.size, "exactness_lost": self._book.get("exactness_lost"),
+            "checkpoint": (str(ckpt.path.relative_to(self.workdir)) if ckpt.path.is_relative_to(self.workdir)
+                           else str(ckpt.path)),
+            "weights_sha256": weights, "sessions": sessions, "tracking": self._book.get("tracking"),
+            "total_seconds": round(sum(s.get("seconds", 0.0) for s in sessions), 3),
+        }
+        atomic.write_json(self.workdir / "progress.json", progress)
+        return progress
+
+
+class RunBatchSampler(torch.utils.data.Sampler):
+    def __init__(self, session: Session, schedule: data.StepSchedule):
+        self.session, self.schedule = session, schedule
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.session.step, self.session.total_steps):
+            yield data.rank_indices(self.schedule, step, self.session.rank, self.session.world_size)
+
+    def __len__(self) -> int:
+        return self.session.total_steps
+
+
+def _export(model: torch.nn.Module, out: Path, extras: list = ()) -> None:
+    """Weights only. A transformers model exports as its save_pretrained() writes it (config.json + safetensors)
+    with the extras (its tokenizer or processor), so `from_pretrained(export)` loads the final model."""
+    if callable(getattr(model, "save_pretrained", None)):
+        model.save_pretrained(str(out), safe_serialization=True)
+    else:
+        from safetensors.torch import save_model
+
+        save_model(model, str(out / "model.safetensors"))
+    for extra in extras:
+        extra.save_pretrained(str(out))

@@ -1,0 +1,136 @@
+"""The Session API with several processes: a user's loop on both GPUs of a Kaggle T4 x2 (gloo on CPU in tests).
+
+`relay train` runs the user's entry once per rank (`launch_entry`) with the torchrun environment (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so a script that sets up torch DDP itself works unchanged;
+`relay.open_session()` joins that world (`join_world`) unless the script already initialised the process
+group. The user wraps the model in torch's DistributedDataParallel as usual; the session does the rest with
+relay.kernel.session.distributed's collectives, as the built-in recipes do:
+
+- each step, one small all-reduce of flags (`StepAgreement`): a SIGTERM to any rank, rank 0's budget, step-cap
+  and insurance-save decisions, and the mean loss at logging steps, so every rank stops and saves at the same
+  optimizer step;
+- a save gathers every rank's RNG to rank 0, which alone writes the checkpoint (`rng_ranks`), metrics.jsonl,
+  progress.json and the export; the other ranks wait at a barrier;
+- a DistributedDataParallel model is saved and loaded through its `.module`, so one process can resume it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from relay.shared.errors import InputError
+from relay.kernel.session import distributed
+from relay.kernel.session.distributed import World
+
+log = logging.getLogger(__name__)
+
+
+# -- launching the user's entry, one process per rank -----------------------------------------------------
+def launch_entry(spec, config: dict, world_size: int) -> dict:
+    """Run code.entry in `world_size` processes; return rank 0's progress. A refused input on any rank is one
+    InputError here (the CLI's one line, exit 2), and a fresh workdir that got no file is removed."""
+    workdir = Path(config["workdir"])
+    created = next((p for p in reversed([workdir, *workdir.parents]) if not p.exists()), None)
+    try:
+        distributed.launch(_entry_rank, world_size, (spec, config))
+    except InputError:
+        if created is not None and not any(p.is_file() for p in created.rglob("*")):
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    return json.loads((workdir / "progress.json").read_text())
+
+
+def _entry_rank(rank: int, world_size: int, port: int, errors, spec, config: dict) -> None:
+    """One rank (a spawned process): the torchrun environment, then the single-process entry runner."""
+    from relay.kernel import usercode
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        usercode.run_entry(spec, config)
+    except InputError as err:
+        errors.put(str(err))  # the launcher raises it once, as one line
+        sys.exit(2)  # a non-zero exit makes the launcher stop ranks left waiting in a collective
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE") or 1)
+
+
+# -- inside the session --------------------------------------------------------------------------------
+def join_world(device: torch.device) -> tuple[World, torch.device]:
+    """The world of this process and its training device (cuda:LOCAL_RANK under several GPUs). Initialises
+    the process group from the torchrun environment unless the script did already."""
+    size = env_world_size()
+    if size <= 1:
+        return distributed.SINGLE, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK") or 0))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return World(dist.get_rank(), dist.get_world_size()), device
+
+
+def unwrap(obj: Any) -> Any:
+    """The module inside DistributedDataParallel (or DataParallel): its state_dict has no `module.` prefix, so
+    the checkpoint loads into a bare model, at any world size."""
+    if isinstance(obj, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        return obj.module
+    return obj
+
+
+def single_process(session, what: str) -> None:
+    """The HF Trainer and Lightning callbacks are proved in one process only: refuse several at once."""
+    if session.world_size > 1:
+        raise InputError(f"{what}: session.devices gives {session.world_size} processes; the callback trains in one"
+                         " process only: set session.devices: 1 (a plain loop with the Session API can use several)")
+
+
+def rank_batch(world: World, batch_size: int) -> None:
+    if batch_size % world.size:
+        raise InputError(f"session.batches(batch_size={batch_size}): the effective batch must be divisible by the"
+                         f" {world.size} processes of session.devices, so every rank takes an equal slice")
+
+
+class StepAgreement:
+    """One all-reduce per optimizer step: stop (and why), periodic save, and the mean loss when logging."""
+
+    def __init__(self, world: World, device: torch.device):
+        self.world, self.device = world, device
+        self.step: Optional[int] = None  # the step the last agreement was made at
+        self.reason: Optional[str] = None
+
+    def decide(self, step: int, reason: Optional[str], save_due: bool,
+               losses: Optional[list] = None) -> tuple[Optional[str], bool, Optional[float]]:
+        """(agreed stop reason, agreed periodic save, mean loss over every rank's losses or None)."""
+        main = self.world.main
+        values = [reason == "sigterm", reason == "steps", main and reason == "budget", main and save_due]
+        if losses is not None:
+            values += [sum(float(x) for x in losses), len(losses)]
+        out = distributed.agree(self.world, values, self.device)
+        sig, steps, budget, save = out[:4]
+        agreed = "sigterm" if sig else "steps" if steps else "budget" if budget else None
+        mean = out[4] / out[5] if losses is not None and out[5] else None
+        self.step, self.reason = step, agreed
+        return agreed, bool(save) and agreed is None, mean
+
+    def stop_reason(self, step: int, clock_reason: Optional[str]) -> Optional[str]:
+        """The agreed stop decision for `step` (made by step_done, else now)."""
+        if self.step != step:
+            self.decide(step, clock_reason, False)
+        return self.reason
+

@@ -1,0 +1,558 @@
+"""Atomic checkpoints: a folder counts only once its manifest (a checksum of every file) is in place.
+
+save:  .tmp-<name>/state.pt (torch.save, while the caller waits) then, on a thread while training goes on:
+       crc32 of the file -> fsync -> manifest.json (fsync) -> rename to <name> -> retention
+load:  newest folder whose manifest and hashes check out; older ones when the newest is incomplete or corrupt
+prune: only after a successful save; keeps the newest `keep_last` and the best; never the newest valid one
+one step, one checkpoint: a save at a step that already has one (the final save right after a best save, a
+       session that stops at the step it resumed from) commits as <name>.1 first, then retires the older one
+       and renames itself to <name>; at every instant a valid checkpoint of that step exists
+
+State is saved with plain types and tensors only, so `torch.load(weights_only=True)` reads it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+from relay.shared.errors import InputError
+from relay.shared import atomic
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+STATE_FILE = "state.pt"
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"^step-(\d{8})(?:\.(\d+))?$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+class DiskBudgetError(CheckpointError, InputError):
+    """The configured disk budget cannot hold the checkpoints a resumable run needs."""
+
+
+class CorruptCheckpointError(CheckpointError, InputError):
+    """A session told to resume found nothing valid to resume from. Its one-line message starts with
+    CORRUPT_PREFIX, which the orchestrator reads in the kernel's log (relay.orchestrator.chain.mounted_checkpoint_corrupt)."""
+
+
+CORRUPT_PREFIX = "the mounted checkpoint"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    seq: int  # several saves at one step get .1, .2, ...
+    manifest: dict
+
+    @property
+    def metric(self) -> Optional[float]:
+        """The watched metric of THIS checkpoint's weights. Every manifest carries the run's best-so-far
+        record; only the checkpoint saved at that record's step holds the weights that scored it."""
+        best = self.manifest.get("best") or {}
+        if best.get("value") is None or best.get("step") != self.step:
+            return None
+        return float(best["value"])
+
+    def nbytes(self) -> int:
+        return sum(f["bytes"] for f in self.manifest["files"].values())
+
+
+# -- durability helpers ---------------------------------------------------------------------------
+DIGESTS = ("crc32", "sha256")
+
+
+class _Checksum:
+    """A running checksum. crc32 (~3 GB/s) catches torn and corrupted files at a fraction of a save's cost;
+    sha256 runs at 200-400 MB/s on CPUs without SHA extensions, slower than torch.save itself (measured in
+    bench/bench_checkpoint.py), so it is opt-in (`checkpoints.digest`). Published datasets get sha256 anyway."""
+
+    def __init__(self, algo: str):
+        if algo not in DIGESTS:
+            raise ValueError(f"checkpoint digest {algo!r}: expected one of {', '.join(DIGESTS)}")
+        self.algo = algo
+        self._crc = 0
+        self._sha = hashlib.sha256() if algo == "sha256" else None
+
+    def update(self, data) -> None:
+        if self._sha is not None:
+            self._sha.update(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest() if self._sha is not None else f"{self._crc:08x}"
+
+
+def file_digest(path: Path, algo: str, chunk: int = 8 << 20) -> str:
+    checksum = _Checksum(algo)
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            checksum.update(block)
+    return checksum.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    return file_digest(path, "sha256")
+
+
+def _digest_of(info: dict) -> tuple[str, str]:
+    """(algorithm, expected hex) recorded for one file in a manifest."""
+    for algo in DIGESTS:
+        if isinstance(info.get(algo), str):
+            return algo, info[algo]
+    raise KeyError("no digest")
+
+
+# -- save -------------------------------------------------------------------------------------------
+def _next_name(root: Path, step: int) -> str:
+    base = f"step-{step:08d}"
+    if not (root / base).exists():
+        return base
+    seq = 1
+    while (root / f"{base}.{seq}").exists():
+        seq += 1
+    return f"{base}.{seq}"
+
+
+def save(root: Path, state: dict, **kwargs: Any) -> Checkpoint:
+    """Write `state` as a new checkpoint under `root`, commit it, then apply retention; returns it committed.
+    Arguments as `start_save`."""
+    return start_save(root, state, background=False, **kwargs).result()
+
+
+def start_save(root: Path, state: dict, *, step: int, meta: dict, disk_budget_bytes: Optional[int] = None,
+               keep_last: int = 2, keep_best_mode: Optional[str] = None, digest: str = "crc32",
+               besides_bytes: int = 0, background: bool = True,
+               on_commit: Optional[Callable[["Checkpoint"], Any]] = None) -> "PendingSave":
+    """Serialize `state` into a temporary folder now (when this returns, training may change the tensors), and
+    commit it (checksum, fsync, manifest, rename, retention, then `on_commit(checkpoint)`) on a thread, or here
+    when `background` is False. Until the commit, the previous checkpoint stays the newest valid one, so a kill
+    at any instant loses at most this save. One save is in flight at a time: this first waits for the last one.
+
+    Why a thread: torch.save into the page cache is the only part that needs the state as it is now. The crc32
+    re-read of the file (1-2.6 GB/s here, about torch.save's own speed) and the fsync (the disk's speed) need
+    nothing from training, so the training loop no longer waits for them (bench/bench_checkpoint.py).
+
+    `meta` goes into the manifest (run_id, code_version, epoch, best={"metric","value","step"}).
+    `keep_best_mode` ("min"/"max") keeps the checkpoint with the best `best.value` as well.
+    `besides_bytes`: the rest of the session's output (feature cache, export), which shares the disk budget
+    (Kaggle's 20 GB output cap counts everything under /kaggle/working).
+    """
+    wait_pending()
+    t0 = time.perf_counter()
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(root)
+    if disk_budget_bytes is not None:
+        _make_room(root, disk_budget_bytes - besides_bytes, keep_best_mode, besides_bytes)
+    name = _next_name(root, step)
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        import torch  # here, not at the top: the orchestrator reads and verifies manifests without torch
+
+        torch.save(state, tmp / STATE_FILE)  # torch's own C++ writer: the fastest path into the page cache
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    meta = json.loads(json.dumps(meta))  # the caller's dicts may change while the commit runs
+
+    def commit() -> Checkpoint:
+        try:
+            state_file = tmp / STATE_FILE
+            files = {STATE_FILE: {"bytes": state_file.stat().st_size, digest: file_digest(state_file, digest)}}
+            atomic.fsync(state_file)
+            manifest = {"format": FORMAT, "step": step, "created": time.time(), **meta, "files": files}
+            # The manifest is the commit marker: written last, then the folder appears under its name.
+            atomic.write_json(tmp / MANIFEST, manifest)
+            _test_stop_mid_save(step)
+            os.rename(tmp, root / name)
+            atomic.fsync(root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        saved = _supersede(root, Checkpoint(root / name, step, _seq(name), manifest))
+        prune(root, keep_last=keep_last, keep_best_mode=keep_best_mode)
+        if on_commit is not None:
+            on_commit(saved)
+        return saved
+
+    return PendingSave(commit, t0, background)
+
+
+def _supersede(root: Path, saved: Checkpoint) -> Checkpoint:
+    """The newest save at a step replaces the older ones at that step (same step, same weights: no optimizer
+    step ran between them; the newer holds the later bookkeeping and the same best record). Crash-safe: the
+    new folder is committed before the old ones are retired, and its rename to the plain name is atomic, so a
+    kill anywhere leaves a valid checkpoint of this step (at worst still named <name>.1, loaded as usual).
+    An older one that scored a metric the new one does not carry is kept (keep_best still needs it)."""
+    if saved.seq == 0:
+        return saved
+    for old in list_valid(root):
+        if old.step == saved.step and old.path != saved.path and old.metric in (None, saved.metric):
+            _retire(old.path)
+    plain = root / f"step-{saved.step:08d}"
+    if plain.exists():
+        return saved
+    os.rename(saved.path, plain)
+    atomic.fsync(root)
+    return Checkpoint(plain, saved.step, 0, saved.manifest)
+
+
+class PendingSave:
+    """A save whose bytes are written and whose commit runs on a (non-daemon) thread: a crash of the training
+    code still lets it finish; `result()` waits for it and re-raises its error."""
+
+    def __init__(self, commit: Callable[[], Checkpoint], started: float, background: bool):
+        global _pending
+        self.started, self.seconds = started, None  # seconds: call to commit, what a synchronous save costs
+        self._checkpoint: Optional[Checkpoint] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(commit,), name="checkpoint-commit")
+        if background:
+            _pending = self
+            self._thread.start()
+        else:
+            self._run(commit)
+
+    def _run(self, commit: Callable[[], Checkpoint]) -> None:
+        try:
+            self._checkpoint = commit()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by result()
+            self._error = exc
+        self.seconds = time.perf_counter() - self.started
+
+    def result(self) -> Checkpoint:
+        global _pending
+        if self._thread.ident is not None:
+            self._thread.join()
+        if _pending is self:
+            _pending = None
+        if self._error is not None:
+            raise self._error
+        return self._checkpoint
+
+
+_pending: Optional[PendingSave] = None
+
+
+def wait_pending() -> Optional[Checkpoint]:
+    """Wait for the save in flight, if any (before the next save, an export, or the end of a session); raises
+    what its commit raised."""
+    return _pending.result() if _pending is not None else None
+
+
+# TEST SEAM (tests/test_relay_faults.py): with RELAY_TEST_STOP_MID_SAVE=<step> set, a process that has already
+# saved below that step stops itself (SIGSTOP) in its first save at or past it, with every file written but the
+# folder not yet renamed, so a test can SIGKILL a provably torn save on a machine of any speed (or SIGCONT it).
+# Unset in production: one environment lookup per save.
+_last_saved_step: Optional[int] = None
+
+
+def _test_stop_mid_save(step: int) -> None:
+    global _last_saved_step
+    at = os.environ.get("RELAY_TEST_STOP_MID_SAVE")
+    previous, _last_saved_step = _last_saved_step, step
+    if at and previous is not None and previous < int(at) <= step:
+        # Directed at this thread (the commit may run on one): it stops before its next instruction. A SIGSTOP
+        # sent to the process is taken by the main thread, and this one could still rename in the meantime.
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+
+
+def _seq(name: str) -> int:
+    m = _NAME.match(name)
+    return int(m.group(2) or 0) if m else 0
+
+
+def _remove_stale_tmp(root: Path) -> None:
+    """Half-written folders from a save that was killed, and retired ones a killed process left: never
+    valid, only taking disk. Retired folders this process is still deleting are left to their thread (a
+    save need not wait for the previous one's deletion: they no longer count as checkpoints)."""
+    _deleting[:] = [t for t in _deleting if t.is_alive()]
+    deleting = {t.name for t in _deleting}
+    for p in [*root.glob(".tmp-step-*"), *root.glob(".trash-step-*")]:
+        if str(p) not in deleting:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+_deleting: list[threading.Thread] = []
+
+
+def _retire(path: Path) -> None:
+    """Drop a checkpoint: renamed away at once (it stops counting as a checkpoint), its files deleted in
+    the background, because unlinking GBs is slow (0.3 s per 300 MB here) and training need not wait."""
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
+    n = 0
+    while trash.exists():  # the same name retired twice (a step's checkpoint superseded again) while deleting
+        n += 1
+        trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{n}")
+    os.rename(path, trash)
+    thread = threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}, daemon=True,
+                              name=str(trash))
+    thread.start()
+    _deleting.append(thread)
+
+
+def wait_for_deletions() -> None:
+    """Block until retired checkpoints are gone (before a disk-budget check, and before a session ends so
+    no half-deleted folder becomes kernel output)."""
+    while _deleting:
+        _deleting.pop().join()
+
+
+def bytes_besides(workdir: Path, checkpoints: Path) -> int:
+    """Bytes of a session's output that are not checkpoints (feature cache, export, logs)."""
+    total = 0
+    for dirpath, dirnames, files in os.walk(workdir):
+        if Path(dirpath) == Path(workdir):
+            dirnames[:] = [d for d in dirnames if Path(dirpath, d) != Path(checkpoints)]
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes in the largest unit that still shows them (a 40 KB checkpoint is not "0.00 GB")."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} bytes"
+
+
+def _make_room(root: Path, budget: int, keep_best_mode: Optional[str], besides: int = 0) -> None:
+    """Prune oldest-first (sparing the newest valid and the best) until a new checkpoint fits."""
+    note = f" (besides {size_text(besides)} of cache/export in the same output)" if besides else ""
+    valid = list_valid(root)
+    if not valid:
+        return
+    expected = valid[0].nbytes()
+    if valid[0].nbytes() + expected > budget:  # hopeless: refuse before deleting any fallback
+        raise DiskBudgetError(
+            f"checkpoints.disk_budget_gb: a new checkpoint (~{size_text(expected)}) does not fit beside the"
+            f" newest one ({size_text(valid[0].nbytes())}) in {size_text(budget)}{note}; raise the budget"
+        )
+    used = sum(c.nbytes() for c in valid)
+    spare = {valid[0].path}
+    best = _best(valid, keep_best_mode)
+    if best is not None:
+        spare.add(best.path)
+    for ckpt in reversed(valid):  # oldest first
+        if used + expected <= budget:
+            return
+        if ckpt.path not in spare:
+            shutil.rmtree(ckpt.path)
+            used -= ckpt.nbytes()
+    if used + expected > budget and best is not None and best.path != valid[0].path:
+        shutil.rmtree(best.path)  # the best is worth less than a resumable run
+        used -= best.nbytes()
+    if used + expected > budget:
+        raise DiskBudgetError(
+            f"checkpoints.disk_budget_gb: a new checkpoint (~{size_text(expected)}) does not fit beside the"
+            f" newest one ({size_text(used)}) in {size_text(budget)}{note}; raise the budget"
+        )
+
+
+# -- find and load ----------------------------------------------------------------------------------
+def find_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint folders in `root`: root itself, root/step-*, or root/checkpoints/step-*."""
+    root = Path(root)
+    if (root / MANIFEST).is_file():
+        return [root]
+    found = []
+    for base in (root, root / "checkpoints"):
+        if base.is_dir():
+            found += [p for p in base.iterdir() if p.is_dir() and _NAME.match(p.name)]
+    return found
+
+
+def read_manifest(path: Path) -> Optional[dict]:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if _manifest_ok(manifest) else None
+
+
+def _manifest_ok(manifest: Any) -> bool:
+    """A manifest damaged into other valid JSON (a flipped bit in a key) counts as no manifest."""
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return False
+    step, files = manifest.get("step"), manifest.get("files")
+    if type(step) is not int or step < 0 or not isinstance(files, dict) or STATE_FILE not in files:
+        return False
+    return all(isinstance(info, dict) and type(info.get("bytes")) is int
+               and any(isinstance(info.get(algo), str) for algo in DIGESTS) for info in files.values())
+
+
+def list_valid(*roots: Path, verify_hashes: bool = False) -> list[Checkpoint]:
+    """Checkpoints with a readable manifest and files of the right size, newest first."""
+    out = []
+    for root in roots:
+        for path in find_checkpoints(root):
+            manifest = read_manifest(path)
+            if manifest is None:
+                continue
+            if not _files_match(path, manifest, verify_hashes):
+                continue
+            out.append(Checkpoint(path, int(manifest["step"]), _seq(path.name), manifest))
+    return sorted(out, key=lambda c: (c.step, c.manifest.get("created", 0), c.seq), reverse=True)
+
+
+def _files_match(path: Path, manifest: dict, verify_hashes: bool) -> bool:
+    for name, info in manifest["files"].items():
+        f = path / name
+        try:
+            if f.stat().st_size != info["bytes"]:
+                return False
+        except OSError:
+            return False
+        if verify_hashes:
+            algo, expected = _digest_of(info)
+            if file_digest(f, algo) != expected:
+                return False
+    return True
+
+
+def load_latest(*roots: Path, map_location: str = "cpu") -> Optional[tuple[Checkpoint, dict]]:
+    """The newest checkpoint that verifies and loads, falling back to older ones; None if there is none."""
+    for ckpt in list_valid(*roots):
+        try:
+            return ckpt, load(ckpt, map_location=map_location)
+        except CheckpointError as err:
+            log.warning("skipping checkpoint %s: %s", ckpt.path, err)
+    return None
+
+
+def load_resume(own: Path, resume_from: Sequence[Path], map_location: str = "cpu"
+                ) -> Optional[tuple[Checkpoint, dict]]:
+    """load_latest over a session's own checkpoints and the folders it was told to resume from. Given such
+    folders and nothing valid anywhere, it raises rather than start over at step 0: a fresh run would spend
+    the session, and with time-bounded sessions could even pass the published step and be handed over."""
+    restored = load_latest(own, *resume_from, map_location=map_location)
+    if restored is None and resume_from:
+        source = Path(resume_from[0])
+        raise CorruptCheckpointError(f"{CORRUPT_PREFIX} {source} is corrupt: {why_unusable(source)}")
+    return restored
+
+
+def why_unusable(root: Path) -> str:
+    """What is wrong with the checkpoints in `root`, in a few words (for a folder list_valid/load reject)."""
+    paths = find_checkpoints(root)
+    if not paths:
+        return f"no checkpoint in it (no {MANIFEST})"
+    for path in paths:
+        manifest = read_manifest(path)
+        if manifest is None:
+            return f"{MANIFEST} is missing or unreadable"
+        for name, info in manifest["files"].items():
+            size = (path / name).stat().st_size if (path / name).is_file() else None
+            if size != info["bytes"]:
+                return f"{name} is {'missing' if size is None else f'{size} bytes'}, its manifest says" \
+                       f" {info['bytes']} (truncated)"
+            algo, expected = _digest_of(info)
+            if file_digest(path / name, algo) != expected:
+                return f"{name} {algo} mismatch"
+    return f"{STATE_FILE} cannot be loaded"
+
+
+def load(ckpt: Checkpoint, map_location: str = "cpu") -> dict:
+    """Load the state file safely (weights_only) while a second thread verifies its checksum; the result
+    is used only if the checksum matches. zlib and hashlib release the GIL, so on two cores the check
+    costs almost nothing next to the load."""
+    import torch
+
+    path = ckpt.path / STATE_FILE
+    algo, expected = _digest_of(ckpt.manifest["files"][STATE_FILE])
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        actual = pool.submit(file_digest, path, algo)
+        try:
+            state, error = torch.load(path, map_location=map_location, weights_only=True, mmap=True), None
+        except Exception as err:  # torch raises several types for a damaged zip
+            state, error = None, err
+        if actual.result() != expected:
+            raise CheckpointError(f"{path}: {algo} does not match its manifest (corrupt or truncated)")
+    if error is not None:
+        raise CheckpointError(f"{path}: cannot be loaded ({type(error).__name__}: {error})")
+    return state
+
+
+# -- retention --------------------------------------------------------------------------------------
+def _best(valid: list[Checkpoint], mode: Optional[str]) -> Optional[Checkpoint]:
+    scored = [c for c in valid if c.metric is not None]
+    if not mode or not scored:
+        return None
+    pick = min if mode == "min" else max
+    return pick(scored, key=lambda c: c.metric)
+
+
+def prune(root: Path, keep_last: int, keep_best_mode: Optional[str] = None) -> list[Path]:
+    """Delete all but the newest `keep_last` valid checkpoints (and the best). Returns what was removed.
+    Incomplete folders are left alone here: a concurrent reader may still be validating them."""
+    valid = list_valid(root)
+    keep = {c.path for c in valid[:keep_last]}
+    best = _best(valid, keep_best_mode)
+    if best is not None:
+        keep.add(best.path)
+    removed = []
+    for ckpt in valid[keep_last:]:
+        if ckpt.path not in keep:
+            _retire(ckpt.path)
+            removed.append(ckpt.path)
+    return removed
+
+
+def weights_sha256(state_dict: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors' raw bytes, names sorted: equal iff the weights are bit-identical."""
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().cpu().contiguous().reshape(-1)
+        h.update(name.encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def export_atomic(out_dir: Path, write: Callable[[Path], Any]) -> None:
+    """Run `write(tmp_dir)` and move the result to `out_dir` in one rename (replacing an older export)."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write(tmp)
+        for f in tmp.iterdir():
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous export stays as it was
+        raise
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    if out_dir.exists():
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    atomic.fsync(out_dir.parent)

@@ -1,0 +1,129 @@
+"""Where the data stands is a pure function of the optimizer step (nanoGPT's lesson: derive state).
+
+Epoch e visits a permutation seeded by (seed, e); optimizer step s takes the `effective_batch` indices at
+position (s mod steps_per_epoch) of its epoch. Resuming at step s therefore costs one permutation, not a
+replay of s batches (transformers #11284 spent 28 h skipping). The effective batch (micro x accumulation)
+never changes, so an OOM back-off that halves the micro-batch keeps the same sample order.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from relay.shared.errors import InputError
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    n_samples: int
+    effective_batch: int
+    seed: int
+    setting: str = field(default="optim.micro_batch x optim.grad_accum", compare=False)  # named in the error
+
+    def __post_init__(self):
+        if self.n_samples < self.effective_batch:
+            raise InputError(  # a user-fixable setting: the CLI prints one line and exits 2
+                f"{self.setting} ({self.effective_batch}) is larger than the"
+                f" training set ({self.n_samples} samples)"
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        # The tail that does not fill an optimizer step is dropped (it differs each epoch: nothing is lost).
+        return self.n_samples // self.effective_batch
+
+    def epoch_of(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+    def is_epoch_end(self, step: int) -> bool:
+        """True after the last optimizer step of an epoch (`step` counts completed steps)."""
+        return step > 0 and step % self.steps_per_epoch == 0
+
+    def scaled(self, k: int, stage: str = "") -> "StepSchedule":
+        """The schedule of a stage whose steps take k x the effective batch (Stage.batch_scale): the same
+        samples and seed, so its order is a pure function of the step as well."""
+        if k == 1:
+            return self
+        where = f"stage {stage}: " if stage else ""
+        return StepSchedule(self.n_samples, self.effective_batch * k, self.seed,
+                            setting=f"{where}{self.setting} x batch_scale {k}")
+
+    @functools.lru_cache(maxsize=2)
+    def permutation(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.n_samples, generator=g)
+
+    def indices(self, step: int) -> list[int]:
+        start = (step % self.steps_per_epoch) * self.effective_batch
+        return self.permutation(self.epoch_of(step))[start : start + self.effective_batch].tolist()
+
+
+def rank_indices(schedule: StepSchedule, step: int, rank: int = 0, world_size: int = 1) -> list[int]:
+    """Rank `rank`'s equal slice of optimizer step `step`'s effective batch (all of it with one process)."""
+    share = schedule.effective_batch // world_size
+    return schedule.indices(step)[rank * share : (rank + 1) * share]
+
+
+class MicroBatchSampler(Sampler[list[int]]):
+    """Yields the micro-batches of optimizer steps start_step, start_step+1, ..., end_step-1 (of this rank's
+    slice of each step when several processes train together)."""
+
+    def __init__(self, schedule: StepSchedule, start_step: int, end_step: int, micro_batch: int,
+                 rank: int = 0, world_size: int = 1):
+        if schedule.effective_batch % (micro_batch * world_size):
+            raise ValueError(f"micro-batch {micro_batch} x {world_size} processes does not divide the effective batch")
+        self.schedule, self.start, self.end, self.micro = schedule, start_step, end_step, micro_batch
+        self.rank, self.world_size = rank, world_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.start, self.end):
+            idx = rank_indices(self.schedule, step, self.rank, self.world_size)
+            for i in range(0, len(idx), self.micro):
+                yield idx[i : i + self.micro]
+
+    def __len__(self) -> int:
+        return (self.end - self.start) * (self.schedule.effective_batch // (self.micro * self.world_size))
+
+
+def make_loader(
+    dataset: Dataset,
+    batch_sampler: Sampler,
+    collate: Callable,
+    *,
+    num_workers: int,
+    pin_memory: bool,
+    prefetch_factor: int,
+    persistent_workers: bool,
+    seed: int,
+) -> DataLoader:
+    # A dedicated generator: creating a loader iterator draws a base seed, and from the global RNG that
+    # would shift dropout masks and break exact resume.
+    extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers) if num_workers else {}
+    return DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        collate_fn=collate,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        generator=torch.Generator().manual_seed(seed),
+        **extra,
+    )
+
+
+def eval_loader(dataset: Dataset, collate: Callable, batch_size: int, num_workers: int,
+                pin_memory: bool, seed: int) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate,
+                      num_workers=num_workers, pin_memory=pin_memory,
+                      generator=torch.Generator().manual_seed(seed))
+
+
+def to_device(batch: dict, device: torch.device, non_blocking: bool) -> dict:
+    return {k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def total_steps(schedule: StepSchedule, epochs: Optional[int], max_steps: Optional[int]) -> int:
+    return max_steps if max_steps is not None else epochs * schedule.steps_per_epoch

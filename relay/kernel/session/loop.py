@@ -1,0 +1,585 @@
+"""The training loop of one session: optimizer steps until the clock says stop or the work is done.
+
+Everything that changes during training is either in `TrainState` (saved as plain data) or derived from
+`state.global_step` (data position, epoch, learning rate), so a checkpoint taken at any optimizer-step
+boundary resumes bit-identically: the same model, optimizer, scheduler, scaler and RNG states, the same
+next batch. Saves happen only at optimizer-step boundaries, so no half-accumulated gradient is ever lost.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from relay.kernel.recipes.base import Recipe
+from relay.kernel.session import data, distributed, memory, stages
+from relay.kernel.session.budget import SessionClock
+from relay.kernel.session.divergence import DivergenceGuard
+from relay.shared.spec import RunSpec
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainState:
+    """What the loop carries across sessions besides tensors. Plain data: JSON and weights_only safe."""
+
+    global_step: int = 0
+    micro_batch: int = 8  # may shrink after an OOM; carried to the next session
+    grad_accum: int = 1
+    precision: str = "fp32"  # resolved; falls back to fp32 after repeated non-finite losses
+    nonfinite_streak: int = 0
+    skipped_steps: int = 0
+    best: Optional[dict] = None  # {"metric", "value", "step"}
+    last_eval: dict = field(default_factory=dict)
+    threads: int = 1
+    world_size: int = 1  # processes training together; micro_batch x grad_accum x world_size is the spec's batch
+    exactness_lost: Optional[dict] = None  # {"step", "why"}: from that step on, not bit-identical to one run
+    sessions: list = field(default_factory=list)
+    memory_rungs: list = field(default_factory=list)  # names of the recipe's OOM rungs taken, in order
+    tracking: dict = field(default_factory=dict)  # {"wandb_run_id", "wandb_mode"}: one tracker run per relay
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainState":
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    if device.type == "cuda":
+        if requested == "auto":
+            # Native bf16 only (Ampere+): torch's default also counts emulation, which says yes on a T4 (sm_75).
+            return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+        return requested
+    if requested == "fp16":
+        log.warning("optim.precision: fp16 needs CUDA; training in fp32 on %s", device)
+    # bf16 autocast runs on CPU (slowly, ~10x here), so it is honoured only when asked for by name.
+    return "bf16" if requested == "bf16" else "fp32"
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": _python_rng_to_plain(random.getstate()),
+        "numpy": _numpy_rng_to_plain(np.random.get_state()),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _python_rng_to_plain(s: tuple) -> list:
+    return [s[0], list(s[1]), s[2]]
+
+
+def _numpy_rng_to_plain(s: tuple) -> list:
+    # np.random.get_state() holds an ndarray, which torch.load(weights_only=True) refuses.
+    return [s[0], torch.from_numpy(s[1].astype(np.int64)), int(s[2]), int(s[3]), float(s[4])]
+
+
+def lr_lambda(schedule: str, warmup: int, total: int) -> Callable[[int], float]:
+    """The learning-rate multiplier as a pure function of the optimizer step."""
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_optimizer(model: nn.Module, spec: RunSpec, device: torch.device) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    groups = [{"params": decay, "weight_decay": spec.optim.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    # One fused kernel per parameter group instead of ~10 ops per tensor (torch's CPU default): on the toy model
+    # the loop went from 1.060x to 0.91-0.98x the hand-written loop's CPU time (bench/bench_loop.py).
+    return torch.optim.AdamW(groups, lr=spec.optim.lr, fused=True)
+
+
+class Trainer:
+    def __init__(self, spec: RunSpec, recipe: Recipe, model: nn.Module, device: torch.device,
+                 clock: SessionClock, state: TrainState, *, total_steps: int,
+                 schedule: data.StepSchedule, log_metrics: Callable[[dict], None],
+                 save: Callable[[str], None], world: distributed.World = distributed.SINGLE):
+        self.spec, self.recipe, self.model, self.device, self.clock = spec, recipe, model, device, clock
+        self.world = world
+        self.state, self.total_steps, self.schedule = state, total_steps, schedule
+        self.log_metrics, self._save = log_metrics, save
+        self.span: Optional[stages.Span] = None
+        self.spans = stages.plan(recipe.stages(), total_steps)
+        for span in self.spans:  # a stage's scaled batch larger than the training set: an error now, not mid-run
+            schedule.scaled(span.stage.batch_scale, span.stage.name)
+        # A best checkpoint compares one metric over the run; with several stages (models trained one after
+        # another, fits) an untrained later model would be scored against a trained earlier one, so the best is
+        # not tracked and keep_best does not apply: each stage's last eval is in metrics.jsonl, the export is final.
+        self.track_best = len(self.spans) == 1
+        if spec.checkpoints.keep_best and not self.track_best and state.global_step == 0:
+            log.info("checkpoints.keep_best: not applied, recipe %s has %d stages (%s) whose %s do not compare",
+                     spec.recipe, len(self.spans), ", ".join(s.stage.name for s in self.spans), recipe.metric)
+        self._enter_stage(stages.at(self.spans, state.global_step))
+        self.scaler = self._new_scaler()
+        self.monitor = memory.MemoryMonitor(device)
+        self.train_set = recipe.train_dataset()
+        self._batches: Optional[Iterator] = None
+        self._last_save = time.monotonic()
+        self.session_samples = 0
+        self.train_seconds = 0.0
+        self._recent_losses: list[float] = []
+        # a blow-up stops the session (non-finite losses have their own guard: skip, then fall back to fp32)
+        self.divergence = DivergenceGuard() if spec.session.stop_on_divergence and not world.active else None
+        self.diverged: Optional[str] = None
+        self._shown: Optional[dict] = None  # what recipe.on_step last reported (e.g. the curriculum stage)
+        rungs = {r.name: r for r in recipe.memory_rungs()}
+        for name in state.memory_rungs:  # an earlier session's OOM fallbacks hold for the rest of the run
+            log.info("memory rung %r kept from an earlier session: %s", name, rungs[name].apply())
+
+    # -- stages ---------------------------------------------------------------------------------
+    def _enter_stage(self, span: stages.Span) -> None:
+        """A stage's own optimizer and schedule over its own steps (none for a fit stage); the previous
+        stage's optimizer state is dropped and cached memory returned first (seed 003's clear between models)."""
+        switching = self.span is not None
+        self.span, self.optimizer, self.scheduler, self._batches = span, None, None, None
+        # Stage.batch_scale: this stage's steps take k x the micro-batch from a k x larger step schedule
+        self.stage_schedule = self.schedule.scaled(span.stage.batch_scale, span.stage.name)
+        if switching:
+            memory.free_cached(self.device)
+        if not span.stage.fit:
+            self.optimizer = build_optimizer(self.recipe.stage_module(self.model, span.stage), self.spec, self.device)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lr_lambda(self.spec.optim.schedule, self.spec.optim.warmup_steps, span.length))
+        self.recipe.begin_stage(self.model, span.stage)
+        if len(self.spans) > 1:
+            log.info("stage %s: steps %d-%d%s", span.stage.name, span.start, span.end,
+                     " (fit)" if span.stage.fit else "")
+
+    def _next_stage(self) -> None:
+        if self.state.global_step >= self.span.end and self.state.global_step < self.total_steps:
+            self._enter_stage(stages.at(self.spans, self.state.global_step))
+
+    # -- state ----------------------------------------------------------------------------------
+    def _new_scaler(self) -> torch.amp.GradScaler:
+        enabled = self.state.precision == "fp16" and self.device.type == "cuda"
+        return torch.amp.GradScaler(self.device.type, enabled=enabled)
+
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        """The resume state, on rank 0 (None on the others: the replicas are equal, only RNG differs, and every
+        rank's RNG is gathered into `rng_ranks`). All ranks must call it."""
+        rngs = distributed.gather(self.world, rng_state(self.device))
+        if not self.world.main:
+            return None
+        sd = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer else {},
+            "scheduler": self.scheduler.state_dict() if self.scheduler else {},
+            "scaler": self.scaler.state_dict(),
+            "rng": rngs[0],
+            # with the logging window so far: a session resumed inside it logs the uninterrupted run's mean
+            "trainer": {**asdict(self.state), "window_losses": list(self._recent_losses)},
+        }
+        if self.world.size > 1:
+            sd["rng_ranks"] = rngs
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.model.load_state_dict(sd["model"])
+        self._recent_losses = list(sd["trainer"].get("window_losses", []))
+        if self.optimizer is not None:  # the optimizer of the stage global_step is in
+            self.optimizer.load_state_dict(sd["optimizer"])  # optimizer before scheduler
+            self.scheduler.load_state_dict(sd["scheduler"])
+        self.scaler = self._new_scaler()
+        if sd["scaler"]:
+            self.scaler.load_state_dict(sd["scaler"])
+        rngs = sd.get("rng_ranks") or [sd["rng"]]
+        if self.world.rank < len(rngs):
+            set_rng_state(rngs[self.world.rank], self.device)
+        else:  # a rank the saving session did not have (the world grew): exactness is already lost
+            torch.manual_seed(distributed.rank_seed(self.spec.seed + self.state.global_step, self.world.rank))
+
+    # -- the loop -------------------------------------------------------------------------------
+    def preflight(self) -> dict:
+        """The run's worst case before training, so an OOM shows (and is backed off) now rather than hours in:
+        a forward/backward on the recipe's worst-case batch at the working micro-batch, an optimizer step
+        (AdamW's state is twice the model: on the real-size VQA spec the pre-flight said 4.0 GB without it,
+        training peaked at 7.0 GB), and one eval batch for recipes whose eval generates. A peak above
+        PREFLIGHT_FRACTION of the device counts as an OOM (fragmentation would end the session hours in). It leaves
+        no trace: RNG forked, weights, buffers and optimizer state restored from a CPU copy."""
+        st = self.state
+        if st.global_step >= self.total_steps or self.span.stage.fit:
+            return {}
+        tensors = dict(self.model.named_parameters())
+        tensors.update(self.model.named_buffers())
+        saved, saved_opt = _cpu_copy(tensors), _cpu_copy(self.optimizer.state_dict())
+        self._step_rng = self._torch_rng()  # what a back-off restores
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        self._recipe_step(st.global_step)
+        peaks = {}
+        try:
+            for phase in ("train", "eval") if self.recipe.preflight_eval else ("train",):
+                while (oom := self._any_oom(self._preflight_phase(phase, devices))) is not None:
+                    self._back_off(oom, phase=phase)
+                peaks[phase] = self.monitor.peak_mb()
+        finally:  # the step taken above must not change the trajectory: exact resume stays bit-identical
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    t.copy_(saved[name])
+            self.optimizer.load_state_dict(saved_opt)  # CPU -> device (on CPU it takes over the copy)
+        sample = self.monitor.sample()
+        used = (", ".join(f"GPU peak {phase} {mb:.0f} MB" for phase, mb in peaks.items())
+                if self.device.type == "cuda" else f"RSS {sample['rss_mb']:.0f} MB, RAM {sample['ram_pct']:.0f} %")
+        log.info("pre-flight at micro-batch %d x %d: %s on %s", st.micro_batch, st.grad_accum, used,
+                 memory.describe_device(self.device))
+        return sample
+
+    def _preflight_phase(self, phase: str, devices: list) -> Optional[BaseException]:
+        """One pre-flight phase; the OOM it met (a peak over PREFLIGHT_FRACTION counts as one), else None."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            with torch.random.fork_rng(devices=devices):
+                self._preflight_train() if phase == "train" else self._preflight_eval()
+            peak = memory.peak_fraction(self.device)
+            if peak > memory.PREFLIGHT_FRACTION:
+                raise torch.cuda.OutOfMemoryError(f"pre-flight {phase} peak at {peak:.0%} of the device (over "
+                                                  f"{memory.PREFLIGHT_FRACTION:.0%}): as good as an OOM")
+        except Exception as err:  # noqa: BLE001 - only OOM is handled
+            if not memory.is_oom(err):
+                raise
+            return err
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+        return None
+
+    def _preflight_train(self) -> None:
+        st = self.state
+        idx = data.rank_indices(self.stage_schedule, st.global_step, self.world.rank,
+                                self.world.size)[: self._stage_micro_batch()]
+        with self.recipe.worst_case([self.train_set[i] for i in idx]) as items:
+            batch = data.to_device(self.recipe.collate(items), self.device, False)
+            with self._autocast():
+                self.recipe.loss(self.model, batch).backward()
+        self.optimizer.step()  # allocates the optimizer state (restored by preflight)
+
+    def _preflight_eval(self) -> None:
+        dataset = self.recipe.eval_dataset()
+        items = [dataset[i] for i in range(min(len(dataset), self.spec.optim.eval_batch))]
+        with self.recipe.worst_case(items) as items, torch.no_grad(), self._autocast():
+            self.model.eval()
+            try:
+                self.recipe.evaluate(self.model, [data.to_device(self.recipe.collate(items), self.device, False)])
+            finally:
+                self.model.train()
+
+    def fit(self) -> str:
+        """Train until done or told to stop; returns "done", "budget", "steps" or "sigterm"."""
+        self.model.train()
+        st = self.state
+        bar = tqdm(total=self.total_steps, initial=st.global_step, desc=f"session {st.sessions[-1]['index']}",
+                   unit="step", dynamic_ncols=True, mininterval=1.0, disable=not self.world.main)
+        try:
+            while st.global_step < self.total_steps:
+                reason, save_due = self._decide(eval_due=self._eval_due(st.global_step + 1))
+                if reason:
+                    return reason
+                if save_due:
+                    self.save("periodic")
+                try:
+                    loss = self._step()
+                except Exception as err:  # noqa: BLE001 - only OOM is handled, the rest re-raised
+                    if not memory.is_oom(err):
+                        raise
+                    self._back_off(err)
+                    continue
+                self._after_step(loss)
+                bar.update(1)
+                if st.global_step % self.spec.optim.log_every_steps == 0:  # ~40 us: not every step
+                    bar.set_postfix(loss=f"{loss:.4f}", left=f"{self.clock.remaining():.0f}s", refresh=False)
+            return "done"
+        finally:
+            bar.close()
+
+    def _step(self) -> float:
+        """One optimizer step over `grad_accum` micro-batches (or a fit stage's step). Returns the mean loss."""
+        if self.span.stage.fit:
+            return self._fit_step()
+        st, opt = self.state, self.optimizer
+        if self._batches is None:
+            self._batches = iter(self._loader(st.global_step))
+        self._step_rng = self._torch_rng()  # an OOM retry replays the same dropout masks
+        self._recipe_step(st.global_step)
+        t0 = time.perf_counter()
+        total = torch.zeros((), device=self.device)
+        oom = None
+        try:
+            for _ in range(st.grad_accum):
+                batch = data.to_device(next(self._batches), self.device, self.spec.data.non_blocking)
+                with self._autocast():
+                    loss = self.recipe.loss(self.model, batch)
+                total += loss.detach().float()
+                self.scaler.scale(loss / st.grad_accum).backward()
+        except Exception as err:  # noqa: BLE001 - an OOM on one rank is agreed on below, the rest re-raised
+            if not (self.world.active and memory.is_oom(err)):
+                raise
+            oom = err
+        mean_loss = (total / st.grad_accum).item()  # the one host sync per optimizer step
+        if self.world.active:  # one small all-reduce: did any rank run out of memory, and the mean loss
+            n_oom, loss_sum = distributed.agree(self.world, [oom is not None, 0.0 if oom else mean_loss], self.device)
+            if n_oom:
+                raise oom or _peer_oom()
+            mean_loss = loss_sum / self.world.size
+            distributed.average_gradients(self.model, self.world)
+        if math.isfinite(mean_loss):
+            st.nonfinite_streak = 0
+            if self.spec.optim.clip_grad_norm:
+                self.scaler.unscale_(opt)
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.optim.clip_grad_norm)
+            self.scaler.step(opt)
+            self.scaler.update()
+        else:
+            self._non_finite(mean_loss)
+        self.scheduler.step()  # per optimizer step, skipped or not: lr stays a function of the step
+        opt.zero_grad(set_to_none=True)
+        st.global_step += 1
+        self._record_step(t0)
+        return mean_loss
+
+    def _fit_step(self) -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            loss = float(self.recipe.fit_step(self.model, self.span.stage, self.state.global_step - self.span.start))
+        self.state.global_step += 1
+        self._record_step(t0)
+        return loss
+
+    def _record_step(self, t0: float) -> None:
+        seconds = time.perf_counter() - t0
+        self.clock.record_step(seconds)
+        self.train_seconds += seconds
+        self.session_samples += self.stage_schedule.effective_batch
+
+    def _after_step(self, loss: float) -> None:
+        st, spec = self.state, self.spec
+        if math.isfinite(loss):
+            self._recent_losses.append(loss)
+            if self.divergence is not None and self.diverged is None:
+                self.diverged = self.divergence.update(st.global_step, loss)
+        if st.global_step % spec.optim.log_every_steps == 0 or st.global_step == self.total_steps:
+            self._log_train()
+        every = spec.session.empty_cache_every_steps
+        if every and self.device.type == "cuda" and st.global_step % every == 0:
+            memory.free_cached(self.device)
+        improved = self._eval_due(st.global_step) and self.evaluate()
+        self._next_stage()  # after the eval that scores the finished stage, before any save
+        if improved and spec.checkpoints.keep_best:  # improved only while the best is tracked
+            self.save("best")
+            return
+
+    def _log_train(self) -> None:
+        st = self.state
+        record = {
+            "kind": "train", "step": st.global_step, "epoch": self.schedule.epoch_of(max(0, st.global_step - 1)),
+            "loss": sum(self._recent_losses) / max(1, len(self._recent_losses)),
+            "lr": self.scheduler.get_last_lr()[0] if self.scheduler else 0.0,
+            "samples_per_s": self.session_samples / max(1e-9, self.train_seconds),
+            "micro_batch": self._stage_micro_batch(), "grad_accum": st.grad_accum, **(self._shown or {}),
+        }
+        if len(self.spans) > 1:
+            record["stage"] = self.span.stage.name
+        if st.global_step % self.spec.session.memory_log_every_steps == 0:
+            record.update(self.monitor.sample())
+        self._recent_losses.clear()
+        self.log_metrics(record)
+
+    def _decide(self, eval_due: bool) -> tuple[Optional[str], bool]:
+        """Stop now (the reason), and is a periodic save due? With several ranks, rank 0's clock decides the
+        budget and the save, a SIGTERM to any rank stops all, and every rank gets the same answer."""
+        reason = "diverged" if self.diverged else self.clock.should_stop(eval_due=eval_due)
+        save_due = time.monotonic() - self._last_save >= self.spec.session.save_every
+        if not self.world.active:
+            return reason, save_due
+        main = self.world.main
+        sig, steps, budget, save = distributed.agree(self.world, [
+            reason == "sigterm", reason == "steps", main and reason == "budget", main and save_due], self.device)
+        agreed = "sigterm" if sig else "steps" if steps else "budget" if budget else None
+        return agreed, bool(save) and agreed is None
+
+    def save(self, reason: str) -> None:
+        self._save(reason)  # records its own time on the clock: a background save's, once committed
+        self._last_save = time.monotonic()
+
+    # -- eval -----------------------------------------------------------------------------------
+    def _eval_due(self, step: int) -> bool:
+        every = self.spec.optim.eval_every_steps
+        due = step % every == 0 if every else self.schedule.is_epoch_end(step)
+        return due or step == self.total_steps or any(step == span.end for span in self.spans)
+
+    def evaluate(self) -> bool:
+        """Eval without touching the training RNG; returns whether the watched metric improved."""
+        t0 = time.perf_counter()
+        loader = data.eval_loader(self.recipe.eval_dataset(), self.recipe.collate, self.spec.optim.eval_batch,
+                                  0, False, seed=self.spec.seed)
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        while True:
+            try:
+                with torch.random.fork_rng(devices=devices), torch.no_grad(), self._autocast():
+                    self.model.eval()
+                    try:
+                        batches = (data.to_device(b, self.device, self.spec.data.non_blocking) for b in loader)
+                        metrics = {k: float(v) for k, v in self.recipe.evaluate(self.model, batches).items()}
+                    finally:
+                        self.model.train()
+                break
+            except Exception as err:  # noqa: BLE001 - only OOM is handled
+                if not memory.is_oom(err):
+                    raise
+                self._back_off(err, phase="eval")
+        self.clock.eval_seconds = max(self.clock.eval_seconds, time.perf_counter() - t0)
+        st = self.state
+        st.last_eval = {"step": st.global_step, **metrics}
+        self.log_metrics({"kind": "eval", "step": st.global_step, **metrics})
+        name, mode = self.recipe.metric, self.recipe.metric_mode
+        value = metrics.get(name)
+        if value is None or not math.isfinite(value) or not self.track_best:
+            return False
+        better = st.best is None or (value < st.best["value"] if mode == "min" else value > st.best["value"])
+        if better:
+            st.best = {"metric": name, "value": value, "step": st.global_step, "mode": mode}
+        return better
+
+    # -- failure handling -----------------------------------------------------------------------
+    def _non_finite(self, loss: float) -> None:
+        st = self.state
+        st.nonfinite_streak += 1
+        st.skipped_steps += 1
+        log.warning("non-finite loss %s at step %d: step skipped (%d in a row)", loss, st.global_step,
+                    st.nonfinite_streak)
+        if st.nonfinite_streak < self.spec.optim.nonfinite_patience:
+            return
+        if st.precision == "fp32":
+            raise NonFiniteLossError(
+                f"loss was non-finite for {st.nonfinite_streak} steps in a row in fp32 at step {st.global_step};"
+                " lower optim.lr or check the data")
+        log.warning("falling back from %s to fp32 after %d non-finite losses (seed 003)", st.precision,
+                    st.nonfinite_streak)
+        st.precision, st.nonfinite_streak = "fp32", 0
+        self.scaler = self._new_scaler()
+
+    def _any_oom(self, err: Optional[BaseException]) -> Optional[BaseException]:
+        """This rank's OOM, or a stand-in when another rank ran out: all ranks then back off together."""
+        if not self.world.active:
+            return err
+        (n_oom,) = distributed.agree(self.world, [err is not None], self.device)
+        return (err or _peer_oom()) if n_oom else None
+
+    def _back_off(self, err: BaseException, phase: str = "train") -> None:
+        """The OOM ladder: halve the micro-batch (training only) until 1, then the recipe's own rungs in order,
+        skipping those that cannot help this phase. Every rung holds for the rest of the run."""
+        st = self.state
+        smaller = memory.back_off(st.micro_batch, st.grad_accum) if phase == "train" else None
+        if smaller is not None:
+            log.warning("out of memory at micro-batch %d: retrying step %d with micro-batch %d x accumulation %d",
+                        st.micro_batch, st.global_step, *smaller)
+            st.micro_batch, st.grad_accum = smaller
+            rung, detail = "micro_batch", f"micro-batch {smaller[0]} x accumulation {smaller[1]}"
+        else:
+            taken = memory.next_rung(self.recipe.memory_rungs(), st.memory_rungs, phase)
+            if taken is None:
+                raise err
+            rung, detail = taken.name, taken.apply()
+            st.memory_rungs.append(rung)
+            log.warning("out of memory in %s at step %d: %s (kept for the rest of the run)", phase,
+                        st.global_step, detail)
+        session = st.sessions[-1] if st.sessions else {}
+        session["memory_rungs"] = [*session.get("memory_rungs", []), rung]
+        self.log_metrics({"kind": "memory", "step": st.global_step, "phase": phase, "rung": rung, "detail": detail})
+        memory.free_cached(self.device)
+        if phase != "train":
+            return
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        torch.set_rng_state(self._step_rng[0])
+        if self._step_rng[1] is not None:
+            torch.cuda.set_rng_state_all(self._step_rng[1])
+        self._batches = None  # rebuilt at the same step with the new micro-batch
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _recipe_step(self, step: int) -> None:
+        """Let the recipe set up the step (a curriculum stage); log when what it reports changes."""
+        shown = self.recipe.on_step(step, self.schedule.epoch_of(step))
+        if not shown or shown == self._shown:
+            return
+        self._shown = dict(shown)
+        self.log_metrics({"kind": "stage", "step": step, "epoch": self.schedule.epoch_of(step), **shown})
+        session = self.state.sessions[-1] if self.state.sessions else {}
+        for key, value in shown.items():  # e.g. "A" or "A -> B" for a session that crossed a stage change
+            if session.get(key) not in (None, value) and not str(session[key]).endswith(f"-> {value}"):
+                value = f"{session[key]} -> {value}"
+            session[key] = value
+
+    def _torch_rng(self) -> tuple:
+        """The generators a forward/backward draws from (dropout): ~3 us, against ~150 us for the full
+        rng_state (numpy's get_state dominates), taken every step. Recipes keep numpy/python randomness
+        out of loss(), deriving it from (seed, epoch, index) in their datasets."""
+        return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None)
+
+    def _autocast(self):
+        if self.state.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.float16 if self.state.precision == "fp16" else torch.bfloat16
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def _stage_micro_batch(self) -> int:
+        return self.state.micro_batch * self.span.stage.batch_scale
+
+    def _loader(self, start_step: int):
+        d = self.spec.data
+        sampler = data.MicroBatchSampler(self.stage_schedule, start_step, self.span.end, self._stage_micro_batch(),
+                                         self.world.rank, self.world.size)
+        pin = (self.device.type == "cuda") if d.pin_memory == "auto" else d.pin_memory
+        return data.make_loader(self.train_set, sampler, self.recipe.collate, num_workers=d.num_workers,
+                                pin_memory=pin, prefetch_factor=d.prefetch_factor,
+                                persistent_workers=d.persistent_workers, seed=self.spec.seed + start_step)
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """A CPU copy of a (nested) state dict: the pre-flight's snapshot, off the device it measures."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
+
+
+def _peer_oom() -> RuntimeError:
+    return RuntimeError("out of memory on another rank: every rank backs off together")

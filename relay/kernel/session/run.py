@@ -1,0 +1,394 @@
+"""One session: restore the newest valid checkpoint, train until the deadline or the end, save, report.
+
+This is what `relay train` runs, locally or inside a Kaggle kernel. It writes into the workdir:
+checkpoints/, metrics.jsonl, progress.json and, when the work is done, export/ (weights only).
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from relay.kernel import recipes
+from relay.shared.errors import InputError
+from relay.shared import atomic
+from relay.kernel.session import checkpoint, data, distributed, memory
+from relay.kernel.session.budget import SessionClock
+from relay.kernel.session.loop import Trainer, TrainState, resolve_precision
+from relay.shared.progress_line import ProgressLines
+from relay.kernel.session.tracking import Trackers
+from relay.shared.spec import RunSpec
+from relay.shared.version import code_version
+
+log = logging.getLogger(__name__)
+
+
+def pick_device() -> torch.device:
+    return torch.device(os.environ.get("RELAY_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def configure_backends(spec: RunSpec, device: torch.device) -> None:
+    if spec.session.threads:
+        torch.set_num_threads(spec.session.threads)
+    if device.type == "cuda":
+        # One TF32 API only: mixing it with fp32_precision makes later reads raise (torch-offline.md).
+        torch.backends.cuda.matmul.allow_tf32 = spec.optim.tf32
+        torch.backends.cudnn.allow_tf32 = spec.optim.tf32
+        torch.backends.cudnn.benchmark = True
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class MetricsLog:
+    """metrics.jsonl: one line per record, appended and flushed so a kill loses at most one line.
+    Without a path (ranks other than 0) it only keeps the last training loss."""
+
+    def __init__(self, path: Optional[Path], session: int, progress: Optional[ProgressLines] = None,
+                 trackers: Optional[Trackers] = None):
+        self.path, self.session, self.progress, self.trackers = path, session, progress, trackers
+        self.last_train_loss: Optional[float] = None
+
+    def __call__(self, record: dict) -> None:
+        record = {"session": self.session, "time": round(time.time(), 3), **record}
+        if record.get("kind") == "train":
+            self.last_train_loss = record.get("loss")
+        if self.path is None:
+            return
+        if self.progress is not None:
+            self.progress(record)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.trackers is not None:
+            self.trackers.log(record)
+
+
+def run_session(
+    spec: RunSpec,
+    workdir: Path,
+    *,
+    budget: Optional[float] = None,
+    deadline: Optional[float] = None,
+    resume_from: Sequence[Path] = (),
+    data_dir: Optional[Path] = None,
+    feature_dirs: Sequence[Path] = (),
+    run_id: Optional[str] = None,
+) -> dict:
+    """Run one session and return its progress dict (also written to workdir/progress.json). With
+    `session.devices` resolving to N > 1, N processes train together (relay.kernel.session.distributed)."""
+    workdir = Path(workdir)
+    _check_workdir(workdir)
+    args = (spec, workdir, budget, deadline, resume_from, data_dir, feature_dirs, run_id)
+    fit_only = spec.recipe_params().fit_only
+    world_size = distributed.world_size_for(spec.session.devices, pick_device().type, fit_only)
+    if fit_only and spec.session.devices == "auto":
+        log.info("recipe %s is made only of fit stages: one process, whatever session.devices: auto finds",
+                 spec.recipe)
+    if world_size > 1:
+        started = time.time()
+        distributed.launch(_rank_main, world_size, (started, *args))
+        return json.loads((Path(workdir) / "progress.json").read_text())
+    return _session(distributed.SINGLE, time.time(), *args)
+
+
+def _rank_main(rank: int, world_size: int, port: int, errors, started: float, spec: RunSpec, *args) -> None:
+    """One rank of a data-parallel session (a spawned process)."""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
+    world = distributed.init(rank, world_size, port, pick_device().type)
+    try:
+        _session(world, started, spec, *args)
+    except InputError as err:  # reported once by the launcher, as one line
+        errors.put(str(err))
+    finally:
+        distributed.shutdown(world)
+
+
+def _session(world, started, spec, workdir, budget, deadline, resume_from, data_dir, feature_dirs, run_id) -> dict:
+    # start-up counts against the budget
+    clock = SessionClock(budget, deadline, spec.session.safety_margin, now=started, max_steps=spec.session.max_steps)
+    clock.install_signal_handlers()
+    try:
+        return _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, world)
+    finally:
+        clock.restore_signal_handlers()
+
+
+def disk_besides(workdir: Path, ckpt_root: Path, model, reason: str, exports: int = 1) -> int:
+    """What shares the output's disk budget with the checkpoints: everything else in the workdir (the cache,
+    an export, the integrations' hf-resume/ and lightning-resume/ copies, a Trainer's output folder), and at
+    the final save of a finished run the export about to be written (about the weights' size)."""
+    used = checkpoint.bytes_besides(workdir, ckpt_root)
+    if reason == "done" and model is not None:  # twice with export/best/ beside the final export
+        used += exports * sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return used
+
+
+def _check_workdir(workdir: Path) -> None:
+    for path in (workdir, *workdir.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise InputError(f"{workdir}: {'it' if path == workdir else path} is a file;"
+                                 " --workdir expects a folder (or a path that does not exist yet)")
+            return
+
+
+def _outermost_missing(path: Path) -> Optional[Path]:
+    """The folder `path.mkdir(parents=True)` would create first, or None when path exists."""
+    missing = None
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            break
+        missing = candidate
+    return missing
+
+
+def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, world=distributed.SINGLE) -> dict:
+    # Nothing is written before the inputs are validated: a data error (a missing column, a file that is
+    # not UTF-8) must leave no workdir behind. prepare() writes only its feature cache, and only on success;
+    # a later check that fails removes what this session created.
+    created = _outermost_missing(workdir)
+    device = pick_device()
+    if device.type == "cuda" and world.size > 1:
+        device = torch.device("cuda", world.rank)
+    configure_backends(spec, device)
+    params = spec.recipe_params()
+    if data_dir is None and hasattr(params, "data_dir"):
+        data_dir = Path(params.data_dir)
+    recipe = recipes.get(spec.recipe)(params, data_dir=Path(data_dir or "."),
+                                      cache_dirs=[workdir / "cache", *feature_dirs], seed=spec.seed)
+    if not world.main:
+        distributed.barrier(world)  # rank 0 fills the feature cache first; the others then read it
+    try:
+        recipe.prepare()
+        schedule = data.StepSchedule(len(recipe.train_dataset()), spec.optim.micro_batch * spec.optim.grad_accum,
+                                     spec.seed)
+    except InputError:
+        if created is not None and world.main:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    finally:
+        if world.main:
+            distributed.barrier(world)
+    workdir.mkdir(parents=True, exist_ok=True)
+    ckpt_root = workdir / "checkpoints"
+
+    seed_everything(spec.seed)
+    model = recipe.build_model()  # the same initial weights on every rank
+    if world.rank:
+        torch.manual_seed(distributed.rank_seed(spec.seed, world.rank))  # each rank its own dropout masks
+    if spec.optim.activation_checkpointing and not recipe.enable_activation_checkpointing(model):
+        log.warning("optim.activation_checkpointing: recipe %s has no checkpointable modules", spec.recipe)
+    model.to(device)
+    # Until a save is measured: model + AdamW's two moments at a pessimistic 200 MB/s.
+    clock.estimated_save_seconds = 0.2 + 3 * sum(p.nbytes for p in model.parameters()) / 200e6
+
+    try:
+        restored = checkpoint.load_resume(ckpt_root, resume_from)
+    except InputError:  # nothing valid to resume from: leave nothing behind
+        if created is not None and world.main:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    _carry_metrics(workdir, resume_from)
+    if restored:
+        state = TrainState.from_dict(restored[1]["trainer"])
+        log.info("resuming from %s (step %d)", restored[0].path, state.global_step)
+        if state.threads != torch.get_num_threads():
+            log.warning("resuming with %d threads, saved with %d: results will not be bit-identical",
+                        torch.get_num_threads(), state.threads)
+    else:
+        micro, accum = distributed.split_batch(spec.optim.micro_batch * spec.optim.grad_accum, world.size,
+                                               spec.optim.micro_batch)
+        state = TrainState(micro_batch=micro, grad_accum=accum, world_size=world.size,
+                           precision=resolve_precision(spec.optim.precision, device))
+    state.threads = torch.get_num_threads()
+    if state.world_size != world.size:
+        _change_world(state, world.size)
+
+    total = data.total_steps(schedule, spec.optim.epochs, spec.optim.max_steps)
+    run_id = run_id or (state.sessions[-1].get("run_id") if state.sessions else None)
+    lines = ProgressLines(len(state.sessions) + 1, state.global_step, total, clock.remaining, run_id=run_id)
+    trackers = Trackers(spec.tracking.model_dump(), workdir, main=world.main, internet=spec.kaggle.enable_internet)
+    trackers.start(state.global_step, state.tracking, resume_from, name=spec.name,
+                   current_step=lambda: state.global_step)
+    metrics_log = MetricsLog(workdir / "metrics.jsonl" if world.main else None, len(state.sessions) + 1, lines,
+                             trackers)
+
+    session = {"index": len(state.sessions) + 1, "run_id": run_id, "started": clock.started,
+               "step_start": state.global_step, "stop_reason": "running", "world_size": world.size,
+               "gpus": memory.gpu_inventory()}
+    log.info("GPUs: %d %s", session["gpus"]["count"], session["gpus"]["names"])  # what Kaggle really gave
+    state.sessions.append(session)
+
+    def save(reason: str) -> None:
+        """A periodic or best save commits in the background while training goes on (the previous checkpoint
+        stays the newest valid one until then); the session's last save is waited for."""
+        t0 = time.perf_counter()
+        _update_session(session, trainer, clock, metrics_log, reason)
+        resume_state = trainer.state_dict()  # every rank takes part (RNG is gathered); rank 0 writes
+        if not world.main:
+            distributed.barrier(world)
+            return
+        background = reason in ("periodic", "best")  # the session's last save is waited for
+        trackers.flush()  # what this checkpoint covers is on disk before it commits
+        keep_best = spec.checkpoints.keep_best and trainer.track_best  # not with several stages (Trainer)
+        snapshot = copy.deepcopy(state)  # training changes `state` while the commit runs
+
+        def committed(ckpt: checkpoint.Checkpoint) -> None:
+            seconds = time.perf_counter() - t0  # to the commit: what the session's last save will cost
+            clock.record_save(seconds)
+            session["save_seconds"] = round(seconds, 3)
+            _write_progress(workdir, spec, snapshot, total, schedule, ckpt, status="paused", reason=reason,
+                            run_id=run_id)
+
+        pending = checkpoint.start_save(
+            ckpt_root, resume_state, step=state.global_step,
+            meta={"run_id": run_id, "code_version": code_version(), "reason": reason,
+                  "epoch": schedule.epoch_of(max(0, state.global_step - 1)), "best": state.best},
+            disk_budget_bytes=int(spec.checkpoints.disk_budget_gb * 1e9), keep_last=spec.checkpoints.keep_last,
+            keep_best_mode=recipe.metric_mode if keep_best else None, digest=spec.checkpoints.digest,
+            besides_bytes=disk_besides(workdir, ckpt_root, model, reason, exports=1 + keep_best),
+            background=background, on_commit=committed)
+        del resume_state
+        if not background:
+            pending.result()
+        distributed.barrier(world)
+
+    trainer = Trainer(spec, recipe, model, device, clock, state, total_steps=total, schedule=schedule,
+                      log_metrics=metrics_log, save=save, world=world)
+    if restored:
+        trainer.load_state_dict(restored[1])
+        del restored  # free the loaded copy before training (seed 002's "load to CPU, then del")
+    log.info("session %d on %s: step %d of %d, micro-batch %d x %d x %d processes, %s, budget %s",
+             session["index"], memory.describe_device(device), state.global_step, total, state.micro_batch,
+             state.grad_accum, world.size, state.precision,
+             "none" if clock.limit == float("inf") else f"{clock.limit:.0f}s")
+
+    trainer.preflight()
+    try:
+        reason = trainer.fit()
+        trainer.save(reason)
+    finally:
+        trackers.close()
+    if not world.main:
+        distributed.barrier(world)  # wait for rank 0's export: a rank tearing its group down early aborts
+        return {}
+    status = "done" if reason == "done" else "paused"
+    weights = checkpoint.weights_sha256(model.state_dict())
+    if status == "done":
+        checkpoint.export_atomic(workdir / "export", lambda out: recipe.export(model, out))
+        _predict(recipe, model, workdir / "export", batch_size=spec.optim.eval_batch, autocast=trainer._autocast)
+        best = _best_weights(ckpt_root, state) if spec.checkpoints.keep_best and trainer.track_best else None
+        if best is not None:  # export/ stays the final weights (weights_sha256); export/best/ the best-metric ones
+            model.load_state_dict(best)  # the final weights are saved and hashed above
+            checkpoint.export_atomic(workdir / "export" / "best", lambda out: recipe.export(model, out))
+    checkpoint.wait_for_deletions()
+    progress = _write_progress(workdir, spec, state, total, schedule, checkpoint.list_valid(ckpt_root)[0],
+                               status=status, reason=reason, run_id=run_id, weights=weights)
+    lines.end(state.global_step, status, reason)
+    distributed.barrier(world)  # every rank leaves together (gloo aborted a rank that shut down first)
+    return progress
+
+
+def _predict(recipe, model, out_dir: Path, **settings) -> None:
+    """recipe.predict with the run's eval batch and autocast; a user recipe written against the older
+    `predict(model, out_dir)` gets only what its signature takes (a TypeError after a long run would lose it)."""
+    params = inspect.signature(recipe.predict).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        settings = {k: v for k, v in settings.items() if k in params}
+    recipe.predict(model, out_dir, **settings)
+
+
+def _best_weights(ckpt_root: Path, state: TrainState) -> Optional[dict]:
+    """The model weights of the checkpoint that scored the run's best metric, or None when there is none (no
+    eval) or the disk budget deleted it (that is logged)."""
+    if not state.best:
+        return None
+    for ckpt in checkpoint.list_valid(ckpt_root):
+        if ckpt.metric is not None and ckpt.step == state.best["step"]:
+            return checkpoint.load(ckpt)["model"]
+    log.warning("no export/best: the best checkpoint (step %d) was deleted to fit checkpoints.disk_budget_gb",
+                state.best["step"])
+    return None
+
+
+def _change_world(state: TrainState, world_size: int) -> None:
+    """Resume with another number of processes (T4 x2 one week, one GPU the next): keep the effective batch,
+    and say from which step the run is no longer bit-identical to an uninterrupted one."""
+    effective = state.micro_batch * state.grad_accum * state.world_size
+    why = f"world size changed from {state.world_size} to {world_size} processes"
+    log.warning("%s at step %d: the effective batch stays %d, but the run is no longer bit-identical to an"
+                " uninterrupted one", why, state.global_step, effective)
+    state.micro_batch, state.grad_accum = distributed.split_batch(effective, world_size, state.micro_batch)
+    state.world_size = world_size
+    if state.exactness_lost is None:
+        state.exactness_lost = {"step": state.global_step, "why": why}
+
+
+def _carry_metrics(workdir: Path, resume_from: Sequence[Path]) -> None:
+    """A fresh kernel workdir starts with the metrics of the sessions before it, so the published
+    metrics.jsonl always covers the whole run (the loss curve across sessions is drawn from it)."""
+    target = workdir / "metrics.jsonl"
+    if target.exists():
+        return
+    for source in resume_from:
+        if (Path(source) / "metrics.jsonl").is_file():
+            shutil.copyfile(Path(source) / "metrics.jsonl", target)
+            return
+
+
+def _update_session(session: dict, trainer: Trainer, clock: SessionClock, metrics_log: MetricsLog,
+                    reason: str) -> None:
+    session.update(
+        ended=time.time(), seconds=round(clock.elapsed(), 3), step_end=trainer.state.global_step,
+        samples_per_s=round(trainer.session_samples / max(1e-9, trainer.train_seconds), 2),
+        peak_mem_mb=round(trainer.monitor.peak_mb() or trainer.monitor.sample()["rss_mb"], 1),
+        loss_end=metrics_log.last_train_loss,
+        stop_reason=reason if reason in ("budget", "steps", "sigterm", "done", "diverged") else "running",
+        **({"diverged": trainer.diverged} if trainer.diverged else {}),
+        # this save's own time is known only after it; the checkpoint carries the last measured one
+        save_seconds=session.get("save_seconds", round(clock.save_seconds or 0.0, 3)),
+    )
+
+
+def _write_progress(workdir: Path, spec: RunSpec, state: TrainState, total: int, schedule, ckpt, *,
+                    status: str, reason: str, run_id: Optional[str], weights: Optional[str] = None) -> dict:
+    progress = {
+        "status": status,
+        "stop_reason": reason,
+        "run_id": run_id,
+        "name": spec.name,
+        "code_version": code_version(),
+        "global_step": state.global_step,
+        "total_steps": total,
+        "epoch": schedule.epoch_of(max(0, state.global_step - 1)),
+        "steps_per_epoch": schedule.steps_per_epoch,
+        "metrics": state.last_eval,
+        "best": state.best,
+        "micro_batch": state.micro_batch,
+        "grad_accum": state.grad_accum,
+        "precision": state.precision,
+        "world_size": state.world_size,
+        "exactness_lost": state.exactness_lost,
+        "memory_rungs": state.memory_rungs,
+        "tracking": state.tracking,
+        "checkpoint": str(ckpt.path.relative_to(workdir)) if ckpt.path.is_relative_to(workdir) else str(ckpt.path),
+        "weights_sha256": weights,
+        "sessions": state.sessions,
+        "total_seconds": round(sum(s.get("seconds", 0.0) for s in state.sessions), 3),
+    }
+    atomic.write_json(workdir / "progress.json", progress)
+    return progress

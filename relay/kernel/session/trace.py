@@ -1,0 +1,154 @@
+"""Per-step fingerprints that let `relay verify-resume` say WHY a split run left the straight one.
+
+Under `relay verify-resume` (env RELAY_TRACE names a file) the Session API appends one JSON line per step:
+digests of every registered object's state and of the RNGs at the step's start, of the step's batch indices
+(when they come from session.batches), the loss, whether the step was the first after a resume, and, once
+per session, the objects in the script's frame that have a state_dict but were not registered. Nothing is
+recorded otherwise. `diagnose` compares two traces and names the first step and what differed there.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+ENV = "RELAY_TRACE"
+
+
+def digest(value: Any) -> str:
+    """A stable fingerprint of nested state: dicts, lists, tensors (bytes, dtype, shape), numpy arrays, scalars."""
+    h = hashlib.sha1()
+    _feed(h, value)
+    return h.hexdigest()[:16]
+
+
+def _feed(h, value: Any) -> None:
+    import numpy as np
+    import torch
+
+    if isinstance(value, dict):
+        for key in sorted(value, key=str):
+            h.update(repr(key).encode())
+            _feed(h, value[key])
+    elif isinstance(value, (list, tuple)):
+        h.update(f"[{len(value)}".encode())
+        for item in value:
+            _feed(h, item)
+    elif torch.is_tensor(value):
+        t = value.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(value, np.ndarray):
+        h.update(f"{value.dtype}{value.shape}".encode())
+        h.update(np.ascontiguousarray(value).tobytes())
+    else:
+        h.update(repr(value).encode())
+
+
+class StepTrace:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._start: dict = {}
+        self._batch: Optional[str] = None
+        self._resumed = False
+        self._unregistered: Optional[dict] = None
+
+    @classmethod
+    def from_env(cls) -> Optional["StepTrace"]:
+        return cls(Path(os.environ[ENV])) if os.environ.get(ENV) else None
+
+    def start(self, session, resumed: bool) -> None:
+        """After restore(): the state the session's first step starts from."""
+        self._resumed = resumed
+        self._capture(session)
+
+    def batch(self, indices) -> None:
+        self._batch = digest([int(i) for i in indices])
+
+    def step_done(self, session, loss: Any, frame) -> None:
+        """One line for the step just done (session.step before the increment), then the next step's start."""
+        if self._unregistered is None:
+            self._unregistered = _unregistered(session, frame)
+        record = {"step": session.step, "resumed": self._resumed, **self._start, "batch": self._batch,
+                  "loss": None if loss is None else float(loss)}
+        if self._unregistered:
+            record["unregistered"] = self._unregistered
+            self._unregistered = {}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self._resumed, self._batch = False, None
+        self._capture(session)
+
+    def _capture(self, session) -> None:
+        from relay.kernel.session.api_distributed import unwrap
+        from relay.kernel.session.loop import rng_state
+
+        self._start = {"objects": {n: digest(unwrap(o).state_dict()) for n, o in session.objects.items()},
+                       "rng": digest(rng_state(session._device()))}
+
+
+def _unregistered(session, frame) -> dict:
+    """{name: type} of the objects with state in the script's frame that the session does not save."""
+    import torch
+
+    if frame is None or str(frame.f_globals.get("__name__", "")).startswith("relay."):
+        return {}  # called from a relay integration (HF, Lightning): the trainer owns the objects
+    covered = {id(o) for o in session.objects.values()}
+    for obj in session.objects.values():
+        if isinstance(obj, torch.nn.Module):
+            covered |= {id(m) for m in obj.modules()}
+    found = {}
+    for name, value in {**frame.f_globals, **frame.f_locals}.items():
+        if isinstance(value, type) or id(value) in covered or value is session or name.startswith("__"):
+            continue
+        if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+            found[name] = type(value).__name__
+    return found
+
+
+def read(path: Path) -> dict:
+    """step -> record; a step trained again after a kill keeps its last record (the lineage that went on)."""
+    records = {}
+    if Path(path).is_file():
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                records[r["step"]] = r
+    return records
+
+
+def diagnose(straight: Path, split: Path) -> Optional[str]:
+    """The first step at which the split run leaves the straight one, what differed there, and the likely
+    cause in words; None when the traces agree (or the script does not use the Session API)."""
+    a, b = read(straight), read(split)
+    unregistered = {}
+    for r in (*a.values(), *b.values()):
+        unregistered.update(r.get("unregistered") or {})
+    hint = (f" Objects with state in the script that the session does not save: "
+            f"{', '.join(f'{n} ({t})' for n, t in sorted(unregistered.items()))}: register them"
+            f" (session.register({', '.join(f'{n}={n}' for n in sorted(unregistered))}))." if unregistered else "")
+    for step in sorted(set(a) & set(b)):
+        ra, rb = a[step], b[step]
+        where = f"step {step} ({'the first after a resume' if rb.get('resumed') else 'inside a session'})"
+        objects = sorted(n for n in ra["objects"] if ra["objects"][n] != rb["objects"].get(n))
+        differ = "differs" if len(objects) == 1 else "differ"
+        if objects and rb.get("resumed"):
+            return (f"{where}: the restored {', '.join(objects)} {differ} from the straight run's: a state_dict /"
+                    " load_state_dict pair that does not carry all of the object's state." + hint)
+        if objects:
+            return (f"{where}: {', '.join(objects)} {differ} at the step's start although step {step - 1} began"
+                    f" equal: the update of step {step - 1} differed, so something that shapes it was not"
+                    " carried across the resume (an unregistered scheduler, scaler or EMA)." + hint)
+        if ra["rng"] != rb["rng"]:
+            return (f"{where}: the RNG state at the step's start differs: the script draws random numbers"
+                    " outside its steps (before restore(), or ahead of the step)." + hint)
+        if ra["batch"] != rb["batch"]:
+            return f"{where}: the batch indices differ: the data order is not a function of the step." + hint
+        if ra["loss"] != rb["loss"]:
+            return (f"{where}: the same state, RNG and batch indices gave a different loss ({ra['loss']} vs"
+                    f" {rb['loss']}): the batch itself differs. The script draws from the global RNG outside"
+                    " the step: a prefetched batch, drawn before the save and lost with the session; draw each"
+                    " step's data inside the step, or derive it from session.batches." + hint)
+    return None

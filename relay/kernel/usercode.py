@@ -1,0 +1,295 @@
+"""The user's own code: where it lives, what it runs, and how much of it ships inside a session kernel.
+
+A spec names it with a `code:` section (a folder and an entry: `train.py --lr 3e-4` or `pkg.module:function`)
+and/or a user recipe (`recipe: pkg.module:Class`, a `relay.kernel.recipes.Recipe` subclass from that folder). Everything
+is checked when the spec loads, so a wrong path is one line and exit 2 before anything is written or pushed.
+
+Kernel-side: no imports of relay.orchestrator.kaggle, Prefect or the emulator.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import importlib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import re
+import runpy
+import shlex
+import sys
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from relay.shared.errors import InputError
+
+if TYPE_CHECKING:
+    from relay.shared.spec import RunSpec
+
+CODE_DIR_ENV = "RELAY_CODE_DIR"  # set by the session kernel: where it unpacked the user's folder
+# The folder travels base64 inside the kernel source (one SaveKernel call ships code, spec and run id
+# atomically; see relay/orchestrator/kaggle/kernel_source.py). Kaggle documents no limit on that text, so we keep it
+# to what a script reasonably is: past 2 MB the folder holds data or weights, which belong in a dataset
+# (kaggle.dataset_sources), versioned and mounted, not re-uploaded with every session.
+MAX_CODE_BYTES = 2_000_000
+_ALWAYS_EXCLUDED = ("__pycache__", "*.pyc", ".*", "relay-run", "*.egg-info")
+_MODULE_ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class UserCodeError(InputError):
+    """The user's code failed in a way a new session would repeat: the relay stops instead of retrying."""
+
+
+def resolve_folder(spec_path: Path, folder: str) -> Path:
+    """code.folder, relative to the spec file; inside a kernel, where the kernel unpacked it."""
+    if os.environ.get(CODE_DIR_ENV):
+        return Path(os.environ[CODE_DIR_ENV])
+    return (Path(spec_path).resolve().parent / folder).resolve()
+
+
+def code_files(folder: Path, exclude: list[str] = ()) -> list[tuple[str, Path]]:
+    """(relative posix path, file) of everything that ships, sorted; hidden files, caches and the local
+    default workdir (relay-run/) never do."""
+    patterns = [*_ALWAYS_EXCLUDED, *exclude]
+    out = []
+    for root, dirs, files in os.walk(folder):
+        rel_root = Path(root).relative_to(folder)
+        dirs[:] = sorted(d for d in dirs if not _excluded((rel_root / d).as_posix(), d, patterns))
+        for name in sorted(files):
+            rel = (rel_root / name).as_posix()
+            if not _excluded(rel, name, patterns):
+                out.append((rel, Path(root) / name))
+    return out
+
+
+def _excluded(rel: str, name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(rel, p) for p in patterns)
+
+
+def _on_path(folder: Path) -> None:
+    """The user's folder first on sys.path, and no module of the same name left cached from another folder
+    (a long-lived orchestrator loads several specs, whose code may share a package name like `mypkg`)."""
+    if str(folder) in sys.path:
+        sys.path.remove(str(folder))
+    sys.path.insert(0, str(folder))
+    for entry in folder.iterdir():
+        name = entry.stem if entry.suffix == ".py" else entry.name
+        cached = sys.modules.get(name)
+        origin = getattr(cached, "__file__", None)
+        if cached is not None and origin and not Path(origin).resolve().is_relative_to(folder.resolve()):
+            for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+                del sys.modules[key]
+    importlib.invalidate_caches()
+
+
+# -- checks at spec load ----------------------------------------------------------------------------------
+def check_spec(spec: "RunSpec") -> bool:
+    """SpecError naming the key; True when the user recipe's check waits for the kernel (kaggle.pip)."""
+    from relay.shared.spec import SpecError
+
+    if spec.kaggle.pip and not spec.kaggle.enable_internet:
+        raise SpecError("kaggle.pip: installing requirements at kernel start needs kaggle.enable_internet: true"
+                        " (offline kernels cannot reach PyPI); turn internet on or vendor the code into code.folder")
+    code = spec.code
+    if code is None:
+        if spec.recipe is None:
+            raise SpecError("recipe: required key is missing (a built-in recipe, or 'module:Class' / code.entry"
+                            " with a code: section)")
+        if ":" in spec.recipe:
+            raise SpecError(f"recipe: {spec.recipe} is a user recipe: add a code: section naming its folder")
+        return False
+    folder = Path(code.folder)
+    if not folder.is_dir():
+        raise SpecError(f"code.folder: {folder} is not a folder")
+    size = sum(f.stat().st_size for _, f in code_files(folder, code.exclude))
+    if size > MAX_CODE_BYTES:
+        raise SpecError(f"code.folder: {folder} holds {size / 1e6:.1f} MB to ship; at most {MAX_CODE_BYTES / 1e6:g} MB"
+                        " travel inside the session kernel: put data and weights in a dataset"
+                        " (kaggle.dataset_sources) or leave them out with code.exclude")
+    if code.entry and spec.recipe:
+        raise SpecError("code.entry: set either recipe or code.entry, not both")
+    if not code.entry and not spec.recipe:
+        raise SpecError("code.entry: required key is missing (a script 'train.py --args' or 'module:function')"
+                        " when no recipe is set")
+    _on_path(folder)
+    if code.entry:
+        parse_entry(code.entry, folder, pip=spec.kaggle.pip)
+        return False
+    return load_recipe(spec.recipe, folder, pip=spec.kaggle.pip) is None
+
+
+@contextlib.contextmanager
+def _no_bytecode():
+    """Import the user's code at spec load without writing __pycache__ into their folder: a spec check writes
+    nothing, and the folder ships as it is."""
+    before, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = before
+
+
+def _third_party(err: BaseException, module: str, folder: Optional[Path]) -> Optional[str]:
+    """The top-level package an import missed when it is not the user's own code (their folder, or the
+    module named in the spec itself): one that kaggle.pip could install."""
+    if not (isinstance(err, ModuleNotFoundError) and err.name):
+        return None
+    top = err.name.split(".")[0]
+    own = module == err.name or module.startswith(err.name + ".")
+    if own or (folder is not None and ((folder / top).is_dir() or (folder / f"{top}.py").is_file())):
+        return None
+    return top
+
+
+def _hint(err: BaseException, module: str, folder: Optional[Path]) -> str:
+    top = _third_party(err, module, folder)
+    return f"; if {top} is a package to install, list it in kaggle.pip" if top else ""
+
+
+def _module_file(module: str, folder: Path) -> bool:
+    """Whether pkg.mod is a file in `folder`, found without importing anything (pkg/__init__.py may import
+    what only kaggle.pip provides)."""
+    path: object = [str(folder)]
+    parts = module.split(".")
+    for i in range(len(parts)):
+        found = importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]), path)
+        if found is None:
+            return False
+        path = found.submodule_search_locations
+        if path is None and i < len(parts) - 1:
+            return False
+    return True
+
+
+def parse_entry(entry: str, folder: Path, pip: list[str] = ()) -> tuple[str, object, list[str]]:
+    """("module", "pkg.mod:function", []) or ("script", Path, args); SpecError when it does not exist."""
+    from relay.shared.spec import SpecError
+
+    if _MODULE_ENTRY.match(entry.strip()):
+        module = entry.strip().split(":")[0]
+        try:
+            with _no_bytecode():  # find_spec("pkg.mod") runs pkg/__init__.py
+                found = importlib.util.find_spec(module)
+        except (ImportError, ValueError) as err:
+            # The orchestrator never pip-installs: a package only kaggle.pip provides is checked in the kernel.
+            if pip and _third_party(err, module, folder) and _module_file(module, folder):
+                return "module", entry.strip(), []
+            found, why = None, f" ({type(err).__name__}: {err}{_hint(err, module, folder)})"
+        else:
+            why = ""
+        if found is None:
+            raise SpecError(f"code.entry: module {module} not found in {folder}{why}")
+        return "module", entry.strip(), []
+    try:
+        script, *args = shlex.split(entry)
+    except ValueError as err:
+        raise SpecError(f"code.entry: cannot split {entry!r} into a script and arguments ({err})") from None
+    path = folder / script
+    if not path.is_file():
+        raise SpecError(f"code.entry: {script} not found in {folder} (expected a script with arguments, e.g."
+                        " 'train.py --lr 3e-4', or 'module:function')")
+    return "script", path, args
+
+
+def load_recipe(path: str, folder: Optional[Path] = None, pip: list[str] = ()):
+    """The Recipe subclass named "pkg.module:Class" (its folder already on sys.path). None when the module
+    imports a package kaggle.pip installs at kernel start: `relay train` in the kernel checks it after pip."""
+    from relay.kernel.recipes.base import Recipe, RecipeParams
+    from relay.shared.spec import SpecError
+
+    module_name, _, cls_name = path.partition(":")
+    try:
+        with _no_bytecode():
+            module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - any failure to import the user's module is reported
+        # The orchestrator never pip-installs: a package only kaggle.pip provides is checked in the kernel.
+        if pip and _third_party(err, module_name, folder) and _module_file(module_name, folder):
+            return None
+        raise SpecError(f"recipe: cannot import {module_name} ({type(err).__name__}: {err}"
+                        f"{_hint(err, module_name, folder)})") from None
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise SpecError(f"recipe: {module_name} has no {cls_name}")
+    if not (isinstance(cls, type) and issubclass(cls, Recipe)):
+        raise SpecError(f"recipe: {path} is not a Recipe (expected a subclass of relay.kernel.recipes.Recipe)")
+    if not (isinstance(getattr(cls, "Params", None), type) and issubclass(cls.Params, RecipeParams)):
+        raise SpecError(f"recipe: {path}.Params must be a relay.kernel.recipes.RecipeParams subclass")
+    return cls
+
+
+# -- running an entry ---------------------------------------------------------------------------------------
+def session_config(spec: "RunSpec", workdir: Path, *, budget, deadline, max_steps, resume_from, data_dir,
+                   feature_dirs, run_id) -> dict:
+    """What `relay.open_session()` reads (env RELAY_SESSION) inside the user's script."""
+    return {
+        "workdir": str(Path(workdir).resolve()), "name": spec.name, "run_id": run_id, "seed": spec.seed,
+        "budget": budget, "deadline": deadline, "max_steps": max_steps,
+        "total_steps": spec.optim.max_steps, "log_every": spec.optim.log_every_steps,
+        "resume_from": [str(Path(p).resolve()) for p in resume_from],
+        "data": str(Path(data_dir).resolve()) if data_dir else None,
+        "features": [str(Path(p).resolve()) for p in feature_dirs],
+        "save_every": spec.session.save_every, "safety_margin": spec.session.safety_margin,
+        "threads": spec.session.threads, "keep_last": spec.checkpoints.keep_last,
+        "stop_on_divergence": spec.session.stop_on_divergence,
+        "disk_budget_gb": spec.checkpoints.disk_budget_gb, "digest": spec.checkpoints.digest,
+        "tracking": spec.tracking.model_dump(), "internet": spec.kaggle.enable_internet,
+    }
+
+
+def run_entry(spec: "RunSpec", config: dict) -> dict:
+    """Run code.entry in this process with the session config in the environment; return its progress.
+
+    A script that never opens a session, or that raises (other than out-of-memory and CUDA faults, which a
+    new session may not hit), is a UserCodeError: `relay train` prints one line and exits 2, and the relay
+    stops instead of pushing the same failure again. With session.devices resolving to N > 1 it runs once per
+    rank in N processes (relay.kernel.session.api_distributed); a process already in a world (torchrun) runs here."""
+    from relay.kernel.session import api, api_distributed, distributed
+    from relay.kernel.session.run import pick_device
+
+    world_size = distributed.world_size_for(spec.session.devices, pick_device().type)
+    if world_size > 1 and api_distributed.env_world_size() == 1:
+        return api_distributed.launch_entry(spec, config, world_size)
+
+    kind, target, args = parse_entry(spec.code.entry, Path(spec.code.folder))
+    os.environ[api.ENV] = json.dumps(config)
+    opened_before = api.sessions_opened()
+    argv, cwd, path = sys.argv, os.getcwd(), list(sys.path)
+    # The entry runs as `python train.py ...` runs from its own folder: relative reads work in a session too.
+    # What a session must keep goes under session.workdir (the code folder is not a session's output).
+    os.chdir(Path(target).parent if kind == "script" else spec.code.folder)
+    try:
+        if kind == "script":
+            sys.argv = [str(target), *args]
+            sys.path.insert(0, str(Path(target).parent))
+            runpy.run_path(str(target), run_name="__main__")
+        else:
+            module, func = target.split(":")
+            getattr(importlib.import_module(module), func)()
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            raise UserCodeError(f"code.entry {spec.code.entry}: exited with status {exit_.code}") from None
+    except InputError:  # the relay's own refusal (e.g. a batch the processes cannot split): its one line
+        raise
+    except Exception as err:  # noqa: BLE001 - classified: transient faults re-raise, the rest stop the relay
+        if _transient(err):
+            raise
+        traceback.print_exc()
+        raise UserCodeError(f"code.entry {spec.code.entry} raised {type(err).__name__}: {err}") from None
+    finally:
+        sys.argv, sys.path[:] = argv, path
+        os.chdir(cwd)
+        os.environ.pop(api.ENV, None)
+    if api.sessions_opened() == opened_before:
+        raise UserCodeError(f"code.entry {spec.code.entry}: ended without opening a relay session"
+                            " (call relay.open_session() and session.close(); see docs/your-code.md)")
+    api.close_open_sessions()  # a script that forgot close(): save and report for it
+    progress = Path(config["workdir"]) / "progress.json"
+    return json.loads(progress.read_text())
+
+
+def _transient(err: BaseException) -> bool:
+    text = f"{type(err).__name__}: {err}"
+    # gloo/NCCL: a collective broken because another rank failed or died, whose own error is the one to report
+    return "out of memory" in text.lower() or "CUDA" in text or "NCCL" in text or "gloo" in text

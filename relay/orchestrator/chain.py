@@ -1,0 +1,191 @@
+"""The relay's decision, as a pure function of what Kaggle shows.
+
+The orchestrator keeps no state of its own. Each tick it observes two things on Kaggle: the checkpoint
+dataset's latest progress.json (what has been handed over) and the session kernel's current version (its
+run id, read back from the pushed source, and its status). Run ids encode the session number and the
+attempt (`price-tiny-s003-a1`), so from those two observations alone it knows whether the kernel's run
+is still going, finished and not yet handed over, failed, or already handed over, and what to do next.
+Kill the orchestrator anywhere and the next tick sees the same facts and makes the same decision.
+"""
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+_RUN_ID = re.compile(r"^(?P<name>[a-z0-9][a-z0-9-]*)-s(?P<session>\d{3,})-a(?P<attempt>\d+)$")
+
+
+def run_id(name: str, session: int, attempt: int) -> str:
+    return f"{name}-s{session:03d}-a{attempt}"
+
+
+def parse_run_id(value: Optional[str]) -> Optional[tuple[int, int]]:
+    """(session, attempt) of a relay run id, None for anything else (e.g. a kernel pushed by hand)."""
+    m = _RUN_ID.match(value or "")
+    return (int(m["session"]), int(m["attempt"])) if m else None
+
+
+@dataclass(frozen=True)
+class Names:
+    """Where one relay lives on Kaggle. All derived from the owner and the spec name."""
+
+    owner: str
+    name: str
+
+    @property
+    def kernel(self) -> str:
+        return f"{self.owner}/{self.name}-session"
+
+    @property
+    def checkpoint_dataset(self) -> str:
+        return f"{self.owner}/{self.name}-ckpt"
+
+    @property
+    def features_dataset(self) -> str:
+        return f"{self.owner}/{self.name}-features"
+
+    @property
+    def model_dataset(self) -> str:
+        return f"{self.owner}/{self.name}-model"
+
+
+@dataclass(frozen=True)
+class Observation:
+    published: Optional[dict]      # progress.json of the checkpoint dataset's latest version; None before
+    kernel_run: Optional[str]      # run id in the kernel's current version; None if never pushed
+    kernel_state: Optional[str]    # "queued" | "running" | "complete" | "error" | "cancelled" | None
+    failure_message: str = ""
+    features_published: bool = False
+    # the kernel version that carries kernel_run: the state and the output are read for this version only
+    # (versionLabel "v<N>"), never for "the latest", which lags a push; None: not known yet ("starting")
+    kernel_version: Optional[int] = None
+
+    @property
+    def handed_over(self) -> int:
+        """Sessions whose checkpoint is published (the session number in the published run id)."""
+        parsed = parse_run_id((self.published or {}).get("run_id"))
+        return parsed[0] if parsed else 0
+
+
+class Do(str, enum.Enum):
+    PUSH = "push"          # push session `session`, attempt `attempt`
+    WAIT = "wait"          # the kernel is queued or running
+    HARVEST = "harvest"    # the kernel finished: download, verify, publish the checkpoint
+    SALVAGE = "salvage"    # the kernel failed: hand over what it saved if it advanced, else retry
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Action:
+    do: Do
+    run_id: Optional[str] = None
+    session: int = 0
+    attempt: int = 0
+    reason: str = ""
+
+
+def decide(name: str, obs: Observation) -> Action:
+    """The one next step of the relay."""
+    if (obs.published or {}).get("status") == "done":
+        return Action(Do.DONE, reason="the published checkpoint says the work is done")
+    next_session = obs.handed_over + 1
+    parsed = parse_run_id(obs.kernel_run)
+    if parsed is None or parsed[0] < next_session:
+        # Nothing pushed yet, or the kernel's run is already handed over: start the next session.
+        return Action(Do.PUSH, run_id(name, next_session, 1), next_session, 1, "next session")
+    session, attempt = parsed
+    restored = (obs.published or {}).get("restored") or {}
+    if session >= next_session and restored.get("after_run") == obs.kernel_run:
+        # a bad checkpoint version was replaced by an older valid one (relay/orchestrator/restore.py): redo from there
+        attempt = int(restored.get("attempt", 1))
+        return Action(Do.PUSH, run_id(name, next_session, attempt), next_session, attempt,
+                      f"checkpoint v{restored.get('bad_version')} was bad; resuming from the restored"
+                      f" v{restored.get('from_version')}")
+    if session > next_session:
+        return Action(Do.FAILED, obs.kernel_run, session, attempt,
+                      f"the kernel runs session {session} but only {obs.handed_over} are handed over:"
+                      " the checkpoint dataset was changed by hand")
+    if obs.kernel_state in (None, "queued", "running", "new_script"):
+        return Action(Do.WAIT, obs.kernel_run, session, attempt, f"kernel is {obs.kernel_state or 'starting'}")
+    if obs.kernel_state == "complete":
+        return Action(Do.HARVEST, obs.kernel_run, session, attempt, "kernel complete")
+    if hit_session_limit(obs.kernel_state, obs.failure_message):
+        return Action(Do.SALVAGE, obs.kernel_run, session, attempt,
+                      f"kernel stopped at Kaggle's session limit: {obs.failure_message}")
+    return Action(Do.SALVAGE, obs.kernel_run, session, attempt,
+                  f"kernel {obs.kernel_state}: {obs.failure_message}".rstrip(": "))
+
+
+# A batch run past the session limit ends CANCEL_ACKNOWLEDGED with this message (../shared/docs/kaggle-api.md).
+SESSION_LIMIT_MESSAGE = "exceeded the max allowed execution duration"
+
+
+def hit_session_limit(state: Optional[str], failure_message: str) -> bool:
+    """Kaggle stopped the session at its maximum duration: the budget was set too long for the session (or
+    the start-up took longer than `kaggle.startup_overhead`). Not transient: the same push would hit it again."""
+    return state == "cancelled" and SESSION_LIMIT_MESSAGE in (failure_message or "").lower()
+
+
+def session_limit_advice(session: int, budget_s: Optional[float], timeout_s: float, startup_s: float) -> str:
+    """What to change after a session hit the limit (the relay's message and the plan say it)."""
+    asked = f"a training budget of {budget_s:.0f} s" if budget_s else "its training budget"
+    return (f"session {session} was stopped by Kaggle at its session limit ({SESSION_LIMIT_MESSAGE}): "
+            f"{asked} plus start-up and the final save did not fit in kaggle.session_timeout {timeout_s:.0f} s. "
+            f"A budget set too long, not a transient failure: lower session.budget or raise "
+            f"kaggle.startup_overhead (now {startup_s:.0f} s), then run the relay again")
+
+
+def retry_action(name: str, failed: Action, max_attempts: int, why: str) -> Action:
+    """After a failed or stale session: the same session again from the same checkpoint, or give up."""
+    if failed.attempt >= max_attempts:
+        return Action(Do.FAILED, failed.run_id, failed.session, failed.attempt,
+                      f"session {failed.session} failed {failed.attempt} times; last: {why}")
+    attempt = failed.attempt + 1
+    return Action(Do.PUSH, run_id(name, failed.session, attempt), failed.session, attempt, f"retry: {why}")
+
+
+def new_attempt(name: str, failed: Action, why: str) -> Action:
+    """The same session again, from the same checkpoint, after the user changed the code or spec that failed:
+    not a retry of a transient failure, so it does not count against kaggle.max_failed_sessions."""
+    attempt = failed.attempt + 1
+    return Action(Do.PUSH, run_id(name, failed.session, attempt), failed.session, attempt, why)
+
+
+# A Python traceback ending in one of these is a bug in the code or the spec: retrying cannot help.
+_CODE_ERRORS = re.compile(
+    r"^(?:\w+\.)*(SyntaxError|IndentationError|ImportError|ModuleNotFoundError|NameError|TypeError|"
+    r"AttributeError|KeyError|IndexError|AssertionError|NotImplementedError|InputError|SpecError|"
+    r"NonFiniteLossError|DiskBudgetError|ValueError)\b", re.M)
+
+
+# `relay train` reports an InputError (SpecError, DiskBudgetError, bad --data ...) as one line and exits 2,
+# without a traceback: a bad spec or input, which the same session pushed again would hit again.
+_CLI_ERROR = re.compile(r"^relay: error: .*$", re.M)
+
+
+# `relay train` given --resume-from with nothing valid in it (relay.kernel.session.checkpoint.CorruptCheckpointError)
+_CORRUPT_MOUNT = re.compile(r"^relay: error: the mounted checkpoint .* is corrupt: .*$", re.M)
+
+
+def mounted_checkpoint_corrupt(log_tail: str) -> Optional[str]:
+    """The session's one-line reason when it refused to start from a corrupt or partial checkpoint."""
+    found = list(_CORRUPT_MOUNT.finditer(log_tail))
+    return found[-1].group(0).removeprefix("relay: error: ") if found else None
+
+
+def looks_like_code_error(log_tail: str) -> Optional[str]:
+    """The offending exception line if the log shows a code error, None when it looks transient
+    (killed, timed out, CUDA/driver errors, lost connection)."""
+    reported = list(_CLI_ERROR.finditer(log_tail))
+    if reported:
+        return reported[-1].group(0).strip()
+    if "Traceback (most recent call last)" not in log_tail:
+        return None
+    matches = list(_CODE_ERRORS.finditer(log_tail))
+    if not matches:
+        return None
+    line_end = log_tail.find("\n", matches[-1].start())
+    return log_tail[matches[-1].start(): line_end if line_end >= 0 else None].strip()

@@ -1,0 +1,338 @@
+"""The relay's actions on Kaggle: observe, push a session, hand a finished session's checkpoint over.
+
+No Prefect here (tasks/ wraps these with retries and artifacts); every function takes the backend, so the
+same code runs against Kaggle and against the local emulator.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from relay.orchestrator import tracking_handoff
+from relay.orchestrator.chain import Action, Names, Observation, hit_session_limit
+from relay.orchestrator.kaggle.backend import KaggleBackend
+from relay.orchestrator.kaggle.types import NotFound, SessionKernel
+from relay.kernel.session import checkpoint
+from relay.shared.spec import RunSpec
+from relay.shared.version import code_version
+
+log = logging.getLogger(__name__)
+
+WORKDIR = "relay"  # the session workdir inside the kernel's working folder
+PUBLISHED_FILES = ("progress.json", "metrics.jsonl")
+SESSION_LIMIT = "session_limit"  # stop reason of a session Kaggle stopped at its maximum duration
+
+
+def observe(backend: KaggleBackend, names: Names, local: Path) -> Observation:
+    """What Kaggle shows. The kernel's state is read for the version that carries its run id, by version
+    label: for about a minute after a push Kaggle's "latest" status and output still show the previous
+    version's final state, which would read as "finished" before the new run has even started. A version
+    whose status is not available yet (no number, not found) is "starting" (None), never finished."""
+    published = read_published_progress(backend, names.checkpoint_dataset, local / "published")
+    current = backend.current_run(names.kernel)
+    run, version = current if current is not None else (None, None)
+    state, failure = None, ""
+    if run is not None and version:
+        try:
+            status = backend.kernel_status(names.kernel, version)
+            state, failure = status.state.value, status.failure_message
+        except NotFound:
+            log.info("kernel %s v%s: no status yet (starting)", names.kernel, version)
+    return Observation(published, run, state, failure, features_published=_exists(backend, names.features_dataset),
+                       kernel_version=version or None)
+
+
+def read_published_progress(backend: KaggleBackend, dataset: str, dest: Path) -> Optional[dict]:
+    try:
+        path = backend.download_dataset_file(dataset, "progress.json", dest)
+    except NotFound:
+        return None
+    return json.loads(Path(path).read_text())
+
+
+def published_metrics(backend: KaggleBackend, names: Names, local: Path, progress: dict) -> Optional[Path]:
+    """metrics.jsonl of the published checkpoint (all sessions so far), fetched once per handed-over run."""
+    path = local / "published" / f"metrics-{progress.get('run_id')}.jsonl"
+    if not path.is_file():
+        try:
+            tmp = backend.download_dataset_file(names.checkpoint_dataset, "metrics.jsonl", local / "published" / "tmp")
+        except NotFound:
+            return None
+        tmp.replace(path)
+    return path
+
+
+def _exists(backend: KaggleBackend, dataset: str) -> bool:
+    try:
+        return bool(backend.list_dataset_files(dataset))
+    except NotFound:
+        return False
+
+
+def session_kernel(spec: RunSpec, spec_text: str, names: Names, action: Action, budget_s: Optional[float],
+                   features_published: bool, has_checkpoint: bool) -> SessionKernel:
+    k = spec.kaggle
+    data = k.data_mount or (k.dataset_sources[0] if k.dataset_sources else None)
+    return SessionKernel(
+        kernel=names.kernel,
+        title=f"{spec.name} session",  # Kaggle derives the slug from the title: keep them equal
+        spec_text=spec_text,
+        run_id=action.run_id,
+        budget_s=budget_s,
+        checkpoint_dataset=names.checkpoint_dataset if has_checkpoint else None,
+        data_dataset=data,
+        features_datasets=(names.features_dataset,) if features_published else (),
+        extra_datasets=tuple(s for s in k.dataset_sources if s != data),
+        competitions=tuple(k.competition_sources),
+        enable_gpu=k.enable_gpu,
+        enable_internet=k.enable_internet,
+        machine_shape=k.machine_shape,
+        session_timeout_s=int(k.session_timeout),
+        workdir_name=WORKDIR,
+        code_folder=spec.code.folder if spec.code else None,
+        code_exclude=tuple(spec.code.exclude) if spec.code else (),
+        pip=tuple(k.pip),
+    )
+
+
+def code_changed(backend: KaggleBackend, names: Names, spec: RunSpec, spec_text: str) -> bool:
+    """Whether what a push would ship now (the relay's code, the user's code folder, the spec) differs from the
+    kernel's current version: after a code error, a fixed script or spec is worth a new attempt, the same
+    one is not. Read back from the pushed source, so it holds on any machine."""
+    import hashlib
+
+    from relay.orchestrator.kaggle.bundle import build_bundle
+
+    pushed = backend.current_plan(names.kernel) or {}
+    bundle = build_bundle(user_code=spec.code.folder if spec.code else None,
+                          exclude=tuple(spec.code.exclude) if spec.code else ())
+    if pushed.get("bundle_sha256") != hashlib.sha256(bundle.data).hexdigest():
+        return True
+    spec_sha = pushed.get("spec_sha256")  # kernels pushed before it was recorded: the bundle alone decides
+    return spec_sha is not None and spec_sha != hashlib.sha256(spec_text.encode()).hexdigest()
+
+
+@dataclass
+class HandOver:
+    """What a finished (or failed) session left, and what was published from it."""
+
+    ok: bool
+    reason: str = ""
+    progress: Optional[dict] = None
+    step: int = 0
+    version: Optional[int] = None
+    log_tail: str = ""
+    published: list = field(default_factory=list)
+    stale: bool = False  # the output may be another version's (Kaggle's status lag): see pushed_within
+
+
+def pushed_within(backend: KaggleBackend, names: Names, run_id: str, seconds: float) -> bool:
+    """Whether the kernel's current version (the one carrying `run_id`) was pushed less than `seconds` ago:
+    then output of another run is Kaggle's status lag (even a pinned request may answer the previous version
+    for a while), not a failed session. The push time is read back from the pushed source."""
+    plan = backend.current_plan(names.kernel) or {}
+    at = plan.get("pushed_at")
+    return plan.get("run_id") == run_id and at is not None and time.time() - float(at) < seconds
+
+
+def _no_check() -> None:
+    return None
+
+
+def _lag_suspect(found_run_id: Optional[str], obs: Observation) -> bool:
+    """Output that may belong to another version: another run's id, or none at all while the status says
+    complete (a finished relay session always leaves its run id; a failed one may leave nothing)."""
+    return found_run_id is not None or obs.kernel_state == "complete"
+
+
+def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Action, obs: Observation,
+              local: Path, confirm: Callable[[], None] = _no_check,
+              wandb_key=tracking_handoff.key_from_env) -> HandOver:
+    """Download the kernel's output (of the observed version), verify it is this run's, and publish its
+    newest valid checkpoint as the next version of the checkpoint dataset (plus the features once, and the
+    model when done), with the relay's TensorBoard log cut at its step; then sync the W&B offline run
+    (`wandb_key`: where the API key comes from). `confirm` runs before each publication (the orchestrator's
+    claim on this step is still its own: relay/orchestrator/kaggle/lease.py) and raises to stop."""
+    if hasattr(backend, "open_handoff_output"):
+        return _hand_over_streamed(backend, spec, names, action, obs, local, confirm, wandb_key)
+    out = backend.download_output(names.kernel, local / "outputs" / action.run_id, action.run_id, WORKDIR,
+                                  version=obs.kernel_version)
+    tail = log_tail(out.log_path)
+    if out.stale:
+        return HandOver(False, f"stale output: it belongs to run {out.found_run_id}, not {action.run_id}",
+                        log_tail=tail, stale=_lag_suspect(out.found_run_id, obs))
+    workdir = out.directory / WORKDIR
+    valid = checkpoint.list_valid(workdir / "checkpoints", verify_hashes=True)
+    before = int((obs.published or {}).get("global_step", 0))
+    if not valid or out.progress is None:
+        return HandOver(False, "the session left no valid checkpoint", log_tail=tail)
+    newest = valid[0]
+    if newest.step <= before and out.progress.get("status") != "done":
+        return HandOver(False, f"no progress: newest checkpoint is step {newest.step}, published {before}",
+                        log_tail=tail)
+    limit = hit_session_limit(obs.kernel_state, obs.failure_message)
+    stage = _stage(local / "stage" / action.run_id, newest, workdir, out.progress, session_limit=limit)
+    tracking_handoff.stage_from_workdir(workdir, stage, newest.step, local)
+    if not checkpoint.list_valid(stage, verify_hashes=True):  # what goes up is the copy: verify the copy
+        return HandOver(False, "the staged copy of the checkpoint fails verification", log_tail=tail)
+    confirm()
+    result = backend.publish_folder(stage, names.checkpoint_dataset, f"{spec.name} checkpoint",
+                                    notes=f"run {action.run_id}, step {newest.step}, code {code_version()}")
+    published = [f"{names.checkpoint_dataset} v{result.version}"]
+    if not obs.features_published and (workdir / "cache").is_dir() and any((workdir / "cache").iterdir()):
+        confirm()
+        res = backend.publish_folder(workdir / "cache", names.features_dataset, f"{spec.name} features",
+                                     notes=f"built by run {action.run_id}")
+        published.append(f"{names.features_dataset} v{res.version}")
+    progress = json.loads((stage / "progress.json").read_text())
+    if progress.get("status") == "done" and (workdir / "export").is_dir():
+        confirm()
+        res = backend.publish_folder(workdir / "export", names.model_dataset, f"{spec.name} model",
+                                     notes=f"final weights of run {action.run_id}")
+        published.append(f"{names.model_dataset} v{res.version}")
+    if spec.tracking.wandb is not None:
+        tracking_handoff.sync_session(spec, progress, workdir / "wandb", before, newest.step,
+                                      stage / "metrics.jsonl", wandb_key)
+    return HandOver(True, "handed over", progress, newest.step, result.version, tail, published)
+
+
+def _hand_over_streamed(backend: KaggleBackend, spec: RunSpec, names: Names, action: Action, obs: Observation,
+                        local: Path, confirm: Callable[[], None], wandb_key) -> HandOver:
+    """The same handoff, downloading only what it publishes (relay/orchestrator/kaggle/selective_output.py): the newest
+    valid checkpoint straight into the flat staging folder, verified as it arrives; the cache and the export
+    only when they are published. The checkpoint version is published last (it is what the next tick reads
+    as "handed over"), and every folder is deleted as soon as its version is confirmed."""
+    root = local / "handoff" / action.run_id
+    out = backend.open_handoff_output(names.kernel, root, WORKDIR, version=obs.kernel_version)
+    tail = _log_tail_text(out.log_text)
+    try:
+        if out.found_run_id != action.run_id:
+            return HandOver(False, f"stale output: it belongs to run {out.found_run_id}, not {action.run_id}",
+                            log_tail=tail, stale=_lag_suspect(out.found_run_id, obs))
+        before = int((obs.published or {}).get("global_step", 0))
+        if not out.candidates or out.progress is None:
+            return HandOver(False, "the session left no valid checkpoint", log_tail=tail)
+        newest = out.candidates[0]
+        if newest.step <= before and out.progress.get("status") != "done":
+            return HandOver(False, f"no progress: newest checkpoint is step {newest.step}, published {before}",
+                            log_tail=tail)
+        want_cache = not obs.features_published
+        want_export = out.progress.get("status") == "done" and out.progress.get("global_step") == newest.step
+        extra = max(out.size_of("cache") if want_cache else 0, out.size_of("export") if want_export else 0)
+        out.ensure_space(newest.nbytes + extra,
+                         f"run {action.run_id}'s checkpoint (step {newest.step})"
+                         + (" and its cache/export" if extra else ""))
+        stage = root / "stage"
+        newest = _fetch_newest_valid(out, stage)
+        if newest is None:
+            return HandOver(False, "the session left no valid checkpoint (every one failed verification)",
+                            log_tail=tail)
+        progress = _staged_progress(out.progress, newest.step,
+                                    hit_session_limit(obs.kernel_state, obs.failure_message))
+        (stage / "progress.json").write_text(json.dumps(progress, indent=1, sort_keys=True))
+        out.fetch_file("metrics.jsonl", stage / "metrics.jsonl")
+        tracking_handoff.stage_from_output(out, root, stage, newest.step, local)
+
+        published = []
+        if want_cache:
+            published += _publish_tree(backend, out, root, "cache", names.features_dataset, f"{spec.name} features",
+                                       f"built by run {action.run_id}", confirm)
+        if progress.get("status") == "done":
+            published += _publish_tree(backend, out, root, "export", names.model_dataset, f"{spec.name} model",
+                                       f"final weights of run {action.run_id}", confirm)
+        known = {n: h for n, h in out.sha256.items() if (stage / n).is_file() and n != "progress.json"}
+        confirm()
+        result = backend.publish_folder(stage, names.checkpoint_dataset, f"{spec.name} checkpoint",
+                                        notes=f"run {action.run_id}, step {newest.step}, code {code_version()}",
+                                        known_sha256=known)
+        published.insert(0, f"{names.checkpoint_dataset} v{result.version}")
+        if spec.tracking.wandb is not None:  # after the publish: a tracker never holds the relay up
+            tracking_handoff.sync_session(spec, progress, _fetch_wandb(out, root), before, newest.step,
+                                          stage / "metrics.jsonl", wandb_key)
+        return HandOver(True, "handed over", progress, newest.step, result.version, tail, published)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # confirmed or not: everything here can be fetched again
+
+
+def _fetch_wandb(out, root: Path) -> Optional[Path]:
+    try:
+        return tracking_handoff.fetch_wandb(out, root)
+    except Exception as err:  # noqa: BLE001 - a tracker error is a warning
+        log.warning("W&B: the offline run could not be fetched (%s)", err)
+        return None
+
+
+def _publish_tree(backend: KaggleBackend, out, root: Path, name: str, dataset: str, title: str,
+                  notes: str, confirm: Callable[[], None] = _no_check) -> list[str]:
+    """Fetch one output folder (the cache, the export), publish it, and delete it at once."""
+    folder = out.fetch_tree(name, root / name)
+    if folder is None:
+        return []
+    confirm()
+    result = backend.publish_folder(folder, dataset, title, notes=notes)
+    shutil.rmtree(folder)
+    return [f"{dataset} v{result.version}"]
+
+
+def _fetch_newest_valid(out, stage: Path):
+    """The newest candidate whose files arrive intact; an older one when the newest fails its manifest."""
+    from relay.orchestrator.kaggle.selective_output import ChecksumMismatch
+
+    for cand in out.candidates:
+        if stage.exists():
+            shutil.rmtree(stage)
+        stage.mkdir(parents=True)
+        try:
+            out.fetch_checkpoint(cand, stage)
+            return cand
+        except ChecksumMismatch as err:
+            log.warning("checkpoint %s of the output fails verification (%s); trying an older one", cand.name, err)
+    return None
+
+
+def _staged_progress(progress: dict, step: int, session_limit: bool = False) -> dict:
+    progress = dict(progress, checkpoint=".")
+    if progress.get("global_step") != step:
+        # the kernel died after its last save: the checkpoint is the truth, progress.json may be ahead
+        progress.update(global_step=step, status="paused", stop_reason="killed")
+    if session_limit and progress.get("status") != "done":
+        # kept in the published progress, so the next plan still warns that the budget is too long
+        progress["stop_reason"] = SESSION_LIMIT
+        if progress.get("sessions"):
+            progress["sessions"] = progress["sessions"][:-1] + [dict(progress["sessions"][-1], stop_reason=SESSION_LIMIT)]
+    return progress
+
+
+def _stage(stage: Path, newest: checkpoint.Checkpoint, workdir: Path, progress: dict,
+           session_limit: bool = False) -> Path:
+    """One flat folder (datasets skip subfolders): the checkpoint's files, progress and metrics."""
+    if stage.exists():
+        shutil.rmtree(stage)
+    stage.mkdir(parents=True)
+    for f in newest.path.iterdir():
+        shutil.copy2(f, stage / f.name)
+    progress = _staged_progress(progress, newest.step, session_limit)
+    (stage / "progress.json").write_text(json.dumps(progress, indent=1, sort_keys=True))
+    if (workdir / "metrics.jsonl").is_file():
+        shutil.copy2(workdir / "metrics.jsonl", stage / "metrics.jsonl")
+    return stage
+
+
+def log_tail(path: Optional[Path], lines: int = 40) -> str:
+    """The last lines of a kernel log file, as text (Kaggle stores it as JSON)."""
+    if not path or not Path(path).is_file():
+        return ""
+    return _log_tail_text(Path(path).read_text(errors="replace"), lines)
+
+
+def _log_tail_text(text: str, lines: int = 40) -> str:
+    try:  # Kaggle's log is a JSON array of {stream_name, time, data}
+        text = "".join(entry.get("data", "") for entry in json.loads(text))
+    except (ValueError, AttributeError, TypeError):
+        pass
+    return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,144 @@
+"""The real `kaggle` client, imported lazily in a controlled environment and bound to one endpoint.
+
+`import kaggle` authenticates at import time (reading ~/.kaggle, env tokens, maybe a network call) and freezes
+KAGGLE_CONFIG_DIR / KAGGLE_API_ENVIRONMENT into class attributes. We import it once with no credentials in
+the environment and HOME/KAGGLE_CONFIG_DIR pointing at an empty temporary folder, then build our own
+`KaggleApi` instances whose credentials, environment and retry helper are set per instance.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+import threading
+import unittest.mock
+from typing import Any, Callable, Iterator, Optional
+
+from relay.orchestrator.kaggle.credentials import KaggleCredentials
+from relay.orchestrator.kaggle.retry import RetryPolicy, call
+
+_IMPORT_LOCK = threading.Lock()
+_PRINT = print
+# The SDK reads the LOCAL endpoint from a module-level dict each time it builds a client; calls against
+# different local endpoints in one process take turns under this lock.
+_ENDPOINT_LOCK = threading.RLock()
+
+
+def kaggle_api_class() -> type:
+    with _IMPORT_LOCK:
+        import sys
+
+        if "kaggle.api.kaggle_api_extended" not in sys.modules:
+            saved = dict(os.environ)
+            scratch = tempfile.mkdtemp(prefix="relay-kaggle-import-")
+            try:
+                for name in list(os.environ):
+                    if name.startswith("KAGGLE_"):
+                        del os.environ[name]
+                os.environ["HOME"] = scratch
+                os.environ["KAGGLE_CONFIG_DIR"] = scratch
+                # the import-time authenticate finds nothing and prints help; keep that off our stdout, and
+                # out of a Prefect flow's log too (log_prints replaces builtins.print): a false alarm there
+                sink = io.StringIO()
+                with contextlib.redirect_stdout(sink), \
+                        unittest.mock.patch("builtins.print", lambda *a, **k: _PRINT(*a, **{**k, "file": sink})):
+                    import kaggle  # noqa: F401
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+        from kaggle.api.kaggle_api_extended import KaggleApi
+
+        return KaggleApi
+
+
+class UploadIncomplete(ConnectionError):
+    """A file upload that did not complete; transient, so the dataset call is retried."""
+
+
+class KaggleClient:
+    """A `KaggleApi` for one account and one endpoint (None = production api.kaggle.com)."""
+
+    def __init__(self, credentials: KaggleCredentials, endpoint: Optional[str] = None,
+                 policy: Optional[RetryPolicy] = None):
+        self.credentials = credentials
+        self.endpoint = endpoint.rstrip("/") if endpoint else None
+        self.policy = policy or RetryPolicy()
+        api = kaggle_api_class()()
+        values = {"username": credentials.username}
+        if credentials.token:
+            values["token"] = credentials.token
+        else:
+            values["key"] = credentials.key
+        api.config_values = values
+        api.args = ["--local"] if self.endpoint else []
+        api._authenticated = True
+        # the client's own retry helper (uploads, dataset creation) can sleep ~143 s; use our policy
+        api.with_retry = self._with_retry
+        api._upload_file = self._strict_upload(api._upload_file)
+        # every download printed "Dataset URL: ..." on stdout (a tick's output, a flow's log): say nothing
+        api._print_dataset_url_and_license = lambda *args, **kwargs: None
+        self.api = api
+
+    @property
+    def username(self) -> str:
+        return self.credentials.username
+
+    def _with_retry(self, func: Callable, **_: Any) -> Callable:
+        if getattr(func, "__name__", "").startswith("create_dataset"):
+            # not idempotent: a blind retry after a lost response makes a second version; DatasetPublisher
+            # retries these itself, after checking whether the failed attempt landed
+            return func
+
+        def retried(*args: Any, **kwargs: Any) -> Any:
+            return call(lambda: func(*args, **kwargs), self.policy, getattr(func, "__name__", "kaggle call"))
+
+        return retried
+
+    def _strict_upload(self, upload_file: Callable) -> Callable:
+        """The client silently leaves a file out of a dataset version when its upload fails (a PUT answered
+        500). Upload that one file again first (the client resumes it); if it keeps failing, fail the whole
+        call, so it is retried and no incomplete version is created. Retrying per file matters: restarting
+        the whole version for one flaky PUT re-sends every file, and under heavy faults never finishes."""
+        def strict(file_name: str, *args: Any, **kwargs: Any) -> Any:
+            for attempt in range(1, self.policy.attempts + 1):
+                result = upload_file(file_name, *args, **kwargs)
+                if result is not None:
+                    return result
+                if attempt < self.policy.attempts:
+                    self.policy.sleep(self.policy.delay(attempt))
+            raise UploadIncomplete(f"upload of {file_name} failed {self.policy.attempts} times")
+
+        return strict
+
+    @contextlib.contextmanager
+    def bound(self) -> Iterator[Any]:
+        """The KaggleApi, with the SDK pointed at this client's endpoint for the duration."""
+        if not self.endpoint:
+            yield self.api
+            return
+        from kagglesdk.kaggle_env import KaggleEnv, _env_to_endpoint
+
+        with _ENDPOINT_LOCK:
+            previous = _env_to_endpoint[KaggleEnv.LOCAL]
+            _env_to_endpoint[KaggleEnv.LOCAL] = self.endpoint
+            try:
+                yield self.api
+            finally:
+                _env_to_endpoint[KaggleEnv.LOCAL] = previous
+
+    def run(self, what: str, fn: Callable[[Any], Any], on_retry: Optional[Callable] = None) -> Any:
+        """fn(api) with retries on transient failures."""
+        def attempt() -> Any:
+            with self.bound() as api:
+                return fn(api)
+
+        return call(attempt, self.policy, what, on_retry)
+
+    def sdk(self, what: str, fn: Callable[[Any], Any], on_retry: Optional[Callable] = None) -> Any:
+        """fn(kagglesdk client) with retries: for RPCs the KaggleApi has no plain method for."""
+        def attempt() -> Any:
+            with self.bound() as api, api.build_kaggle_client() as kaggle:
+                return fn(kaggle)
+
+        return call(attempt, self.policy, what, on_retry)

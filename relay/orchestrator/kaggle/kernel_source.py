@@ -1,0 +1,172 @@
+"""The source of a relay session kernel: one self-contained Python script.
+
+The relay package is embedded base64 in the script rather than attached as a dataset: one SaveKernel call
+ships code and run spec atomically (no extra dataset version to publish and wait for, no race between a code
+dataset and the kernel), GetKernel returns exactly the code that ran, and the run id marker used to make
+pushes idempotent lives in the same text. The bundle is small (the package's .py files, deflated).
+The script needs no internet: it extracts the bundle outside the working folder (so it is not output),
+records the code version and run id in relay-kernel.json, and runs `python -m relay train`, forwarding SIGTERM.
+"""
+from __future__ import annotations
+
+import ast
+import base64
+import hashlib
+import json
+import re
+import time
+from typing import Optional
+
+from relay.shared.errors import InputError
+from relay.orchestrator.kaggle.bundle import Bundle
+from relay.orchestrator.kaggle.types import SessionKernel
+
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+MARKER_FILE = "relay-kernel.json"
+
+
+def run_id_marker(run_id: str) -> str:
+    """The line that identifies the push of `run_id` inside a kernel's source."""
+    return f"# relay-run-id: {run_id}\n"
+
+
+_MARKER = re.compile(r"^# relay-run-id: (\S+)$", re.M)
+
+
+def find_run_id(source: str) -> Optional[str]:
+    """The run id a kernel source was pushed for (see run_id_marker), None if it carries none."""
+    m = _MARKER.search(source or "")
+    return m.group(1) if m else None
+
+
+_PLAN = re.compile(r"^PLAN = (.+)$", re.M)
+
+
+def find_plan(source: str) -> Optional[dict]:
+    """The plan a relay kernel source was pushed with (run id, budget, mounts), None if it carries none."""
+    m = _PLAN.search(source or "")
+    try:
+        return json.loads(ast.literal_eval(m.group(1))) if m else None
+    except (ValueError, SyntaxError):
+        return None
+
+
+def validate_run_id(run_id: str) -> None:
+    if not RUN_ID_PATTERN.match(run_id or ""):
+        raise InputError(f"run id {run_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
+
+
+def render(session: SessionKernel, bundle: Bundle) -> str:
+    validate_run_id(session.run_id)
+    plan = {
+        "run_id": session.run_id,
+        "workdir": session.workdir_name,
+        "budget": session.budget_s,
+        "resume": [session.checkpoint_dataset] if session.checkpoint_dataset else [],
+        "data": session.data_dataset,
+        "features": list(session.features_datasets),
+        "code_version": bundle.code_version,
+        "bundle_sha256": hashlib.sha256(bundle.data).hexdigest(),
+        "spec_sha256": hashlib.sha256(session.spec_text.encode()).hexdigest(),
+        "user_code": bool(session.code_folder),
+        "pip": list(session.pip),
+        # when it was pushed (this machine's clock): output of another run soon after is Kaggle's status lag
+        "pushed_at": round(time.time(), 1),
+    }
+    if session.canary is not None:
+        plan["canary"] = list(session.canary)
+    encoded = base64.b64encode(bundle.data).decode("ascii")
+    lines = [encoded[i:i + 100] for i in range(0, len(encoded), 100)]
+    return (
+        "# kaggle-relay session kernel (generated; do not edit)\n"
+        + run_id_marker(session.run_id)
+        + f"# relay-code-version: {bundle.code_version}\n"
+        + f"PLAN = {json.dumps(plan, sort_keys=True)!r}\n"
+        + f"SPEC = {session.spec_text!r}\n"
+        + "BUNDLE = (\n" + "".join(f"    {line!r}\n" for line in lines) + ")\n"
+        + _RUNNER
+    )
+
+
+_RUNNER = r'''
+import base64, hashlib, io, json, os, signal, subprocess, sys, tempfile, time, zipfile
+
+
+def mounted(input_dir, ref):
+    """Where Kaggle mounted dataset or kernel output `ref` (owner/slug); None when absent. Searched, not
+    assumed: datasets/<owner>/<slug> and notebooks/<owner>/<slug> since 2026-08, <slug> on older images."""
+    owner, slug = ref.split("/", 1)
+    for path in (os.path.join(input_dir, "datasets", owner, slug), os.path.join(input_dir, "notebooks", owner, slug),
+                 os.path.join(input_dir, slug)):
+        if os.path.isdir(path):
+            return path
+    return None
+
+
+def main():
+    plan = json.loads(PLAN)
+    input_dir = os.environ.get("KAGGLE_INPUT_DIR", "/kaggle/input")
+    working = os.environ.get("KAGGLE_WORKING_DIR", "/kaggle/working")
+    data = base64.b64decode("".join(BUNDLE))
+    if hashlib.sha256(data).hexdigest() != plan["bundle_sha256"]:
+        sys.exit("relay: embedded code bundle is corrupted")
+    code_dir = tempfile.mkdtemp(prefix="relay-code-")
+    zipfile.ZipFile(io.BytesIO(data)).extractall(code_dir)
+    spec_path = os.path.join(code_dir, "run-spec.yaml")
+    with open(spec_path, "w") as f:
+        f.write(SPEC)
+    workdir = os.path.join(working, plan["workdir"])
+    os.makedirs(workdir, exist_ok=True)
+    marker = {k: plan[k] for k in ("run_id", "code_version", "bundle_sha256")}
+    marker["started"] = time.time()
+    marker_path = os.path.join(working, "relay-kernel.json")
+
+    def write_marker():
+        with open(marker_path + ".tmp", "w") as f:
+            json.dump(marker, f, indent=1)
+        os.replace(marker_path + ".tmp", marker_path)
+
+    write_marker()
+    env = dict(os.environ)
+    if plan.get("user_code"):  # the spec's code.folder, unpacked beside the package (relay/kernel/usercode.py)
+        env["RELAY_CODE_DIR"] = os.path.join(code_dir, "user-code")
+    if plan.get("pip"):
+        print("relay: pip install", " ".join(plan["pip"]), flush=True)
+        if subprocess.call([sys.executable, "-m", "pip", "install", "-q", *plan["pip"]]) != 0:
+            print("relay: error: kaggle.pip: pip install failed (see the log above)", flush=True)
+            sys.exit(2)
+    cmd = [sys.executable, "-m", "relay", "train", spec_path, "--workdir", workdir, "--run-id", plan["run_id"]]
+    if plan["budget"] is not None:
+        cmd += ["--budget", str(plan["budget"])]
+    for ref in plan["resume"]:
+        path = mounted(input_dir, ref)
+        if path:
+            cmd += ["--resume-from", path]
+        else:
+            print(f"relay: checkpoint dataset {ref} is not mounted; starting without it", flush=True)
+    if plan["data"]:
+        cmd += ["--data", mounted(input_dir, plan["data"]) or os.path.join(input_dir, plan["data"].split("/")[1])]
+    for ref in plan["features"]:
+        path = mounted(input_dir, ref)
+        if path:
+            cmd += ["--features", path]
+    if "canary" in plan:  # `relay doctor`: the same start, then checks instead of training (relay/kernel/canary.py)
+        cmd = [sys.executable, "-m", "relay.kernel.canary", spec_path, "--out", os.path.join(workdir, "doctor.json")]
+        cmd += [f"--mount={ref}={mounted(input_dir, ref) or ''}" for ref in plan["canary"]]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (code_dir, env.get("PYTHONPATH")) if p)
+    print("relay: code", plan["code_version"], "run", plan["run_id"], flush=True)
+    child = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, frame):
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)  # the session saves and exits 0 on SIGTERM
+    rc = child.wait()
+    marker.update(exit_code=rc, ended=time.time())
+    write_marker()
+    sys.exit(rc)
+
+
+main()
+'''

@@ -1,0 +1,197 @@
+"""Claims on one step of a relay (push run R, hand over run R), visible on Kaggle to every orchestrator.
+
+Two orchestrators can share a relay without sharing anything but Kaggle (a GitHub Actions tick beside a
+Prefect schedule, a laptop beside both). Kaggle offers no lock, conditional write or idempotency key: a
+SaveKernel always makes a new version and a CreateDatasetVersion always makes a new version. It offers one
+atomic create-if-absent: a dataset slug is unique per owner, and CreateDataset of a slug that exists is
+refused ("... is already in use"). A claim is a one-file private dataset `<owner>/<relay>-lease-<key hash>-g<N>`
+whose description (written by that same CreateDataset) names the holder and the expiry:
+- take: create generation 1; refused means someone else's: read it back. A live claim of another holder:
+  back off until it expires. An expired one: create generation N+1 (again atomic: of two takers one wins).
+- read back after creating (a lost response then a retried create is "already in use" but ours);
+- before each act (the push, each publish) the holder confirms: no generation N+1 exists and at least half the
+  lease is left (a taker waits for the whole lease), so its act lands before anyone may take over.
+A claim whose step took effect (a pushed run id, a published checkpoint) is kept until it expires: the effect
+is what every next observation sees, so nobody asks for that claim again, and an orchestrator that observed
+before the effect backs off instead of downloading the output again. A claim whose step did not take effect
+(a refused push, a failed hand-over, a relay that stopped) is released when its process leaves the flow: a
+second version of the claim dataset whose notes say so; it then reads as expired. A killed holder releases
+nothing: its step waits for the lease, at most.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+from relay.orchestrator.kaggle.types import KaggleError
+
+log = logging.getLogger(__name__)
+PREFIX = "relay-lease:"
+RELEASED = "relay-lease-released"  # in a claim's later version notes: its holder is done without effect
+# one holder per process: a retried tick job or a second flow process is another orchestrator
+HOLDER = f"{socket.gethostname()[:24]}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True)
+class Claim:
+    key: str
+    generation: int
+    holder: str
+    expires: float  # unix time, by the holder's clock
+
+    def text(self) -> str:
+        until = datetime.fromtimestamp(self.expires, timezone.utc).strftime("%H:%M:%S UTC")
+        return f"{self.key} is claimed by {self.holder} until {until}"
+
+
+class LeaseBusy(Exception):
+    """Another orchestrator holds the step (or our own claim is too close to its end to act on)."""
+
+    def __init__(self, claim: Claim):
+        super().__init__(f"another orchestrator is on it: {claim.text()}")
+        self.claim = claim
+
+
+class LeaseLost(Exception):
+    """The claim was taken over (its holder stalled past the lease): stop before acting."""
+
+
+class NotALease(KaggleError):
+    """A dataset that is not a claim sits where one goes: a person must move it."""
+
+
+class Lease:
+    def __init__(self, backend: Any, relay_name: str, ttl_s: float, holder: str = HOLDER,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.backend, self.owner = backend, backend.username
+        self.name, self.ttl_s, self.holder, self.sleep = relay_name, float(ttl_s), holder, sleep
+        self._newest: Dict[str, int] = {}  # key -> newest generation seen (probing starts there)
+        self._open: Dict[str, Claim] = {}   # claims taken whose step has not taken effect (yet)
+
+    def slug(self, key: str, generation: int) -> str:
+        digest = hashlib.sha256(f"{self.name}/{key}".encode()).hexdigest()[:10]
+        return f"{self.name[:22].rstrip('-')}-lease-{digest}-g{generation}"
+
+    # -- the protocol ----------------------------------------------------------------------------
+    def acquire(self, key: str) -> Claim:
+        """Our claim on `key` with at least half the lease left; LeaseBusy while someone else's is live."""
+        generation = self._newest.get(key, 1)
+        while True:
+            claim = self._read(key, generation)
+            if claim is None:
+                self._create(key, generation)
+                claim = self._read(key, generation)  # read back: whose it is, whoever's create landed
+                if claim is None:
+                    raise KaggleError(f"lease {self.slug(key, generation)}: created but not readable yet")
+            if self._read(key, generation + 1) is not None:
+                generation += 1  # taken over already: look at the newer one
+                continue
+            self._newest[key] = generation
+            left = claim.expires - time.time()
+            if claim.holder == self.holder and left >= self.ttl_s / 2:
+                self._open[key] = claim
+                return claim
+            if left > 0:
+                raise LeaseBusy(claim)
+            generation += 1  # expired (ours or a dead holder's): the next generation, atomically
+
+    def confirm(self, claim: Claim) -> Claim:
+        """Right before an act: still ours, not taken over, enough time left for the act to land. Near its end
+        our own claim is renewed the only safe way: let it expire, then take the next generation."""
+        if self._read(claim.key, claim.generation + 1) is not None:
+            raise LeaseLost(f"{claim.key}: taken over by another orchestrator (generation {claim.generation + 1})")
+        left = claim.expires - time.time()
+        if left >= self.ttl_s / 2:
+            return claim
+        if left > 0:
+            log.info("lease on %s ends in %.0f s: renewing it once it has expired", claim.key, left)
+            self.sleep(left + 0.05)
+        try:
+            renewed = self.acquire(claim.key)
+        except LeaseBusy as busy:
+            raise LeaseLost(f"{claim.key}: taken over while ours expired ({busy.claim.text()})") from None
+        if renewed.generation <= claim.generation:
+            raise LeaseLost(f"{claim.key}: not renewed")
+        return renewed
+
+    def took_effect(self, key: str) -> None:
+        """The step's effect is on Kaggle: keep the claim until it expires (see the module's docstring)."""
+        self._open.pop(key, None)
+
+    def release_open(self) -> None:
+        """Release every claim of this Lease whose step did not take effect, so that another process (the next
+        tick, the user's next `relay run`) need not wait for the lease. Best effort: expiry is the fallback."""
+        for key, claim in list(self._open.items()):
+            slug = self.slug(key, claim.generation)
+            folder = Path(tempfile.mkdtemp(prefix="relay-lease-"))
+            try:
+                (folder / "lease.json").write_text(json.dumps({"key": key, "released_by": self.holder}))
+                info = self.backend.publisher._info(f"{self.owner}/{slug}") or {}
+                (folder / "dataset-metadata.json").write_text(json.dumps({  # as created: the claim stays readable
+                    "id": f"{self.owner}/{slug}", "title": f"relay lease {slug[-18:]}",
+                    "licenses": [{"name": "CC0-1.0"}], "description": info.get("description", "")}))
+                response = self.backend.client.run(f"release {slug}", lambda api: api.dataset_create_version(
+                    str(folder), f"{RELEASED} by {self.holder}", quiet=True, dir_mode="zip"))
+                if getattr(response, "error", None):
+                    raise KaggleError(response.error)
+                self._open.pop(key, None)
+            except Exception as err:  # noqa: BLE001
+                log.warning("could not release the claim on %s (%s); it lapses at its expiry", key, err)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def guard(self, claim: Claim) -> Callable[[], None]:
+        """A check to run before each act of a multi-act step (the hand-over's publications)."""
+        held = [claim]
+
+        def check() -> None:
+            held[0] = self.confirm(held[0])
+        return check
+
+    # -- Kaggle ----------------------------------------------------------------------------------
+    def _read(self, key: str, generation: int) -> Optional[Claim]:
+        ref = f"{self.owner}/{self.slug(key, generation)}"
+        info = self.backend.publisher._info(ref)  # GetDataset: None when absent
+        if info is None:
+            return None
+        text = info["description"]
+        try:
+            data = json.loads(text[text.index(PREFIX) + len(PREFIX):].strip())
+            released = any(RELEASED in notes for notes in info["notes"].values())
+            return Claim(key, generation, str(data["holder"]), 0.0 if released else float(data["expires"]))
+        except (ValueError, KeyError, TypeError):
+            raise NotALease(f"dataset {ref} is not a relay lease (its description carries none): delete it"
+                            " or rename the relay") from None
+
+    def _create(self, key: str, generation: int) -> bool:
+        """CreateDataset of the claim: True when it was created, False when the slug was taken (by anyone)."""
+        slug = self.slug(key, generation)
+        data = {"key": key, "holder": self.holder, "expires": round(time.time() + self.ttl_s, 3),
+                "relay": self.name}
+        folder = Path(tempfile.mkdtemp(prefix="relay-lease-"))
+        try:
+            (folder / "lease.json").write_text(json.dumps(data))
+            (folder / "dataset-metadata.json").write_text(json.dumps({
+                "id": f"{self.owner}/{slug}", "title": f"relay lease {slug[-18:]}",
+                "licenses": [{"name": "CC0-1.0"}],
+                "description": f"A claim of kaggle-relay {self.name} (see docs/kaggle.md). {PREFIX}"
+                               f"{json.dumps(data, sort_keys=True)}"}))
+            response = self.backend.client.run(f"lease {slug}", lambda api: api.dataset_create_new(
+                str(folder), public=False, quiet=True, dir_mode="zip"))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        error = getattr(response, "error", None)
+        if error and "already" not in error.lower():
+            raise KaggleError(f"lease {slug}: {error}")
+        return not error

@@ -1,0 +1,162 @@
+"""The running session, live: its progress lines read from Kaggle's log stream while it trains.
+
+A thread follows `backend.log_stream` (the client's kernels_logs_stream: server-sent events while the session
+runs, the stored log after) and keeps the session's `relay-progress` records (relay/shared/progress_line.py)
+of one run id. The stream replays from the start on every connection, so after a drop it reconnects and skips
+the events it has already counted: nothing is counted twice. Early warnings are pure functions of the records.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import threading
+import time
+from typing import Callable, List, Optional
+
+from relay.shared.progress_line import parse
+
+log = logging.getLogger(__name__)
+
+
+class LiveSession:
+    def __init__(self, backend, kernel: str, run_id: str, max_reconnects: int = 30,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.backend, self.kernel, self.run_id = backend, kernel, run_id
+        self.records: List[dict] = []
+        self.reconnects = 0
+        self.ended = False           # the stream said END_OF_LOG, or served the stored log
+        self.last_record_at: Optional[float] = None  # time.monotonic() of the newest record
+        self.started_at = time.monotonic()
+        self._seen = 0
+        self._max_reconnects, self._sleep = max_reconnects, sleep
+        self._new = threading.Condition()
+        self._thread = threading.Thread(target=self._follow, name=f"live-{run_id}", daemon=True)
+
+    def start(self) -> "LiveSession":
+        self._thread.start()
+        return self
+
+    def _follow(self) -> None:
+        while not self.ended and self.reconnects <= self._max_reconnects:
+            try:
+                for index, event in enumerate(self.backend.log_stream(self.kernel)):
+                    if index < self._seen:
+                        continue  # a replay after a reconnect
+                    self._seen += 1
+                    self._take(event)
+                self.ended = True
+            except Exception as err:  # noqa: BLE001 - a dropped stream is reconnected, never fatal
+                self.reconnects += 1
+                log.info("log stream of %s dropped (%s); reconnect %d", self.kernel, err, self.reconnects)
+                self._sleep(min(30.0, 0.5 * 2 ** min(self.reconnects, 6)))
+        with self._new:
+            self._new.notify_all()
+
+    def _take(self, event: dict) -> None:
+        record = parse(str(event.get("data", "")))
+        if record is None or record.get("run_id") != self.run_id:
+            return  # another line, or the previous version's log (Kaggle's lag right after a push)
+        with self._new:
+            self.records.append(record)
+            self.last_record_at = time.monotonic()
+            self._new.notify_all()
+
+    def wait(self, seconds: float, until: Callable[[List[dict]], bool] = lambda records: False) -> List[dict]:
+        """Wait up to `seconds` for `until(records)` or the stream's end; the records so far."""
+        deadline = time.monotonic() + seconds
+        with self._new:
+            while not until(self.records) and not self.ended and self._thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._new.wait(left)
+            return list(self.records)
+
+    @property
+    def latest(self) -> Optional[dict]:
+        return next((r for r in reversed(self.records) if r.get("kind") in ("train", "end")), None)
+
+    def silent_for(self) -> float:
+        """Seconds since the newest progress line (since following began, before the first)."""
+        return time.monotonic() - (self.last_record_at or self.started_at)
+
+
+def early_warnings(records: List[dict], *, median_window: int = 20, blowup: float = 10.0,
+                   slow_below: Optional[float] = None) -> List[tuple]:
+    """(key, message) of each warning the records show, each key once per session:
+    - the loss is not finite, or above `blowup` x the median of the previous `median_window` train losses;
+    - the session backed off memory (its micro-batch shrank);
+    - it trains slower than `slow_below` samples/s (the speed the plan assumed), after its first minute."""
+    out, losses, micro = {}, [], None
+    for r in records:
+        if r.get("kind") != "train":
+            continue
+        loss, step = r.get("loss"), r.get("step")
+        if loss is not None:
+            if not math.isfinite(loss):
+                out.setdefault("nonfinite", f"the loss is {loss} at step {step}")
+            elif len(losses) >= 3 and loss > blowup * statistics.median(losses[-median_window:]):
+                out.setdefault("blowup", f"the loss is blowing up: {loss:.4g} at step {step}, over {blowup:g}x the"
+                                         f" median of the last {min(len(losses), median_window)} ({statistics.median(losses[-median_window:]):.4g})")
+            losses.append(loss)
+        if micro is not None and r.get("micro_batch") is not None and r["micro_batch"] < micro:
+            out.setdefault("oom", f"the session backed off memory at step {step}: micro-batch {micro} ->"
+                                  f" {r['micro_batch']} (grad_accum {r.get('grad_accum')})")
+        micro = r.get("micro_batch", micro)
+    speeds = [r["samples_per_s"] for r in records if r.get("kind") == "train" and r.get("samples_per_s")]
+    if slow_below and len(speeds) >= 3 and statistics.median(speeds[-3:]) < 0.5 * slow_below:
+        out.setdefault("slow", f"the session trains at {statistics.median(speeds[-3:]):.3g} samples/s, under half"
+                               f" the {slow_below:.3g} the plan assumed from earlier sessions")
+    return list(out.items())
+
+
+def running_row(records: List[dict], kernel_state: str = "running") -> Optional[dict]:
+    """The running session as a row of report.session_table (stop_reason "running")."""
+    latest = next((r for r in reversed(records) if r.get("kind") in ("train", "end")), None)
+    if latest is None:
+        return None
+    first = records[0]
+    losses = [r["loss"] for r in records if r.get("kind") == "train" and r.get("loss") is not None]
+    return {"session": latest.get("session"), "run_id": latest.get("run_id"), "start": None, "duration_s": None,
+            "billed_gpu_s": None, "steps": int(latest["step"]) - int(first.get("step_start", 0)),
+            "world_size": None, "samples_per_s": _round(latest.get("samples_per_s"), 1),
+            "peak_mem_mb": latest.get("gpu_peak_mb"), "loss_end": losses[-1] if losses else None,
+            "stop_reason": kernel_state if latest.get("kind") != "end" else latest.get("stop_reason"),
+            "gpus": None}
+
+
+def as_metrics(records: List[dict]) -> List[dict]:
+    """Progress records as metrics.jsonl records (for the loss curve with the running session)."""
+    out = []
+    for r in records:
+        if r.get("kind") == "train":
+            out.append({k: v for k, v in r.items() if k not in ("run_id", "step_start", "total_steps", "time_left_s")})
+        elif r.get("kind") == "eval":
+            out.append({"kind": "eval", "step": r["step"], "session": r.get("session"),
+                        **{k[len("eval_"):]: v for k, v in r.items() if k.startswith("eval_")}})
+    return out
+
+
+def eta_text(records: List[dict]) -> str:
+    """This session's and the run's remaining training time at the measured speed."""
+    timed = [r for r in records if r.get("kind") == "train" and r.get("time") is not None]
+    latest = timed[-1] if timed else None
+    if latest is None or len(timed) < 2 or latest["time"] <= timed[0]["time"]:
+        return "ETA: after the next progress lines"
+    steps_per_s = (latest["step"] - timed[0]["step"]) / (latest["time"] - timed[0]["time"])
+    if steps_per_s <= 0:
+        return "ETA: no steps since the first progress line"
+    left = latest.get("time_left_s")
+    session = f"session ends in ~{_hm(left)} (its budget)" if left is not None else "session runs to the end"
+    run_left = (latest["total_steps"] - latest["step"]) / steps_per_s
+    return f"{session}; the run needs ~{_hm(run_left)} of training at {steps_per_s:.3g} steps/s"
+
+
+def _round(value: Optional[float], digits: int) -> Optional[float]:
+    return round(value, digits) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _hm(seconds: float) -> str:
+    h, m = divmod(int(seconds) // 60, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{int(seconds) % 60:02d}s"

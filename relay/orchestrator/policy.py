@@ -1,0 +1,64 @@
+"""The relay's policy beside its decision (relay.orchestrator.chain): how long the next session may train, the plan and ETA
+a person reads, and what to say after a session hit Kaggle's limit. Shared by the flows, `relay status` and
+`relay plan`; no Prefect here."""
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from typing import Optional
+
+from relay.orchestrator import chain, plan as planner
+from relay.orchestrator.handoff import SESSION_LIMIT
+
+
+def utc(value: datetime) -> datetime:
+    """The kaggle client parses quotaRefreshTime without a zone; Kaggle's times are UTC."""
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def session_budget(spec, quota) -> float:
+    """Seconds of training to ask of the next session: the spec's budget, within Kaggle's session cap
+    (less start-up), and within what is left of the weekly GPU quota."""
+    k = spec.kaggle
+    budget = min(spec.session.budget or math.inf, k.session_timeout - k.startup_overhead)
+    if quota is not None and quota.allowed_s > 0:
+        budget = min(budget, quota.remaining_s - k.startup_overhead)
+    return budget
+
+
+def plan_text(spec, progress: Optional[dict], quota, now: datetime) -> str:
+    """Sessions left, their budgets and the finish date, from what was handed over and the account's quota."""
+    try:
+        q = (planner.quota_from_api({"gpuQuota": {"timeUsed": quota.used_s, "totalTimeAllowed": quota.allowed_s,
+                                                  "timeReserved": quota.reserved_s},
+                                     "quotaRefreshTime": utc(quota.refresh_time)}, now)
+             if quota is not None and quota.refresh_time else
+             planner.quota_from_ledger([(s["started"], s.get("seconds", 0)) for s in (progress or {}).get("sessions", [])],
+                                       now, total_allowed_s=spec.kaggle.weekly_gpu_quota))
+        limits = planner.SessionLimits(session_cap_s=spec.kaggle.session_timeout,
+                                       startup_s=spec.kaggle.startup_overhead,
+                                       save_s=spec.session.safety_margin + 1, handoff_s=0, min_train_s=0,
+                                       max_steps=spec.session.max_steps)
+        p = planner.plan_from_progress(progress or {}, q, now, limits=limits, step_seconds_estimate=None,
+                                       total_steps=(progress or {}).get("total_steps"),
+                                       steps_per_epoch=(progress or {}).get("steps_per_epoch"))
+        return planner.format_plan(p) + limit_warning(spec, progress)
+    except (planner.PlanError, KeyError, TypeError, ValueError) as err:
+        return f"(no plan yet: {err})" + limit_warning(spec, progress)
+
+
+def budget_lowered(backend, names: chain.Names, spec) -> bool:
+    """After a session stopped at the limit left nothing to hand over: retry it only once the spec asks for
+    a shorter session than the stopped attempt was pushed with (the budget is in the kernel's source)."""
+    pushed = (backend.current_plan(names.kernel) or {}).get("budget")
+    return pushed is not None and session_budget(spec, None) < float(pushed) - 1
+
+
+def limit_warning(spec, progress: Optional[dict]) -> str:
+    """The plan says so when the last handed-over session was stopped at Kaggle's session limit."""
+    if (progress or {}).get("stop_reason") != SESSION_LIMIT:
+        return ""
+    k = spec.kaggle
+    session = len(progress.get("sessions", [])) or 1
+    return "\nwarning: " + chain.session_limit_advice(session, session_budget(spec, None), k.session_timeout,
+                                                      k.startup_overhead)

@@ -1,0 +1,81 @@
+"""`relay status NAME|SPEC`: where a relay stands, read from Kaggle alone (no local state, so it works from any
+machine): the sessions handed over with their table, the kernel's current session, what the relay will do
+next (relay.orchestrator.chain.decide, the very decision a tick would take), the plan and ETA, and the loss-curve and
+timeline PNGs."""
+from __future__ import annotations
+
+import re
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
+
+from relay.shared.errors import InputError
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{2,49}$")
+
+
+def resolve_name(target: str):
+    """(name, spec or None) from a spec file or a relay name."""
+    from relay.shared import spec as spec_mod
+
+    path = Path(target)
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        run_spec = spec_mod.load(path)
+        return run_spec.name, run_spec
+    if not _NAME.match(target):
+        raise InputError(f"relay status: {target!r} is neither a folder, a spec file nor a relay name"
+                         " ([a-z0-9-], 3-50 characters)")
+    # no spec: the plan uses Kaggle's defaults (12 h sessions, 30 h a week)
+    return target, SimpleNamespace(kaggle=spec_mod.KaggleConfig(), session=spec_mod.SessionConfig())
+
+
+def report(target: str, backend_factory: Callable, out_dir: Path | None = None, emit=print,
+           follow_s: float = 5.0) -> int:
+    from relay.orchestrator import chain, handoff, policy, report as rep
+    from relay.orchestrator.kaggle import KaggleError, NotFound
+
+    name, run_spec = resolve_name(target)
+    backend = backend_factory()
+    names = chain.Names(backend.username, name)
+    out = Path(out_dir or Path("relay-runs") / name)
+    try:
+        with tempfile.TemporaryDirectory(prefix="relay-status-") as scratch:  # nothing written for a wrong name
+            obs = handoff.observe(backend, names, Path(scratch))
+        quota = backend.quota()
+    except KaggleError as err:
+        raise InputError(f"relay status {name}: {err}") from None
+    if obs.published is None and obs.kernel_run is None:
+        raise InputError(f"relay status: no relay named {name} for Kaggle user {names.owner}"
+                         f" (no dataset {names.checkpoint_dataset}, no kernel {names.kernel})")
+    progress = obs.published or {}
+    action = chain.decide(name, obs)
+    emit(f"relay {name} (Kaggle user {names.owner}): {obs.handed_over} session(s) handed over, step"
+         f" {progress.get('global_step', 0)}/{progress.get('total_steps', '?')}")
+    rows, eta = rep.session_table(progress), None
+    if action.do is chain.Do.WAIT and obs.kernel_state == "running":  # the running session, from its log stream
+        from relay.orchestrator import live
+
+        records = live.LiveSession(backend, names.kernel, action.run_id).start().wait(follow_s)
+        row = live.running_row(records)
+        rows, eta = (rows + [row], live.eta_text(records)) if row is not None else (rows, None)
+    if rows:
+        emit(rep.format_table(rows))
+    if obs.kernel_run:
+        state = obs.kernel_state or "starting"
+        emit(f"kernel: {names.kernel} v{obs.kernel_version or '?'} runs {obs.kernel_run}: {state}"
+             + (f" ({obs.failure_message})" if obs.failure_message else ""))
+    if eta:
+        emit(eta)
+    emit(f"next: {action.do.value} {action.run_id or ''} ({action.reason})".replace("  ", " "))
+    emit(policy.plan_text(run_spec, progress, quota, datetime.now(timezone.utc)))
+    if progress.get("sessions"):
+        try:
+            metrics = handoff.published_metrics(backend, names, out / "kaggle", progress)
+        except NotFound:
+            metrics = None
+        emit(f"timeline: {rep.plot_timeline(progress['sessions'], out / 'timeline.png')}")
+        if metrics is not None and rep.read_metrics(metrics):
+            emit(f"curves: {rep.plot_curves(metrics, out / 'curves.png', progress=progress)}")
+    return 0
