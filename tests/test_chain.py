@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from relay.chain import (Action, Do, Names, Observation, decide, looks_like_code_error, parse_run_id, retry_action,
+from relay.orchestrator.chain import (Action, Do, Names, Observation, decide, looks_like_code_error, parse_run_id, retry_action,
                          run_id)
 
 NAME = "price-tiny"

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import REPO
-from relay.plan import (HOUR, PlanError, QuotaState, SessionLimits, format_plan, last_weekly_reset,
+from relay.orchestrator.plan import (HOUR, PlanError, QuotaState, SessionLimits, format_plan, last_weekly_reset,
                         measured_step_seconds, next_weekly_reset, plan_from_progress, plan_sessions,
                         quota_from_api, quota_from_ledger)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from relay.orchestrator.plan import HOUR, QuotaState, plan_sessions
-from relay.report import (dedupe_metrics, format_table, load_progress, plot_curves, plot_timeline, read_metrics,
+from relay.orchestrator.report import (dedupe_metrics, format_table, load_progress, plot_curves, plot_timeline, read_metrics,
                           session_table)
 
 T0 = datetime(2026, 11, 21, 8, 0, tzinfo=timezone.utc).timestamp()

@@ -22,7 +22,7 @@ from relay.orchestrator.kaggle.client import KaggleClient
 from relay.orchestrator.kaggle.credentials import KaggleCredentials, resolve
 from relay.orchestrator.kaggle.datasets import DatasetPublisher, list_dataset_files
 from relay.orchestrator.kaggle.retry import RetryPolicy, http_status
-from relay.kaggle.types import (DatasetFile, KaggleError, KernelState, KernelStatus, NotFound, PublishResult,
+from relay.orchestrator.kaggle.types import (DatasetFile, KaggleError, KernelState, KernelStatus, NotFound, PublishResult,
                                 PushResult, Quota, Refusal, SessionKernel, SessionOutput)
 
 log = logging.getLogger(__name__)
