@@ -18,7 +18,7 @@ from typing import Literal, Optional
 from prefect import flow, get_run_logger
 
 from relay.orchestrator import chain, handoff, restore
-from relay.shared import spec as spec_mod
+from relay.preflight import load_spec
 from relay.orchestrator.policy import budget_lowered, plan_text, session_budget, utc
 from relay.orchestrator.chain import Do
 from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
@@ -56,7 +56,7 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
     While a session runs its progress is refreshed every `live_seconds`; a tick reads its log for at most
     `tick_follow_seconds`. Each step waits at most `step_lock_wait_s` for another flow run of this relay on
     this Prefect server (tasks/step_lock.py; 0: no lock); pushes and hand-overs are claimed on Kaggle."""
-    run_spec = spec_mod.load(spec)
+    run_spec = load_spec(spec)
     backend = make_backend(credentials_block)
     names = chain.Names(backend.username, run_spec.name)
     local = Path(state_dir) / run_spec.name  # a cache only: everything here can be rebuilt from Kaggle

@@ -24,7 +24,7 @@ from prefect import flow, get_run_logger
 from flows.relay_flow import RelayFailed, make_backend
 from relay.orchestrator.policy import session_budget, utc
 from relay.orchestrator import chain, handoff, joint_plan, plan as planner
-from relay.shared import spec as spec_mod
+from relay.preflight import load_spec
 from relay.orchestrator.chain import Do
 from relay.shared.errors import InputError
 from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost
@@ -67,7 +67,7 @@ def load_relays(specs: List[str], backend, state_dir: str) -> List[Relay]:
     for path in specs:
         relay = Relay(path, Path(path).stem)
         try:
-            relay.spec = spec_mod.load(path)
+            relay.spec = load_spec(path)
             relay.spec_text = Path(path).read_text()
         except (InputError, OSError) as err:  # one bad spec is that relay's failure, not everyone's
             relay.failed, relay.state = f"bad spec: {err}", "failed"

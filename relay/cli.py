@@ -44,15 +44,15 @@ def _deadline(value: str) -> float:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from relay.shared import spec as spec_mod
     from relay.kernel.session.run import run_session
+    from relay.preflight import load_spec
 
     overrides = {}
     if args.budget is not _UNSET:
         overrides["session.budget"] = args.budget
     if args.max_steps is not _UNSET:
         overrides["session.max_steps"] = args.max_steps
-    spec = spec_mod.load(args.spec, overrides)
+    spec = load_spec(args.spec, overrides)
     if spec.code is not None and spec.code.entry:  # the user's own loop (relay/kernel/usercode.py)
         from relay.kernel import usercode
 
@@ -90,9 +90,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from datetime import datetime, timezone
 
     from relay.orchestrator import plan as planner, report
-    from relay.shared import spec as spec_mod
+    from relay.preflight import load_spec
 
-    spec = spec_mod.load(args.spec)
+    spec = load_spec(args.spec)
     progress = _load_progress(args.progress) if args.progress else {}
     total = None
     if not progress:
@@ -116,7 +116,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise InputError(f"relay plan: {err} (see relay plan --help)") from None
     print(planner.format_plan(plan))
     procs = spec.session.devices if spec.session.devices != "auto" else GPUS_PER_SHAPE.get(spec.kaggle.machine_shape, 1)
-    fit_only = spec.recipe is not None and spec.recipe_params().fit_only
+    if spec.recipe is not None:
+        from relay.kernel.recipes import params_of  # a user recipe's Params are in its own module
+
+        fit_only = params_of(spec).fit_only
+    else:
+        fit_only = False
     why = f"recipe {spec.recipe} is made only of fit stages" if fit_only else f"machine {spec.kaggle.machine_shape}"
     print(f"processes per session: {1 if fit_only else procs} (session.devices: {spec.session.devices}, {why});"
           " step times are of one optimizer step with all of them")
@@ -176,7 +181,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from relay.orchestrator import doctor
+    from relay import doctor
     from relay.orchestrator.kaggle import from_env
 
     return doctor.run(args.spec, from_env, timeout_s=args.timeout, poll_s=args.poll)

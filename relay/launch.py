@@ -45,7 +45,7 @@ def _still_running(run_spec, local: Path) -> Optional[str]:
 
 def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: Optional[float] = None,
         submit: bool = False, credentials_block: Optional[str] = None, emit=print) -> int:
-    from relay.shared import spec as spec_mod
+    from relay.preflight import load_spec
 
     path = Path(spec)
     if not path.is_file():
@@ -53,7 +53,7 @@ def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: 
     if submit and not os.environ.get("PREFECT_API_URL"):
         raise InputError("--submit: PREFECT_API_URL is not set (the Prefect server to submit to); without"
                          " --submit the relay runs here")
-    run_spec = spec_mod.load(path)  # a bad spec: one line, exit 2, nothing pushed
+    run_spec = load_spec(path)  # a bad spec: one line, exit 2, nothing pushed
     folder = outputs_dir(path, out)
     folder.mkdir(parents=True, exist_ok=True)
     # `relay emulator serve`'s exports proxy HTTP to the emulator; the embedded Prefect server is on 127.0.0.1

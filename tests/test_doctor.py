@@ -10,7 +10,7 @@ import yaml
 
 from conftest import REPO
 from kaggle_fixtures import FAKE_KEY, USER, backend_for, make_emulator, isolated_env  # noqa: F401
-from relay.orchestrator import doctor
+from relay import doctor
 
 
 def _project(tmp_path, **kaggle):

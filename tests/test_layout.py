@@ -47,7 +47,7 @@ def test_the_orchestrator_never_imports_torch():
 import sys
 from pathlib import Path
 import flows.relay_flow, flows.relays_flow, relay.cli, relay.orchestrator.handoff, relay.orchestrator.plan, tasks.relays_artifacts
-import relay.launch, relay.orchestrator.submit, relay.orchestrator.status, relay.orchestrator.doctor, relay.orchestrator.restore, relay.orchestrator.live, relay.orchestrator.report
+import relay.launch, relay.orchestrator.submit, relay.orchestrator.status, relay.doctor, relay.orchestrator.restore, relay.orchestrator.live, relay.orchestrator.report
 from relay.shared import spec
 from relay.cli import TRAINING_STACK
 for path in sorted(Path("examples").glob("*.yaml")):

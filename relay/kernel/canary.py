@@ -24,9 +24,11 @@ def _check(name: str, run: Callable[[], str]) -> dict:
 
 
 def _spec(path: str) -> str:
+    from relay.kernel.usercode import check_code
     from relay.shared import spec
 
-    loaded = spec.load(path)  # runs the user code check (importable entry/recipe, size, pip) in this kernel
+    loaded = spec.load(path)
+    check_code(loaded, source=path)  # importable entry/recipe, pip, checked in this kernel
     what = loaded.code.entry if loaded.code and loaded.code.entry else loaded.recipe
     return f"{loaded.name}: {what} imports and validates"
 

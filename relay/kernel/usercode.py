@@ -9,7 +9,6 @@ Kernel-side: no imports of relay.orchestrator.kaggle, Prefect or the emulator.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import importlib
 import importlib.machinery
 import importlib.util
@@ -28,44 +27,11 @@ from relay.shared.errors import InputError
 if TYPE_CHECKING:
     from relay.shared.spec import RunSpec
 
-CODE_DIR_ENV = "RELAY_CODE_DIR"  # set by the session kernel: where it unpacked the user's folder
-# The folder travels base64 inside the kernel source (one SaveKernel call ships code, spec and run id
-# atomically; see relay/orchestrator/kaggle/kernel_source.py). Kaggle documents no limit on that text, so we keep it
-# to what a script reasonably is: past 2 MB the folder holds data or weights, which belong in a dataset
-# (kaggle.dataset_sources), versioned and mounted, not re-uploaded with every session.
-MAX_CODE_BYTES = 2_000_000
-_ALWAYS_EXCLUDED = ("__pycache__", "*.pyc", ".*", "relay-run", "*.egg-info")
 _MODULE_ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 class UserCodeError(InputError):
     """The user's code failed in a way a new session would repeat: the relay stops instead of retrying."""
-
-
-def resolve_folder(spec_path: Path, folder: str) -> Path:
-    """code.folder, relative to the spec file; inside a kernel, where the kernel unpacked it."""
-    if os.environ.get(CODE_DIR_ENV):
-        return Path(os.environ[CODE_DIR_ENV])
-    return (Path(spec_path).resolve().parent / folder).resolve()
-
-
-def code_files(folder: Path, exclude: list[str] = ()) -> list[tuple[str, Path]]:
-    """(relative posix path, file) of everything that ships, sorted; hidden files, caches and the local
-    default workdir (relay-run/) never do."""
-    patterns = [*_ALWAYS_EXCLUDED, *exclude]
-    out = []
-    for root, dirs, files in os.walk(folder):
-        rel_root = Path(root).relative_to(folder)
-        dirs[:] = sorted(d for d in dirs if not _excluded((rel_root / d).as_posix(), d, patterns))
-        for name in sorted(files):
-            rel = (rel_root / name).as_posix()
-            if not _excluded(rel, name, patterns):
-                out.append((rel, Path(root) / name))
-    return out
-
-
-def _excluded(rel: str, name: str, patterns: list[str]) -> bool:
-    return any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(rel, p) for p in patterns)
 
 
 def _on_path(folder: Path) -> None:
@@ -84,40 +50,35 @@ def _on_path(folder: Path) -> None:
     importlib.invalidate_caches()
 
 
-# -- checks at spec load ----------------------------------------------------------------------------------
-def check_spec(spec: "RunSpec") -> bool:
-    """SpecError naming the key; True when the user recipe's check waits for the kernel (kaggle.pip)."""
+# -- the check behind the front door (relay.preflight.load_spec) ----------------------------------------
+def check_code(spec: "RunSpec", source: str = "spec") -> bool:
+    """Import-check the user's code the spec names (its folder, size and shape were checked when the spec
+    loaded): the entry exists, a user recipe imports, is a Recipe, and its Params accept `params:`. SpecError
+    `source: key: ...`; True when the check waits for the kernel (a module needing what kaggle.pip installs)."""
     from relay.shared.spec import SpecError
 
-    if spec.kaggle.pip and not spec.kaggle.enable_internet:
-        raise SpecError("kaggle.pip: installing requirements at kernel start needs kaggle.enable_internet: true"
-                        " (offline kernels cannot reach PyPI); turn internet on or vendor the code into code.folder")
+    try:
+        return _check_code(spec)
+    except SpecError as err:
+        raise SpecError(f"{source}: {err}") from None
+
+
+def _check_code(spec: "RunSpec") -> bool:
+    from relay.shared.spec import validate_params
+
     code = spec.code
     if code is None:
-        if spec.recipe is None:
-            raise SpecError("recipe: required key is missing (a built-in recipe, or 'module:Class' / code.entry"
-                            " with a code: section)")
-        if ":" in spec.recipe:
-            raise SpecError(f"recipe: {spec.recipe} is a user recipe: add a code: section naming its folder")
         return False
     folder = Path(code.folder)
-    if not folder.is_dir():
-        raise SpecError(f"code.folder: {folder} is not a folder")
-    size = sum(f.stat().st_size for _, f in code_files(folder, code.exclude))
-    if size > MAX_CODE_BYTES:
-        raise SpecError(f"code.folder: {folder} holds {size / 1e6:.1f} MB to ship; at most {MAX_CODE_BYTES / 1e6:g} MB"
-                        " travel inside the session kernel: put data and weights in a dataset"
-                        " (kaggle.dataset_sources) or leave them out with code.exclude")
-    if code.entry and spec.recipe:
-        raise SpecError("code.entry: set either recipe or code.entry, not both")
-    if not code.entry and not spec.recipe:
-        raise SpecError("code.entry: required key is missing (a script 'train.py --args' or 'module:function')"
-                        " when no recipe is set")
     _on_path(folder)
     if code.entry:
         parse_entry(code.entry, folder, pip=spec.kaggle.pip)
         return False
-    return load_recipe(spec.recipe, folder, pip=spec.kaggle.pip) is None
+    recipe = load_recipe(spec.recipe, folder, pip=spec.kaggle.pip)
+    if recipe is None:
+        return True
+    validate_params(spec, recipe.Params)
+    return False
 
 
 @contextlib.contextmanager

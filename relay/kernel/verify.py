@@ -60,9 +60,11 @@ def verify_resume(spec_path: Path, steps: Optional[int] = None, *, seed: int = 0
                   workdir: Optional[Path] = None, timeout: float = 1800) -> Verdict:
     from relay.shared import spec as spec_mod
     from relay.kernel.session import checkpoint
+    from relay.kernel.usercode import check_code
 
     t0 = time.monotonic()
     spec = spec_mod.load(spec_path)  # a bad spec: one line, exit 2, nothing written
+    check_code(spec, source=str(spec_path))
     total = spec.optim.max_steps
     steps = steps or min(total or 60, 3 * (spec.session.max_steps or 20))
     if total is not None and steps > total:
@@ -115,7 +117,7 @@ def _spec_copy(spec_path: Path, root: Path) -> Path:
     """The spec with code.folder made absolute, so the copy resolves to the same code."""
     data = yaml.safe_load(Path(spec_path).read_text())
     if isinstance(data.get("code"), dict):
-        from relay.kernel.usercode import resolve_folder
+        from relay.shared.code_folder import resolve_folder
 
         data["code"]["folder"] = str(resolve_folder(Path(spec_path), data["code"].get("folder", ".")))
     copy = root / "spec.yaml"

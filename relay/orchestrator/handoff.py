@@ -17,7 +17,7 @@ from relay.orchestrator import tracking_handoff
 from relay.orchestrator.chain import Action, Names, Observation, hit_session_limit
 from relay.orchestrator.kaggle.backend import KaggleBackend
 from relay.orchestrator.kaggle.types import NotFound, SessionKernel
-from relay.kernel.session import checkpoint
+from relay.shared.manifest import Checkpoint, list_valid
 from relay.shared.spec import RunSpec
 from relay.shared.version import code_version
 
@@ -167,7 +167,7 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
         return HandOver(False, f"stale output: it belongs to run {out.found_run_id}, not {action.run_id}",
                         log_tail=tail, stale=_lag_suspect(out.found_run_id, obs))
     workdir = out.directory / WORKDIR
-    valid = checkpoint.list_valid(workdir / "checkpoints", verify_hashes=True)
+    valid = list_valid(workdir / "checkpoints", verify_hashes=True)
     before = int((obs.published or {}).get("global_step", 0))
     if not valid or out.progress is None:
         return HandOver(False, "the session left no valid checkpoint", log_tail=tail)
@@ -178,7 +178,7 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
     limit = hit_session_limit(obs.kernel_state, obs.failure_message)
     stage = _stage(local / "stage" / action.run_id, newest, workdir, out.progress, session_limit=limit)
     tracking_handoff.stage_from_workdir(workdir, stage, newest.step, local)
-    if not checkpoint.list_valid(stage, verify_hashes=True):  # what goes up is the copy: verify the copy
+    if not list_valid(stage, verify_hashes=True):  # what goes up is the copy: verify the copy
         return HandOver(False, "the staged copy of the checkpoint fails verification", log_tail=tail)
     confirm()
     result = backend.publish_folder(stage, names.checkpoint_dataset, f"{spec.name} checkpoint",
@@ -308,7 +308,7 @@ def _staged_progress(progress: dict, step: int, session_limit: bool = False) -> 
     return progress
 
 
-def _stage(stage: Path, newest: checkpoint.Checkpoint, workdir: Path, progress: dict,
+def _stage(stage: Path, newest: Checkpoint, workdir: Path, progress: dict,
            session_limit: bool = False) -> Path:
     """One flat folder (datasets skip subfolders): the checkpoint's files, progress and metrics."""
     if stage.exists():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from relay.orchestrator.chain import Names, parse_run_id
 from relay.orchestrator.kaggle.datasets import MANIFEST, manifest_of
-from relay.kernel.session import checkpoint
+from relay.shared.manifest import list_valid, why_unusable
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,6 @@ def _fetch_verified(backend, dataset: str, number: int, folder: Path) -> str:
     wrong = sorted(n for n in set(expected) | set(actual) if expected.get(n) != actual.get(n))
     if wrong:
         return f"{', '.join(wrong[:3])} differ from {MANIFEST}"
-    if not checkpoint.list_valid(folder, verify_hashes=True):
-        return checkpoint.why_unusable(folder)
+    if not list_valid(folder, verify_hashes=True):
+        return why_unusable(folder)
     return ""

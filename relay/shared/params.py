@@ -243,3 +243,11 @@ class VQAStudentParams(RecipeParams):
         if end != spec.optim.epochs:
             raise ValueError(f"params.curriculum: the stages end at epoch {end} but optim.epochs is "
                              f"{spec.optim.epochs}: they must cover the run exactly")
+
+
+# The spec's `recipe:` name -> its Params: all a spec needs to validate a built-in recipe without importing it
+# (the recipes themselves, with torch, are relay.kernel.recipes)
+BUILT_IN: dict[str, type[RecipeParams]] = {
+    "legal_bert": LegalBertParams, "price_model": PriceModelParams, "recsys": RecsysParams,
+    "temporal": TemporalParams, "toy": ToyParams, "vqa_student": VQAStudentParams,
+}

@@ -24,7 +24,8 @@ from pydantic import (
     model_validator,
 )
 
-from relay.kernel import recipes
+from relay.shared import params as params_mod
+from relay.shared.code_folder import MAX_CODE_BYTES, code_files, resolve_folder
 from relay.shared.errors import InputError
 from relay.shared.inputs import DuplicateKey, decode_utf8, load_yaml
 from relay.shared.tracking_spec import TrackingConfig
@@ -307,25 +308,13 @@ class RunSpec(_Section):
 
     @model_validator(mode="after")
     def _recipe_params(self) -> "RunSpec":
-        from relay.kernel import usercode
-
-        deferred = usercode.check_spec(self)  # code:, a user recipe, kaggle.pip (SpecError naming the key)
-        if self.recipe is None or deferred:
-            return self  # a code.entry runs the user's own loop; a recipe needing kaggle.pip is checked in the kernel
-        if ":" not in self.recipe and self.recipe not in recipes.names():
-            raise SpecError(f"recipe: unknown recipe {self.recipe!r}; expected one of {', '.join(recipes.names())}")
-        # Validated by the recipe's own Params model, reported under `params.`.
-        try:
-            params = recipes.params_class(self.recipe).model_validate(self.params)
-        except ValidationError as err:
-            raise SpecError(_first_error(err, prefix="params")) from None
-        try:
-            params.check_spec(self)
-        except ValueError as err:
-            raise SpecError(str(err)) from None
-        if params.fit_only and self.session.devices not in ("auto", 1):
-            raise SpecError(f"session.devices: recipe {self.recipe} is made only of closed-form fits, which run in"
-                            f" one process (no batch to split); set 1 or auto (got {self.session.devices})")
+        _check_code_section(self)
+        if self.recipe is None or ":" in self.recipe:
+            return self  # the user's own code: relay.kernel.usercode.check_code imports and checks it
+        if self.recipe not in params_mod.BUILT_IN:
+            names = ", ".join(sorted(params_mod.BUILT_IN))
+            raise SpecError(f"recipe: unknown recipe {self.recipe!r}; expected one of {names}")
+        validate_params(self, params_mod.BUILT_IN[self.recipe])
         return self
 
     @model_validator(mode="after")
@@ -344,8 +333,56 @@ class RunSpec(_Section):
                              " (the orchestrator syncs the run) or auto")
         return self
 
-    def recipe_params(self):
-        return recipes.params_class(self.recipe).model_validate(self.params)
+    def recipe_params(self) -> params_mod.RecipeParams:
+        """The built-in recipe's Params (a user recipe's are its own class: relay.kernel.recipes.params_of)."""
+        if self.recipe not in params_mod.BUILT_IN:
+            raise SpecError(f"recipe: {self.recipe} is not a built-in recipe; its Params live in its own module")
+        return params_mod.BUILT_IN[self.recipe].model_validate(self.params)
+
+
+def validate_params(spec: RunSpec, params_class: type) -> params_mod.RecipeParams:
+    """`params:` through the recipe's own Params model, reported under `params.`, and its cross-checks."""
+    try:
+        params = params_class.model_validate(spec.params)
+    except ValidationError as err:
+        raise SpecError(_first_error(err, prefix="params")) from None
+    try:
+        params.check_spec(spec)
+    except ValueError as err:
+        raise SpecError(str(err)) from None
+    if params.fit_only and spec.session.devices not in ("auto", 1):
+        raise SpecError(f"session.devices: recipe {spec.recipe} is made only of closed-form fits, which run in"
+                        f" one process (no batch to split); set 1 or auto (got {spec.session.devices})")
+    return params
+
+
+def _check_code_section(spec: RunSpec) -> None:
+    """What the spec alone says about the user's code: present where needed, a folder that exists and fits in
+    a kernel. Importing it is the second step (relay.preflight.load_spec)."""
+    if spec.kaggle.pip and not spec.kaggle.enable_internet:
+        raise SpecError("kaggle.pip: installing requirements at kernel start needs kaggle.enable_internet: true"
+                        " (offline kernels cannot reach PyPI); turn internet on or vendor the code into code.folder")
+    code = spec.code
+    if code is None:
+        if spec.recipe is None:
+            raise SpecError("recipe: required key is missing (a built-in recipe, or 'module:Class' / code.entry"
+                            " with a code: section)")
+        if ":" in spec.recipe:
+            raise SpecError(f"recipe: {spec.recipe} is a user recipe: add a code: section naming its folder")
+        return
+    folder = Path(code.folder)
+    if not folder.is_dir():
+        raise SpecError(f"code.folder: {folder} is not a folder")
+    size = sum(f.stat().st_size for _, f in code_files(folder, code.exclude))
+    if size > MAX_CODE_BYTES:
+        raise SpecError(f"code.folder: {folder} holds {size / 1e6:.1f} MB to ship; at most {MAX_CODE_BYTES / 1e6:g} MB"
+                        " travel inside the session kernel: put data and weights in a dataset"
+                        " (kaggle.dataset_sources) or leave them out with code.exclude")
+    if code.entry and spec.recipe:
+        raise SpecError("code.entry: set either recipe or code.entry, not both")
+    if not code.entry and not spec.recipe:
+        raise SpecError("code.entry: required key is missing (a script 'train.py --args' or 'module:function')"
+                        " when no recipe is set")
 
 
 def _first_error(err: ValidationError, prefix: str = "") -> str:
@@ -404,9 +441,7 @@ def load(path: str | Path, overrides: dict[str, Any] | None = None) -> RunSpec:
     for dotted, value in (overrides or {}).items():
         _set_dotted(data if isinstance(data, dict) else {}, dotted, value)
     if isinstance(data, dict) and isinstance(data.get("code"), dict):
-        from relay.kernel import usercode
-
-        data["code"]["folder"] = str(usercode.resolve_folder(path, data["code"].get("folder", ".")))
+        data["code"]["folder"] = str(resolve_folder(path, data["code"].get("folder", ".")))
     return validate(data, source=str(path))
 
 

@@ -1,20 +1,34 @@
-"""The code version a checkpoint or kernel was made with: a content hash of the relay package."""
+"""The code version a checkpoint or kernel was made with: a content hash of the code a session runs."""
 from __future__ import annotations
 
 import functools
 import hashlib
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # relay/
+# What a session kernel runs, and so all that ships in it: the kernel side, the shared part, and the face
+# `python -m relay train` enters by. The orchestrator and the emulator stay home: changing them changes no
+# code version.
+KERNEL_PARTS = ("__init__.py", "__main__.py", "cli.py", "preflight.py", "shared", "kernel")
+
+
+def kernel_files(package_dir: Path = PACKAGE_DIR) -> list[tuple[str, Path]]:
+    """(path relative to the package, file) of every .py a session kernel carries, sorted by that path."""
+    files = []
+    for part in KERNEL_PARTS:
+        path = package_dir / part
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            files += [p for p in path.rglob("*.py") if "__pycache__" not in p.parts]
+    return sorted((p.relative_to(package_dir).as_posix(), p) for p in files)
 
 
 @functools.lru_cache(maxsize=1)
 def code_version() -> str:
-    """sha256 (first 12 hex) over every .py file of the package, paths sorted: equal code, equal hash."""
+    """sha256 (first 12 hex) over the kernel's files, paths sorted: equal code, equal hash."""
     h = hashlib.sha256()
-    for path in sorted(PACKAGE_DIR.rglob("*.py")):
-        if "__pycache__" in path.parts:
-            continue
-        h.update(path.relative_to(PACKAGE_DIR).as_posix().encode())
+    for rel, path in kernel_files():
+        h.update(rel.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:12]

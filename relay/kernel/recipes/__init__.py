@@ -1,11 +1,11 @@
-"""Recipe registry: the spec's `recipe:` name -> class. Imports are lazy, and a spec is validated with the
-torch-free Params classes of relay.shared.params, so the orchestrator never imports torch."""
+"""Recipe registry: the spec's `recipe:` name -> class, imported when asked (torch). A spec is validated with
+the torch-free Params of relay.shared.params, so loading one imports no recipe."""
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING
 
-from relay.shared.params import RecipeParams
+from relay.shared.params import BUILT_IN, RecipeParams
 
 if TYPE_CHECKING:
     from relay.kernel.recipes.base import Recipe
@@ -18,8 +18,6 @@ _REGISTRY = {
     "toy": "relay.kernel.recipes.toy:ToyRecipe",
     "vqa_student": "relay.kernel.recipes.vqa_student:VQAStudentRecipe",
 }
-_PARAMS = {"legal_bert": "LegalBertParams", "price_model": "PriceModelParams", "recsys": "RecsysParams",
-           "temporal": "TemporalParams", "toy": "ToyParams", "vqa_student": "VQAStudentParams"}
 
 
 def names() -> list[str]:
@@ -38,11 +36,14 @@ def get(name: str) -> type["Recipe"]:
 
 
 def params_class(name: str) -> type[RecipeParams]:
-    """The Params model of a recipe. Built-in: from relay.shared.params, without importing the recipe (torch);
-    a user recipe is imported (its module is the only place its Params live)."""
-    if name in _PARAMS:
-        return getattr(importlib.import_module("relay.shared.params"), _PARAMS[name])
-    return get(name).Params
+    """The Params model of a recipe: a built-in's without importing the recipe (torch); a user recipe is
+    imported (its module is the only place its Params live)."""
+    return BUILT_IN[name] if name in BUILT_IN else get(name).Params
+
+
+def params_of(spec) -> RecipeParams:
+    """The spec's `params:` as its recipe's Params, built-in or the user's."""
+    return params_class(spec.recipe).model_validate(spec.params)
 
 
 def __getattr__(attr: str):  # `from relay.kernel.recipes import Recipe` keeps working, importing torch only then
@@ -53,4 +54,4 @@ def __getattr__(attr: str):  # `from relay.kernel.recipes import Recipe` keeps w
     raise AttributeError(attr)
 
 
-__all__ = ["Recipe", "RecipeParams", "get", "names", "params_class"]
+__all__ = ["Recipe", "RecipeParams", "get", "names", "params_class", "params_of"]

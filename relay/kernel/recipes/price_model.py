@@ -10,14 +10,13 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import torch
 import torch.nn.functional as F
-from pydantic import Field, model_validator
 from torch import nn
 from torch.utils.data import Dataset
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-from pydantic import Field
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 

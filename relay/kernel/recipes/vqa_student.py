@@ -15,19 +15,18 @@ import re
 from collections import Counter
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Literal, Optional
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field, field_validator, model_validator
 from torch import nn
 from torch.utils.data import Dataset
 
 from relay.shared.errors import InputError
 from relay.kernel.recipes import vqa_data
 from relay.kernel.recipes.base import MemoryRung, Recipe
-from relay.shared.params import LossWeights, Stage, VQAStudentParams
+from relay.shared.params import Stage, VQAStudentParams
 from relay.kernel.recipes.vqa_model import VQAStudent, build_student, enable_decoder_checkpointing, train_tokenizer
 from relay.shared import atomic
 

@@ -16,29 +16,25 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from relay.shared.errors import InputError
 from relay.shared import atomic
+from relay.shared.manifest import (DIGESTS, FORMAT, MANIFEST, NAME, STATE_FILE, Checkpoint, Checksum,  # noqa: F401 (re-exported)
+                                     digest_of, file_digest, find_checkpoints, list_valid, read_manifest, seq_of,
+                                     sha256_file, size_text, why_unusable)
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
-STATE_FILE = "state.pt"
-MANIFEST = "manifest.json"
-_NAME = re.compile(r"^step-(\d{8})(?:\.(\d+))?$")
 
 
 class CheckpointError(RuntimeError):
@@ -56,71 +52,6 @@ class CorruptCheckpointError(CheckpointError, InputError):
 
 CORRUPT_PREFIX = "the mounted checkpoint"
 
-
-@dataclass(frozen=True)
-class Checkpoint:
-    path: Path
-    step: int
-    seq: int  # several saves at one step get .1, .2, ...
-    manifest: dict
-
-    @property
-    def metric(self) -> Optional[float]:
-        """The watched metric of THIS checkpoint's weights. Every manifest carries the run's best-so-far
-        record; only the checkpoint saved at that record's step holds the weights that scored it."""
-        best = self.manifest.get("best") or {}
-        if best.get("value") is None or best.get("step") != self.step:
-            return None
-        return float(best["value"])
-
-    def nbytes(self) -> int:
-        return sum(f["bytes"] for f in self.manifest["files"].values())
-
-
-# -- durability helpers ---------------------------------------------------------------------------
-DIGESTS = ("crc32", "sha256")
-
-
-class _Checksum:
-    """A running checksum. crc32 (~3 GB/s) catches torn and corrupted files at a fraction of a save's cost;
-    sha256 runs at 200-400 MB/s on CPUs without SHA extensions, slower than torch.save itself (measured in
-    bench/bench_checkpoint.py), so it is opt-in (`checkpoints.digest`). Published datasets get sha256 anyway."""
-
-    def __init__(self, algo: str):
-        if algo not in DIGESTS:
-            raise ValueError(f"checkpoint digest {algo!r}: expected one of {', '.join(DIGESTS)}")
-        self.algo = algo
-        self._crc = 0
-        self._sha = hashlib.sha256() if algo == "sha256" else None
-
-    def update(self, data) -> None:
-        if self._sha is not None:
-            self._sha.update(data)
-        else:
-            self._crc = zlib.crc32(data, self._crc)
-
-    def hexdigest(self) -> str:
-        return self._sha.hexdigest() if self._sha is not None else f"{self._crc:08x}"
-
-
-def file_digest(path: Path, algo: str, chunk: int = 8 << 20) -> str:
-    checksum = _Checksum(algo)
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            checksum.update(block)
-    return checksum.hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    return file_digest(path, "sha256")
-
-
-def _digest_of(info: dict) -> tuple[str, str]:
-    """(algorithm, expected hex) recorded for one file in a manifest."""
-    for algo in DIGESTS:
-        if isinstance(info.get(algo), str):
-            return algo, info[algo]
-    raise KeyError("no digest")
 
 
 # -- save -------------------------------------------------------------------------------------------
@@ -190,7 +121,7 @@ def start_save(root: Path, state: dict, *, step: int, meta: dict, disk_budget_by
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        saved = _supersede(root, Checkpoint(root / name, step, _seq(name), manifest))
+        saved = _supersede(root, Checkpoint(root / name, step, seq_of(name), manifest))
         prune(root, keep_last=keep_last, keep_best_mode=keep_best_mode)
         if on_commit is not None:
             on_commit(saved)
@@ -278,10 +209,6 @@ def _test_stop_mid_save(step: int) -> None:
         signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
-def _seq(name: str) -> int:
-    m = _NAME.match(name)
-    return int(m.group(2) or 0) if m else 0
-
 
 def _remove_stale_tmp(root: Path) -> None:
     """Half-written folders from a save that was killed, and retired ones a killed process left: never
@@ -333,13 +260,6 @@ def bytes_besides(workdir: Path, checkpoints: Path) -> int:
     return total
 
 
-def size_text(nbytes: float) -> str:
-    """Bytes in the largest unit that still shows them (a 40 KB checkpoint is not "0.00 GB")."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{int(nbytes)} bytes"
-
 
 def _make_room(root: Path, budget: int, keep_best_mode: Optional[str], besides: int = 0) -> None:
     """Prune oldest-first (sparing the newest valid and the best) until a new checkpoint fits."""
@@ -375,65 +295,6 @@ def _make_room(root: Path, budget: int, keep_best_mode: Optional[str], besides: 
 
 
 # -- find and load ----------------------------------------------------------------------------------
-def find_checkpoints(root: Path) -> list[Path]:
-    """Checkpoint folders in `root`: root itself, root/step-*, or root/checkpoints/step-*."""
-    root = Path(root)
-    if (root / MANIFEST).is_file():
-        return [root]
-    found = []
-    for base in (root, root / "checkpoints"):
-        if base.is_dir():
-            found += [p for p in base.iterdir() if p.is_dir() and _NAME.match(p.name)]
-    return found
-
-
-def read_manifest(path: Path) -> Optional[dict]:
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return manifest if _manifest_ok(manifest) else None
-
-
-def _manifest_ok(manifest: Any) -> bool:
-    """A manifest damaged into other valid JSON (a flipped bit in a key) counts as no manifest."""
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        return False
-    step, files = manifest.get("step"), manifest.get("files")
-    if type(step) is not int or step < 0 or not isinstance(files, dict) or STATE_FILE not in files:
-        return False
-    return all(isinstance(info, dict) and type(info.get("bytes")) is int
-               and any(isinstance(info.get(algo), str) for algo in DIGESTS) for info in files.values())
-
-
-def list_valid(*roots: Path, verify_hashes: bool = False) -> list[Checkpoint]:
-    """Checkpoints with a readable manifest and files of the right size, newest first."""
-    out = []
-    for root in roots:
-        for path in find_checkpoints(root):
-            manifest = read_manifest(path)
-            if manifest is None:
-                continue
-            if not _files_match(path, manifest, verify_hashes):
-                continue
-            out.append(Checkpoint(path, int(manifest["step"]), _seq(path.name), manifest))
-    return sorted(out, key=lambda c: (c.step, c.manifest.get("created", 0), c.seq), reverse=True)
-
-
-def _files_match(path: Path, manifest: dict, verify_hashes: bool) -> bool:
-    for name, info in manifest["files"].items():
-        f = path / name
-        try:
-            if f.stat().st_size != info["bytes"]:
-                return False
-        except OSError:
-            return False
-        if verify_hashes:
-            algo, expected = _digest_of(info)
-            if file_digest(f, algo) != expected:
-                return False
-    return True
-
 
 def load_latest(*roots: Path, map_location: str = "cpu") -> Optional[tuple[Checkpoint, dict]]:
     """The newest checkpoint that verifies and loads, falling back to older ones; None if there is none."""
@@ -457,25 +318,6 @@ def load_resume(own: Path, resume_from: Sequence[Path], map_location: str = "cpu
     return restored
 
 
-def why_unusable(root: Path) -> str:
-    """What is wrong with the checkpoints in `root`, in a few words (for a folder list_valid/load reject)."""
-    paths = find_checkpoints(root)
-    if not paths:
-        return f"no checkpoint in it (no {MANIFEST})"
-    for path in paths:
-        manifest = read_manifest(path)
-        if manifest is None:
-            return f"{MANIFEST} is missing or unreadable"
-        for name, info in manifest["files"].items():
-            size = (path / name).stat().st_size if (path / name).is_file() else None
-            if size != info["bytes"]:
-                return f"{name} is {'missing' if size is None else f'{size} bytes'}, its manifest says" \
-                       f" {info['bytes']} (truncated)"
-            algo, expected = _digest_of(info)
-            if file_digest(path / name, algo) != expected:
-                return f"{name} {algo} mismatch"
-    return f"{STATE_FILE} cannot be loaded"
-
 
 def load(ckpt: Checkpoint, map_location: str = "cpu") -> dict:
     """Load the state file safely (weights_only) while a second thread verifies its checksum; the result
@@ -484,7 +326,7 @@ def load(ckpt: Checkpoint, map_location: str = "cpu") -> dict:
     import torch
 
     path = ckpt.path / STATE_FILE
-    algo, expected = _digest_of(ckpt.manifest["files"][STATE_FILE])
+    algo, expected = digest_of(ckpt.manifest["files"][STATE_FILE])
     with ThreadPoolExecutor(max_workers=1) as pool:
         actual = pool.submit(file_digest, path, algo)
         try:

@@ -1,4 +1,6 @@
-"""The exact project version a kernel runs: the relay package as a deterministic, content-hashed zip.
+"""The exact project version a kernel runs: the kernel side of the relay package (relay.shared.version's
+kernel_files: shared/, kernel/ and the `relay train` face; not the orchestrator) as a deterministic,
+content-hashed zip.
 
 The zip holds the .py files `relay.shared.version.code_version()` hashes, and its version is computed by the same
 rule from the very bytes it holds, so the code version a session records inside Kaggle equals the bundle's
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from relay.shared.version import PACKAGE_DIR
+from relay.shared.version import PACKAGE_DIR, kernel_files
 
 _FIXED_TIME = (2020, 1, 1, 0, 0, 0)  # constant timestamps: equal sources give an equal zip
 
@@ -27,17 +29,14 @@ class Bundle:
 
 
 def build_bundle(package_dir: Optional[Path] = None, user_code: Optional[str] = None, exclude=()) -> Bundle:
-    """The package, and the user's code folder under user-code/ (its files do not change the code version,
-    which names the relay's own code; the bundle's sha256 in the kernel covers both)."""
+    """The package's kernel side, and the user's code folder under user-code/ (its files do not change the
+    code version, which names the relay's own code; the bundle's sha256 in the kernel covers both)."""
     package_dir = package_dir or PACKAGE_DIR
     version = hashlib.sha256()
     buffer = io.BytesIO()
     count = 0
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zf:
-        for path in sorted(package_dir.rglob("*.py")):
-            if "__pycache__" in path.parts:
-                continue
-            rel = path.relative_to(package_dir).as_posix()
+        for rel, path in kernel_files(package_dir):
             content = path.read_bytes()
             version.update(rel.encode())  # the rule of relay.shared.version.code_version
             version.update(content)
@@ -52,7 +51,7 @@ def build_bundle(package_dir: Optional[Path] = None, user_code: Optional[str] = 
 
 def _add_user_code(zf: zipfile.ZipFile, folder: Path, exclude) -> int:
     from relay.shared.errors import InputError
-    from relay.kernel.usercode import MAX_CODE_BYTES, code_files
+    from relay.shared.code_folder import MAX_CODE_BYTES, code_files
 
     files = code_files(folder, list(exclude))
     total = sum(f.stat().st_size for _, f in files)

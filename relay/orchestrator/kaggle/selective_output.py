@@ -30,7 +30,8 @@ from relay.orchestrator.kaggle.kernel_source import MARKER_FILE
 from relay.orchestrator.kaggle.output import list_output, safe_relative
 from relay.orchestrator.kaggle.retry import call
 from relay.orchestrator.kaggle.types import KaggleError
-from relay.kernel.session import checkpoint
+from relay.shared import atomic
+from relay.shared.manifest import MANIFEST, digest_of, read_manifest, seq_of, size_text
 
 log = logging.getLogger(__name__)
 CHUNK = 1 << 20
@@ -86,11 +87,11 @@ class HandoffDownload:
     def fetch_checkpoint(self, cand: Candidate, stage: Path) -> None:
         """The candidate's files into the flat `stage` folder, each verified against the manifest."""
         for name, info in sorted(cand.manifest["files"].items()):
-            algo, expected = checkpoint._digest_of(info)
+            algo, expected = digest_of(info)
             self.sha256[name] = stream_verified(self.client, cand.urls[name], stage / name, int(info["bytes"]),
                                                 algo, expected)
             self.downloaded += int(info["bytes"])
-        checkpoint.atomic.write_json(stage / checkpoint.MANIFEST, cand.manifest)
+        atomic.write_json(stage / MANIFEST, cand.manifest)
 
     def fetch_file(self, rel: str, target: Path) -> bool:
         """One workdir file (e.g. metrics.jsonl) if the output has it."""
@@ -142,18 +143,18 @@ def _candidates(client: KaggleClient, urls: Dict[str, str], meta: Path) -> List[
             folders.setdefault(m.group(1), {})[m.group(2)] = url
     found = []
     for folder, files in folders.items():
-        if checkpoint.MANIFEST not in files:
+        if MANIFEST not in files:
             continue  # a save still in progress (or killed): never valid
         local = meta / folder
         local.mkdir()
         try:
-            stream_verified(client, files[checkpoint.MANIFEST], local / checkpoint.MANIFEST)
+            stream_verified(client, files[MANIFEST], local / MANIFEST)
         except ChecksumMismatch:
             continue
-        manifest = checkpoint.read_manifest(local)
+        manifest = read_manifest(local)
         if manifest is None or not all(f in files for f in manifest["files"]):
             continue
-        found.append(Candidate(folder, int(manifest["step"]), checkpoint._seq(folder), manifest,
+        found.append(Candidate(folder, int(manifest["step"]), seq_of(folder), manifest,
                                {f: files[f] for f in manifest["files"]}))
     return sorted(found, key=lambda c: (c.step, c.manifest.get("created", 0), c.seq), reverse=True)
 
@@ -180,8 +181,8 @@ def ensure_space(where: Path, need: int, reserve: int, what: str) -> None:
     free = free_bytes(where)
     if need + reserve > free:
         raise DiskSpaceError(
-            f"handoff: {what} needs {checkpoint.size_text(need)} (+{checkpoint.size_text(reserve)} reserve, {RESERVE_ENV})"
-            f" on {Path(where).resolve()} but only {checkpoint.size_text(free)} is free; free some space, the next tick retries")
+            f"handoff: {what} needs {size_text(need)} (+{size_text(reserve)} reserve, {RESERVE_ENV})"
+            f" on {Path(where).resolve()} but only {size_text(free)} is free; free some space, the next tick retries")
 
 
 # -- streaming --------------------------------------------------------------------------------------

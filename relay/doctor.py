@@ -49,10 +49,10 @@ def _checks(spec_path, backend_factory, timeout_s, poll_s) -> Iterator[Check]:
     if spec_path is not None:
         if not Path(spec_path).is_file():
             raise InputError(f"{spec_path}: no such spec file (relative paths start at {Path.cwd()})")
-        from relay.shared import spec
+        from relay.preflight import load_spec
 
         try:
-            run_spec = spec.load(spec_path)
+            run_spec = load_spec(spec_path)
             yield Check(OK, "spec", f"{spec_path}: {run_spec.name}, the code validates on this machine")
         except InputError as err:
             yield Check(FAIL, "spec", f"{err} -> fix the spec, then run relay doctor again")
