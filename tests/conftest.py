@@ -183,9 +183,11 @@ def register_recipe(monkeypatch):
     """register_recipe(name, cls): make a test recipe class known to the spec and the runtime (for this test).
     The class must live at module level of an imported module (the registry stores 'module:Class')."""
     from relay.kernel import recipes
+    from relay.shared import params
 
     def register(name: str, cls: type) -> str:
         monkeypatch.setitem(recipes._REGISTRY, name, f"{cls.__module__}:{cls.__qualname__}")
+        monkeypatch.setitem(params.BUILT_IN, name, cls.Params)  # what a spec validates `params:` with
         return name
 
     return register

@@ -145,29 +145,30 @@ PIP_ONLY = "import not_installed_here_xyz\nfrom relay.kernel.recipes import Reci
 def test_user_code_needing_a_kaggle_pip_package_loads_in_the_orchestrator(spec, tmp_path, monkeypatch):
     """The orchestrator never pip-installs: a module importing what kaggle.pip provides is checked for its file
     only, and the Recipe/Params check happens in the kernel's `relay train`, after pip."""
+    from relay.preflight import load_spec  # the spec, then the user's code it names
     from relay.shared import spec as spec_mod
 
     monkeypatch.setattr("sys.path", list(__import__("sys").path))
     kaggle = {"pip": ["not-installed-here-xyz"], "enable_internet": True}
     path, _ = _bad(tmp_path, {"pkgq/__init__.py": PIP_ONLY, "pkgq/r.py": PIP_ONLY}, {**spec, "kaggle": kaggle})
-    assert spec_mod.load(path).kaggle.pip == ["not-installed-here-xyz"]
+    assert load_spec(path).kaggle.pip == ["not-installed-here-xyz"]
     # the module file itself must still exist
     wrong = {k: (v.replace("pkgq.r", "pkgq.nope") if isinstance(v, str) else v) for k, v in spec.items()}
     if "code" in wrong:
         wrong["code"] = {"folder": "code", "entry": "pkgq.nope:main"}
     path, _ = _bad(tmp_path, {}, {**wrong, "kaggle": kaggle})
     with pytest.raises(spec_mod.SpecError, match="pkgq.nope"):
-        spec_mod.load(path)
+        load_spec(path)
 
 
 def test_loading_a_user_recipe_writes_nothing_in_its_folder(tmp_path, monkeypatch):
-    from relay.shared import spec as spec_mod
+    from relay.preflight import load_spec  # the spec, then the user's code it names
 
     monkeypatch.setattr("sys.path", list(__import__("sys").path))
     monkeypatch.setattr("sys.dont_write_bytecode", False)  # as for a user without PYTHONDONTWRITEBYTECODE
     spec = copy_example("byo-recipe", tmp_path / "ex")
     before = sorted(p.relative_to(spec.parent) for p in spec.parent.rglob("*"))
-    spec_mod.load(spec)
+    load_spec(spec)
     assert sorted(p.relative_to(spec.parent) for p in spec.parent.rglob("*")) == before
     assert __import__("sys").dont_write_bytecode is False  # put back after the import
 

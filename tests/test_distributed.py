@@ -193,8 +193,10 @@ def test_an_oom_on_one_rank_backs_off_every_rank_together(tmp_path, monkeypatch,
     from relay.kernel.session import distributed
 
     from relay.kernel import recipes
+    from relay.shared import params
 
     monkeypatch.setitem(recipes._REGISTRY, ddp_oom_worker.NAME, ddp_oom_worker.PATH)
+    monkeypatch.setitem(params.BUILT_IN, ddp_oom_worker.NAME, ddp_oom_worker.OomOnRank1.Params)
     spec = load_toy_spec(DDP, recipe=ddp_oom_worker.NAME, session={"save_every": "1h"})
     distributed.launch(ddp_oom_worker.worker, 2, (spec, str(tmp_path / "w")))
     progress = json.loads((tmp_path / "w" / "progress.json").read_text())

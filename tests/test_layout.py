@@ -1,16 +1,25 @@
-"""Imports go one way: what runs inside the Kaggle kernel (the session runtime and the recipes) never imports
-the orchestrator (Prefect, flows/, tasks/, the Kaggle backend and emulator, the relay's decisions), so a kernel
-needs neither Prefect nor the `kaggle` client, and orchestrator changes cannot break a running session."""
+"""The package's shape, read from its own imports (issue 17). The folders say on which side of the wire a module
+runs: relay/shared (what crosses it: the spec, the checkpoint manifest, progress records, atomic writes), relay/kernel
+(inside the Kaggle session), relay/orchestrator (where Prefect runs), relay/emulator (Kaggle's local double).
+Each side imports only itself and the shared part; flows/ and tasks/ are shells over the orchestrator side; the
+faces (relay/cli.py, launch.py, doctor.py, preflight.py) may use both sides, and nothing imports a face but a face
+(and the flows, the front door relay.preflight). A kernel needs neither Prefect nor the `kaggle` client, and
+orchestrator changes cannot break a running session."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-KERNEL_SIDE = ["relay/kernel/session", "relay/kernel/recipes", "relay/kernel/integrations", "relay/kernel/usercode.py", "relay/shared/spec.py",
-               "relay/kernel/canary.py", "relay/shared/tracking_spec.py"]
-ORCHESTRATOR = ("prefect", "flows", "tasks", "kaggle", "kagglesdk", "relay.orchestrator.kaggle", "relay.orchestrator.chain", "relay.orchestrator.handoff",
-                "relay.orchestrator.plan", "relay.orchestrator.tracking_handoff", "relay.orchestrator.wandb_file")
+KERNEL_SIDE = ["relay/kernel", "relay/shared"]
+ORCHESTRATOR = ("prefect", "flows", "tasks", "kaggle", "kagglesdk", "relay.orchestrator", "relay.emulator")
+SIDES = ("relay.shared", "relay.kernel", "relay.orchestrator", "relay.emulator")
+FACES = {"relay", "relay.__main__", "relay.cli", "relay.launch", "relay.doctor", "relay.preflight"}
+# what each part may import, besides itself
+MAY_IMPORT = {"relay.shared": (), "relay.kernel": ("relay.shared",), "relay.orchestrator": ("relay.shared",),
+              "relay.emulator": ("relay.shared",),
+              "flows": ("relay.orchestrator", "relay.shared", "relay.preflight", "tasks"),
+              "tasks": ("relay.orchestrator", "relay.shared")}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -39,15 +48,17 @@ def test_kernel_side_modules_never_import_the_orchestrator():
 
 def test_the_orchestrator_never_imports_torch():
     """The flows, the CLI and the spec loader (every built-in example spec) run without torch or anything else
-    of the `[train]` extra (tests/test_tick.py runs whole ticks with them blocked): a GitHub-hosted tick stays small, and the handoff's peak RSS stays under its 300 MB goal (bench/bench_handoff.py)."""
+    of the `[train]` extra (tests/test_tick.py runs whole ticks with them blocked): a GitHub-hosted tick stays
+    small, and the handoff's peak RSS stays under its 300 MB goal (bench/bench_handoff.py)."""
     import subprocess
     import sys
 
     code = """
 import sys
 from pathlib import Path
-import flows.relay_flow, flows.relays_flow, relay.cli, relay.orchestrator.handoff, relay.orchestrator.plan, tasks.relays_artifacts
-import relay.launch, relay.orchestrator.submit, relay.orchestrator.status, relay.doctor, relay.orchestrator.restore, relay.orchestrator.live, relay.orchestrator.report
+import flows.relay_flow, flows.relays_flow, relay.cli, relay.launch, relay.doctor, relay.preflight, tasks.relays_artifacts
+import relay.orchestrator.handoff, relay.orchestrator.plan, relay.orchestrator.submit, relay.orchestrator.status
+import relay.orchestrator.restore, relay.orchestrator.live, relay.orchestrator.report
 from relay.shared import spec
 from relay.cli import TRAINING_STACK
 for path in sorted(Path("examples").glob("*.yaml")):
@@ -118,10 +129,52 @@ def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
     return found
 
 
-# The one cycle left (issue 17): the spec validates user code, which runs the session path, which reads the
-# spec. A ratchet: it may shrink, nothing may join it, and no other cycle may appear.
-KNOWN_CYCLE = {"relay.shared.spec", "relay.kernel.recipes", "relay.kernel.usercode", "relay.kernel.session.api", "relay.kernel.session.api_distributed",
-               "relay.kernel.session.loop", "relay.kernel.session.run", "relay.kernel.session.trace"}
+def part_of(module: str) -> str:
+    for part in (*SIDES, "flows", "tasks"):
+        if module == part or module.startswith(part + "."):
+            return part
+    return module  # a face
+
+
+def test_each_side_imports_only_itself_and_the_shared_part():
+    """Every arrow of the import graph (lazy imports too) points within a part or down to what it may use."""
+    wrong = []
+    for module, targets in import_graph().items():
+        part = part_of(module)
+        for target in targets:
+            into = part_of(target)
+            if part in FACES:
+                continue  # a face may use anything
+            if into != part and into not in MAY_IMPORT[part]:
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_every_module_lives_on_a_side():
+    """A new module goes into a side's folder (or is a face, by name in FACES): the folder names alone tell a
+    newcomer where a module runs."""
+    loose = [m for m in import_graph() if part_of(m) not in (*SIDES, "flows", "tasks") and m not in FACES]
+    assert not loose, loose
+
+
+def test_the_kernel_bundle_carries_only_the_kernel_side_and_the_shared_part():
+    import io
+    import zipfile
+
+    from relay.orchestrator.kaggle.bundle import build_bundle
+
+    names = zipfile.ZipFile(io.BytesIO(build_bundle().data)).namelist()
+    faces = {f"relay/{f}.py" for f in ("__init__", "__main__", "cli", "preflight")}  # `python -m relay train`
+    assert faces <= set(names)
+    other = [n for n in names if n not in faces and not n.startswith(("relay/shared/", "relay/kernel/"))]
+    assert not other, other
+    assert any(n.startswith("relay/kernel/session/") for n in names) and "relay/shared/spec.py" in names
+
+
+# The cycle left inside the kernel side until its one session path lands. A ratchet: it may shrink, nothing
+# may join it, and no other cycle may appear.
+KNOWN_CYCLE = {"relay.kernel.recipes", "relay.kernel.usercode", "relay.kernel.session.api",
+               "relay.kernel.session.api_distributed", "relay.kernel.session.run", "relay.kernel.session.trace"}
 
 
 def test_no_new_import_cycles():

@@ -92,7 +92,7 @@ def run_session(
     workdir = Path(workdir)
     _check_workdir(workdir)
     args = (spec, workdir, budget, deadline, resume_from, data_dir, feature_dirs, run_id)
-    fit_only = spec.recipe_params().fit_only
+    fit_only = recipes.params_of(spec).fit_only
     world_size = distributed.world_size_for(spec.session.devices, pick_device().type, fit_only)
     if fit_only and spec.session.devices == "auto":
         log.info("recipe %s is made only of fit stages: one process, whatever session.devices: auto finds",
@@ -165,7 +165,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     if device.type == "cuda" and world.size > 1:
         device = torch.device("cuda", world.rank)
     configure_backends(spec, device)
-    params = spec.recipe_params()
+    params = recipes.params_of(spec)
     if data_dir is None and hasattr(params, "data_dir"):
         data_dir = Path(params.data_dir)
     recipe = recipes.get(spec.recipe)(params, data_dir=Path(data_dir or "."),
