@@ -70,12 +70,11 @@ def spec_page() -> str:
 
 
 def params_page() -> str:
-    from relay.kernel import recipes
+    from relay.shared.params import BUILT_IN
 
     lines = ["# Recipe `params:` reference", "",
              "Each built-in recipe validates its own `params:` (torch-free models in `relay/shared/params.py`).", ""]
-    for name in recipes.names():
-        cls = recipes.params_class(name)
+    for name, cls in sorted(BUILT_IN.items()):
         lines += [f"## `{name}`", "", (cls.__doc__ or "").strip().split("\n\n")[0], ""]
         lines += model_table(cls, "params.")
     return GENERATED + "\n".join(lines).rstrip() + "\n"
