@@ -26,7 +26,7 @@ import importlib.util, json, sys, time
 import numpy as np, pandas as pd
 sys.path.insert(0, {root!r})
 # recsys_data alone (relay.kernel.recipes/__init__ would import torch, whose import dwarfs what is measured)
-spec = importlib.util.spec_from_file_location("recsys_data", {root!r} + "/relay/recipes/recsys_data.py")
+spec = importlib.util.spec_from_file_location("recsys_data", {root!r} + "/relay/kernel/recipes/recsys_data.py")
 recsys_data = sys.modules["recsys_data"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(recsys_data)
 

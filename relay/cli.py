@@ -197,6 +197,7 @@ _UNSET = object()
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # one table of subcommands and their options, read top to bottom (the reference page is generated from it)
     parser = OneLineArgumentParser(prog="relay", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)

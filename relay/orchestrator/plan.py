@@ -1,4 +1,6 @@
 """Quota planner: split the remaining work into Kaggle sessions and forecast when it finishes.
+(~410 lines: the model below, its planner and its text form stay in one place; plan_sessions is one
+walk over the sessions, week by week, kept whole so the quota rules read in order.)
 
 Pure functions over small dataclasses: no I/O and no clock reads (`now` is always a parameter), so the
 flow, `relay plan` and the tests all get the same answer for the same inputs.

@@ -3,6 +3,10 @@
 Inputs are a session workdir (DIR/progress.json + DIR/metrics.jsonl) or a folder of harvested outputs
 (one such folder per session, found recursively). Every reader is tolerant: optional keys may be absent,
 and a truncated last line of metrics.jsonl (a session killed mid-write) is skipped.
+
+Longer than most modules (~420 lines) because a table and two figures belong together, and plot_curves and
+plot_timeline are drawing scripts (one matplotlib figure each, read top to bottom) that would only scatter
+if cut into helpers.
 """
 from __future__ import annotations
 
