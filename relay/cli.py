@@ -89,7 +89,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from datetime import datetime, timezone
 
-    from relay.orchestrator import plan as planner, report
+    from relay.orchestrator import plan as planner
     from relay.preflight import load_spec
 
     spec = load_spec(args.spec)

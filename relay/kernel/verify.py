@@ -47,7 +47,7 @@ class Verdict:
 
     def text(self) -> str:
         split = ", ".join(f"{a}->{b}{'' if how == 'ok' else ' (' + how + ')'}" for a, b, how in self.sessions)
-        head = (f"identical" if self.identical else f"differs: {self.first_difference}"
+        head = ("identical" if self.identical else f"differs: {self.first_difference}"
                 + (f" (and {self.differing - 1} more)" if self.differing > 1 else ""))
         why = f"\n  why: {self.diagnosis}" if self.diagnosis else ""
         lost = (f"\n  warning: the script wrote {', '.join(self.lost_files[:5])}"
