@@ -64,8 +64,8 @@ import json, os, resource, sys, threading, time
 sys.path.insert(0, {root!r})
 mode, endpoint, local = sys.argv[1], sys.argv[2], sys.argv[3]
 from relay.orchestrator import chain, handoff
-from relay.shared import spec as spec_mod
 from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
+from relay.shared import spec as spec_mod
 import requests
 watch = [local, os.environ["TMPDIR"]]
 peak, rss_peak = [0], [0]
@@ -167,8 +167,8 @@ def _child(mode: str, endpoint: str, work: Path, spec: Path) -> dict:
 def run(gb: float = 2.0, keep: bool = False) -> dict:
     """Figures for one synthetic checkpoint of `gb` GB (decimal)."""
     sys.path.insert(0, str(ROOT))
-    from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
     from relay.emulator import Emulator, EmulatorConfig
+    from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
 
     work = Path(tempfile.mkdtemp(prefix="bench-handoff-"))
     spec = work / "spec.yaml"

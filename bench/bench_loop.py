@@ -44,10 +44,10 @@ import torch
 from machine import describe, spread  # noqa: E402  (bench/machine.py)
 from torch import nn
 
-from relay.shared import spec as spec_mod
 from relay.kernel.recipes.toy import ToyParams, ToyRecipe
 from relay.kernel.session import loop as loop_mod
 from relay.kernel.session.run import run_session
+from relay.shared import spec as spec_mod
 
 TARGET_VS_HAND = 1.05
 TARGET_VS_HF = 1.0

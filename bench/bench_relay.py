@@ -70,9 +70,9 @@ SPEC = {
 def seeds_session(spec_path: str, workdir: str, resume: Optional[str], every_epochs: int) -> None:
     """The seed notebooks' policy on the relay runtime: save every N epochs, no budget, no SIGTERM handler
     (the session cap kills the process), resume from the newest epoch checkpoint."""
-    from relay.shared import spec as spec_mod
     from relay.kernel.session import budget, loop
     from relay.kernel.session.run import run_session
+    from relay.shared import spec as spec_mod
 
     budget.SessionClock.install_signal_handlers = lambda self: None
 
@@ -123,8 +123,8 @@ def relay_session(backend, spec_path: Path, local: Path) -> bool:
     push, wait, hand over. False once the relay is done."""
     from flows.relay_flow import session_budget
     from relay.orchestrator import chain, handoff
-    from relay.shared import spec as spec_mod
     from relay.orchestrator.chain import Do
+    from relay.shared import spec as spec_mod
 
     spec = spec_mod.load(spec_path)
     names = chain.Names(USER, spec.name)

@@ -33,8 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _recipe(spec_file: str, data_dir: Path, **params):
-    from relay.shared import spec as spec_mod
     from relay.kernel.recipes.vqa_student import VQAStudentRecipe
+    from relay.shared import spec as spec_mod
 
     raw = yaml.safe_load((REPO / "examples" / spec_file).read_text())
     raw["params"].update(data_dir=str(data_dir), **params)

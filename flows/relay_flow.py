@@ -19,15 +19,15 @@ from typing import Any, Literal, Optional
 from prefect import flow, get_run_logger
 
 from relay.orchestrator import chain, handoff, restore
-from relay.preflight import load_spec
-from relay.orchestrator.policy import budget_lowered, plan_text, session_budget, utc
 from relay.orchestrator.chain import Do
 from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
 from relay.orchestrator.kaggle.types import Refusal
+from relay.orchestrator.policy import budget_lowered, plan_text, session_budget, utc
+from relay.preflight import load_spec
 from tasks import artifacts, relay_tasks as t
-from tasks.step_lock import StepLock
 from tasks.live_view import LiveView
 from tasks.notify import Notifier
+from tasks.step_lock import StepLock
 
 
 class RelayFailed(RuntimeError):

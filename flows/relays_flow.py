@@ -22,13 +22,13 @@ from typing import Dict, List, Literal, Optional
 from prefect import flow, get_run_logger
 
 from flows.relay_flow import RelayFailed, make_backend
-from relay.orchestrator.policy import session_budget, utc
 from relay.orchestrator import chain, handoff, joint_plan, plan as planner
-from relay.preflight import load_spec
 from relay.orchestrator.chain import Do
-from relay.shared.errors import InputError
 from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost
 from relay.orchestrator.kaggle.types import Refusal
+from relay.orchestrator.policy import session_budget, utc
+from relay.preflight import load_spec
+from relay.shared.errors import InputError
 from tasks import relay_tasks as t
 from tasks import relays_artifacts
 

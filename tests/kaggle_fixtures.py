@@ -17,8 +17,8 @@ from typing import Callable, List
 
 import pytest
 
-from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
 from relay.emulator import Emulator, EmulatorConfig
+from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
 
 USER = "alice"
 FAKE_KEY = "f4k3k3y-0123456789abcdef-LEAKCHECK"

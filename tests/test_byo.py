@@ -247,8 +247,8 @@ def test_hf_callback_refuses_configs_that_cannot_resume(setting, expected, tmp_p
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     import relay
-    from relay.shared.errors import InputError
     from relay.kernel.integrations.hf import RelayCallback
+    from relay.shared.errors import InputError
 
     session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
     try:
@@ -369,8 +369,8 @@ def test_hf_callback_refuses_an_iterable_train_set(tmp_path):
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     import relay
-    from relay.shared.errors import InputError
     from relay.kernel.integrations.hf import RelayCallback
+    from relay.shared.errors import InputError
 
     class Stream(IterableDataset):
         def __iter__(self):

@@ -228,9 +228,9 @@ def test_the_trainer_callbacks_refuse_several_processes_in_one_line(callback, tm
     """HF Trainer and Lightning under several processes are not proved: refused, never half-supported."""
     import importlib
 
-    from relay.shared.errors import InputError
     from relay.kernel.session.api import Session
     from relay.kernel.session.distributed import World
+    from relay.shared.errors import InputError
 
     module, name = callback.split(":")
     cls = getattr(importlib.import_module(module), name)

@@ -11,9 +11,9 @@ import requests
 
 from kaggle_fixtures import (FAKE_KEY, USER, backend_for, isolated_env, make_emulator, push_script,  # noqa: F401
                              wait_state)
-from relay.shared.errors import InputError
-from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, KernelState, Refusal, SessionKernel, classify_refusal
 from relay.emulator import Emulator, EmulatorConfig
+from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, KernelState, Refusal, SessionKernel, classify_refusal
+from relay.shared.errors import InputError
 from test_kaggle_backend_faults import TOY_SPEC
 
 HOUR = 3600

@@ -8,8 +8,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from relay.shared.errors import InputError
 from relay.kernel.session.features import FeatureCache, fingerprint, source_version
+from relay.shared.errors import InputError
 
 
 class Builder:

@@ -34,8 +34,8 @@ def _inject_corrupt_newer_checkpoint(emu, kernel: str, version: int) -> str:
 
 def test_selective_handoff_verifies_checks_disk_and_resumes_exactly(relay_env, reference, monkeypatch):
     from relay.orchestrator import chain, handoff
-    from relay.shared import spec as spec_mod
     from relay.orchestrator.kaggle import selective_output
+    from relay.shared import spec as spec_mod
 
     relay_env.start()
     spec_path = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS})

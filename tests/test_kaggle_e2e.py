@@ -10,8 +10,8 @@ from pathlib import Path
 import yaml
 
 from kaggle_fixtures import USER, backend_for, isolated_env, make_emulator, wait_state  # noqa: F401
-from relay.orchestrator.kaggle import KernelState, SessionKernel
 from relay.kernel.recipes import price_data
+from relay.orchestrator.kaggle import KernelState, SessionKernel
 
 SPEC = Path(__file__).resolve().parent.parent / "examples" / "price-tiny.yaml"
 KERNEL, CKPT = f"{USER}/price-tiny-relay", f"{USER}/price-tiny-ckpt"

@@ -11,13 +11,13 @@ import io
 import pytest
 import requests
 
-from relay.shared.errors import InputError
+from relay.emulator.faults import FaultPlan
 from relay.orchestrator.kaggle import RetriesExhausted, RetryPolicy, SessionKernel
 from relay.orchestrator.kaggle.bundle import build_bundle
 from relay.orchestrator.kaggle.credentials import resolve
-from relay.emulator.faults import FaultPlan
 from relay.orchestrator.kaggle.kernel_source import render, run_id_marker
 from relay.orchestrator.kaggle.retry import call, is_transient
+from relay.shared.errors import InputError
 
 
 def http_error(status: int, headers=None, body=b"{}") -> requests.HTTPError:

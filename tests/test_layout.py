@@ -59,8 +59,8 @@ from pathlib import Path
 import flows.relay_flow, flows.relays_flow, relay.cli, relay.launch, relay.doctor, relay.preflight, tasks.relays_artifacts
 import relay.orchestrator.handoff, relay.orchestrator.plan, relay.orchestrator.submit, relay.orchestrator.status
 import relay.orchestrator.restore, relay.orchestrator.live, relay.orchestrator.report
-from relay.shared import spec
 from relay.cli import TRAINING_STACK
+from relay.shared import spec
 for path in sorted(Path("examples").glob("*.yaml")):
     spec.load(path).recipe_params()
 # the base install (pyproject's dependencies) has none of the training stack

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from relay.shared.errors import InputError
 from relay.emulator.faults import FaultPlan
 from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
 from relay.orchestrator.kaggle.types import KernelState
+from relay.shared.errors import InputError
 
 from kaggle_fixtures import USER, backend_for, isolated_env, make_emulator, push_script  # noqa: F401
 

@@ -12,10 +12,10 @@ import torch
 import yaml
 
 from conftest import write_spec
-from relay.shared.errors import InputError
 from relay.kernel.recipes import legal_data
 from relay.kernel.recipes.legal_bert import LegalBertParams, LegalBertRecipe, load_exported, macro_f1
 from relay.kernel.session import checkpoint
+from relay.shared.errors import InputError
 from split_sessions import progress, random_splits, run_split
 
 torch.set_num_threads(1)
@@ -155,8 +155,8 @@ class OomAbove4(LegalBertRecipe):
 
 
 def test_oom_backs_off_to_the_seeds_ultra_low_memory_ladder(data_dir, tmp_path, register_recipe, caplog):
-    from relay.shared import spec as spec_mod
     from relay.kernel.session.run import run_session
+    from relay.shared import spec as spec_mod
 
     register_recipe("legal_oom", OomAbove4)
     spec = spec_mod.validate({**tiny_spec(data_dir, max_steps=3, epochs=None), "recipe": "legal_oom"})

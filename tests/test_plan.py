@@ -268,8 +268,8 @@ def test_leftover_quota_below_min_train_waits_but_a_fresh_week_never_does():
 def test_vqa_t4_spec_plan_caps_sessions_at_session_budget():
     """The VQA example of docs/recipes.md: 100 epochs of 11k questions at 1.72 s a step, started on a Monday with a full
     quota. session.budget 11h30m (below Kaggle's 12 h) caps every session's training at 11h25m."""
-    from relay.shared import spec as spec_mod
     from relay.orchestrator.plan import limits_from_spec
+    from relay.shared import spec as spec_mod
 
     spec = spec_mod.load(REPO / "examples" / "vqa-t4.yaml")
     limits = limits_from_spec(spec)

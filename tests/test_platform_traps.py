@@ -222,8 +222,8 @@ def test_gpu_without_a_shape_gets_t4_x2_not_a_p100_and_p100_warns(caplog):
 
 
 def test_gpus_are_recorded_per_session_and_shown_in_the_table():
-    from relay.orchestrator import report
     from relay.kernel.session import memory
+    from relay.orchestrator import report
 
     import torch
 

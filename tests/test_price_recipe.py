@@ -14,9 +14,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
-from relay.shared.errors import InputError  # noqa: E402
 from relay.kernel.recipes import price_data  # noqa: E402
 from relay.kernel.recipes.price_model import PriceModelParams, PriceModelRecipe, load_exported, smape  # noqa: E402
+from relay.shared.errors import InputError  # noqa: E402
 
 torch.set_num_threads(1)
 TINY = dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_len=48, vocab_size=2000,

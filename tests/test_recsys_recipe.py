@@ -10,11 +10,11 @@ import torch
 import yaml
 
 from conftest import write_spec
-from relay.shared.errors import InputError
 from relay.kernel.recipes import recsys_data
 from relay.kernel.recipes.recsys import RecsysParams, RecsysRecipe, load_exported
 from relay.kernel.session import checkpoint
 from relay.kernel.session.stages import Stage
+from relay.shared.errors import InputError
 from split_sessions import progress, random_splits, run_split
 
 torch.set_num_threads(1)
@@ -147,9 +147,9 @@ def test_als_gives_a_row_with_no_training_ratings_zero_factors_not_a_singular_so
 def test_a_fit_only_recipe_runs_in_one_process_on_a_t4_x2(monkeypatch, capsys):
     """micro-batch 1 x 1 over the 2 processes of `devices: auto` on a T4 x2 stopped the run (exit 2): closed-form
     fits have no batch to split, so the recsys recipe takes one process; a gradient recipe still takes both."""
-    from relay.shared import spec as spec_mod
     from relay.cli import main
     from relay.kernel.session import distributed
+    from relay.shared import spec as spec_mod
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a T4 x2 on this CPU machine
     recsys, legal = (spec_mod.load(REPO / f"examples/{n}-t4.yaml") for n in ("recsys", "legal"))

@@ -16,11 +16,11 @@ import torch
 
 from conftest import load_toy_spec, toy_spec_dict, write_spec
 from relay.cli import main as relay_main
-from relay.shared.errors import InputError
 from relay.kernel.recipes.toy import ToyRecipe
 from relay.kernel.session import checkpoint, data, memory
 from relay.kernel.session.budget import SAVE_SAFETY_FACTOR, SessionClock
 from relay.kernel.session.run import run_session
+from relay.shared.errors import InputError
 
 
 # -- the clock --------------------------------------------------------------------------------------

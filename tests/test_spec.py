@@ -8,9 +8,9 @@ import pytest
 import yaml
 
 from conftest import toy_spec_dict, write_spec
+from relay.cli import main as relay_main
 from relay.kernel import recipes
 from relay.shared import spec as spec_mod
-from relay.cli import main as relay_main
 
 
 def drop(*path):

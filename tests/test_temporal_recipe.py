@@ -12,11 +12,11 @@ import torch
 import yaml
 
 from conftest import write_spec
-from relay.shared.errors import InputError
 from relay.kernel.recipes import temporal_data
 from relay.kernel.recipes.temporal import TemporalParams, TemporalRecipe, load_exported
 from relay.kernel.session import checkpoint, stages
 from relay.kernel.session.stages import Stage
+from relay.shared.errors import InputError
 from split_sessions import progress, random_splits, run_split
 
 torch.set_num_threads(1)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from relay.shared import spec as spec_mod
 from relay.orchestrator import wandb_file
+from relay.shared import spec as spec_mod
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = {"name": "trk", "recipe": "toy", "optim": {"max_steps": 10}}

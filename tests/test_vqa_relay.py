@@ -9,8 +9,8 @@ from __future__ import annotations
 import yaml
 
 from conftest import REPO
-from relay.orchestrator import report
 from relay.kernel.recipes import vqa_data
+from relay.orchestrator import report
 
 from kaggle_fixtures import KERNEL_ENV  # noqa: E402
 from relay_fixtures import USER  # noqa: E402

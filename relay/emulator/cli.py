@@ -15,9 +15,9 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-from relay.shared.errors import InputError
 from relay.emulator.config import EmulatorConfig
 from relay.emulator.faults import from_flags
+from relay.shared.errors import InputError
 
 LOCAL_USER_FILE = "local-user.json"
 

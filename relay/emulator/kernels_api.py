@@ -8,9 +8,9 @@ import time
 import urllib.parse
 from typing import Iterator, Optional
 
-from relay.emulator.protocol import ApiError, Call, duration, file_reply, iso, slug_of, tree_files
 from relay.emulator.config import EmulatorConfig
 from relay.emulator.faults import FaultPlan
+from relay.emulator.protocol import ApiError, Call, duration, file_reply, iso, slug_of, tree_files
 from relay.emulator.runner import KernelRunner, read_log
 from relay.emulator.store import ACTIVE, Store
 

@@ -22,8 +22,8 @@ from typing import Any, Iterator, Optional
 
 import yaml
 
-from relay.shared.errors import InputError
 from relay.kernel.session import trace
+from relay.shared.errors import InputError
 from relay.shared.version import PACKAGE_DIR
 
 KILL_MARKER_ENV = "RELAY_VERIFY_KILL_MARKER"
@@ -58,9 +58,9 @@ class Verdict:
 
 def verify_resume(spec_path: Path, steps: Optional[int] = None, *, seed: int = 0,
                   workdir: Optional[Path] = None, timeout: float = 1800) -> Verdict:
-    from relay.shared import spec as spec_mod
     from relay.kernel.session import checkpoint
     from relay.kernel.usercode import check_code
+    from relay.shared import spec as spec_mod
 
     t0 = time.monotonic()
     spec = spec_mod.load(spec_path)  # a bad spec: one line, exit 2, nothing written
@@ -176,8 +176,8 @@ def _child() -> None:
 
 
 def _arm_kill_hook(marker: str) -> None:
-    from relay.shared import atomic
     from relay.kernel.session import checkpoint
+    from relay.shared import atomic
 
     real_fsync = atomic.fsync
 

@@ -29,9 +29,9 @@ from typing import Optional
 import torch
 from transformers import TrainerCallback
 
-from relay.shared.errors import InputError
 from relay.kernel.session.api import Session
 from relay.kernel.session.api_distributed import single_process
+from relay.shared.errors import InputError
 
 
 class CheckpointFolder:

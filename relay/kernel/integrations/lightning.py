@@ -23,11 +23,11 @@ from typing import Optional
 import lightning.pytorch as pl
 import torch
 
-from relay.shared.errors import InputError
 from relay.kernel.integrations.hf import CheckpointFolder
 from relay.kernel.session.api import Session
 from relay.kernel.session.api_distributed import single_process
 from relay.kernel.session.loop import rng_state, set_rng_state
+from relay.shared.errors import InputError
 
 CKPT_NAME = "lightning.ckpt"
 

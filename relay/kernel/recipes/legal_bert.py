@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from relay.shared.errors import InputError
 from relay.kernel.recipes import legal_data
 from relay.kernel.recipes.base import Recipe
-from relay.shared.params import LegalBertParams
 from relay.kernel.recipes.price_model import load_pretrained_tokenizer, special_ids, train_tokenizer
 from relay.kernel.session.features import FeatureCache, source_version
+from relay.shared.errors import InputError
+from relay.shared.params import LegalBertParams
 
 log = logging.getLogger(__name__)
 FEATURES_VERSION = "1"

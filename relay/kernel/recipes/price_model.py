@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from relay.shared.errors import InputError
 from relay.kernel.recipes import price_data
 from relay.kernel.recipes.base import Recipe
-from relay.shared.params import PriceModelParams
 from relay.kernel.session.features import FeatureCache, source_version
+from relay.shared.errors import InputError
+from relay.shared.params import PriceModelParams
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,12 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from relay.shared.errors import InputError
 from relay.kernel.recipes import recsys_data
 from relay.kernel.recipes.base import Recipe
-from relay.shared.params import RecsysParams
 from relay.kernel.recipes.recsys_data import CSR
 from relay.kernel.session.stages import Stage
+from relay.shared.errors import InputError
+from relay.shared.params import RecsysParams
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from relay.shared.errors import InputError
 from relay.kernel.recipes import temporal_data
 from relay.kernel.recipes.base import Recipe
-from relay.shared.params import TemporalParams
 from relay.kernel.session.features import FeatureCache, source_version
 from relay.kernel.session.stages import Stage
+from relay.shared.errors import InputError
+from relay.shared.params import TemporalParams
 
 FEATURES_VERSION = "1"
 

@@ -23,12 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from relay.shared.errors import InputError
 from relay.kernel.recipes import vqa_data
 from relay.kernel.recipes.base import MemoryRung, Recipe
-from relay.shared.params import Stage, VQAStudentParams
 from relay.kernel.recipes.vqa_model import VQAStudent, build_student, enable_decoder_checkpointing, train_tokenizer
 from relay.shared import atomic
+from relay.shared.errors import InputError
+from relay.shared.params import Stage, VQAStudentParams
 
 log = logging.getLogger(__name__)
 

@@ -27,16 +27,16 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from relay.shared.errors import InputError
 from relay.kernel.session import api_distributed, checkpoint, data, distributed, trace
-from relay.shared import atomic
 from relay.kernel.session.api_distributed import unwrap
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.divergence import DivergenceGuard
 from relay.kernel.session.loop import rng_state, set_rng_state
-from relay.shared.progress_line import ProgressLines
 from relay.kernel.session.run import disk_besides, pick_device, seed_everything
 from relay.kernel.session.tracking import Trackers
+from relay.shared import atomic
+from relay.shared.errors import InputError
+from relay.shared.progress_line import ProgressLines
 from relay.shared.version import code_version
 
 log = logging.getLogger(__name__)

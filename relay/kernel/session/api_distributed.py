@@ -26,9 +26,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from relay.shared.errors import InputError
 from relay.kernel.session import distributed
 from relay.kernel.session.distributed import World
+from relay.shared.errors import InputError
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from relay.shared.errors import InputError
 from relay.shared import atomic
+from relay.shared.errors import InputError
 from relay.shared.manifest import (DIGESTS, FORMAT, MANIFEST, NAME, STATE_FILE, Checkpoint, Checksum,  # noqa: F401 (re-exported)
                                      digest_of, file_digest, find_checkpoints, list_valid, read_manifest, seq_of,
                                      sha256_file, size_text, why_unusable)

@@ -37,8 +37,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from relay.shared.errors import InputError
 from relay.shared import atomic
+from relay.shared.errors import InputError
 
 log = logging.getLogger(__name__)
 

@@ -20,13 +20,13 @@ import numpy as np
 import torch
 
 from relay.kernel import recipes
-from relay.shared.errors import InputError
-from relay.shared import atomic
 from relay.kernel.session import checkpoint, data, distributed, memory
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.loop import Trainer, TrainState, resolve_precision
-from relay.shared.progress_line import ProgressLines
 from relay.kernel.session.tracking import Trackers
+from relay.shared import atomic
+from relay.shared.errors import InputError
+from relay.shared.progress_line import ProgressLines
 from relay.shared.spec import RunSpec
 from relay.shared.version import code_version
 

@@ -14,14 +14,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Protocol, Tuple
 
-from relay.shared.errors import InputError
-from relay.shared.spec import DEFAULT_GPU_SHAPE
 from relay.orchestrator.kaggle import kernel_source, output
 from relay.orchestrator.kaggle.bundle import build_bundle
 from relay.orchestrator.kaggle.client import KaggleClient
 from relay.orchestrator.kaggle.credentials import KaggleCredentials, resolve
 from relay.orchestrator.kaggle.datasets import DatasetPublisher, list_dataset_files
 from relay.orchestrator.kaggle.retry import RetryPolicy, http_status
+from relay.shared.errors import InputError
+from relay.shared.spec import DEFAULT_GPU_SHAPE
 from relay.orchestrator.kaggle.types import (DatasetFile, KaggleError, KernelState, KernelStatus, NotFound, PublishResult,
                                 PushResult, Quota, Refusal, SessionKernel, SessionOutput)
 

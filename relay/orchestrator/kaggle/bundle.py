@@ -50,8 +50,8 @@ def build_bundle(package_dir: Optional[Path] = None, user_code: Optional[str] = 
 
 
 def _add_user_code(zf: zipfile.ZipFile, folder: Path, exclude) -> int:
-    from relay.shared.errors import InputError
     from relay.shared.code_folder import MAX_CODE_BYTES, code_files
+    from relay.shared.errors import InputError
 
     files = code_files(folder, list(exclude))
     total = sum(f.stat().st_size for _, f in files)

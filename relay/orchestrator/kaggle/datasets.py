@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from relay.shared.errors import InputError
 from relay.orchestrator.kaggle.client import KaggleClient
 from relay.orchestrator.kaggle.retry import http_status
 from relay.orchestrator.kaggle.types import DatasetFile, KaggleError, NotFound, PublishError, PublishResult
+from relay.shared.errors import InputError
 
 log = logging.getLogger(__name__)
 MANIFEST = "relay-publish.json"

@@ -17,9 +17,9 @@ import re
 import time
 from typing import Optional
 
-from relay.shared.errors import InputError
 from relay.orchestrator.kaggle.bundle import Bundle
 from relay.orchestrator.kaggle.types import SessionKernel
+from relay.shared.errors import InputError
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MARKER_FILE = "relay-kernel.json"

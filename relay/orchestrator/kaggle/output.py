@@ -15,12 +15,12 @@ import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any, List, Optional, Tuple
 
-from relay.shared.errors import InputError
 from relay.orchestrator.kaggle.client import KaggleClient
 from relay.orchestrator.kaggle.kernel_source import MARKER_FILE
 from relay.orchestrator.kaggle.retry import call
-from relay.orchestrator.kaggle.types import KaggleError, NotFound, SessionOutput
 from relay.orchestrator.kaggle.retry import http_status
+from relay.orchestrator.kaggle.types import KaggleError, NotFound, SessionOutput
+from relay.shared.errors import InputError
 
 log = logging.getLogger(__name__)
 PAGE_SIZE = 200
