@@ -1,10 +1,10 @@
-"""The user's own code: where it lives, what it runs, and how much of it ships inside a session kernel.
+"""The user's own code: importing it, checking it, and running its entry in a session.
 
 A spec names it with a `code:` section (a folder and an entry: `train.py --lr 3e-4` or `pkg.module:function`)
-and/or a user recipe (`recipe: pkg.module:Class`, a `relay.kernel.recipes.Recipe` subclass from that folder). Everything
-is checked when the spec loads, so a wrong path is one line and exit 2 before anything is written or pushed.
-
-Kernel-side: no imports of relay.orchestrator.kaggle, Prefect or the emulator.
+and/or a user recipe (`recipe: pkg.module:Class`, a `relay.kernel.recipes.Recipe` subclass from that folder).
+The spec alone checks the folder (relay.shared.spec: exists, at most 2 MB, relay.shared.code_folder); the front
+door (relay.preflight.load_spec) then runs check_code here, so a wrong entry or recipe is one line and exit 2
+before anything is written or pushed.
 """
 from __future__ import annotations
 
