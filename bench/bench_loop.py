@@ -8,7 +8,7 @@ steps, shuffled map-style data through a DataLoader with 0 workers.
 What is timed is the training only, equally for all three (CPU seconds of the process, which is what the
 ratios use, and wall seconds, both reported); process start-up, imports, data generation and
 model construction are outside every timing:
-  relay         `relay.kernel.session.run.run_session` (budget none, periodic saves effectively off, no best save,
+  relay         `relay.kernel.run.run_session` (budget none, periodic saves effectively off, no best save,
                 eval only at the last step on 8 samples); the time of `Trainer.fit()`, i.e. every optimizer
                 step with relay's data loading, deadline checks, logging and tqdm, plus the final tiny eval
   hand-written  the loop below, from the first batch to the last optimizer step
@@ -45,8 +45,8 @@ from machine import describe, spread  # noqa: E402  (bench/machine.py)
 from torch import nn
 
 from relay.kernel.recipes.toy import ToyParams, ToyRecipe
+from relay.kernel.run import run_session
 from relay.kernel.session import loop as loop_mod
-from relay.kernel.session.run import run_session
 from relay.shared import spec as spec_mod
 
 TARGET_VS_HAND = 1.05

@@ -44,7 +44,7 @@ def _deadline(value: str) -> float:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from relay.kernel.session.run import run_session
+    from relay.kernel.run import run_session
     from relay.preflight import load_spec
 
     overrides = {}
@@ -53,14 +53,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.max_steps is not _UNSET:
         overrides["session.max_steps"] = args.max_steps
     spec = load_spec(args.spec, overrides)
-    if spec.code is not None and spec.code.entry:  # the user's own loop (relay/kernel/usercode.py)
-        from relay.kernel import usercode
+    if spec.code is not None and spec.code.entry:  # the user's own loop (relay/kernel/entry.py)
+        from relay.kernel import entry
 
-        config = usercode.session_config(
+        config = entry.session_config(
             spec, Path(args.workdir), budget=spec.session.budget, deadline=args.deadline,
             max_steps=spec.session.max_steps, resume_from=args.resume_from, data_dir=args.data,
             feature_dirs=args.features, run_id=args.run_id)
-        progress = usercode.run_entry(spec, config)
+        progress = entry.run_entry(spec, config)
         print(f"relay: {progress['status']} at step {progress['global_step']}/{progress['total_steps']}"
               f" (session {len(progress['sessions'])}, stop: {progress['stop_reason']});"
               f" weights {(progress['weights_sha256'] or '?')[:16]}")
@@ -117,9 +117,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(planner.format_plan(plan))
     procs = spec.session.devices if spec.session.devices != "auto" else GPUS_PER_SHAPE.get(spec.kaggle.machine_shape, 1)
     if spec.recipe is not None:
-        from relay.kernel.recipes import params_of  # a user recipe's Params are in its own module
+        from relay.kernel.usercode import recipe_params  # a user recipe's Params are in its own module
 
-        fit_only = params_of(spec).fit_only
+        fit_only = recipe_params(spec).fit_only
     else:
         fit_only = False
     why = f"recipe {spec.recipe} is made only of fit stages" if fit_only else f"machine {spec.kaggle.machine_shape}"

@@ -194,7 +194,7 @@ def register_recipe(monkeypatch):
 
 
 def load_toy_spec(*layers: dict, **overrides):
-    """A validated RunSpec of the toy recipe (for driving relay.kernel.session.run.run_session in-process)."""
+    """A validated RunSpec of the toy recipe (for driving relay.kernel.run.run_session in-process)."""
     from relay.shared import spec
 
     return spec.validate(toy_spec_dict(*layers, **overrides), source="test-spec")

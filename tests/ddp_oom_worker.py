@@ -30,8 +30,8 @@ NAME, PATH = "oom-on-rank-1", f"{__name__}:OomOnRank1"
 
 
 def worker(rank: int, world_size: int, port: int, errors, spec, workdir: str) -> None:
+    from relay.kernel.run import _session
     from relay.kernel.session import distributed
-    from relay.kernel.session.run import _session
 
     recipes._REGISTRY[NAME] = PATH
     torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 renderer does), and the loss-curve and timeline PNGs must be image nodes (not text in a code block), the plan
 and its ETA must be there in a closed fence, with or without a plan.
 
-The progress, metrics and PNGs come from a real two-session toy run (relay.kernel.session.run), the plan from the
+The progress, metrics and PNGs come from a real two-session toy run (relay.kernel.run), the plan from the
 flow's own `plan_text`, and one test stores the artifact in a real Prefect server and parses what it serves.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from relay.orchestrator import report
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A workdir after two sessions of the toy recipe (6 steps each): progress.json, metrics.jsonl, PNGs."""
-    from relay.kernel.session.run import run_session
+    from relay.kernel.run import run_session
 
     workdir = tmp_path_factory.mktemp("artifacts") / "work"
     spec = load_toy_spec({"optim.epochs": None, "optim.max_steps": 12, "optim.eval_every_steps": 4,

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import load_toy_spec
+from relay.kernel.run import run_session
 from relay.kernel.session import checkpoint as ck
-from relay.kernel.session.run import run_session
 
 N = 50_000  # floats per checkpoint: ~200 kB state files
 

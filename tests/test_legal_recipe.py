@@ -155,7 +155,7 @@ class OomAbove4(LegalBertRecipe):
 
 
 def test_oom_backs_off_to_the_seeds_ultra_low_memory_ladder(data_dir, tmp_path, register_recipe, caplog):
-    from relay.kernel.session.run import run_session
+    from relay.kernel.run import run_session
     from relay.shared import spec as spec_mod
 
     register_recipe("legal_oom", OomAbove4)

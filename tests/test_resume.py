@@ -33,7 +33,7 @@ RESUME = dict(
     checkpoints={"keep_last": 2},
 )
 TOTAL = 160
-SESSION_LINE = "relay.kernel.session.run: session "  # logged right before the first training step
+SESSION_LINE = "relay.kernel.run: session "  # logged right before the first training step
 
 
 def load_final(workdir: Path) -> tuple[dict, dict]:

@@ -17,9 +17,9 @@ import torch
 from conftest import load_toy_spec, toy_spec_dict, write_spec
 from relay.cli import main as relay_main
 from relay.kernel.recipes.toy import ToyRecipe
+from relay.kernel.run import run_session
 from relay.kernel.session import checkpoint, data, memory
 from relay.kernel.session.budget import SAVE_SAFETY_FACTOR, SessionClock
-from relay.kernel.session.run import run_session
 from relay.shared.errors import InputError
 
 
@@ -247,7 +247,7 @@ def test_back_off_keeps_the_effective_batch(micro, accum, expected):
 
 
 def test_a_recipe_with_the_older_predict_signature_still_gets_called():
-    from relay.kernel.session.run import _predict
+    from relay.kernel.run import _predict
 
     calls = []
 

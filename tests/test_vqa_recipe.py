@@ -18,7 +18,7 @@ from conftest import REPO, deep_merge
 from relay import cli
 from relay.kernel.recipes import vqa_data
 from relay.kernel.recipes.vqa_student import NO_LOGIT, VQARows, VQAStudentRecipe, first_tokens
-from relay.kernel.session.run import run_session
+from relay.kernel.run import run_session
 from relay.orchestrator import report
 from relay.shared import spec as spec_mod
 from relay.shared.errors import InputError

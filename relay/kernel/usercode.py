@@ -12,13 +12,9 @@ import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
-import json
-import os
 import re
-import runpy
 import shlex
 import sys
-import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -48,6 +44,22 @@ def _on_path(folder: Path) -> None:
             for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
                 del sys.modules[key]
     importlib.invalidate_caches()
+
+
+# -- the recipe a spec names, built-in or the user's --------------------------------------------------------
+def recipe_class(name: str):
+    """The Recipe class of `recipe:`: a built-in by name, or the user's `pkg.module:Class` from code.folder."""
+    from relay.kernel import recipes
+
+    return load_recipe(name) if ":" in name else recipes.get(name)
+
+
+def recipe_params(spec: "RunSpec"):
+    """The spec's `params:` as its recipe's Params model (a user recipe's own class is imported for it)."""
+    from relay.shared.params import BUILT_IN
+
+    params_class = BUILT_IN.get(spec.recipe) or recipe_class(spec.recipe).Params
+    return params_class.model_validate(spec.params)
 
 
 # -- the check behind the front door (relay.preflight.load_spec) ----------------------------------------
@@ -178,79 +190,3 @@ def load_recipe(path: str, folder: Optional[Path] = None, pip: list[str] = ()):
     if not (isinstance(getattr(cls, "Params", None), type) and issubclass(cls.Params, RecipeParams)):
         raise SpecError(f"recipe: {path}.Params must be a relay.kernel.recipes.RecipeParams subclass")
     return cls
-
-
-# -- running an entry ---------------------------------------------------------------------------------------
-def session_config(spec: "RunSpec", workdir: Path, *, budget, deadline, max_steps, resume_from, data_dir,
-                   feature_dirs, run_id) -> dict:
-    """What `relay.open_session()` reads (env RELAY_SESSION) inside the user's script."""
-    return {
-        "workdir": str(Path(workdir).resolve()), "name": spec.name, "run_id": run_id, "seed": spec.seed,
-        "budget": budget, "deadline": deadline, "max_steps": max_steps,
-        "total_steps": spec.optim.max_steps, "log_every": spec.optim.log_every_steps,
-        "resume_from": [str(Path(p).resolve()) for p in resume_from],
-        "data": str(Path(data_dir).resolve()) if data_dir else None,
-        "features": [str(Path(p).resolve()) for p in feature_dirs],
-        "save_every": spec.session.save_every, "safety_margin": spec.session.safety_margin,
-        "threads": spec.session.threads, "keep_last": spec.checkpoints.keep_last,
-        "stop_on_divergence": spec.session.stop_on_divergence,
-        "disk_budget_gb": spec.checkpoints.disk_budget_gb, "digest": spec.checkpoints.digest,
-        "tracking": spec.tracking.model_dump(), "internet": spec.kaggle.enable_internet,
-    }
-
-
-def run_entry(spec: "RunSpec", config: dict) -> dict:
-    """Run code.entry in this process with the session config in the environment; return its progress.
-
-    A script that never opens a session, or that raises (other than out-of-memory and CUDA faults, which a
-    new session may not hit), is a UserCodeError: `relay train` prints one line and exits 2, and the relay
-    stops instead of pushing the same failure again. With session.devices resolving to N > 1 it runs once per
-    rank in N processes (relay.kernel.session.api_distributed); a process already in a world (torchrun) runs here."""
-    from relay.kernel.session import api, api_distributed, distributed
-    from relay.kernel.session.run import pick_device
-
-    world_size = distributed.world_size_for(spec.session.devices, pick_device().type)
-    if world_size > 1 and api_distributed.env_world_size() == 1:
-        return api_distributed.launch_entry(spec, config, world_size)
-
-    kind, target, args = parse_entry(spec.code.entry, Path(spec.code.folder))
-    os.environ[api.ENV] = json.dumps(config)
-    opened_before = api.sessions_opened()
-    argv, cwd, path = sys.argv, os.getcwd(), list(sys.path)
-    # The entry runs as `python train.py ...` runs from its own folder: relative reads work in a session too.
-    # What a session must keep goes under session.workdir (the code folder is not a session's output).
-    os.chdir(Path(target).parent if kind == "script" else spec.code.folder)
-    try:
-        if kind == "script":
-            sys.argv = [str(target), *args]
-            sys.path.insert(0, str(Path(target).parent))
-            runpy.run_path(str(target), run_name="__main__")
-        else:
-            module, func = target.split(":")
-            getattr(importlib.import_module(module), func)()
-    except SystemExit as exit_:
-        if exit_.code not in (None, 0):
-            raise UserCodeError(f"code.entry {spec.code.entry}: exited with status {exit_.code}") from None
-    except InputError:  # the relay's own refusal (e.g. a batch the processes cannot split): its one line
-        raise
-    except Exception as err:  # noqa: BLE001 - classified: transient faults re-raise, the rest stop the relay
-        if _transient(err):
-            raise
-        traceback.print_exc()
-        raise UserCodeError(f"code.entry {spec.code.entry} raised {type(err).__name__}: {err}") from None
-    finally:
-        sys.argv, sys.path[:] = argv, path
-        os.chdir(cwd)
-        os.environ.pop(api.ENV, None)
-    if api.sessions_opened() == opened_before:
-        raise UserCodeError(f"code.entry {spec.code.entry}: ended without opening a relay session"
-                            " (call relay.open_session() and session.close(); see docs/your-code.md)")
-    api.close_open_sessions()  # a script that forgot close(): save and report for it
-    progress = Path(config["workdir"]) / "progress.json"
-    return json.loads(progress.read_text())
-
-
-def _transient(err: BaseException) -> bool:
-    text = f"{type(err).__name__}: {err}"
-    # gloo/NCCL: a collective broken because another rank failed or died, whose own error is the one to report
-    return "out of memory" in text.lower() or "CUDA" in text or "NCCL" in text or "gloo" in text

@@ -78,7 +78,7 @@ class RunSpec(_Section):
         return self
 
     def recipe_params(self) -> params_mod.RecipeParams:
-        """The built-in recipe's Params (a user recipe's are its own class: relay.kernel.recipes.params_of)."""
+        """The built-in recipe's Params (a user recipe's: relay.kernel.usercode.recipe_params)."""
         if self.recipe not in params_mod.BUILT_IN:
             raise SpecError(f"recipe: {self.recipe} is not a built-in recipe; its Params live in its own module")
         return params_mod.BUILT_IN[self.recipe].model_validate(self.params)

@@ -9,7 +9,7 @@
     session.close()                                       # final save, progress.json (done or paused)
 
 Under `relay train` (locally or in a Kaggle kernel) the session reads its settings from the RELAY_SESSION
-environment variable (relay.kernel.usercode.session_config); run by hand it trains in ./relay-run with no deadline,
+environment variable (relay.kernel.entry.session_config); run by hand it trains in ./relay-run with no deadline,
 so the same script runs on a laptop, in the emulator and on Kaggle. A SIGTERM only sets a flag; the save
 happens at the next step boundary (never inside the handler: Lightning #21406). The stop is decided from
 the measured step and save times (relay.kernel.session.budget.SessionClock), not a fixed lead.
@@ -30,9 +30,10 @@ import torch
 from relay.kernel.session import api_distributed, checkpoint, data, distributed, trace
 from relay.kernel.session.api_distributed import unwrap
 from relay.kernel.session.budget import SessionClock
+from relay.kernel.session.checkpoint import disk_besides
+from relay.kernel.session.device import pick_device, seed_everything
 from relay.kernel.session.divergence import DivergenceGuard
 from relay.kernel.session.loop import rng_state, set_rng_state
-from relay.kernel.session.run import disk_besides, pick_device, seed_everything
 from relay.kernel.session.tracking import Trackers
 from relay.shared import atomic
 from relay.shared.errors import InputError
@@ -441,7 +442,7 @@ class Session:
             save_seconds=self._record.get("save_seconds", round(self.clock.save_seconds or 0.0, 3)))
 
     def _write_progress(self, ckpt, status: str, reason: str, weights: Optional[str] = None) -> dict:
-        """progress.json in the format relay.kernel.session.run writes, so tables, plots and handoff work unchanged."""
+        """progress.json in the format relay.kernel.run writes, so tables, plots and handoff work unchanged."""
         sessions = self._book["sessions"]
         progress = {
             "status": status, "stop_reason": reason, "run_id": self.run_id, "name": self.config.get("name"),

@@ -1,6 +1,6 @@
 """The Session API with several processes: a user's loop on both GPUs of a Kaggle T4 x2 (gloo on CPU in tests).
 
-`relay train` runs the user's entry once per rank (`launch_entry`) with the torchrun environment (RANK,
+`relay train` runs the user's entry once per rank (relay.kernel.entry.launch_entry) with the torchrun environment (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so a script that sets up torch DDP itself works unchanged;
 `relay.open_session()` joins that world (`join_world`) unless the script already initialised the process
 group. The user wraps the model in torch's DistributedDataParallel as usual; the session does the rest with
@@ -15,12 +15,8 @@ relay.kernel.session.distributed's collectives, as the built-in recipes do:
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
-import sys
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -31,39 +27,6 @@ from relay.kernel.session.distributed import World
 from relay.shared.errors import InputError
 
 log = logging.getLogger(__name__)
-
-
-# -- launching the user's entry, one process per rank -----------------------------------------------------
-def launch_entry(spec, config: dict, world_size: int) -> dict:
-    """Run code.entry in `world_size` processes; return rank 0's progress. A refused input on any rank is one
-    InputError here (the CLI's one line, exit 2), and a fresh workdir that got no file is removed."""
-    workdir = Path(config["workdir"])
-    created = next((p for p in reversed([workdir, *workdir.parents]) if not p.exists()), None)
-    try:
-        distributed.launch(_entry_rank, world_size, (spec, config))
-    except InputError:
-        if created is not None and not any(p.is_file() for p in created.rglob("*")):
-            shutil.rmtree(created, ignore_errors=True)
-        raise
-    return json.loads((workdir / "progress.json").read_text())
-
-
-def _entry_rank(rank: int, world_size: int, port: int, errors, spec, config: dict) -> None:
-    """One rank (a spawned process): the torchrun environment, then the single-process entry runner."""
-    from relay.kernel import usercode
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
-    try:
-        usercode.run_entry(spec, config)
-    except InputError as err:
-        errors.put(str(err))  # the launcher raises it once, as one line
-        sys.exit(2)  # a non-zero exit makes the launcher stop ranks left waiting in a collective
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def env_world_size() -> int:

@@ -261,6 +261,16 @@ def bytes_besides(workdir: Path, checkpoints: Path) -> int:
 
 
 
+def disk_besides(workdir: Path, ckpt_root: Path, model, reason: str, exports: int = 1) -> int:
+    """What shares the output's disk budget with the checkpoints: everything else in the workdir (the cache,
+    an export, the integrations' hf-resume/ and lightning-resume/ copies, a Trainer's output folder), and at
+    the final save of a finished run the export about to be written (about the weights' size)."""
+    used = bytes_besides(workdir, ckpt_root)
+    if reason == "done" and model is not None:  # twice with export/best/ beside the final export
+        used += exports * sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return used
+
+
 def _make_room(root: Path, budget: int, keep_best_mode: Optional[str], besides: int = 0) -> None:
     """Prune oldest-first (sparing the newest valid and the best) until a new checkpoint fits."""
     note = f" (besides {size_text(besides)} of cache/export in the same output)" if besides else ""

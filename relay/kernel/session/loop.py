@@ -13,18 +13,20 @@ import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from relay.kernel.recipes.base import Recipe
 from relay.kernel.session import data, distributed, memory, stages
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.divergence import DivergenceGuard
 from relay.shared.spec import RunSpec
+
+if TYPE_CHECKING:  # the Trainer runs any Recipe; the session runtime does not import the recipes
+    from relay.kernel.recipes.base import Recipe
 
 log = logging.getLogger(__name__)
 

@@ -9,19 +9,18 @@ import copy
 import inspect
 import json
 import logging
-import os
-import random
 import shutil
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
-from relay.kernel import recipes
+from relay.kernel import usercode
 from relay.kernel.session import checkpoint, data, distributed, memory
 from relay.kernel.session.budget import SessionClock
+from relay.kernel.session.checkpoint import disk_besides
+from relay.kernel.session.device import configure_backends, pick_device, seed_everything
 from relay.kernel.session.loop import Trainer, TrainState, resolve_precision
 from relay.kernel.session.tracking import Trackers
 from relay.shared import atomic
@@ -31,26 +30,6 @@ from relay.shared.spec import RunSpec
 from relay.shared.version import code_version
 
 log = logging.getLogger(__name__)
-
-
-def pick_device() -> torch.device:
-    return torch.device(os.environ.get("RELAY_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-
-def configure_backends(spec: RunSpec, device: torch.device) -> None:
-    if spec.session.threads:
-        torch.set_num_threads(spec.session.threads)
-    if device.type == "cuda":
-        # One TF32 API only: mixing it with fp32_precision makes later reads raise (torch-offline.md).
-        torch.backends.cuda.matmul.allow_tf32 = spec.optim.tf32
-        torch.backends.cudnn.allow_tf32 = spec.optim.tf32
-        torch.backends.cudnn.benchmark = True
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 class MetricsLog:
@@ -92,7 +71,7 @@ def run_session(
     workdir = Path(workdir)
     _check_workdir(workdir)
     args = (spec, workdir, budget, deadline, resume_from, data_dir, feature_dirs, run_id)
-    fit_only = recipes.params_of(spec).fit_only
+    fit_only = usercode.recipe_params(spec).fit_only
     world_size = distributed.world_size_for(spec.session.devices, pick_device().type, fit_only)
     if fit_only and spec.session.devices == "auto":
         log.info("recipe %s is made only of fit stages: one process, whatever session.devices: auto finds",
@@ -127,16 +106,6 @@ def _session(world, started, spec, workdir, budget, deadline, resume_from, data_
         clock.restore_signal_handlers()
 
 
-def disk_besides(workdir: Path, ckpt_root: Path, model, reason: str, exports: int = 1) -> int:
-    """What shares the output's disk budget with the checkpoints: everything else in the workdir (the cache,
-    an export, the integrations' hf-resume/ and lightning-resume/ copies, a Trainer's output folder), and at
-    the final save of a finished run the export about to be written (about the weights' size)."""
-    used = checkpoint.bytes_besides(workdir, ckpt_root)
-    if reason == "done" and model is not None:  # twice with export/best/ beside the final export
-        used += exports * sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return used
-
-
 def _check_workdir(workdir: Path) -> None:
     for path in (workdir, *workdir.parents):
         if path.exists():
@@ -165,10 +134,10 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     if device.type == "cuda" and world.size > 1:
         device = torch.device("cuda", world.rank)
     configure_backends(spec, device)
-    params = recipes.params_of(spec)
+    params = usercode.recipe_params(spec)
     if data_dir is None and hasattr(params, "data_dir"):
         data_dir = Path(params.data_dir)
-    recipe = recipes.get(spec.recipe)(params, data_dir=Path(data_dir or "."),
+    recipe = usercode.recipe_class(spec.recipe)(params, data_dir=Path(data_dir or "."),
                                       cache_dirs=[workdir / "cache", *feature_dirs], seed=spec.seed)
     if not world.main:
         distributed.barrier(world)  # rank 0 fills the feature cache first; the others then read it

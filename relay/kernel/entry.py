@@ -1,0 +1,131 @@
+"""Running the user's code.entry in a session: in this process, or once per rank in N processes with the
+torchrun environment (session.devices > 1 on a T4 x2). The entry reads its session from RELAY_SESSION
+(`session_config`), opens it with relay.open_session(), and is classified when it fails: a code error stops
+the relay (UserCodeError), an out-of-memory or a broken collective is a transient fault a new session may not hit.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import runpy
+import shutil
+import sys
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from relay.kernel.session import api, api_distributed, distributed
+from relay.kernel.session.device import pick_device
+from relay.kernel.usercode import UserCodeError, parse_entry
+from relay.shared.errors import InputError
+
+if TYPE_CHECKING:
+    from relay.shared.spec import RunSpec
+
+
+# -- running an entry ---------------------------------------------------------------------------------------
+def session_config(spec: "RunSpec", workdir: Path, *, budget, deadline, max_steps, resume_from, data_dir,
+                   feature_dirs, run_id) -> dict:
+    """What `relay.open_session()` reads (env RELAY_SESSION) inside the user's script."""
+    return {
+        "workdir": str(Path(workdir).resolve()), "name": spec.name, "run_id": run_id, "seed": spec.seed,
+        "budget": budget, "deadline": deadline, "max_steps": max_steps,
+        "total_steps": spec.optim.max_steps, "log_every": spec.optim.log_every_steps,
+        "resume_from": [str(Path(p).resolve()) for p in resume_from],
+        "data": str(Path(data_dir).resolve()) if data_dir else None,
+        "features": [str(Path(p).resolve()) for p in feature_dirs],
+        "save_every": spec.session.save_every, "safety_margin": spec.session.safety_margin,
+        "threads": spec.session.threads, "keep_last": spec.checkpoints.keep_last,
+        "stop_on_divergence": spec.session.stop_on_divergence,
+        "disk_budget_gb": spec.checkpoints.disk_budget_gb, "digest": spec.checkpoints.digest,
+        "tracking": spec.tracking.model_dump(), "internet": spec.kaggle.enable_internet,
+    }
+
+
+def run_entry(spec: "RunSpec", config: dict) -> dict:
+    """Run code.entry in this process with the session config in the environment; return its progress.
+
+    A script that never opens a session, or that raises (other than out-of-memory and CUDA faults, which a
+    new session may not hit), is a UserCodeError: `relay train` prints one line and exits 2, and the relay
+    stops instead of pushing the same failure again. With session.devices resolving to N > 1 it runs once per
+    rank in N processes (launch_entry); a process already in a world (torchrun) runs here."""
+    world_size = distributed.world_size_for(spec.session.devices, pick_device().type)
+    if world_size > 1 and api_distributed.env_world_size() == 1:
+        return launch_entry(spec, config, world_size)
+
+    kind, target, args = parse_entry(spec.code.entry, Path(spec.code.folder))
+    os.environ[api.ENV] = json.dumps(config)
+    opened_before = api.sessions_opened()
+    argv, cwd, path = sys.argv, os.getcwd(), list(sys.path)
+    # The entry runs as `python train.py ...` runs from its own folder: relative reads work in a session too.
+    # What a session must keep goes under session.workdir (the code folder is not a session's output).
+    os.chdir(Path(target).parent if kind == "script" else spec.code.folder)
+    try:
+        if kind == "script":
+            sys.argv = [str(target), *args]
+            sys.path.insert(0, str(Path(target).parent))
+            runpy.run_path(str(target), run_name="__main__")
+        else:
+            module, func = target.split(":")
+            getattr(importlib.import_module(module), func)()
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            raise UserCodeError(f"code.entry {spec.code.entry}: exited with status {exit_.code}") from None
+    except InputError:  # the relay's own refusal (e.g. a batch the processes cannot split): its one line
+        raise
+    except Exception as err:  # noqa: BLE001 - classified: transient faults re-raise, the rest stop the relay
+        if _transient(err):
+            raise
+        traceback.print_exc()
+        raise UserCodeError(f"code.entry {spec.code.entry} raised {type(err).__name__}: {err}") from None
+    finally:
+        sys.argv, sys.path[:] = argv, path
+        os.chdir(cwd)
+        os.environ.pop(api.ENV, None)
+    if api.sessions_opened() == opened_before:
+        raise UserCodeError(f"code.entry {spec.code.entry}: ended without opening a relay session"
+                            " (call relay.open_session() and session.close(); see docs/your-code.md)")
+    api.close_open_sessions()  # a script that forgot close(): save and report for it
+    progress = Path(config["workdir"]) / "progress.json"
+    return json.loads(progress.read_text())
+
+
+def _transient(err: BaseException) -> bool:
+    text = f"{type(err).__name__}: {err}"
+    # gloo/NCCL: a collective broken because another rank failed or died, whose own error is the one to report
+    return "out of memory" in text.lower() or "CUDA" in text or "NCCL" in text or "gloo" in text
+
+
+# -- launching the user's entry, one process per rank -----------------------------------------------------
+def launch_entry(spec, config: dict, world_size: int) -> dict:
+    """Run code.entry in `world_size` processes; return rank 0's progress. A refused input on any rank is one
+    InputError here (the CLI's one line, exit 2), and a fresh workdir that got no file is removed."""
+    workdir = Path(config["workdir"])
+    created = next((p for p in reversed([workdir, *workdir.parents]) if not p.exists()), None)
+    try:
+        distributed.launch(_entry_rank, world_size, (spec, config))
+    except InputError:
+        if created is not None and not any(p.is_file() for p in created.rglob("*")):
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    return json.loads((workdir / "progress.json").read_text())
+
+
+def _entry_rank(rank: int, world_size: int, port: int, errors, spec, config: dict) -> None:
+    """One rank (a spawned process): the torchrun environment, then the single-process entry runner."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        run_entry(spec, config)
+    except InputError as err:
+        errors.put(str(err))  # the launcher raises it once, as one line
+        sys.exit(2)  # a non-zero exit makes the launcher stop ranks left waiting in a collective
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
