@@ -17,13 +17,12 @@ from typing import Optional, Sequence
 import torch
 
 from relay.kernel import usercode
-from relay.kernel.session import checkpoint, data, distributed, memory
+from relay.kernel.session import books, checkpoint, data, distributed, memory
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.checkpoint import disk_besides
 from relay.kernel.session.device import configure_backends, pick_device, seed_everything
 from relay.kernel.session.loop import Trainer, TrainState, resolve_precision
 from relay.kernel.session.tracking import Trackers
-from relay.shared import atomic
 from relay.shared.errors import InputError
 from relay.shared.progress_line import ProgressLines
 from relay.shared.spec import RunSpec
@@ -126,32 +125,16 @@ def _outermost_missing(path: Path) -> Optional[Path]:
 
 
 def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, world=distributed.SINGLE) -> dict:
+    """One session on this rank: prepare, restore, train until a stop, save, finish. (Longer than most
+    functions, ~90 lines, because its save closure lives beside the state it snapshots.)"""
     # Nothing is written before the inputs are validated: a data error (a missing column, a file that is
-    # not UTF-8) must leave no workdir behind. prepare() writes only its feature cache, and only on success;
-    # a later check that fails removes what this session created.
+    # not UTF-8) must leave no workdir behind; a later check that fails removes what this session created.
     created = _outermost_missing(workdir)
     device = pick_device()
     if device.type == "cuda" and world.size > 1:
         device = torch.device("cuda", world.rank)
     configure_backends(spec, device)
-    params = usercode.recipe_params(spec)
-    if data_dir is None and hasattr(params, "data_dir"):
-        data_dir = Path(params.data_dir)
-    recipe = usercode.recipe_class(spec.recipe)(params, data_dir=Path(data_dir or "."),
-                                      cache_dirs=[workdir / "cache", *feature_dirs], seed=spec.seed)
-    if not world.main:
-        distributed.barrier(world)  # rank 0 fills the feature cache first; the others then read it
-    try:
-        recipe.prepare()
-        schedule = data.StepSchedule(len(recipe.train_dataset()), spec.optim.micro_batch * spec.optim.grad_accum,
-                                     spec.seed)
-    except InputError:
-        if created is not None and world.main:
-            shutil.rmtree(created, ignore_errors=True)
-        raise
-    finally:
-        if world.main:
-            distributed.barrier(world)
+    recipe, schedule = _prepare(spec, workdir, data_dir, feature_dirs, world, created)
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt_root = workdir / "checkpoints"
 
@@ -162,30 +145,9 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     if spec.optim.activation_checkpointing and not recipe.enable_activation_checkpointing(model):
         log.warning("optim.activation_checkpointing: recipe %s has no checkpointable modules", spec.recipe)
     model.to(device)
-    # Until a save is measured: model + AdamW's two moments at a pessimistic 200 MB/s.
-    clock.estimated_save_seconds = 0.2 + 3 * sum(p.nbytes for p in model.parameters()) / 200e6
+    clock.estimated_save_seconds = books.estimated_save_seconds(sum(p.nbytes for p in model.parameters()))
 
-    try:
-        restored = checkpoint.load_resume(ckpt_root, resume_from)
-    except InputError:  # nothing valid to resume from: leave nothing behind
-        if created is not None and world.main:
-            shutil.rmtree(created, ignore_errors=True)
-        raise
-    _carry_metrics(workdir, resume_from)
-    if restored:
-        state = TrainState.from_dict(restored[1]["trainer"])
-        log.info("resuming from %s (step %d)", restored[0].path, state.global_step)
-        if state.threads != torch.get_num_threads():
-            log.warning("resuming with %d threads, saved with %d: results will not be bit-identical",
-                        torch.get_num_threads(), state.threads)
-    else:
-        micro, accum = distributed.split_batch(spec.optim.micro_batch * spec.optim.grad_accum, world.size,
-                                               spec.optim.micro_batch)
-        state = TrainState(micro_batch=micro, grad_accum=accum, world_size=world.size,
-                           precision=resolve_precision(spec.optim.precision, device))
-    state.threads = torch.get_num_threads()
-    if state.world_size != world.size:
-        _change_world(state, world.size)
+    restored, state = _restore(spec, workdir, resume_from, world, device, created)
 
     total = data.total_steps(schedule, spec.optim.epochs, spec.optim.max_steps)
     run_id = run_id or (state.sessions[-1].get("run_id") if state.sessions else None)
@@ -196,11 +158,9 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     metrics_log = MetricsLog(workdir / "metrics.jsonl" if world.main else None, len(state.sessions) + 1, lines,
                              trackers)
 
-    session = {"index": len(state.sessions) + 1, "run_id": run_id, "started": clock.started,
-               "step_start": state.global_step, "stop_reason": "running", "world_size": world.size,
-               "gpus": memory.gpu_inventory()}
+    session = books.open_record(state.sessions, run_id, clock, state.global_step, world.size,
+                                gpus=memory.gpu_inventory())
     log.info("GPUs: %d %s", session["gpus"]["count"], session["gpus"]["names"])  # what Kaggle really gave
-    state.sessions.append(session)
 
     def save(reason: str) -> None:
         """A periodic or best save commits in the background while training goes on (the previous checkpoint
@@ -255,6 +215,64 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     if not world.main:
         distributed.barrier(world)  # wait for rank 0's export: a rank tearing its group down early aborts
         return {}
+    progress = _finish(spec, workdir, recipe, model, trainer, schedule, total, reason, run_id)
+    lines.end(state.global_step, progress["status"], reason)
+    distributed.barrier(world)  # every rank leaves together (gloo aborted a rank that shut down first)
+    return progress
+
+
+def _prepare(spec, workdir: Path, data_dir, feature_dirs, world, created: Optional[Path]):
+    """The recipe and its step schedule. Nothing is written before the inputs are validated: prepare()
+    writes only its feature cache, and only on success; a refusal removes what this session created."""
+    params = usercode.recipe_params(spec)
+    if data_dir is None and hasattr(params, "data_dir"):
+        data_dir = Path(params.data_dir)
+    recipe = usercode.recipe_class(spec.recipe)(params, data_dir=Path(data_dir or "."),
+                                                cache_dirs=[workdir / "cache", *feature_dirs], seed=spec.seed)
+    if not world.main:
+        distributed.barrier(world)  # rank 0 fills the feature cache first; the others then read it
+    try:
+        recipe.prepare()
+        schedule = data.StepSchedule(len(recipe.train_dataset()), spec.optim.micro_batch * spec.optim.grad_accum,
+                                     spec.seed)
+    except InputError:
+        if created is not None and world.main:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    finally:
+        if world.main:
+            distributed.barrier(world)
+    return recipe, schedule
+
+
+def _restore(spec, workdir: Path, resume_from, world, device, created: Optional[Path]):
+    """(the loaded checkpoint or None, the trainer's state): resumed, or fresh for this world."""
+    try:
+        restored = checkpoint.load_resume(workdir / "checkpoints", resume_from)
+    except InputError:  # nothing valid to resume from: leave nothing behind
+        if created is not None and world.main:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    books.carry_metrics(workdir / "metrics.jsonl", resume_from)
+    if restored:
+        state = TrainState.from_dict(restored[1]["trainer"])
+        log.info("resuming from %s (step %d)", restored[0].path, state.global_step)
+        books.warn_if_threads_changed(state.threads)
+    else:
+        micro, accum = distributed.split_batch(spec.optim.micro_batch * spec.optim.grad_accum, world.size,
+                                               spec.optim.micro_batch)
+        state = TrainState(micro_batch=micro, grad_accum=accum, world_size=world.size,
+                           precision=resolve_precision(spec.optim.precision, device))
+    state.threads = torch.get_num_threads()
+    if state.world_size != world.size:
+        _change_world(state, world.size)
+    return restored, state
+
+
+def _finish(spec, workdir: Path, recipe, model, trainer: Trainer, schedule, total: int, reason: str,
+            run_id: Optional[str]) -> dict:
+    """Rank 0 after the last save: the export (and export/best/) when the work is done, progress.json."""
+    state, ckpt_root = trainer.state, workdir / "checkpoints"
     status = "done" if reason == "done" else "paused"
     weights = checkpoint.weights_sha256(model.state_dict())
     if status == "done":
@@ -265,11 +283,8 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
             model.load_state_dict(best)  # the final weights are saved and hashed above
             checkpoint.export_atomic(workdir / "export" / "best", lambda out: recipe.export(model, out))
     checkpoint.wait_for_deletions()
-    progress = _write_progress(workdir, spec, state, total, schedule, checkpoint.list_valid(ckpt_root)[0],
-                               status=status, reason=reason, run_id=run_id, weights=weights)
-    lines.end(state.global_step, status, reason)
-    distributed.barrier(world)  # every rank leaves together (gloo aborted a rank that shut down first)
-    return progress
+    return _write_progress(workdir, spec, state, total, schedule, checkpoint.list_valid(ckpt_root)[0],
+                           status=status, reason=reason, run_id=run_id, weights=weights)
 
 
 def _predict(recipe, model, out_dir: Path, **settings) -> None:
@@ -295,69 +310,29 @@ def _best_weights(ckpt_root: Path, state: TrainState) -> Optional[dict]:
 
 
 def _change_world(state: TrainState, world_size: int) -> None:
-    """Resume with another number of processes (T4 x2 one week, one GPU the next): keep the effective batch,
-    and say from which step the run is no longer bit-identical to an uninterrupted one."""
+    """Resumed on another number of processes: the same effective batch, split over the new world."""
     effective = state.micro_batch * state.grad_accum * state.world_size
-    why = f"world size changed from {state.world_size} to {world_size} processes"
-    log.warning("%s at step %d: the effective batch stays %d, but the run is no longer bit-identical to an"
-                " uninterrupted one", why, state.global_step, effective)
+    lost = books.world_size_change(state.world_size, world_size, state.global_step)
     state.micro_batch, state.grad_accum = distributed.split_batch(effective, world_size, state.micro_batch)
     state.world_size = world_size
-    if state.exactness_lost is None:
-        state.exactness_lost = {"step": state.global_step, "why": why}
-
-
-def _carry_metrics(workdir: Path, resume_from: Sequence[Path]) -> None:
-    """A fresh kernel workdir starts with the metrics of the sessions before it, so the published
-    metrics.jsonl always covers the whole run (the loss curve across sessions is drawn from it)."""
-    target = workdir / "metrics.jsonl"
-    if target.exists():
-        return
-    for source in resume_from:
-        if (Path(source) / "metrics.jsonl").is_file():
-            shutil.copyfile(Path(source) / "metrics.jsonl", target)
-            return
+    state.exactness_lost = state.exactness_lost or lost
 
 
 def _update_session(session: dict, trainer: Trainer, clock: SessionClock, metrics_log: MetricsLog,
                     reason: str) -> None:
-    session.update(
-        ended=time.time(), seconds=round(clock.elapsed(), 3), step_end=trainer.state.global_step,
-        samples_per_s=round(trainer.session_samples / max(1e-9, trainer.train_seconds), 2),
+    books.update_record(
+        session, clock, trainer.state.global_step, reason,
+        round(trainer.session_samples / max(1e-9, trainer.train_seconds), 2), trainer.diverged,
         peak_mem_mb=round(trainer.monitor.peak_mb() or trainer.monitor.sample()["rss_mb"], 1),
-        loss_end=metrics_log.last_train_loss,
-        stop_reason=reason if reason in ("budget", "steps", "sigterm", "done", "diverged") else "running",
-        **({"diverged": trainer.diverged} if trainer.diverged else {}),
-        # this save's own time is known only after it; the checkpoint carries the last measured one
-        save_seconds=session.get("save_seconds", round(clock.save_seconds or 0.0, 3)),
-    )
+        loss_end=metrics_log.last_train_loss)
 
 
 def _write_progress(workdir: Path, spec: RunSpec, state: TrainState, total: int, schedule, ckpt, *,
                     status: str, reason: str, run_id: Optional[str], weights: Optional[str] = None) -> dict:
-    progress = {
-        "status": status,
-        "stop_reason": reason,
-        "run_id": run_id,
-        "name": spec.name,
-        "code_version": code_version(),
-        "global_step": state.global_step,
-        "total_steps": total,
-        "epoch": schedule.epoch_of(max(0, state.global_step - 1)),
-        "steps_per_epoch": schedule.steps_per_epoch,
-        "metrics": state.last_eval,
-        "best": state.best,
-        "micro_batch": state.micro_batch,
-        "grad_accum": state.grad_accum,
-        "precision": state.precision,
-        "world_size": state.world_size,
-        "exactness_lost": state.exactness_lost,
-        "memory_rungs": state.memory_rungs,
-        "tracking": state.tracking,
-        "checkpoint": str(ckpt.path.relative_to(workdir)) if ckpt.path.is_relative_to(workdir) else str(ckpt.path),
-        "weights_sha256": weights,
-        "sessions": state.sessions,
-        "total_seconds": round(sum(s.get("seconds", 0.0) for s in state.sessions), 3),
-    }
-    atomic.write_json(workdir / "progress.json", progress)
-    return progress
+    return books.write_progress(
+        workdir, ckpt, status=status, reason=reason, run_id=run_id, name=spec.name, step=state.global_step,
+        total=total, epoch=schedule.epoch_of(max(0, state.global_step - 1)),
+        steps_per_epoch=schedule.steps_per_epoch, metrics=state.last_eval, best=state.best,
+        micro_batch=state.micro_batch, grad_accum=state.grad_accum, precision=state.precision,
+        world_size=state.world_size, exactness_lost=state.exactness_lost, tracking=state.tracking,
+        sessions=state.sessions, weights=weights, memory_rungs=state.memory_rungs)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from relay.kernel.session import api_distributed, checkpoint, data, distributed, trace
+from relay.kernel.session import api_distributed, books, checkpoint, data, distributed, trace
 from relay.kernel.session.api_distributed import unwrap
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.checkpoint import disk_besides
@@ -35,7 +34,6 @@ from relay.kernel.session.device import pick_device, seed_everything
 from relay.kernel.session.divergence import DivergenceGuard
 from relay.kernel.session.loop import rng_state, set_rng_state
 from relay.kernel.session.tracking import Trackers
-from relay.shared import atomic
 from relay.shared.errors import InputError
 from relay.shared.progress_line import ProgressLines
 from relay.shared.version import code_version
@@ -158,7 +156,7 @@ class Session:
                                            [Path(p) for p in self.config["resume_from"]])
         resumed = restored is not None
         if self.world.main:
-            self._carry_metrics()
+            books.carry_metrics(self._metrics, [Path(p) for p in self.config["resume_from"]])
         if restored:
             ckpt, state = restored
             saved, here = set(state["objects"]), set(self.objects)
@@ -176,9 +174,7 @@ class Session:
                 set_rng_state(rngs[self.world.rank], self._device())
             else:  # a rank the saving session did not have (the world grew): exactness is lost already
                 seed_everything(distributed.rank_seed(int(self.config["seed"]) + self.step, self.world.rank))
-            if self._book.get("threads") not in (None, torch.get_num_threads()):
-                log.warning("resuming with %d threads, saved with %s: results will not be bit-identical",
-                            torch.get_num_threads(), self._book.get("threads"))
+            books.warn_if_threads_changed(self._book.get("threads"))
             log.info("resumed from %s (step %d)", ckpt.path, self.step)
             del restored, state
         elif self.world.rank:  # the same initial weights on every rank (seeded alike), then each its own RNG
@@ -186,14 +182,12 @@ class Session:
         self._check_world_size()
         model_bytes = sum(p.nbytes for o in self.objects.values() if isinstance(o, torch.nn.Module)
                           for p in o.parameters())
-        self.clock.estimated_save_seconds = 0.2 + 3 * model_bytes / 200e6  # until a save is measured
+        self.clock.estimated_save_seconds = books.estimated_save_seconds(model_bytes)
         sessions = self._book["sessions"]
         self.run_id = self.run_id or (sessions[-1].get("run_id") if sessions else None)
-        self._record = {"index": len(sessions) + 1, "run_id": self.run_id, "started": self.clock.started,
-                        "step_start": self.step, "stop_reason": "running", "world_size": self.world.size}
+        self._record = books.open_record(sessions, self.run_id, self.clock, self.step, self.world.size)
         self._progress = ProgressLines(self._record["index"], self.step, self.total_steps, self.clock.remaining,
                                        run_id=self.run_id)
-        sessions.append(self._record)
         self.trackers.start(self.step, self._book.setdefault("tracking", {}),
                             [Path(p) for p in self.config["resume_from"]], name=self.config.get("name"),
                             current_step=lambda: self.step)
@@ -205,12 +199,9 @@ class Session:
     def _check_world_size(self) -> None:
         """Resumed with another number of processes: the effective batch (what batches() is given) is kept;
         progress.json says from which step the run is no longer bit-identical to an uninterrupted one."""
-        saved = int(self._book.get("world_size") or 1)
-        if "global_step" in self._book and saved != self.world.size:
-            why = f"world size changed from {saved} to {self.world.size} processes"
-            log.warning("%s at step %d: the effective batch is kept, but the run is no longer bit-identical to"
-                        " an uninterrupted one", why, self.step)
-            self._book["exactness_lost"] = self._book.get("exactness_lost") or {"step": self.step, "why": why}
+        if "global_step" in self._book:
+            lost = books.world_size_change(int(self._book.get("world_size") or 1), self.world.size, self.step)
+            self._book["exactness_lost"] = self._book.get("exactness_lost") or lost
         self._book["world_size"] = self.world.size
 
     # -- data -------------------------------------------------------------------------------------------
@@ -423,43 +414,21 @@ class Session:
         return p.device if p is not None else torch.device("cpu")
 
 
-    def _carry_metrics(self) -> None:
-        """A fresh kernel workdir starts with the run's metrics so far (the loss curve spans all sessions)."""
-        if self._metrics.exists():
-            return
-        for source in self.config["resume_from"]:
-            if (Path(source) / "metrics.jsonl").is_file():
-                shutil.copyfile(Path(source) / "metrics.jsonl", self._metrics)
-                return
-
     def _update_record(self, reason: str) -> None:
-        self._record.update(
-            ended=time.time(), seconds=round(self.clock.elapsed(), 3), step_end=self.step,
-            samples_per_s=(round(self._session_samples / max(1e-9, self._train_seconds), 2)
-                           if self._session_samples else None),  # unknown without batches() or samples=
-            stop_reason=reason if reason in ("budget", "steps", "sigterm", "done", "diverged") else "running",
-            **({"diverged": self.diverged} if self.diverged else {}),
-            save_seconds=self._record.get("save_seconds", round(self.clock.save_seconds or 0.0, 3)))
+        speed = (round(self._session_samples / max(1e-9, self._train_seconds), 2)
+                 if self._session_samples else None)  # unknown without batches() or samples=
+        books.update_record(self._record, self.clock, self.step, reason, speed, self.diverged)
 
     def _write_progress(self, ckpt, status: str, reason: str, weights: Optional[str] = None) -> dict:
-        """progress.json in the format relay.kernel.run writes, so tables, plots and handoff work unchanged."""
-        sessions = self._book["sessions"]
-        progress = {
-            "status": status, "stop_reason": reason, "run_id": self.run_id, "name": self.config.get("name"),
-            "code_version": code_version(), "global_step": self.step, "total_steps": self.total_steps,
-            "epoch": self.epoch,
-            "steps_per_epoch": self._schedule.steps_per_epoch if self._schedule else None,
-            "metrics": self._book.get("last_eval") or {}, "best": self._book.get("best"),
-            "micro_batch": self._schedule.effective_batch // self.world.size if self._schedule else None,
-            "grad_accum": 1, "precision": None,
-            "world_size": self.world.size, "exactness_lost": self._book.get("exactness_lost"),
-            "checkpoint": (str(ckpt.path.relative_to(self.workdir)) if ckpt.path.is_relative_to(self.workdir)
-                           else str(ckpt.path)),
-            "weights_sha256": weights, "sessions": sessions, "tracking": self._book.get("tracking"),
-            "total_seconds": round(sum(s.get("seconds", 0.0) for s in sessions), 3),
-        }
-        atomic.write_json(self.workdir / "progress.json", progress)
-        return progress
+        schedule = self._schedule
+        return books.write_progress(
+            self.workdir, ckpt, status=status, reason=reason, run_id=self.run_id, name=self.config.get("name"),
+            step=self.step, total=self.total_steps, epoch=self.epoch,
+            steps_per_epoch=schedule.steps_per_epoch if schedule else None,
+            metrics=self._book.get("last_eval") or {}, best=self._book.get("best"),
+            micro_batch=schedule.effective_batch // self.world.size if schedule else None, grad_accum=1,
+            precision=None, world_size=self.world.size, exactness_lost=self._book.get("exactness_lost"),
+            tracking=self._book.get("tracking"), sessions=self._book["sessions"], weights=weights)
 
 
 class RunBatchSampler(torch.utils.data.Sampler):
