@@ -23,10 +23,12 @@ from typing import Any, Iterator, Optional
 import yaml
 
 from relay.kernel.session import trace
+from relay.shared import environment
+from relay.shared.environment import SessionEnvironment
 from relay.shared.errors import InputError
 from relay.shared.version import PACKAGE_DIR
 
-KILL_MARKER_ENV = "RELAY_VERIFY_KILL_MARKER"
+KILL_MARKER_ENV = environment.KILL_MARKER
 # per-session records (times, speeds); HF log_history: the loss it logs averages the steps since the last log
 # in this process, so a resume inside a logging window logs a different mean (training state is unaffected)
 _IGNORED_KEYS = {"sessions", "log_history"}
@@ -157,7 +159,7 @@ def _train(spec: Path, workdir: Path, max_steps: int, timeout: float, kill_marke
 def _child() -> None:
     """Entry of verify-resume's sessions: `relay` itself, with a hook that, when armed, stops the first save
     right after its state file is written (before the manifest) and waits there for the SIGKILL."""
-    marker = os.environ.get(KILL_MARKER_ENV)
+    marker = SessionEnvironment.read().kill_marker
     if marker:
         from relay.kernel.session import distributed
 
@@ -194,7 +196,7 @@ def _arm_kill_hook(marker: str) -> None:
 
 def _armed_rank(rank: int, world_size: int, port: int, errors, worker, *args) -> None:
     """A spawned rank of an armed session: the kill hook in this process too, then the rank's own work."""
-    _arm_kill_hook(os.environ[KILL_MARKER_ENV])
+    _arm_kill_hook(SessionEnvironment.read().kill_marker)
     worker(rank, world_size, port, errors, *args)
 
 

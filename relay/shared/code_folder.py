@@ -6,8 +6,10 @@ from __future__ import annotations
 import fnmatch
 import os
 from pathlib import Path
+from relay.shared import environment
+from relay.shared.environment import SessionEnvironment
 
-CODE_DIR_ENV = "RELAY_CODE_DIR"  # set by the session kernel: where it unpacked the user's folder
+CODE_DIR_ENV = environment.CODE_DIR  # set by the session kernel: where it unpacked the user's folder
 # The folder travels base64 inside the kernel source (one SaveKernel call ships code, spec and run id
 # atomically; see relay/orchestrator/kaggle/kernel_source.py). Kaggle documents no limit on that text, so we keep it
 # to what a script reasonably is: past 2 MB the folder holds data or weights, which belong in a dataset
@@ -18,8 +20,9 @@ _ALWAYS_EXCLUDED = ("__pycache__", "*.pyc", ".*", "relay-run", "*.egg-info")
 
 def resolve_folder(spec_path: Path, folder: str) -> Path:
     """code.folder, relative to the spec file; inside a kernel, where the kernel unpacked it."""
-    if os.environ.get(CODE_DIR_ENV):
-        return Path(os.environ[CODE_DIR_ENV])
+    unpacked = SessionEnvironment.read().code_dir
+    if unpacked is not None:
+        return unpacked
     return (Path(spec_path).resolve().parent / folder).resolve()
 
 

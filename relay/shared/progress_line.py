@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from typing import Any, Callable, Optional
+from relay.shared.environment import SessionEnvironment
 
 PREFIX = "relay-progress "
 _KEYS = ("step", "kind", "loss", "lr", "samples_per_s", "micro_batch", "grad_accum", "stage", "epoch",
@@ -25,7 +25,7 @@ class ProgressLines:
                  write: Callable[[str], Any] = None, run_id: Optional[str] = None):
         self.base = {"run_id": run_id, "session": session, "step_start": step_start, "total_steps": total_steps}
         self.time_left = time_left
-        self.every_s = float(os.environ.get("RELAY_PROGRESS_EVERY", 30)) if every_s is None else every_s
+        self.every_s = SessionEnvironment.read().progress_every_s if every_s is None else every_s
         self._write = write or (lambda line: print(line, file=sys.stdout, flush=True))
         self._last = -math.inf
         self._stage: Optional[str] = None

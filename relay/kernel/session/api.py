@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -34,13 +33,15 @@ from relay.kernel.session.device import pick_device, seed_everything
 from relay.kernel.session.divergence import DivergenceGuard
 from relay.kernel.session.loop import rng_state, set_rng_state
 from relay.kernel.session.tracking import Trackers
+from relay.shared import environment
+from relay.shared.environment import SessionEnvironment
 from relay.shared.errors import InputError
 from relay.shared.progress_line import ProgressLines
 from relay.shared.version import code_version
 
 log = logging.getLogger(__name__)
 
-ENV = "RELAY_SESSION"
+ENV = environment.SESSION
 _opened: list["Session"] = []
 
 
@@ -64,8 +65,9 @@ def open_session(total_steps: Optional[int] = None, *, workdir: Optional[str] = 
     config = {"workdir": workdir or "relay-run", "total_steps": total_steps, "seed": seed,
               "log_every": log_every, "save_every": save_every, "safety_margin": 60.0, "keep_last": 2,
               "disk_budget_gb": 20.0, "digest": "crc32", "resume_from": [], "features": [], **overrides}
-    if os.environ.get(ENV):
-        relayed = {k: v for k, v in json.loads(os.environ[ENV]).items() if v is not None}
+    relayed_config = SessionEnvironment.read().session
+    if relayed_config:
+        relayed = {k: v for k, v in relayed_config.items() if v is not None}
         if total_steps is not None and relayed.get("total_steps") not in (None, total_steps):
             log.warning("open_session(total_steps=%d): the spec's optim.max_steps (%d) wins",
                         total_steps, relayed["total_steps"])

@@ -16,7 +16,6 @@ relay.kernel.session.distributed's collectives, as the built-in recipes do:
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Optional
 
 import torch
@@ -24,13 +23,14 @@ import torch.distributed as dist
 
 from relay.kernel.session import distributed
 from relay.kernel.session.distributed import World
+from relay.shared.environment import SessionEnvironment
 from relay.shared.errors import InputError
 
 log = logging.getLogger(__name__)
 
 
 def env_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE") or 1)
+    return SessionEnvironment.read().world_size
 
 
 # -- inside the session --------------------------------------------------------------------------------
@@ -41,7 +41,7 @@ def join_world(device: torch.device) -> tuple[World, torch.device]:
     if size <= 1:
         return distributed.SINGLE, device
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK") or 0))
+        device = torch.device("cuda", SessionEnvironment.read().local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from relay.shared import atomic
+from relay.shared.environment import SessionEnvironment
 from relay.shared.errors import InputError
 from relay.shared.manifest import (DIGESTS, FORMAT, MANIFEST, NAME, STATE_FILE, Checkpoint, Checksum,  # noqa: F401 (re-exported)
                                      digest_of, file_digest, find_checkpoints, list_valid, read_manifest, seq_of,
@@ -201,9 +202,9 @@ _last_saved_step: Optional[int] = None
 
 def _test_stop_mid_save(step: int) -> None:
     global _last_saved_step
-    at = os.environ.get("RELAY_TEST_STOP_MID_SAVE")
+    at = SessionEnvironment.read().stop_mid_save_at
     previous, _last_saved_step = _last_saved_step, step
-    if at and previous is not None and previous < int(at) <= step:
+    if at is not None and previous is not None and previous < at <= step:
         # Directed at this thread (the commit may run on one): it stops before its next instruction. A SIGSTOP
         # sent to the process is taken by the main thread, and this one could still rename in the meantime.
         signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)

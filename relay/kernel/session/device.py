@@ -2,17 +2,17 @@
 one), threads and TF32, and the seeds. The built-in runner and the Session API both start here."""
 from __future__ import annotations
 
-import os
 import random
 
 import numpy as np
 import torch
 
+from relay.shared.environment import SessionEnvironment
 from relay.shared.spec import RunSpec
 
 
 def pick_device() -> torch.device:
-    return torch.device(os.environ.get("RELAY_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return torch.device(SessionEnvironment.read().device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def configure_backends(spec: RunSpec, device: torch.device) -> None:

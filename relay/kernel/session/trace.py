@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Optional
+from relay.shared import environment
+from relay.shared.environment import SessionEnvironment
 
-ENV = "RELAY_TRACE"
+ENV = environment.TRACE
 
 
 def digest(value: Any) -> str:
@@ -57,7 +58,8 @@ class StepTrace:
 
     @classmethod
     def from_env(cls) -> Optional["StepTrace"]:
-        return cls(Path(os.environ[ENV])) if os.environ.get(ENV) else None
+        path = SessionEnvironment.read().trace
+        return cls(path) if path else None
 
     def start(self, session, resumed: bool) -> None:
         """After restore(): the state the session's first step starts from."""

@@ -24,6 +24,7 @@ import secrets
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
+from relay.shared.environment import SessionEnvironment
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ def _new_run_id() -> str:
 def _online_key(label: str) -> bool:
     """The W&B key for an online session: WANDB_API_KEY already set, or Kaggle's secret store (the secret
     attached to the notebook); kept in this process's environment only, never written."""
-    if os.environ.get("WANDB_API_KEY"):
+    if SessionEnvironment.read().wandb_api_key:
         return True
     try:
         from kaggle_secrets import UserSecretsClient  # only in Kaggle's image
