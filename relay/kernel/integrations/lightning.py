@@ -26,7 +26,7 @@ import torch
 from relay.kernel.integrations.hf import CheckpointFolder
 from relay.kernel.session.api import Session
 from relay.kernel.session.api_distributed import single_process
-from relay.kernel.session.loop import rng_state, set_rng_state
+from relay.kernel.session.rng import rng_state, set_rng_state
 from relay.shared.errors import InputError
 
 CKPT_NAME = "lightning.ckpt"

@@ -31,7 +31,7 @@ from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.checkpoint import disk_besides
 from relay.kernel.session.device import pick_device, seed_everything
 from relay.kernel.session.divergence import DivergenceGuard
-from relay.kernel.session.loop import rng_state, set_rng_state
+from relay.kernel.session.rng import rng_state, set_rng_state
 from relay.kernel.session.tracking import Trackers
 from relay.shared import environment
 from relay.shared.environment import SessionEnvironment

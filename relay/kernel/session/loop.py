@@ -4,18 +4,21 @@ Everything that changes during training is either in `TrainState` (saved as plai
 `state.global_step` (data position, epoch, learning rate), so a checkpoint taken at any optimizer-step
 boundary resumes bit-identically: the same model, optimizer, scheduler, scaler and RNG states, the same
 next batch. Saves happen only at optimizer-step boundaries, so no half-accumulated gradient is ever lost.
+
+Longer than the rest (~560 lines, the Trainer ~430): one class because its methods share one step's state
+(the batch position, the scaler, the stage, the OOM rung), and splitting it would pass that state around.
+The books both session paths keep (progress.json, the session record) are in session/books.py, the RNG
+capture in session/rng.py.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -23,6 +26,7 @@ from tqdm.auto import tqdm
 from relay.kernel.session import data, distributed, memory, stages
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.divergence import DivergenceGuard
+from relay.kernel.session.rng import rng_state, set_rng_state
 from relay.shared.spec import RunSpec
 
 if TYPE_CHECKING:  # the Trainer runs any Recipe; the session runtime does not import the recipes
@@ -69,35 +73,6 @@ def resolve_precision(requested: str, device: torch.device) -> str:
         log.warning("optim.precision: fp16 needs CUDA; training in fp32 on %s", device)
     # bf16 autocast runs on CPU (slowly, ~10x here), so it is honoured only when asked for by name.
     return "bf16" if requested == "bf16" else "fp32"
-
-
-def rng_state(device: torch.device) -> dict:
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": _python_rng_to_plain(random.getstate()),
-        "numpy": _numpy_rng_to_plain(np.random.get_state()),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _python_rng_to_plain(s: tuple) -> list:
-    return [s[0], list(s[1]), s[2]]
-
-
-def _numpy_rng_to_plain(s: tuple) -> list:
-    # np.random.get_state() holds an ndarray, which torch.load(weights_only=True) refuses.
-    return [s[0], torch.from_numpy(s[1].astype(np.int64)), int(s[2]), int(s[3]), float(s[4])]
 
 
 def lr_lambda(schedule: str, warmup: int, total: int) -> Callable[[int], float]:

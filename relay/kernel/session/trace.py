@@ -85,7 +85,7 @@ class StepTrace:
 
     def _capture(self, session) -> None:
         from relay.kernel.session.api_distributed import unwrap
-        from relay.kernel.session.loop import rng_state
+        from relay.kernel.session.rng import rng_state
 
         self._start = {"objects": {n: digest(unwrap(o).state_dict()) for n, o in session.objects.items()},
                        "rng": digest(rng_state(session._device()))}
