@@ -3,7 +3,7 @@
 The relay package is embedded base64 in the script rather than attached as a dataset: one SaveKernel call
 ships code and run spec atomically (no extra dataset version to publish and wait for, no race between a code
 dataset and the kernel), GetKernel returns exactly the code that ran, and the run id marker used to make
-pushes idempotent lives in the same text. The bundle is small (the package's .py files, deflated).
+pushes idempotent lives in the same text. The bundle is small (the kernel side's .py files, deflated).
 The script needs no internet: it extracts the bundle outside the working folder (so it is not output),
 records the code version and run id in relay-kernel.json, and runs `python -m relay train`, forwarding SIGTERM.
 """
