@@ -19,39 +19,13 @@ import torch
 from relay.kernel import usercode
 from relay.kernel.session import books, checkpoint, data, distributed, memory
 from relay.kernel.session.budget import SessionClock
-from relay.kernel.session.checkpoint import disk_besides
+from relay.kernel.session.core import SessionCore
 from relay.kernel.session.device import configure_backends, pick_device, seed_everything
 from relay.kernel.session.loop import Trainer, TrainState, resolve_precision
-from relay.kernel.session.tracking import Trackers
 from relay.shared.errors import InputError
-from relay.shared.progress_line import ProgressLines
 from relay.shared.spec import RunSpec
-from relay.shared.version import code_version
 
 log = logging.getLogger(__name__)
-
-
-class MetricsLog:
-    """metrics.jsonl: one line per record, appended and flushed so a kill loses at most one line.
-    Without a path (ranks other than 0) it only keeps the last training loss."""
-
-    def __init__(self, path: Optional[Path], session: int, progress: Optional[ProgressLines] = None,
-                 trackers: Optional[Trackers] = None):
-        self.path, self.session, self.progress, self.trackers = path, session, progress, trackers
-        self.last_train_loss: Optional[float] = None
-
-    def __call__(self, record: dict) -> None:
-        record = {"session": self.session, "time": round(time.time(), 3), **record}
-        if record.get("kind") == "train":
-            self.last_train_loss = record.get("loss")
-        if self.path is None:
-            return
-        if self.progress is not None:
-            self.progress(record)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.trackers is not None:
-            self.trackers.log(record)
 
 
 def run_session(
@@ -126,7 +100,7 @@ def _outermost_missing(path: Path) -> Optional[Path]:
 
 def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, world=distributed.SINGLE) -> dict:
     """One session on this rank: prepare, restore, train until a stop, save, finish. (Longer than most
-    functions, ~90 lines, because its save closure lives beside the state it snapshots.)"""
+    functions, ~75 lines, because its save closure lives beside the state it snapshots.)"""
     # Nothing is written before the inputs are validated: a data error (a missing column, a file that is
     # not UTF-8) must leave no workdir behind; a later check that fails removes what this session created.
     created = _outermost_missing(workdir)
@@ -136,7 +110,6 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     configure_backends(spec, device)
     recipe, schedule = _prepare(spec, workdir, data_dir, feature_dirs, world, created)
     workdir.mkdir(parents=True, exist_ok=True)
-    ckpt_root = workdir / "checkpoints"
 
     seed_everything(spec.seed)
     model = recipe.build_model()  # the same initial weights on every rank
@@ -147,57 +120,30 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     model.to(device)
     clock.estimated_save_seconds = books.estimated_save_seconds(sum(p.nbytes for p in model.parameters()))
 
-    restored, state = _restore(spec, workdir, resume_from, world, device, created)
-
     total = data.total_steps(schedule, spec.optim.epochs, spec.optim.max_steps)
-    run_id = run_id or (state.sessions[-1].get("run_id") if state.sessions else None)
-    lines = ProgressLines(len(state.sessions) + 1, state.global_step, total, clock.remaining, run_id=run_id)
-    trackers = Trackers(spec.tracking.model_dump(), workdir, main=world.main, internet=spec.kaggle.enable_internet)
-    trackers.start(state.global_step, state.tracking, resume_from, name=spec.name,
-                   current_step=lambda: state.global_step)
-    metrics_log = MetricsLog(workdir / "metrics.jsonl" if world.main else None, len(state.sessions) + 1, lines,
-                             trackers)
-
-    session = books.open_record(state.sessions, run_id, clock, state.global_step, world.size,
-                                gpus=memory.gpu_inventory())
+    core = SessionCore(workdir, clock, world, total_steps=total, name=spec.name, run_id=run_id,
+                       resume_from=resume_from, checkpoints=spec.checkpoints.model_dump(), tracking=spec.tracking.model_dump(), internet=spec.kaggle.enable_internet)
+    restored, state = _restore(core, spec, world, device, created)
+    session = core.open(state.sessions, state.global_step, state.tracking, current_step=lambda: state.global_step,
+                        gpus=memory.gpu_inventory())
     log.info("GPUs: %d %s", session["gpus"]["count"], session["gpus"]["names"])  # what Kaggle really gave
 
     def save(reason: str) -> None:
-        """A periodic or best save commits in the background while training goes on (the previous checkpoint
-        stays the newest valid one until then); the session's last save is waited for."""
+        """Periodic and best saves commit in the background while training goes on; the last is waited for."""
         t0 = time.perf_counter()
-        _update_session(session, trainer, clock, metrics_log, reason)
+        core.update_record(state.global_step, reason, trainer.samples_per_s(), trainer.diverged,
+                           peak_mem_mb=round(trainer.monitor.peak_mb() or trainer.monitor.sample()["rss_mb"], 1))
         resume_state = trainer.state_dict()  # every rank takes part (RNG is gathered); rank 0 writes
-        if not world.main:
-            distributed.barrier(world)
-            return
-        background = reason in ("periodic", "best")  # the session's last save is waited for
-        trackers.flush()  # what this checkpoint covers is on disk before it commits
         keep_best = spec.checkpoints.keep_best and trainer.track_best  # not with several stages (Trainer)
-        snapshot = copy.deepcopy(state)  # training changes `state` while the commit runs
-
-        def committed(ckpt: checkpoint.Checkpoint) -> None:
-            seconds = time.perf_counter() - t0  # to the commit: what the session's last save will cost
-            clock.record_save(seconds)
-            session["save_seconds"] = round(seconds, 3)
-            _write_progress(workdir, spec, snapshot, total, schedule, ckpt, status="paused", reason=reason,
-                            run_id=run_id)
-
-        pending = checkpoint.start_save(
-            ckpt_root, resume_state, step=state.global_step,
-            meta={"run_id": run_id, "code_version": code_version(), "reason": reason,
-                  "epoch": schedule.epoch_of(max(0, state.global_step - 1)), "best": state.best},
-            disk_budget_bytes=int(spec.checkpoints.disk_budget_gb * 1e9), keep_last=spec.checkpoints.keep_last,
-            keep_best_mode=recipe.metric_mode if keep_best else None, digest=spec.checkpoints.digest,
-            besides_bytes=disk_besides(workdir, ckpt_root, model, reason, exports=1 + keep_best),
-            background=background, on_commit=committed)
-        del resume_state
-        if not background:
-            pending.result()
-        distributed.barrier(world)
+        core.save(resume_state, reason, step=state.global_step, started=t0,
+                  meta={"epoch": schedule.epoch_of(max(0, state.global_step - 1)), "best": state.best},
+                  # a snapshot: training changes `state` while a background commit runs
+                  progress=_progress_fields(copy.deepcopy(state), schedule), model=model,
+                  background=reason in ("periodic", "best"), keep_best_mode=recipe.metric_mode if keep_best else None,
+                  exports=1 + keep_best)
 
     trainer = Trainer(spec, recipe, model, device, clock, state, total_steps=total, schedule=schedule,
-                      log_metrics=metrics_log, save=save, world=world)
+                      log_metrics=core.log, save=save, world=world)
     if restored:
         trainer.load_state_dict(restored[1])
         del restored  # free the loaded copy before training (seed 002's "load to CPU, then del")
@@ -211,12 +157,11 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
         reason = trainer.fit()
         trainer.save(reason)
     finally:
-        trackers.close()
+        core.close()
     if not world.main:
         distributed.barrier(world)  # wait for rank 0's export: a rank tearing its group down early aborts
         return {}
-    progress = _finish(spec, workdir, recipe, model, trainer, schedule, total, reason, run_id)
-    lines.end(state.global_step, progress["status"], reason)
+    progress = _finish(core, spec, recipe, model, trainer, schedule, reason)
     distributed.barrier(world)  # every rank leaves together (gloo aborted a rank that shut down first)
     return progress
 
@@ -245,15 +190,14 @@ def _prepare(spec, workdir: Path, data_dir, feature_dirs, world, created: Option
     return recipe, schedule
 
 
-def _restore(spec, workdir: Path, resume_from, world, device, created: Optional[Path]):
+def _restore(core: SessionCore, spec, world, device, created: Optional[Path]):
     """(the loaded checkpoint or None, the trainer's state): resumed, or fresh for this world."""
     try:
-        restored = checkpoint.load_resume(workdir / "checkpoints", resume_from)
+        restored = core.load()
     except InputError:  # nothing valid to resume from: leave nothing behind
         if created is not None and world.main:
             shutil.rmtree(created, ignore_errors=True)
         raise
-    books.carry_metrics(workdir / "metrics.jsonl", resume_from)
     if restored:
         state = TrainState.from_dict(restored[1]["trainer"])
         log.info("resuming from %s (step %d)", restored[0].path, state.global_step)
@@ -269,10 +213,9 @@ def _restore(spec, workdir: Path, resume_from, world, device, created: Optional[
     return restored, state
 
 
-def _finish(spec, workdir: Path, recipe, model, trainer: Trainer, schedule, total: int, reason: str,
-            run_id: Optional[str]) -> dict:
+def _finish(core: SessionCore, spec, recipe, model, trainer: Trainer, schedule, reason: str) -> dict:
     """Rank 0 after the last save: the export (and export/best/) when the work is done, progress.json."""
-    state, ckpt_root = trainer.state, workdir / "checkpoints"
+    state, workdir, ckpt_root = trainer.state, core.workdir, core.ckpt_root
     status = "done" if reason == "done" else "paused"
     weights = checkpoint.weights_sha256(model.state_dict())
     if status == "done":
@@ -282,9 +225,7 @@ def _finish(spec, workdir: Path, recipe, model, trainer: Trainer, schedule, tota
         if best is not None:  # export/ stays the final weights (weights_sha256); export/best/ the best-metric ones
             model.load_state_dict(best)  # the final weights are saved and hashed above
             checkpoint.export_atomic(workdir / "export" / "best", lambda out: recipe.export(model, out))
-    checkpoint.wait_for_deletions()
-    return _write_progress(workdir, spec, state, total, schedule, checkpoint.list_valid(ckpt_root)[0],
-                           status=status, reason=reason, run_id=run_id, weights=weights)
+    return core.finish(status, reason, _progress_fields(state, schedule), weights)
 
 
 def _predict(recipe, model, out_dir: Path, **settings) -> None:
@@ -318,21 +259,10 @@ def _change_world(state: TrainState, world_size: int) -> None:
     state.exactness_lost = state.exactness_lost or lost
 
 
-def _update_session(session: dict, trainer: Trainer, clock: SessionClock, metrics_log: MetricsLog,
-                    reason: str) -> None:
-    books.update_record(
-        session, clock, trainer.state.global_step, reason,
-        round(trainer.session_samples / max(1e-9, trainer.train_seconds), 2), trainer.diverged,
-        peak_mem_mb=round(trainer.monitor.peak_mb() or trainer.monitor.sample()["rss_mb"], 1),
-        loss_end=metrics_log.last_train_loss)
-
-
-def _write_progress(workdir: Path, spec: RunSpec, state: TrainState, total: int, schedule, ckpt, *,
-                    status: str, reason: str, run_id: Optional[str], weights: Optional[str] = None) -> dict:
-    return books.write_progress(
-        workdir, ckpt, status=status, reason=reason, run_id=run_id, name=spec.name, step=state.global_step,
-        total=total, epoch=schedule.epoch_of(max(0, state.global_step - 1)),
-        steps_per_epoch=schedule.steps_per_epoch, metrics=state.last_eval, best=state.best,
-        micro_batch=state.micro_batch, grad_accum=state.grad_accum, precision=state.precision,
-        world_size=state.world_size, exactness_lost=state.exactness_lost, tracking=state.tracking,
-        sessions=state.sessions, weights=weights, memory_rungs=state.memory_rungs)
+def _progress_fields(state: TrainState, schedule: data.StepSchedule) -> dict:
+    """What progress.json says of this run besides the checkpoint (SessionCore.write_progress)."""
+    return dict(step=state.global_step, epoch=schedule.epoch_of(max(0, state.global_step - 1)),
+                steps_per_epoch=schedule.steps_per_epoch, metrics=state.last_eval, best=state.best,
+                micro_batch=state.micro_batch, grad_accum=state.grad_accum, precision=state.precision,
+                world_size=state.world_size, exactness_lost=state.exactness_lost, tracking=state.tracking,
+                sessions=state.sessions, memory_rungs=state.memory_rungs)

@@ -26,18 +26,15 @@ from typing import Any, Iterator, Optional
 import torch
 
 from relay.kernel.session import api_distributed, books, checkpoint, data, distributed, trace
+from relay.kernel.session.core import SessionCore
 from relay.kernel.session.api_distributed import unwrap
 from relay.kernel.session.budget import SessionClock
-from relay.kernel.session.checkpoint import disk_besides
 from relay.kernel.session.device import pick_device, seed_everything
 from relay.kernel.session.divergence import DivergenceGuard
 from relay.kernel.session.rng import rng_state, set_rng_state
-from relay.kernel.session.tracking import Trackers
 from relay.shared import environment
 from relay.shared.environment import SessionEnvironment
 from relay.shared.errors import InputError
-from relay.shared.progress_line import ProgressLines
-from relay.shared.version import code_version
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +105,6 @@ class Session:
         self.stop_reason: Optional[str] = None
         self.closed = False
         self._book = {"sessions": [], "best": None, "last_eval": {}}
-        self._record: dict = {}
         self._losses: list = []
         self._mark = time.perf_counter()
         self._last_save = time.monotonic()
@@ -116,13 +112,15 @@ class Session:
         self._schedule: Optional[data.StepSchedule] = None
         self._session_samples = 0
         self._train_seconds = 0.0
-        self._metrics = self.workdir / "metrics.jsonl"
-        self._progress: Optional[ProgressLines] = None  # from restore() on
         self._divergence = DivergenceGuard() if config.get("stop_on_divergence", True) else None
         self.diverged: Optional[str] = None  # why the session stopped itself on a diverging loss
         self._trace = trace.StepTrace.from_env()  # per-step fingerprints, under `relay verify-resume` only
-        self.trackers = Trackers(config.get("tracking"), self.workdir, main=world.main,
-                                 internet=bool(config.get("internet")))  # started by restore()
+        # the workdir's books: checkpoints, metrics.jsonl, progress.json, trackers (started by restore())
+        self.core = SessionCore(self.workdir, self.clock, world, total_steps=self.total_steps,
+                                name=config.get("name"), run_id=self.run_id, resume_from=config["resume_from"],
+                                checkpoints=config, tracking=config.get("tracking"),
+                                internet=bool(config.get("internet")))
+        self.trackers = self.core.trackers
 
     @property
     def tensorboard_dir(self) -> Path:
@@ -154,11 +152,8 @@ class Session:
     def restore(self) -> int:
         """Load the newest valid checkpoint (own workdir, then the relay's resume folders) into the registered
         objects and the RNGs; start this session's record. Returns the step to continue from (0 when fresh)."""
-        restored = checkpoint.load_resume(self.workdir / "checkpoints",
-                                           [Path(p) for p in self.config["resume_from"]])
+        restored = self.core.load()
         resumed = restored is not None
-        if self.world.main:
-            books.carry_metrics(self._metrics, [Path(p) for p in self.config["resume_from"]])
         if restored:
             ckpt, state = restored
             saved, here = set(state["objects"]), set(self.objects)
@@ -185,14 +180,9 @@ class Session:
         model_bytes = sum(p.nbytes for o in self.objects.values() if isinstance(o, torch.nn.Module)
                           for p in o.parameters())
         self.clock.estimated_save_seconds = books.estimated_save_seconds(model_bytes)
-        sessions = self._book["sessions"]
-        self.run_id = self.run_id or (sessions[-1].get("run_id") if sessions else None)
-        self._record = books.open_record(sessions, self.run_id, self.clock, self.step, self.world.size)
-        self._progress = ProgressLines(self._record["index"], self.step, self.total_steps, self.clock.remaining,
-                                       run_id=self.run_id)
-        self.trackers.start(self.step, self._book.setdefault("tracking", {}),
-                            [Path(p) for p in self.config["resume_from"]], name=self.config.get("name"),
-                            current_step=lambda: self.step)
+        self.core.open(self._book["sessions"], self.step, self._book.setdefault("tracking", {}),
+                       current_step=lambda: self.step)
+        self.run_id = self.core.run_id
         if self._trace:
             self._trace.start(self, resumed=resumed)
         self._mark = time.perf_counter()
@@ -300,21 +290,11 @@ class Session:
 
     def log(self, kind: str = "train", **values: Any) -> None:
         """One metrics.jsonl record at the current step; `kind="eval"` records become progress metrics."""
-        record = {"session": self._record.get("index"), "time": round(time.time(), 3), "kind": kind,
-                  "step": self.step, "epoch": self.epoch, **values}
-        if kind == "train":
-            self._record["loss_end"] = values.get("loss")
-        elif kind == "eval":
+        if kind == "eval":
             self._book["last_eval"] = {"step": self.step, **values}
-        if not self.world.main:
-            return
-        with open(self._metrics, "a") as f:
-            f.write(json.dumps(record) + "\n")
         speed = self._session_samples / self._train_seconds if self._train_seconds and self._session_samples else None
-        if self._progress is not None:
-            self._progress({**record, "samples_per_s": speed} if speed else record)
-        if self.trackers.enabled:
-            self.trackers.log({**record, **self._train_extras(speed)} if kind == "train" else record)
+        self.core.log({"kind": kind, "step": self.step, "epoch": self.epoch, **values},
+                      shown=self._train_extras(speed) if kind == "train" else None)
 
     def _train_extras(self, speed: Optional[float]) -> dict:
         """What a tracker shows beside a train record: samples/s and the first registered optimizer's lr."""
@@ -335,28 +315,15 @@ class Session:
         self._book.update(global_step=self.step, threads=torch.get_num_threads(),
                           window_losses=[float(x) for x in self._losses])  # logged exactly after a resume
         rngs = distributed.gather(self.world, rng_state(self._device()))
-        ckpt = None
+        state = None
         if self.world.main:
-            self.trackers.flush()  # what this checkpoint covers is on disk before it commits
             state = {"objects": {n: unwrap(o).state_dict() for n, o in self.objects.items()},
                      "rng": rngs[0], "relay": self._book}
             if self.world.size > 1:
                 state["rng_ranks"] = rngs
-            c = self.config
-            ckpt = checkpoint.save(self.workdir / "checkpoints", state, step=self.step,
-                                   meta={"run_id": self.run_id, "code_version": code_version(), "reason": reason,
-                                         "epoch": self.epoch, "best": self._book.get("best")},
-                                   disk_budget_bytes=int(float(c["disk_budget_gb"]) * 1e9),
-                                   keep_last=int(c["keep_last"]), digest=c["digest"],
-                                   besides_bytes=disk_besides(self.workdir, self.workdir / "checkpoints",
-                                                              self._model(), reason))
-        seconds = time.perf_counter() - t0
-        self.clock.record_save(seconds)
-        self._record["save_seconds"] = round(seconds, 3)
+        ckpt = self.core.save(state, reason, step=self.step, meta={"epoch": self.epoch, "best": self._book.get("best")},
+                              progress=self._progress_fields(), model=self._model(), started=t0)
         self._last_save, self._saved_step = time.monotonic(), self.step
-        if ckpt is not None:
-            self._write_progress(ckpt, "paused", reason)
-        distributed.barrier(self.world)
         return ckpt
 
     def close(self) -> dict:
@@ -365,7 +332,7 @@ class Session:
             return json.loads((self.workdir / "progress.json").read_text())
         try:
             reason = self.stop_reason or ("done" if self.step >= self.total_steps else "stopped")
-            if not self._record:
+            if not self.core.record:
                 raise InputError("session.close() before session.restore(): call restore() once after register()")
             unsaved = self._saved_step != self.step or not checkpoint.list_valid(self.workdir / "checkpoints")
             if distributed.broadcast(self.world, unsaved):  # rank 0's view: every rank must take part
@@ -380,16 +347,13 @@ class Session:
             weights = checkpoint.weights_sha256(model.state_dict()) if model is not None else None
             if done and model is not None:
                 checkpoint.export_atomic(self.workdir / "export", lambda out: _export(model, out, self.export_extras))
-            checkpoint.wait_for_deletions()
-            progress = self._write_progress(checkpoint.list_valid(self.workdir / "checkpoints")[0],
-                                            "done" if done else "paused", reason, weights)
-            self._progress.end(self.step, progress["status"], reason)
+            progress = self.core.finish("done" if done else "paused", reason, self._progress_fields(), weights)
             distributed.barrier(self.world)
             return progress
         finally:
             self.closed = True
             self.clock.restore_signal_handlers()
-            self.trackers.close()
+            self.core.close()
 
     def __enter__(self) -> "Session":
         return self
@@ -400,7 +364,7 @@ class Session:
         else:  # mid-step state is not worth saving; the last checkpoint stands
             self.closed = True
             self.clock.restore_signal_handlers()
-            self.trackers.close()
+            self.core.close()
 
     # -- helpers ----------------------------------------------------------------------------------------
     def _model(self) -> Optional[torch.nn.Module]:
@@ -417,20 +381,18 @@ class Session:
 
 
     def _update_record(self, reason: str) -> None:
-        speed = (round(self._session_samples / max(1e-9, self._train_seconds), 2)
+        speed = (self._session_samples / max(1e-9, self._train_seconds)
                  if self._session_samples else None)  # unknown without batches() or samples=
-        books.update_record(self._record, self.clock, self.step, reason, speed, self.diverged)
+        self.core.update_record(self.step, reason, speed, self.diverged)
 
-    def _write_progress(self, ckpt, status: str, reason: str, weights: Optional[str] = None) -> dict:
+    def _progress_fields(self) -> dict:
+        """What progress.json says of this run besides the checkpoint (SessionCore.write_progress)."""
         schedule = self._schedule
-        return books.write_progress(
-            self.workdir, ckpt, status=status, reason=reason, run_id=self.run_id, name=self.config.get("name"),
-            step=self.step, total=self.total_steps, epoch=self.epoch,
-            steps_per_epoch=schedule.steps_per_epoch if schedule else None,
-            metrics=self._book.get("last_eval") or {}, best=self._book.get("best"),
-            micro_batch=schedule.effective_batch // self.world.size if schedule else None, grad_accum=1,
-            precision=None, world_size=self.world.size, exactness_lost=self._book.get("exactness_lost"),
-            tracking=self._book.get("tracking"), sessions=self._book["sessions"], weights=weights)
+        return dict(step=self.step, epoch=self.epoch, steps_per_epoch=schedule.steps_per_epoch if schedule else None,
+                    metrics=self._book.get("last_eval") or {}, best=self._book.get("best"),
+                    micro_batch=schedule.effective_batch // self.world.size if schedule else None, grad_accum=1,
+                    precision=None, world_size=self.world.size, exactness_lost=self._book.get("exactness_lost"),
+                    tracking=self._book.get("tracking"), sessions=self._book["sessions"])
 
 
 class RunBatchSampler(torch.utils.data.Sampler):

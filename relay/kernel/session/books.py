@@ -1,7 +1,7 @@
-"""The session's books, kept one way for both session paths: the built-in runner (relay.kernel.run with the
-Trainer) and the Session API (session/api.py, users' own loops). What a fresh workdir carries from the run so
-far, the session's record in progress.json's `sessions`, what resuming on another world size or thread count
-costs, the first save's time estimate, and progress.json itself: tables, plots and the handoff read one format.
+"""The session's books, one format for both session paths (written through session/core.py): what a fresh
+workdir carries from the run so far, the session's record in progress.json's `sessions`, what resuming on
+another world size or thread count costs, the first save's time estimate, and progress.json itself: tables,
+plots and the handoff read one format.
 """
 from __future__ import annotations
 

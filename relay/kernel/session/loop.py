@@ -7,8 +7,8 @@ next batch. Saves happen only at optimizer-step boundaries, so no half-accumulat
 
 Longer than the rest (~560 lines, the Trainer ~430): one class because its methods share one step's state
 (the batch position, the scaler, the stage, the OOM rung), and splitting it would pass that state around.
-The books both session paths keep (progress.json, the session record) are in session/books.py, the RNG
-capture in session/rng.py.
+What a session does to its workdir (load, save, metrics.jsonl, progress.json) is session/core.py's, which
+the Session API uses too; the RNG capture is session/rng.py's.
 """
 from __future__ import annotations
 
@@ -363,6 +363,9 @@ class Trainer:
         self.train_seconds += seconds
         self.session_samples += self.stage_schedule.effective_batch
 
+    def samples_per_s(self) -> float:
+        return self.session_samples / max(1e-9, self.train_seconds)
+
     def _after_step(self, loss: float) -> None:
         st, spec = self.state, self.spec
         if math.isfinite(loss):
@@ -386,7 +389,7 @@ class Trainer:
             "kind": "train", "step": st.global_step, "epoch": self.schedule.epoch_of(max(0, st.global_step - 1)),
             "loss": sum(self._recent_losses) / max(1, len(self._recent_losses)),
             "lr": self.scheduler.get_last_lr()[0] if self.scheduler else 0.0,
-            "samples_per_s": self.session_samples / max(1e-9, self.train_seconds),
+            "samples_per_s": self.samples_per_s(),
             "micro_batch": self._stage_micro_batch(), "grad_accum": st.grad_accum, **(self._shown or {}),
         }
         if len(self.spans) > 1:
