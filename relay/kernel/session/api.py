@@ -193,7 +193,8 @@ class Session:
         progress.json says from which step the run is no longer bit-identical to an uninterrupted one."""
         if "global_step" in self._book:
             lost = books.world_size_change(int(self._book.get("world_size") or 1), self.world.size, self.step)
-            self._book["exactness_lost"] = self._book.get("exactness_lost") or lost
+            if lost and not self._book.get("exactness_lost"):  # the key only once lost: the book is compared
+                self._book["exactness_lost"] = lost           # between runs by `relay verify-resume`
         self._book["world_size"] = self.world.size
 
     # -- data -------------------------------------------------------------------------------------------
