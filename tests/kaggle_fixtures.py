@@ -110,3 +110,15 @@ def wait_state(backend: ClientBackend, kernel: str, timeout: float = 60):
             return status
         _time.sleep(0.1)
     raise AssertionError(f"{kernel} did not finish in {timeout}s")
+
+
+# The toy recipe's spec as the text a SessionKernel carries (backend and emulator tests).
+TOY_SPEC_YAML = """\
+name: toy-relay
+recipe: toy
+seed: 0
+params: {n_train: 64, n_eval: 16, hidden: 8}
+optim: {micro_batch: 8, epochs: 1, log_every_steps: 2}
+data: {num_workers: 0}
+session: {budget: none, threads: 1, safety_margin: 0}
+"""

@@ -12,23 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from byo_fixtures import copy_example
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
-
-
-def copy_example(name: str, dest: Path, **spec_overrides) -> Path:
-    """The example folder copied to `dest` (so nothing is written in the repository); returns its spec."""
-    shutil.copytree(EXAMPLES / name, dest, ignore=shutil.ignore_patterns("relay-run", "__pycache__"))
-    spec = dest / "spec.yaml"
-    data = yaml.safe_load(spec.read_text())
-    for dotted, value in spec_overrides.items():
-        *parents, leaf = dotted.split(".")
-        node = data
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    spec.write_text(yaml.safe_dump(data, sort_keys=False))
-    return spec
 
 
 def progress(workdir: Path) -> dict:

@@ -20,7 +20,7 @@ import yaml
 
 from relay.kernel.session import checkpoint
 from relay_fixtures import wait_for
-from test_distributed import ranks  # the spawned rank processes, rank 0 first
+from process_fixtures import ranks  # the spawned rank processes, rank 0 first
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "byo-plain-ddp"
 TOTAL = 60

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import test_byo_relay
-from test_byo_relay import test_example_relays_to_the_weights_of_one_run_with_a_kill_mid_save as relayed
+from byo_fixtures import relay_example_with_a_kill_mid_save
 
 TRAINERS = {
     "byo-hf": {"optim.max_steps": 90, "session.max_steps": 30},
@@ -17,8 +16,7 @@ TRAINERS = {
 
 @pytest.mark.parametrize("example", list(TRAINERS))
 def test_trainer_example_relays_to_the_weights_of_one_run(example, relay_env, reference, monkeypatch):
-    monkeypatch.setitem(test_byo_relay.EXAMPLES, example, TRAINERS[example])
-    relayed(example, relay_env, reference, monkeypatch)
+    relay_example_with_a_kill_mid_save(example, TRAINERS[example], relay_env, reference, monkeypatch)
     if example == "byo-hf":  # the final model dataset is what from_pretrained needs: config, weights, tokenizer
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

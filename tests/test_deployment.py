@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_byo import copy_example
+from byo_fixtures import copy_example
 from kaggle_fixtures import KERNEL_ENV, isolated_env, make_emulator  # noqa: F401
 from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import psutil
@@ -26,6 +25,9 @@ DDP = dict(name="ddp-toy", seed=5, params={"n_train": 256, "n_eval": 64, "hidden
            optim={"epochs": None, "max_steps": 64, "eval_every_steps": 16, "log_every_steps": 1},
            session={"devices": 2, "save_every": 0.2}, checkpoints={"keep_last": 2})
 TOTAL = 64
+
+
+from process_fixtures import ranks  # noqa: E402
 
 
 def load_final(workdir: Path) -> tuple[dict, dict]:
@@ -47,18 +49,6 @@ def ddp_reference(spec_path, relay_cli, tmp_path_factory):
     assert len(state["rng_ranks"]) == 2 and not torch.equal(state["rng_ranks"][0]["torch"],
                                                            state["rng_ranks"][1]["torch"])
     return progress, state
-
-
-def ranks(proc) -> list[psutil.Process]:
-    """The spawned rank processes of a `relay train` process, rank 0 first (started in rank order)."""
-    kids = []
-    for p in psutil.Process(proc.pid).children():
-        try:
-            if "spawn_main" in " ".join(p.cmdline()):
-                kids.append((p.create_time(), p))
-        except psutil.Error:  # a helper process that came and went while we looked
-            continue
-    return [p for _, p in sorted(kids, key=lambda kid: kid[0])]
 
 
 def _stopped_rank(proc) -> bool:

@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import time
-import zipfile
 from pathlib import Path
 
 import pytest

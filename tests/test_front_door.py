@@ -4,51 +4,31 @@ only, the commands the README's "Run it on Kaggle" lists, in fresh processes aga
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import yaml
 
 from conftest import REPO
-from kaggle_fixtures import FAKE_KEY, KERNEL_ENV, USER, isolated_env, make_emulator  # noqa: F401
-from test_byo import copy_example
-
-RELAYED = {"optim.max_steps": 90, "session.max_steps": 30, "session.save_every": "10m",
-           "session.safety_margin": "0.5s", "kaggle.session_timeout": "5m", "kaggle.startup_overhead": "1s"}
-
-
-def _relay(tmp_path, emulator, cwd, *args, timeout=900, python_code=None):
-    """`python -m relay ARGS` (or `python -c PYTHON_CODE ARGS`) in cwd, with only what a user's shell has."""
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home"), "TMPDIR": str(tmp_path / "tmp"),
-           "PYTHONPATH": str(REPO), "KAGGLE_USERNAME": USER, "KAGGLE_KEY": FAKE_KEY,
-           "RELAY_KAGGLE_ENDPOINT": emulator.url, "PREFECT_HOME": str(tmp_path / "prefect"), "DO_NOT_TRACK": "1",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MPLCONFIGDIR": str(tmp_path / "mpl")}
-    for d in ("home", "tmp"):
-        (tmp_path / d).mkdir(exist_ok=True)
-    command = [sys.executable, "-m", "relay"] if python_code is None else [sys.executable, "-c", python_code]
-    return subprocess.run([*command, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
+from kaggle_fixtures import KERNEL_ENV, USER, isolated_env, make_emulator  # noqa: F401
+from byo_fixtures import RELAYED, copy_example, relay_in_shell
 
 def test_a_newcomer_relays_their_script_with_the_readme_commands(make_emulator, tmp_path, spawns_processes):
     emulator = make_emulator(kernel_env=dict(KERNEL_ENV))
     project = tmp_path / "my-project"
     copy_example("byo-plain", project, **RELAYED)
 
-    doctor = _relay(tmp_path, emulator, project, "doctor", "spec.yaml", "--poll", "0.2")
+    doctor = relay_in_shell(tmp_path, emulator, project, "doctor", "spec.yaml", "--poll", "0.2")
     assert doctor.returncode == 0 and "all checks passed" in doctor.stdout, doctor.stdout + doctor.stderr[-2000:]
-    verify = _relay(tmp_path, emulator, project, "verify-resume", "spec.yaml", "--steps", "24", "--workdir", "verify")
+    verify = relay_in_shell(tmp_path, emulator, project, "verify-resume", "spec.yaml", "--steps", "24", "--workdir", "verify")
     assert verify.returncode == 0 and verify.stdout.startswith("identical"), verify.stdout + verify.stderr[-2000:]
-    run = _relay(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3")
+    run = relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "done: step 90/90, 3 session(s) handed over" in run.stdout, run.stdout
     outputs = project / "relay-runs" / "byo-plain"
     assert (outputs / "curves.png").is_file() and (outputs / "timeline.png").is_file()
-    status = _relay(tmp_path, emulator, project, "status", "byo-plain", "--out", "status")
+    status = relay_in_shell(tmp_path, emulator, project, "status", "byo-plain", "--out", "status")
     assert status.returncode == 0 and "3 session(s) handed over" in status.stdout and "next: done" in status.stdout
 
-    straight = _relay(tmp_path, emulator, project, "train", "spec.yaml", "--workdir", "straight", "--max-steps", "none")
+    straight = relay_in_shell(tmp_path, emulator, project, "train", "spec.yaml", "--workdir", "straight", "--max-steps", "none")
     assert straight.returncode == 0, straight.stderr[-2000:]
     published = json.loads((outputs / "published" / "progress.json").read_text())
     assert published["weights_sha256"] == json.loads((project / "straight" / "progress.json").read_text())["weights_sha256"]
@@ -68,17 +48,17 @@ def test_after_a_code_error_a_fixed_script_is_pushed_and_an_unchanged_one_is_ref
     assert BROKEN in good
     script.write_text(good.replace(BROKEN, BROKEN + "    if session.step >= 30:\n        raise KeyError('label')\n"))
 
-    failed = _relay(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3")
+    failed = relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3")
     assert failed.returncode == 1 and "relay: stopped: session 2 failed with a code error" in failed.stdout, \
         failed.stdout + failed.stderr[-3000:]
     versions = len(emulator.store.kernels[f"{USER}/byo-plain-session"]["versions"])
 
-    again = _relay(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3")
+    again = relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3")
     assert again.returncode == 1 and "the code and spec are unchanged since that push" in again.stdout, again.stdout
     assert len(emulator.store.kernels[f"{USER}/byo-plain-session"]["versions"]) == versions  # nothing pushed
 
     script.write_text(good)  # the fix
-    fixed = _relay(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3")
+    fixed = relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3")
     assert fixed.returncode == 0 and "done: step 90/90" in fixed.stdout, fixed.stdout + fixed.stderr[-3000:]
     runs = [v for v in emulator.store.kernels[f"{USER}/byo-plain-session"]["versions"]]
     sources = [(emulator.store.kernel_dir(f"{USER}/byo-plain-session", v["number"]) / "source.py").read_text()
@@ -107,7 +87,7 @@ def test_bad_input_to_the_new_commands_is_one_line_exit_2_and_writes_nothing(mak
         ("status", "no-such-relay"): "relay: error: relay status: no relay named no-such-relay for Kaggle user",
     }
     for args, expected in cases.items():
-        out = _relay(tmp_path, emulator, project, *args, timeout=300)
+        out = relay_in_shell(tmp_path, emulator, project, *args, timeout=300)
         assert out.returncode == 2 and out.stderr.strip().startswith(expected) and "\n" not in out.stderr.strip(), \
             (args, out.stderr[-2000:])
     assert not (project / "relay-runs").exists() and not emulator.store.kernels  # nothing written, nothing pushed

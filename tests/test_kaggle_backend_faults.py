@@ -3,25 +3,13 @@ uploads cut mid-file): every operation ends right, no session is pushed twice, p
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from pathlib import Path
 
 import pytest
 
-from kaggle_fixtures import USER, backend_for, isolated_env, make_emulator  # noqa: F401
+from kaggle_fixtures import TOY_SPEC_YAML, USER, backend_for, isolated_env, make_emulator  # noqa: F401
 from relay.orchestrator.kaggle import KernelState, SessionKernel
-
-TOY_SPEC = """\
-name: toy-relay
-recipe: toy
-seed: 0
-params: {n_train: 64, n_eval: 16, hidden: 8}
-optim: {micro_batch: 8, epochs: 1, log_every_steps: 2}
-data: {num_workers: 0}
-session: {budget: none, threads: 1, safety_margin: 0}
-"""
-
 
 def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
@@ -72,7 +60,7 @@ def test_every_operation_ends_right_under_faults(make_emulator, tmp_path):
     listed = {f.name: f.size for f in backend.list_dataset_files(f"{USER}/relay-ckpt-test")}
     assert listed["weights.bin"] == 300_000 and "checkpoints/step-00000001/state.pt" in listed
 
-    session = SessionKernel(kernel=f"{USER}/toy-session", title="Toy relay session", spec_text=TOY_SPEC,
+    session = SessionKernel(kernel=f"{USER}/toy-session", title="Toy relay session", spec_text=TOY_SPEC_YAML,
                             run_id="run-0001", enable_gpu=True)
     # No checkpoint_dataset: the folders above are not relay checkpoints, and a session told to resume from
     # one that is not valid refuses to start (tests/test_relay_corrupt_ckpt.py); this one starts fresh.

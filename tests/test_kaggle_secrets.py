@@ -13,7 +13,7 @@ import pytest
 from kaggle_fixtures import FAKE_KEY, USER, backend_for, isolated_env, make_emulator, push_script, wait_state  # noqa: F401
 from relay.orchestrator.kaggle import KaggleCredentials, KaggleError, KernelState, SessionKernel
 from relay.orchestrator.kaggle.credentials import resolve
-from test_kaggle_backend_faults import TOY_SPEC
+from kaggle_fixtures import TOY_SPEC_YAML
 
 NEEDLES = [FAKE_KEY.encode(), base64.b64encode(f"{USER}:{FAKE_KEY}".encode())]
 
@@ -44,7 +44,7 @@ def test_no_secret_in_anything_stored_or_logged(make_emulator, isolated_env, tmp
     data.mkdir()
     (data / "x.txt").write_text("payload")
     backend.publish_folder(data, f"{USER}/secret-test-data", "Secret test data", "v1")
-    session = SessionKernel(kernel=f"{USER}/toy-secret", title="Toy secret session", spec_text=TOY_SPEC,
+    session = SessionKernel(kernel=f"{USER}/toy-secret", title="Toy secret session", spec_text=TOY_SPEC_YAML,
                             run_id="secret-1", data_dataset=f"{USER}/secret-test-data")
     assert backend.push_session(session).pushed
     dump_env = "import os, json; json.dump(dict(os.environ), open('env.json', 'w'))\nprint(sorted(os.environ))\n"
@@ -70,7 +70,7 @@ def test_push_refuses_a_source_that_contains_the_key(make_emulator):
     emu = make_emulator()
     backend = backend_for(emu)
     leaky = SessionKernel(kernel=f"{USER}/leaky", title="Leaky session", run_id="leak-1",
-                          spec_text=TOY_SPEC + f"# key: {FAKE_KEY}\n")
+                          spec_text=TOY_SPEC_YAML + f"# key: {FAKE_KEY}\n")
     with pytest.raises(KaggleError, match="contains the Kaggle credential"):
         backend.push_session(leaky)
     assert f"{USER}/leaky" not in emu.store.kernels

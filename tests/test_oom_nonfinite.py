@@ -17,7 +17,6 @@ import torch
 from conftest import load_toy_spec
 from relay.kernel.recipes.toy import ToyRecipe
 from relay.kernel.run import run_session
-from relay.kernel.session import checkpoint
 from relay.kernel.session.loop import NonFiniteLossError, Trainer
 
 

@@ -14,73 +14,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from pathlib import Path
-from typing import Optional
 
-from relay.orchestrator.chain import parse_run_id
-
+from process_fixtures import MidSaveKiller  # noqa: E402
 from relay_fixtures import KERNEL_ENV, STEPS_PER_SESSION, wait_for  # noqa: E402
 
 FAULT_RATE = 0.25
 FAULTS = {"seed": 5, "methods": {"*": {"rate": FAULT_RATE}}, "upload_fail_midfile": 0.2}
 MAX_STEPS = 3 * STEPS_PER_SESSION
 STOP_MID_SAVE_AT = STEPS_PER_SESSION + 50  # inside session 2, after it committed saves of its own
-
-
-class MidSaveKiller(threading.Thread):
-    """SIGKILLs the kernel that stops itself mid-save (the RELAY_TEST_STOP_MID_SAVE seam in
-    relay.kernel.session.checkpoint: files written, folder not yet renamed) after committing checkpoints of its own
-    (so the relay can salvage one); any later kernel the seam stops is continued. Event-driven: the kill lands
-    inside the save on a machine of any speed."""
-
-    def __init__(self, env):
-        super().__init__(daemon=True, name="mid-save-killer")
-        self.env, self.done = env, threading.Event()
-        self.killed: Optional[dict] = None
-        self.continued: list = []
-        self.error: Optional[BaseException] = None
-
-    def run(self) -> None:
-        try:
-            while not self.done.is_set():
-                for run in self.env.kernel_runs():
-                    if run.status == "RUNNING":
-                        self._check(run)
-                time.sleep(0.02)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            self.error = exc
-
-    def _check(self, run) -> None:
-        folder = self.env.emu.store.kernel_dir(self.env.kernel, run.version) / "working" / "relay" / "checkpoints"
-        try:
-            names = os.listdir(folder)
-        except FileNotFoundError:
-            return
-        for torn in (n for n in names if n.startswith(".tmp-step-")):
-            pid = int(torn.rsplit("-", 1)[1])
-            if not _stopped(pid):
-                continue
-            final = torn[len(".tmp-"):].rsplit("-", 1)[0]
-            committed = sorted(n for n in names if n.startswith("step-"))
-            if self.killed is None:
-                assert (folder / torn).is_dir() and not (folder / final).exists() and committed, (torn, names)
-                assert (parse_run_id(run.run_id) or (0, 0))[0] >= 2, run
-                os.killpg(os.getpgid(pid), signal.SIGKILL)
-                self.killed = {"version": run.version, "run_id": run.run_id, "torn": torn, "committed": committed}
-            else:
-                os.kill(pid, signal.SIGCONT)
-                self.continued.append(run.run_id)
-
-
-def _stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped by a signal (state T in /proc/PID/stat)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] == "T"
 
 
 def test_relay_completes_exactly_under_faults_kills_and_orchestrator_crashes(relay_env, reference):

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 import yaml
 
-from test_byo_relay import CRASHING
+from byo_fixtures import CRASHING
 
 FINISHING = CRASHING.replace('        raise ValueError("bad column in my data")\n', '        pass\n')
 

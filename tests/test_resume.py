@@ -10,7 +10,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path

@@ -9,7 +9,6 @@ import shutil
 import signal
 import stat
 import time
-from pathlib import Path
 
 import pytest
 import torch

@@ -8,8 +8,7 @@ import json
 import re
 
 from kaggle_fixtures import KERNEL_ENV, isolated_env, make_emulator  # noqa: F401
-from test_byo import copy_example
-from test_front_door import RELAYED, _relay
+from byo_fixtures import RELAYED, copy_example, relay_in_shell
 
 GATE_LINE = "        session.step_done(loss=loss.detach())  # relay\n"
 # the blocked modules: importing one raises ImportError in the tick's process
@@ -18,7 +17,7 @@ TRAINING_STACK = ("torch", "transformers", "tokenizers", "safetensors", "pyarrow
 
 
 def _tick(tmp_path, emulator, project, blocked):
-    return _relay(tmp_path, emulator, project, "run", "spec.yaml", "--tick", "--poll", "0.3",
+    return relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--tick", "--poll", "0.3",
                   python_code=BLOCK.format(mods=tuple(blocked)))
 
 

@@ -17,7 +17,6 @@ again by session 3.
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -28,30 +27,13 @@ pytest.importorskip("wandb")
 
 from relay.orchestrator import tracking_handoff, wandb_file  # noqa: E402
 from relay_fixtures import KERNEL_ENV  # noqa: E402
-from test_relay_faults import MidSaveKiller  # noqa: E402
+from process_fixtures import MidSaveKiller  # noqa: E402
 
 PER_SESSION, TOTAL = 100, 400
 KEY = "test-wandb-key-0123456789abcdef"
 
 
-def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    """tag -> [(step, value)] as TensorBoard shows them (EventAccumulator, purging on restarts)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-def raw_steps(folder: Path, tag: str) -> list[int]:
-    """Every step `tag` has in the event files, with no purging at all (the raw record reader)."""
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-
-    steps = []
-    for path in sorted(folder.iterdir()):
-        for event in EventFileLoader(str(path)).Load():
-            steps += [event.step for v in event.summary.value if v.tag == tag]
-    return steps
+from tracking_fixtures import raw_steps, scalars  # noqa: E402
 
 
 def test_relay_is_one_tensorboard_and_one_wandb_run_with_a_kill_after_a_periodic_save(

@@ -14,10 +14,9 @@ import pytest
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")
 
-import test_byo_relay  # noqa: E402
+from byo_fixtures import relay_example_with_a_kill_mid_save  # noqa: E402
 from relay.orchestrator import tracking_handoff, wandb_file  # noqa: E402
-from test_byo_relay import test_example_relays_to_the_weights_of_one_run_with_a_kill_mid_save as relayed  # noqa: E402
-from test_tracking_relay import raw_steps, scalars  # noqa: E402
+from tracking_fixtures import raw_steps, scalars  # noqa: E402
 
 TRACKING = {"tensorboard": True, "wandb": {"project": "relay-test", "mode": "offline"}}
 TRAINERS = {  # the example's flags, its own tag, the steps TensorBoard and W&B show it at
@@ -42,8 +41,8 @@ def test_trainer_example_with_its_trackers_is_one_run(example, relay_env, refere
             synced.append((cmd, shutil.copytree(run, tmp_path / "synced" / f"{len(synced)}-{run.name}")))
 
     monkeypatch.setattr(tracking_handoff, "run_sync", stand_in)
-    monkeypatch.setitem(test_byo_relay.EXAMPLES, example, {**overrides, "tracking": TRACKING})
-    relayed(example, relay_env, reference, monkeypatch)
+    relay_example_with_a_kill_mid_save(example, {**overrides, "tracking": TRACKING}, relay_env, reference,
+                                       monkeypatch)
 
     progress = relay_env.published_progress()
     assembled = relay_env.root / "orchestrator" / relay_env.name / "tensorboard"

@@ -14,7 +14,7 @@ from relay.orchestrator import report
 
 from kaggle_fixtures import KERNEL_ENV  # noqa: E402
 from relay_fixtures import USER  # noqa: E402
-from test_relay_faults import MidSaveKiller  # noqa: E402
+from process_fixtures import MidSaveKiller  # noqa: E402
 
 
 def test_vqa_demo_relays_across_the_stage_change_with_a_kernel_killed_mid_save(relay_env, reference, monkeypatch,

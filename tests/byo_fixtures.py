@@ -1,0 +1,107 @@
+"""Helpers for the bring-your-own-code tests: the examples under examples/byo-* copied out of the repository,
+a user script that crashes mid-run, and one example relayed on the emulator with a kill mid-save."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from kaggle_fixtures import FAKE_KEY, KERNEL_ENV, USER
+from process_fixtures import MidSaveKiller
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES_DIR = REPO / "examples"
+
+
+def copy_example(name: str, dest: Path, **spec_overrides) -> Path:
+    """The example folder copied to `dest` (so nothing is written in the repository); returns its spec."""
+    shutil.copytree(EXAMPLES_DIR / name, dest, ignore=shutil.ignore_patterns("relay-run", "__pycache__"))
+    spec = dest / "spec.yaml"
+    data = yaml.safe_load(spec.read_text())
+    for dotted, value in spec_overrides.items():
+        *parents, leaf = dotted.split(".")
+        node = data
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    return spec
+
+
+CRASHING = '''
+import torch, relay
+session = relay.open_session()
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+session.register(model=model, optimizer=opt)
+session.restore()
+for idx in session.batches(64, 8):
+    if session.step == 45:
+        raise ValueError("bad column in my data")
+    opt.zero_grad(); model(torch.randn(8, 4)).sum().backward(); opt.step()
+    session.step_done()
+session.close()
+'''
+
+
+RELAY_SETTINGS = {"kaggle.session_timeout": "5m", "kaggle.startup_overhead": "1s", "kaggle.max_failed_sessions": 2,
+                  "session.save_every": "0.02s", "session.safety_margin": "0.5s", "session.threads": 1}
+
+
+def example_spec(relay_env, example: str, **overrides) -> Path:
+    """An example folder copied under the relay's root with RELAY_SETTINGS; it becomes relay_env.spec."""
+    spec = copy_example(example, relay_env.root / example, **RELAY_SETTINGS, **overrides)
+    data = yaml.safe_load(spec.read_text())
+    data["code"]["folder"] = str(spec.parent)  # the reference run reads a copy of the spec elsewhere
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    relay_env.spec = spec
+    return spec
+
+
+def relay_example_with_a_kill_mid_save(example: str, lengths: dict, relay_env, reference, monkeypatch) -> None:
+    """Relay an example folder on the emulator in >= 3 step-bounded sessions, the kernel of session 2 SIGKILLed
+    inside a save (MidSaveKiller); the final weights equal an uninterrupted `relay train` of the same spec."""
+    per_session = lengths["session.max_steps"]
+    # the kernel of session 2 stops itself inside a save half-way through it (a seam of relay.kernel.session.checkpoint)
+    relay_env.start(kernel_env={**KERNEL_ENV, "RELAY_TEST_STOP_MID_SAVE": str(per_session + per_session // 2)})
+    spec = example_spec(relay_env, example, **lengths)
+    reference.start(spec)
+    killer = MidSaveKiller(relay_env)
+    killer.start()
+    try:
+        summary = relay_env.run_flow(monkeypatch)
+    finally:
+        killer.done.set()
+        killer.join(5)
+    assert killer.error is None and killer.killed, killer.error
+    assert summary["state"] == "done" and summary["step"] == lengths["optim.max_steps"], summary
+    runs = relay_env.kernel_runs()
+    killed = [r for r in runs if r.status == "ERROR"]
+    assert [r.version for r in killed] == [killer.killed["version"]] and "-9" in killed[0].failure
+    progress = relay_env.published_progress()
+    steps_per_session = lengths["session.max_steps"]
+    assert len(progress["sessions"]) >= 3 and all(
+        s["step_end"] - s["step_start"] <= steps_per_session for s in progress["sessions"])
+    assert summary["weights_sha256"] == progress["weights_sha256"] == reference.weights(spec)
+
+
+# A newcomer's relay: the README's commands in a shell that has only what a user's has.
+RELAYED = {"optim.max_steps": 90, "session.max_steps": 30, "session.save_every": "10m",
+           "session.safety_margin": "0.5s", "kaggle.session_timeout": "5m", "kaggle.startup_overhead": "1s"}
+
+
+def relay_in_shell(tmp_path, emulator, cwd, *args, timeout=900, python_code=None):
+    """`python -m relay ARGS` (or `python -c PYTHON_CODE ARGS`) in cwd, with only what a user's shell has."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home"), "TMPDIR": str(tmp_path / "tmp"),
+           "PYTHONPATH": str(REPO), "KAGGLE_USERNAME": USER, "KAGGLE_KEY": FAKE_KEY,
+           "RELAY_KAGGLE_ENDPOINT": emulator.url, "PREFECT_HOME": str(tmp_path / "prefect"), "DO_NOT_TRACK": "1",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    for d in ("home", "tmp"):
+        (tmp_path / d).mkdir(exist_ok=True)
+    command = [sys.executable, "-m", "relay"] if python_code is None else [sys.executable, "-c", python_code]
+    return subprocess.run([*command, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
