@@ -135,6 +135,8 @@ def _ts(value) -> float:
 
 
 def run_round(backend, relays: List[Relay], cap: int, logger) -> Round:
+    """Observe every relay, then push the ready ones into the free slots, fewest sessions first. (~60 lines:
+    one pass over the cap, the quota and the lease, kept whole so the order of those checks reads as it runs.)"""
     rnd = Round()
     for relay in relays:
         if relay.failed:

@@ -190,3 +190,24 @@ def test_inside_the_kernel_the_session_runtime_is_the_bottom():
 
 def test_no_import_cycles():
     assert not cycles(import_graph()), [sorted(c) for c in cycles(import_graph())]
+
+
+def test_both_session_paths_keep_their_books_through_one_core():
+    """The built-in runner (kernel/run.py) and the Session API (session/api.py) are clients of session/core.py:
+    nothing else in the kernel loads, saves or writes progress.json and the session record itself."""
+    core_calls = {("checkpoint", "save"), ("checkpoint", "start_save"), ("checkpoint", "load_resume"),
+                  ("books", "write_progress"), ("books", "open_record"), ("books", "update_record"),
+                  ("books", "carry_metrics")}
+    owners = {"relay/kernel/session/core.py", "relay/kernel/session/checkpoint.py", "relay/kernel/session/books.py"}
+    found = []
+    for path in sorted((REPO / "relay" / "kernel").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        if rel in owners:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and (node.func.value.id, node.func.attr) in core_calls):
+                found.append(f"{rel}:{node.lineno} {node.func.value.id}.{node.func.attr}")
+    assert not found, found
+    for client in ("relay/kernel/run.py", "relay/kernel/session/api.py"):
+        assert "relay.kernel.session.core" in imported_modules(REPO / client), client
