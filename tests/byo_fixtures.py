@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from kaggle_fixtures import FAKE_KEY, KERNEL_ENV, USER
-from process_fixtures import MidSaveKiller
+from process_fixtures import run_flow_with_a_kill_mid_save
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES_DIR = REPO / "examples"
@@ -69,14 +69,7 @@ def relay_example_with_a_kill_mid_save(example: str, lengths: dict, relay_env, r
     relay_env.start(kernel_env={**KERNEL_ENV, "RELAY_TEST_STOP_MID_SAVE": str(per_session + per_session // 2)})
     spec = example_spec(relay_env, example, **lengths)
     reference.start(spec)
-    killer = MidSaveKiller(relay_env)
-    killer.start()
-    try:
-        summary = relay_env.run_flow(monkeypatch)
-    finally:
-        killer.done.set()
-        killer.join(5)
-    assert killer.error is None and killer.killed, killer.error
+    summary, killer = run_flow_with_a_kill_mid_save(relay_env, monkeypatch)
     assert summary["state"] == "done" and summary["step"] == lengths["optim.max_steps"], summary
     runs = relay_env.kernel_runs()
     killed = [r for r in runs if r.status == "ERROR"]

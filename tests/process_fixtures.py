@@ -78,3 +78,17 @@ def _stopped(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+def run_flow_with_a_kill_mid_save(relay_env, monkeypatch) -> tuple[dict, MidSaveKiller]:
+    """The relay flow to its end while a MidSaveKiller watches its kernels; asserts a kernel was killed mid-save.
+    Returns the flow's summary and the killer (which kernel it killed, which it continued)."""
+    killer = MidSaveKiller(relay_env)
+    killer.start()
+    try:
+        summary = relay_env.run_flow(monkeypatch)
+    finally:
+        killer.done.set()
+        killer.join(5)
+    assert killer.error is None and killer.killed, killer.error
+    return summary, killer

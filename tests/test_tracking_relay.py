@@ -27,7 +27,7 @@ pytest.importorskip("wandb")
 
 from relay.orchestrator import tracking_handoff, wandb_file  # noqa: E402
 from relay_fixtures import KERNEL_ENV  # noqa: E402
-from process_fixtures import MidSaveKiller  # noqa: E402
+from process_fixtures import run_flow_with_a_kill_mid_save  # noqa: E402
 
 PER_SESSION, TOTAL = 100, 400
 KEY = "test-wandb-key-0123456789abcdef"
@@ -59,14 +59,7 @@ def test_relay_is_one_tensorboard_and_one_wandb_run_with_a_kill_after_a_periodic
         "tracking": {"tensorboard": True,
                      "wandb": {"project": "relay-test", "mode": "offline", "api_key_block": "relay-wandb-test"}}})
     reference.start(spec)
-    killer = MidSaveKiller(relay_env)
-    killer.start()
-    try:
-        summary = relay_env.run_flow(monkeypatch)
-    finally:
-        killer.done.set()
-        killer.join(5)
-    assert killer.error is None and killer.killed, killer.error
+    summary, killer = run_flow_with_a_kill_mid_save(relay_env, monkeypatch)
     assert summary["state"] == "done" and summary["step"] == TOTAL, summary
     progress = relay_env.published_progress()
     assert len(progress["sessions"]) >= 4

@@ -14,7 +14,7 @@ from relay.orchestrator import report
 
 from kaggle_fixtures import KERNEL_ENV  # noqa: E402
 from relay_fixtures import USER  # noqa: E402
-from process_fixtures import MidSaveKiller  # noqa: E402
+from process_fixtures import run_flow_with_a_kill_mid_save  # noqa: E402
 
 
 def test_vqa_demo_relays_across_the_stage_change_with_a_kernel_killed_mid_save(relay_env, reference, monkeypatch,
@@ -34,14 +34,7 @@ def test_vqa_demo_relays_across_the_stage_change_with_a_kernel_killed_mid_save(r
     relay_env.spec.write_text(yaml.safe_dump(spec, sort_keys=False))
     reference.start(relay_env.spec)
 
-    killer = MidSaveKiller(relay_env)
-    killer.start()
-    try:
-        summary = relay_env.run_flow(monkeypatch)
-    finally:
-        killer.done.set()
-        killer.join(5)
-    assert killer.error is None and killer.killed, killer.error
+    summary, killer = run_flow_with_a_kill_mid_save(relay_env, monkeypatch)
     assert summary["state"] == "done" and summary["step"] == 120
 
     runs = relay_env.kernel_runs()
