@@ -100,7 +100,7 @@ def _outermost_missing(path: Path) -> Optional[Path]:
 
 def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, world=distributed.SINGLE) -> dict:
     """One session on this rank: prepare, restore, train until a stop, save, finish. (Longer than most
-    functions, ~75 lines, because its save closure lives beside the state it snapshots.)"""
+    functions, ~65 lines, because its save closure lives beside the state it snapshots.)"""
     # Nothing is written before the inputs are validated: a data error (a missing column, a file that is
     # not UTF-8) must leave no workdir behind; a later check that fails removes what this session created.
     created = _outermost_missing(workdir)
@@ -122,7 +122,8 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
 
     total = data.total_steps(schedule, spec.optim.epochs, spec.optim.max_steps)
     core = SessionCore(workdir, clock, world, total_steps=total, name=spec.name, run_id=run_id,
-                       resume_from=resume_from, checkpoints=spec.checkpoints.model_dump(), tracking=spec.tracking.model_dump(), internet=spec.kaggle.enable_internet)
+                       resume_from=resume_from, checkpoints=spec.checkpoints.model_dump(),
+                       tracking=spec.tracking.model_dump(), internet=spec.kaggle.enable_internet)
     restored, state = _restore(core, spec, world, device, created)
     session = core.open(state.sessions, state.global_step, state.tracking, current_step=lambda: state.global_step,
                         gpus=memory.gpu_inventory())

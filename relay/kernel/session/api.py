@@ -29,9 +29,9 @@ from typing import Any, Iterator, Optional
 import torch
 
 from relay.kernel.session import api_distributed, books, checkpoint, data, distributed, trace
-from relay.kernel.session.core import SessionCore
 from relay.kernel.session.api_distributed import unwrap
 from relay.kernel.session.budget import SessionClock
+from relay.kernel.session.core import SessionCore
 from relay.kernel.session.device import pick_device, seed_everything
 from relay.kernel.session.divergence import DivergenceGuard
 from relay.kernel.session.rng import rng_state, set_rng_state
@@ -88,7 +88,7 @@ class Session:
         self.config = config
         self.world = world  # rank 0 alone writes checkpoints, metrics.jsonl, progress.json and the export
         self.device = device or pick_device()  # where this rank trains (cuda:LOCAL_RANK under several GPUs)
-        self._agreement = api_distributed.StepAgreement(world, self.device if self.device.type == "cuda"
+        self._agreement = distributed.StepAgreement(world, self.device if self.device.type == "cuda"
                                                         else torch.device("cpu"))
         self.workdir = Path(config["workdir"])
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -296,9 +296,8 @@ class Session:
         """One metrics.jsonl record at the current step; `kind="eval"` records become progress metrics."""
         if kind == "eval":
             self._book["last_eval"] = {"step": self.step, **values}
-        speed = self._session_samples / self._train_seconds if self._train_seconds and self._session_samples else None
         self.core.log({"kind": kind, "step": self.step, "epoch": self.epoch, **values},
-                      shown=self._train_extras(speed) if kind == "train" else None)
+                      shown=self._train_extras(self._samples_per_s()) if kind == "train" else None)
 
     def _train_extras(self, speed: Optional[float]) -> dict:
         """What a tracker shows beside a train record: samples/s and the first registered optimizer's lr."""
@@ -385,9 +384,11 @@ class Session:
 
 
     def _update_record(self, reason: str) -> None:
-        speed = (self._session_samples / max(1e-9, self._train_seconds)
-                 if self._session_samples else None)  # unknown without batches() or samples=
-        self.core.update_record(self.step, reason, speed, self.diverged)
+        self.core.update_record(self.step, reason, self._samples_per_s(), self.diverged)
+
+    def _samples_per_s(self) -> Optional[float]:
+        """Unknown (None) until a step counted its samples (from batches() or step_done(samples=))."""
+        return self._session_samples / self._train_seconds if self._train_seconds and self._session_samples else None
 
     def _progress_fields(self) -> dict:
         """What progress.json says of this run besides the checkpoint (SessionCore.write_progress)."""

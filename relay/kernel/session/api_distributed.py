@@ -6,9 +6,9 @@ WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so a script that sets up torc
 group. The user wraps the model in torch's DistributedDataParallel as usual; the session does the rest with
 relay.kernel.session.distributed's collectives, as the built-in recipes do:
 
-- each step, one small all-reduce of flags (`StepAgreement`): a SIGTERM to any rank, rank 0's budget, step-cap
-  and insurance-save decisions, and the mean loss at logging steps, so every rank stops and saves at the same
-  optimizer step;
+- each step, one small all-reduce of flags (`distributed.StepAgreement`, the built-in Trainer's too): a SIGTERM
+  to any rank, rank 0's budget, step-cap and insurance-save decisions, and the mean loss at logging steps, so
+  every rank stops and saves at the same optimizer step;
 - a save gathers every rank's RNG to rank 0, which alone writes the checkpoint (`rng_ranks`), metrics.jsonl,
   progress.json and the export; the other ranks wait at a barrier;
 - a DistributedDataParallel model is saved and loaded through its `.module`, so one process can resume it.
@@ -16,7 +16,7 @@ relay.kernel.session.distributed's collectives, as the built-in recipes do:
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,33 +67,4 @@ def rank_batch(world: World, batch_size: int) -> None:
     if batch_size % world.size:
         raise InputError(f"session.batches(batch_size={batch_size}): the effective batch must be divisible by the"
                          f" {world.size} processes of session.devices, so every rank takes an equal slice")
-
-
-class StepAgreement:
-    """One all-reduce per optimizer step: stop (and why), periodic save, and the mean loss when logging."""
-
-    def __init__(self, world: World, device: torch.device):
-        self.world, self.device = world, device
-        self.step: Optional[int] = None  # the step the last agreement was made at
-        self.reason: Optional[str] = None
-
-    def decide(self, step: int, reason: Optional[str], save_due: bool,
-               losses: Optional[list] = None) -> tuple[Optional[str], bool, Optional[float]]:
-        """(agreed stop reason, agreed periodic save, mean loss over every rank's losses or None)."""
-        main = self.world.main
-        values = [reason == "sigterm", reason == "steps", main and reason == "budget", main and save_due]
-        if losses is not None:
-            values += [sum(float(x) for x in losses), len(losses)]
-        out = distributed.agree(self.world, values, self.device)
-        sig, steps, budget, save = out[:4]
-        agreed = "sigterm" if sig else "steps" if steps else "budget" if budget else None
-        mean = out[4] / out[5] if losses is not None and out[5] else None
-        self.step, self.reason = step, agreed
-        return agreed, bool(save) and agreed is None, mean
-
-    def stop_reason(self, step: int, clock_reason: Optional[str]) -> Optional[str]:
-        """The agreed stop decision for `step` (made by step_done, else now)."""
-        if self.step != step:
-            self.decide(step, clock_reason, False)
-        return self.reason
 

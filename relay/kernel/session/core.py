@@ -86,7 +86,8 @@ class SessionCore:
         In the background (periodic and best saves) the commit runs while training goes on and the previous
         checkpoint stays the newest valid one until then; otherwise it is waited for and returned. The time
         to the commit goes on the clock: it is what the session's final save will cost. `started`: when the
-        caller began writing what `state` packs (a trainer's own checkpoint)."""
+        caller began writing what `state` packs (a trainer's own checkpoint). For a background save, `progress`
+        must be a copy the caller no longer changes: it is written when the commit lands."""
         t0 = time.perf_counter() if started is None else started
         if not self.world.main:
             distributed.barrier(self.world)
@@ -104,7 +105,8 @@ class SessionCore:
             self.ckpt_root, state, step=step,
             meta={"run_id": self.run_id, "code_version": code_version(), "reason": reason, **meta},
             disk_budget_bytes=int(float(c["disk_budget_gb"]) * 1e9), keep_last=int(c["keep_last"]),
-            keep_best_mode=keep_best_mode, digest=c["digest"], besides_bytes=disk_besides(self.workdir, self.ckpt_root, model, reason, exports),
+            keep_best_mode=keep_best_mode, digest=c["digest"],
+            besides_bytes=disk_besides(self.workdir, self.ckpt_root, model, reason, exports),
             background=background, on_commit=committed)
         ckpt = None if background else pending.result()
         distributed.barrier(self.world)

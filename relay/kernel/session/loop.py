@@ -134,6 +134,7 @@ class Trainer:
         self._recent_losses: list[float] = []
         # a blow-up stops the session (non-finite losses have their own guard: skip, then fall back to fp32)
         self.divergence = DivergenceGuard() if spec.session.stop_on_divergence and not world.active else None
+        self._agreement = distributed.StepAgreement(world, device)  # the stop and save decision, across ranks
         self.diverged: Optional[str] = None
         self._shown: Optional[dict] = None  # what recipe.on_step last reported (e.g. the curriculum stage)
         rungs = {r.name: r for r in recipe.memory_rungs()}
@@ -406,11 +407,8 @@ class Trainer:
         save_due = time.monotonic() - self._last_save >= self.spec.session.save_every
         if not self.world.active:
             return reason, save_due
-        main = self.world.main
-        sig, steps, budget, save = distributed.agree(self.world, [
-            reason == "sigterm", reason == "steps", main and reason == "budget", main and save_due], self.device)
-        agreed = "sigterm" if sig else "steps" if steps else "budget" if budget else None
-        return agreed, bool(save) and agreed is None
+        agreed, save, _ = self._agreement.decide(self.state.global_step, reason, save_due)
+        return agreed, save
 
     def save(self, reason: str) -> None:
         self._save(reason)  # records its own time on the clock: a background save's, once committed
