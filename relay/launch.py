@@ -122,4 +122,16 @@ def _outputs(emit, name: str, local: Path, summary: Optional[dict]) -> None:
         if (local / png).is_file():
             emit(f"{png.split('.')[0]}: {local / png}")
     if (summary["state"] if summary is not None else (progress or {}).get("status")) == "done":
-        emit(f"the final model: Kaggle dataset <you>/{name}-model (`kaggle datasets download`)")
+        emit(f"the final model: Kaggle dataset {_model_dataset(name)} (`kaggle datasets download`)")
+
+
+def _model_dataset(name: str) -> str:
+    """The final model's dataset, under the user's Kaggle name when this machine has their credentials (with
+    --submit the worker may hold them in a block instead)."""
+    from relay.orchestrator import chain
+    from relay.orchestrator.kaggle import credentials
+
+    try:
+        return chain.Names(credentials.resolve().username, name).model_dataset
+    except InputError:
+        return f"<your Kaggle username>/{name}-model"

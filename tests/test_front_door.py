@@ -23,6 +23,7 @@ def test_a_newcomer_relays_their_script_with_the_readme_commands(make_emulator, 
     run = relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "done: step 90/90, 3 session(s) handed over" in run.stdout, run.stdout
+    assert f"the final model: Kaggle dataset {USER}/byo-plain-model" in run.stdout, run.stdout
     outputs = project / "relay-runs" / "byo-plain"
     assert (outputs / "curves.png").is_file() and (outputs / "timeline.png").is_file()
     status = relay_in_shell(tmp_path, emulator, project, "status", "byo-plain", "--out", "status")
