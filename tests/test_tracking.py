@@ -80,6 +80,73 @@ def test_a_resumed_session_supersedes_the_steps_logged_after_its_checkpoint(tmp_
     assert {e.step: e.value for e in acc.Scalars("train/loss") if e.step > 20} == pytest.approx(resumed)
 
 
+
+LIGHTNING_KILLED_AFTER_A_SAVE = """
+import os, signal, sys, torch, relay
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
+from relay.kernel.integrations.lightning import RelayLightningCallback
+
+class Net(pl.LightningModule):
+    def __init__(self, session):
+        super().__init__()
+        self.session, self.lin = session, torch.nn.Linear(4, 1)
+    def training_step(self, batch, idx):
+        loss = torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1])
+        self.log("train_mse", loss)
+        return loss
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+        return torch.utils.data.DataLoader(data, batch_sampler=self.session.batch_sampler(64, batch_size=8))
+
+class KillAfterASave(pl.Callback):  # a save at step 20; steps 21-24 logged after it, then a SIGKILL
+    def __init__(self, relay_cb):
+        self.relay_cb = relay_cb
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 20:
+            self.relay_cb._save(trainer, "periodic")
+        if trainer.global_step == 25:
+            [logger.save() for logger in trainer.loggers]
+            os.kill(os.getpid(), signal.SIGKILL)
+
+session = relay.open_session(total_steps=40, workdir=sys.argv[1], log_every=1, tracking={"tensorboard": True})
+relay_cb = RelayLightningCallback(session)
+ckpt_path = relay_cb.restore()
+callbacks = [relay_cb] + ([KillAfterASave(relay_cb)] if sys.argv[2] == "kill" else [])
+trainer = pl.Trainer(max_steps=40, callbacks=callbacks, enable_checkpointing=False, log_every_n_steps=1,
+                     logger=TensorBoardLogger(save_dir=str(session.tensorboard_dir), name="", version=""),
+                     enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+trainer.fit(Net(session), ckpt_path=ckpt_path)
+session.close()
+"""
+
+
+def test_lightnings_logger_records_the_relays_step_so_the_handoff_cut_supersedes_its_tail(tmp_path):
+    """Lightning alone logs a training step at the steps done before it; at the relay's step, the handoff's cut
+    at the checkpoint (20) drops exactly the steps the next session trains again (21-24), none twice."""
+    pytest.importorskip("lightning")
+    from relay.orchestrator.tracking_handoff import cut_event_file, is_event_file
+    from tracking_fixtures import raw_steps
+
+    script, workdir = tmp_path / "train.py", tmp_path / "w"
+    script.write_text(LIGHTNING_KILLED_AFTER_A_SAVE)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RELAY_DEVICE": "cpu"}
+    env.pop("RELAY_SESSION", None)
+    first = subprocess.run([sys.executable, str(script), str(workdir), "kill"], env=env, capture_output=True)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
+    folder = workdir / "tensorboard"
+    assert sorted(raw_steps(folder, "train_mse")) == list(range(1, 25))  # the relay's steps, 21-24 past the save
+    for path in [p for p in folder.iterdir() if is_event_file(p.name)]:  # the handoff's cut at the checkpoint
+        cut_event_file(path, tmp_path / "cut", max_step=20)
+        (tmp_path / "cut").replace(path)
+    second = subprocess.run([sys.executable, str(script), str(workdir), "go"], env=env, capture_output=True)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert sorted(raw_steps(folder, "train_mse")) == list(range(1, 41))  # each step once
+    assert sorted(raw_steps(folder, "train/loss")) == list(range(1, 41))  # at the same steps as the relay's own
+
 def test_a_failing_tracker_is_a_warning_and_the_session_goes_on(tmp_path, monkeypatch, caplog):
     import torch
     import wandb

@@ -18,7 +18,7 @@ def raw_steps(folder: Path, tag: str) -> list[int]:
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
     steps = []
-    for path in sorted(folder.iterdir()):
+    for path in sorted(p for p in folder.iterdir() if "tfevents" in p.name):  # not Lightning's hparams.yaml
         for event in EventFileLoader(str(path)).Load():
             steps += [event.step for v in event.summary.value if v.tag == tag]
     return steps

@@ -13,6 +13,9 @@ session must stop (or an insurance save is due), the callback writes the Trainer
 into a relay checkpoint (atomic, manifest-checked, relay retention); never inside a signal handler (#21406).
 Resuming uses the path the relay gives, not "last" chosen by mtime. The RNG states travel in this callback's
 state and are put back at train start, after Lightning has restored everything else.
+Lightning's loggers record the relay's step (optimizer steps done, as HF and the relay's own log do): Lightning
+alone logs a training step at the steps done before it, one less, so its record of the checkpoint's step `c`
+would land past the handoff's cut at `c` and be logged again by the next session.
 For an exact data order use `session.batch_sampler(...)` in train_dataloader (a position derived from the step).
 """
 from __future__ import annotations
@@ -58,6 +61,8 @@ class RelayLightningCallback(pl.Callback):
             raise InputError(f"Trainer(max_steps={trainer.max_steps}): set it to session.total_steps"
                              f" ({self.session.total_steps}) so every session agrees on the schedule")
         self.session.weights_model = pl_module
+        for logger in trainer.loggers:
+            _log_at_relay_step(logger, trainer)
 
     def on_train_start(self, trainer, pl_module) -> None:
         if trainer.global_step != self.session.step:
@@ -65,6 +70,12 @@ class RelayLightningCallback(pl.Callback):
                              " pass ckpt_path=callback.restore() to trainer.fit")
         if self._rng is not None:
             set_rng_state(self._rng, pl_module.device)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._flush_loggers:  # the saved step's records, which Lightning logs after on_train_batch_end
+            self._flush_loggers = False
+            for logger in trainer.loggers:
+                logger.save()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.session.step:
@@ -90,5 +101,18 @@ class RelayLightningCallback(pl.Callback):
         finally:
             (path / CKPT_NAME).unlink(missing_ok=True)
             self.folder.source = None
+            self._flush_loggers = True
 
     _device = torch.device("cpu")
+    _flush_loggers = False
+
+
+def _log_at_relay_step(logger, trainer) -> None:
+    """Make `logger` record every call at the optimizer steps done (the relay's step), whatever step Lightning
+    passes (its batches stepped before this one during training)."""
+    log_metrics = logger.log_metrics
+
+    def at_relay_step(metrics, step=None):
+        return log_metrics(metrics, step=trainer.global_step)
+
+    logger.log_metrics = at_relay_step
