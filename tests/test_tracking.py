@@ -55,18 +55,23 @@ s.close()
 """
 
 
+def run_script(source: str, workdir: Path, mode: str) -> None:
+    """A session script on `workdir` in its own process: "kill" must end in its SIGKILL, "go" must finish."""
+    script = workdir.parent / "train.py"
+    script.write_text(source)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RELAY_DEVICE": "cpu"}
+    env.pop("RELAY_SESSION", None)
+    proc = subprocess.run([sys.executable, str(script), str(workdir), mode], env=env, capture_output=True)
+    assert proc.returncode == (-signal.SIGKILL if mode == "kill" else 0), proc.stderr[-2000:]
+
+
 def test_a_resumed_session_supersedes_the_steps_logged_after_its_checkpoint(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-    script, workdir = tmp_path / "train.py", tmp_path / "w"
-    script.write_text(KILLED_AFTER_A_SAVE)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RELAY_DEVICE": "cpu"}
-    env.pop("RELAY_SESSION", None)
-    first = subprocess.run([sys.executable, str(script), str(workdir), "kill"], env=env, capture_output=True)
-    assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
-    second = subprocess.run([sys.executable, str(script), str(workdir), "go"], env=env, capture_output=True)
-    assert second.returncode == 0, second.stderr[-2000:]
+    workdir = tmp_path / "w"
+    run_script(KILLED_AFTER_A_SAVE, workdir, "kill")
+    run_script(KILLED_AFTER_A_SAVE, workdir, "go")
 
     folder = workdir / "tensorboard"
     raw = [e.step for p in sorted(folder.iterdir()) for e in EventFileLoader(str(p)).Load()
@@ -131,19 +136,14 @@ def test_lightnings_logger_records_the_relays_step_so_the_handoff_cut_supersedes
     from relay.orchestrator.tracking_handoff import cut_event_file, is_event_file
     from tracking_fixtures import raw_steps
 
-    script, workdir = tmp_path / "train.py", tmp_path / "w"
-    script.write_text(LIGHTNING_KILLED_AFTER_A_SAVE)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RELAY_DEVICE": "cpu"}
-    env.pop("RELAY_SESSION", None)
-    first = subprocess.run([sys.executable, str(script), str(workdir), "kill"], env=env, capture_output=True)
-    assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
+    workdir = tmp_path / "w"
+    run_script(LIGHTNING_KILLED_AFTER_A_SAVE, workdir, "kill")
     folder = workdir / "tensorboard"
     assert sorted(raw_steps(folder, "train_mse")) == list(range(1, 25))  # the relay's steps, 21-24 past the save
     for path in [p for p in folder.iterdir() if is_event_file(p.name)]:  # the handoff's cut at the checkpoint
         cut_event_file(path, tmp_path / "cut", max_step=20)
         (tmp_path / "cut").replace(path)
-    second = subprocess.run([sys.executable, str(script), str(workdir), "go"], env=env, capture_output=True)
-    assert second.returncode == 0, second.stderr[-2000:]
+    run_script(LIGHTNING_KILLED_AFTER_A_SAVE, workdir, "go")
     assert sorted(raw_steps(folder, "train_mse")) == list(range(1, 41))  # each step once
     assert sorted(raw_steps(folder, "train/loss")) == list(range(1, 41))  # at the same steps as the relay's own
 

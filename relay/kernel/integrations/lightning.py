@@ -42,6 +42,7 @@ class RelayLightningCallback(pl.Callback):
         self.folder = CheckpointFolder(session.workdir / "lightning-resume")
         session.register(lightning_checkpoint=self.folder)
         self._rng: Optional[dict] = None
+        self._flush_loggers = False  # set by a save: Lightning logs the saved step's records after it
 
     def restore(self) -> Optional[str]:
         """Restore the session; the unpacked checkpoint for `trainer.fit(..., ckpt_path=...)`."""
@@ -72,7 +73,7 @@ class RelayLightningCallback(pl.Callback):
             set_rng_state(self._rng, pl_module.device)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self._flush_loggers:  # the saved step's records, which Lightning logs after on_train_batch_end
+        if self._flush_loggers:
             self._flush_loggers = False
             for logger in trainer.loggers:
                 logger.save()
@@ -104,7 +105,6 @@ class RelayLightningCallback(pl.Callback):
             self._flush_loggers = True
 
     _device = torch.device("cpu")
-    _flush_loggers = False
 
 
 def _log_at_relay_step(logger, trainer) -> None:

@@ -89,7 +89,7 @@ class Session:
         self.world = world  # rank 0 alone writes checkpoints, metrics.jsonl, progress.json and the export
         self.device = device or pick_device()  # where this rank trains (cuda:LOCAL_RANK under several GPUs)
         self._agreement = distributed.StepAgreement(world, self.device if self.device.type == "cuda"
-                                                        else torch.device("cpu"))
+                                                    else torch.device("cpu"))
         self.workdir = Path(config["workdir"])
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.total_steps = int(config["total_steps"])
