@@ -120,8 +120,10 @@ class SessionConfig(_Section):
     threads: Optional[PositiveInt] = Field(None, description=(
         "torch CPU threads (default: torch's); exact resume needs the same count in every session."))
     stop_on_divergence: bool = Field(True, description=(
-        "Stop the session (saving) when its loss is not finite or over 10x its recent median for 3 steps in a row;"
-        " the relay then stops and says why instead of spending quota on a diverged run. One process only."))
+        "Stop the session (saving) when its 20-step average loss has given back half of what training gained"
+        " (or rose 3 noise deviations) for 20 steps in a row, or the loss is not finite 3 steps in a row; the"
+        " relay then stops and says why instead of spending quota on a diverged run. Part of the exact resume"
+        " state. One process only."))
     devices: Union[Literal["auto"], PositiveInt] = Field("auto", description=(
         "Processes training together: `auto` is every visible GPU (both T4s of a T4 x2), 1 on CPU; or a "
         "number."))

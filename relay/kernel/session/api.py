@@ -168,6 +168,8 @@ class Session:
                     unwrap(obj).load_state_dict(saved_state)  # and refuses to load it
             self._book = dict(state["relay"])
             self._losses = list(self._book.pop("window_losses", []))  # the logging window a resume cut
+            if self._divergence is not None:  # its history: it stops, or not, at the uninterrupted run's step
+                self._divergence.load_state_dict(self._book.pop("divergence", None))
             self.step = self._saved_step = int(self._book["global_step"])
             rngs = state.get("rng_ranks") or [state["rng"]]
             if self.world.rank < len(rngs):
@@ -317,6 +319,8 @@ class Session:
         self._update_record(reason)
         self._book.update(global_step=self.step, threads=torch.get_num_threads(),
                           window_losses=[float(x) for x in self._losses])  # logged exactly after a resume
+        if self._divergence is not None:
+            self._book["divergence"] = self._divergence.state_dict()
         rngs = distributed.gather(self.world, rng_state(self._device()))
         state = None
         if self.world.main:

@@ -181,8 +181,10 @@ class Trainer:
             "scheduler": self.scheduler.state_dict() if self.scheduler else {},
             "scaler": self.scaler.state_dict(),
             "rng": rngs[0],
-            # with the logging window so far: a session resumed inside it logs the uninterrupted run's mean
-            "trainer": {**asdict(self.state), "window_losses": list(self._recent_losses)},
+            # with the logging window so far (a session resumed inside it logs the uninterrupted run's mean) and the
+            # divergence guard's history (it stops, or not, at the uninterrupted run's step)
+            "trainer": {**asdict(self.state), "window_losses": list(self._recent_losses),
+                        "divergence": self.divergence.state_dict() if self.divergence else None},
         }
         if self.world.size > 1:
             sd["rng_ranks"] = rngs
@@ -191,6 +193,8 @@ class Trainer:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.model.load_state_dict(sd["model"])
         self._recent_losses = list(sd["trainer"].get("window_losses", []))
+        if self.divergence is not None:
+            self.divergence.load_state_dict(sd["trainer"].get("divergence"))
         if self.optimizer is not None:  # the optimizer of the stage global_step is in
             self.optimizer.load_state_dict(sd["optimizer"])  # optimizer before scheduler
             self.scheduler.load_state_dict(sd["scheduler"])
@@ -372,7 +376,7 @@ class Trainer:
         if math.isfinite(loss):
             self._recent_losses.append(loss)
             if self.divergence is not None and self.diverged is None:
-                self.diverged = self.divergence.update(st.global_step, loss)
+                self.diverged = self.divergence.update(st.global_step, loss, phase=self._phase())
         if st.global_step % spec.optim.log_every_steps == 0 or st.global_step == self.total_steps:
             self._log_train()
         every = spec.session.empty_cache_every_steps
@@ -522,6 +526,10 @@ class Trainer:
             if session.get(key) not in (None, value) and not str(session[key]).endswith(f"-> {value}"):
                 value = f"{session[key]} -> {value}"
             session[key] = value
+
+    def _phase(self) -> str:
+        """The model and curriculum stage a loss belongs to: the divergence guard compares losses within one."""
+        return f"{self.span.stage.name} {sorted((self._shown or {}).items())}"
 
     def _torch_rng(self) -> tuple:
         """The generators a forward/backward draws from (dropout): ~3 us, against ~150 us for the full
