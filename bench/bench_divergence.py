@@ -119,7 +119,10 @@ def jump_step(trace: list, fraction: float) -> int | None:
     phases: dict = {}
     for i, (_, _, phase, _) in enumerate(trace):
         phases.setdefault(phase, []).append(i)
-    first, *_, last = max(phases.values(), key=len)
+    if not phases:  # the HF Trainer's callback hands the relay no per-step loss: nothing is judged
+        return None
+    longest = max(phases.values(), key=len)
+    first, last = longest[0], longest[-1]
     at = min(first + int((last - first) * fraction), last + 1 - 2 * span)
     return at if at >= first + 2 * span else None
 
