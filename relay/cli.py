@@ -56,7 +56,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if spec.code is not None and spec.code.entry:  # the user's own loop (relay/kernel/entry.py)
         from relay.kernel import entry
 
-        config = entry.session_config(
+        from relay.kernel.session.settings import SessionSettings
+
+        config = SessionSettings.from_spec(
             spec, Path(args.workdir), budget=spec.session.budget, deadline=args.deadline,
             max_steps=spec.session.max_steps, resume_from=args.resume_from, data_dir=args.data,
             feature_dirs=args.features, run_id=args.run_id)

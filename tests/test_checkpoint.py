@@ -319,10 +319,11 @@ def test_real_training_state_loads_with_weights_only(tmp_path):
     progress = run_session(spec, tmp_path, budget=None)
     assert progress["status"] == "done"
     loaded = torch.load(tmp_path / progress["checkpoint"] / "state.pt", weights_only=True)
-    assert set(loaded) == {"model", "optimizer", "scheduler", "scaler", "rng", "trainer"}
+    assert set(loaded) == {"objects", "relay", "rng"}  # the Session API's layout too
+    assert set(loaded["objects"]) == {"model", "optimizer", "scheduler", "scaler"}
     assert set(loaded["rng"]) >= {"torch", "numpy", "python"}
-    assert loaded["trainer"]["global_step"] == 6
-    assert ck.weights_sha256(loaded["model"]) == progress["weights_sha256"]
+    assert loaded["relay"]["global_step"] == 6
+    assert ck.weights_sha256(loaded["objects"]["model"]) == progress["weights_sha256"]
 
 
 def test_load_refuses_pickled_objects(tmp_path):
@@ -377,7 +378,7 @@ def test_run_exports_weights_only_model(tmp_path):
     spec = load_toy_spec(optim={"epochs": None, "max_steps": 4})
     progress = run_session(spec, tmp_path, budget=None)
     tensors = load_file(tmp_path / "export" / "model.safetensors")
-    final = torch.load(tmp_path / progress["checkpoint"] / "state.pt", weights_only=True)["model"]
+    final = torch.load(tmp_path / progress["checkpoint"] / "state.pt", weights_only=True)["objects"]["model"]
     assert set(tensors) == set(final)
     assert all(torch.equal(tensors[k], final[k]) for k in final)
 
@@ -463,7 +464,7 @@ def test_with_keep_best_the_best_checkpoints_weights_are_exported_beside_the_fin
                          checkpoints={"keep_best": True, "keep_last": 1})
     progress = run_session(spec, tmp_path, budget=None)
     best = [c for c in ck.list_valid(tmp_path / "checkpoints") if c.step == progress["best"]["step"]]
-    expected = torch.load(best[0].path / "state.pt", weights_only=True)["model"]
+    expected = torch.load(best[0].path / "state.pt", weights_only=True)["objects"]["model"]
     tensors = load_file(tmp_path / "export" / "best" / "model.safetensors")
     assert set(tensors) == set(expected) and all(torch.equal(tensors[k], expected[k]) for k in expected)
     final = load_file(tmp_path / "export" / "model.safetensors")

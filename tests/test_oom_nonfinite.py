@@ -94,7 +94,7 @@ def final_state(workdir) -> dict:
 
 
 def assert_same_weights(a, b) -> None:
-    sa, sb = final_state(a), final_state(b)
+    sa, sb = final_state(a)["objects"], final_state(b)["objects"]
     for part in ("model", "optimizer"):
         for k, v in sa[part].items() if part == "model" else sa[part]["state"].items():
             if part == "model":
@@ -114,7 +114,7 @@ def test_oom_halves_micro_batch_doubles_accumulation_and_retries_the_same_step(s
     # The pre-flight (one forward/backward before training) hits the OOM and backs off before step 0.
     assert sizes("preflight") == [8, 4] and sizes() == [4] * (6 * 4)
     assert "out of memory at micro-batch 8: retrying step 0 with micro-batch 4 x accumulation 4" in caplog.text
-    assert final_state(tmp_path / "oom")["trainer"]["micro_batch"] == 4
+    assert final_state(tmp_path / "oom")["relay"]["micro_batch"] == 4
     # The retried step saw the same samples and the same dropout masks: identical to running 4 x 4 throughout.
     scripted.reset()
     run_session(spec(optim={"micro_batch": 4, "grad_accum": 4}), tmp_path / "plain")
@@ -170,9 +170,9 @@ def test_nonfinite_steps_are_skipped_without_touching_weights(scripted, tmp_path
     scripted.nan_steps = {1, 3, 5}
     progress = run_session(spec(optim={"max_steps": 6}), tmp_path / "nan")
     assert progress["status"] == "done" and progress["precision"] == "fp32"
-    trainer = final_state(tmp_path / "nan")["trainer"]
+    trainer = final_state(tmp_path / "nan")["relay"]
     assert trainer["skipped_steps"] == 3 and trainer["nonfinite_streak"] == 1
-    assert all(torch.isfinite(v).all() for v in final_state(tmp_path / "nan")["model"].values())
+    assert all(torch.isfinite(v).all() for v in final_state(tmp_path / "nan")["objects"]["model"].values())
     losses = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["loss"] == r["loss"] for r in losses if r.get("kind") == "train")  # skipped steps not averaged in
     scripted.reset()
@@ -190,7 +190,7 @@ def test_k_nonfinite_in_a_row_under_bf16_falls_back_to_fp32(scripted, tmp_path, 
     modes = [(s, m) for s, _, m in scripted.calls if s != "preflight"]
     assert modes == [(s, "bfloat16") for s in (0, 0, 1, 1, 2, 2, 3, 3)] + [(s, "fp32") for s in (4, 4, 5, 5, 6, 6)]
     assert "falling back from bf16 to fp32 after 3 non-finite losses" in caplog.text
-    trainer = final_state(tmp_path / "w")["trainer"]
+    trainer = final_state(tmp_path / "w")["relay"]
     assert (trainer["precision"], trainer["skipped_steps"], trainer["nonfinite_streak"]) == ("fp32", 3, 0)
 
 

@@ -125,8 +125,8 @@ def test_sessions_ending_between_als_iterations_end_with_the_same_factor_matrice
     spec, ref_dir, ref = reference
     final = run_split(relay_cli, spec, tmp_path / "split", random_splits(7, 4, seed=3))
     assert final["weights_sha256"] == ref["weights_sha256"]
-    a = torch.load(tmp_path / "split" / final["checkpoint"] / checkpoint.STATE_FILE, weights_only=True)["model"]
-    b = torch.load(ref_dir / ref["checkpoint"] / checkpoint.STATE_FILE, weights_only=True)["model"]
+    a = torch.load(tmp_path / "split" / final["checkpoint"] / checkpoint.STATE_FILE, weights_only=True)["objects"]["model"]
+    b = torch.load(ref_dir / ref["checkpoint"] / checkpoint.STATE_FILE, weights_only=True)["objects"]["model"]
     for name in ("svd_user", "svd_item", "knn_index", "knn_sim", "als_user", "als_item"):
         assert torch.equal(a[name], b[name]), name
 

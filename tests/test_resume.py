@@ -64,11 +64,11 @@ def assert_same_as_reference(workdir: Path, reference: tuple[dict, dict]) -> dic
     assert progress["status"] == "done" and progress["global_step"] == TOTAL
     assert progress["weights_sha256"] == ref_progress["weights_sha256"]
     # The sha in progress.json is over the same tensors that the checkpoint holds.
-    assert checkpoint.weights_sha256(state["model"]) == progress["weights_sha256"]
+    assert checkpoint.weights_sha256(state["objects"]["model"]) == progress["weights_sha256"]
     for part in ("model", "optimizer", "scheduler", "rng"):
         assert_tree_equal(state[part], ref_state[part], part)
     for key in ("global_step", "best", "last_eval", "micro_batch", "grad_accum", "skipped_steps"):
-        assert state["trainer"][key] == ref_state["trainer"][key], key
+        assert state["relay"][key] == ref_state["relay"][key], key
     # Killed saves leave .tmp folders; the next save removes them.
     assert not list((workdir / "checkpoints").glob(".tmp-*"))
     return progress
@@ -320,3 +320,27 @@ def test_step_schedule_skip_is_o1(monkeypatch):
     assert got == perm[pos * 10:(pos + 1) * 10]
     sampler = data.MicroBatchSampler(schedule, step, step + 2, 5)
     assert next(iter(sampler)) == got[:5]
+
+
+def test_a_checkpoint_written_in_the_built_in_runners_old_layout_resumes_to_the_same_weights(tmp_path):
+    """tests/data/old-layout-toy holds a session of 10 steps written by the relay before both session paths saved
+    one layout ({model, optimizer, scheduler, scaler, trainer, rng}) and before the divergence guard's history was
+    saved: resumed now, the run ends with the weights of an uninterrupted run."""
+    import shutil
+
+    from relay.kernel.run import run_session
+    from relay.shared import spec as spec_mod
+
+    old = Path(__file__).parent / "data" / "old-layout-toy"
+    saved = torch.load(old / "workdir" / "checkpoints" / "step-00000010" / "state.pt", weights_only=True)
+    assert "trainer" in saved and "objects" not in saved and "divergence" not in saved["trainer"]
+    spec = spec_mod.load(old / "spec.yaml")
+    whole = run_session(spec.model_copy(update={"session": spec.session.model_copy(update={"max_steps": None})}),
+                        tmp_path / "whole")
+    shutil.copytree(old / "workdir", tmp_path / "resumed")
+    while (progress := run_session(spec, tmp_path / "resumed"))["status"] != "done":
+        pass
+    assert progress["sessions"][0]["step_end"] == 10 and len(progress["sessions"]) == 3
+    assert progress["weights_sha256"] == whole["weights_sha256"]
+    state = checkpoint.load_latest(tmp_path / "resumed" / "checkpoints")[1]
+    assert set(state) >= {"objects", "relay", "rng"} and "trainer" not in state  # saved in the one layout now

@@ -166,7 +166,7 @@ def test_progress_and_metrics_files(counting, tmp_path):
         assert {"run_id", "started", "ended", "seconds", "samples_per_s", "peak_mem_mb", "loss_end"} <= set(s)
     assert s2["save_seconds"] >= 0  # (an earlier session's entry is stored in its checkpoint before its save ends)
     final = torch.load(tmp_path / progress["checkpoint"] / "state.pt", weights_only=True)
-    assert checkpoint.weights_sha256(final["model"]) == progress["weights_sha256"]
+    assert checkpoint.weights_sha256(final["objects"]["model"]) == progress["weights_sha256"]
     manifest = json.loads((tmp_path / progress["checkpoint"] / "manifest.json").read_text())
     assert manifest["run_id"] == "run-42" and manifest["step"] == 48
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

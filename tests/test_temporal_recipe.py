@@ -123,8 +123,8 @@ def test_models_train_one_after_another_and_each_learns(reference):
     assert stages_logged == sorted(stages_logged, key=["lstm", "transformer", "mlp"].index)
     # The last stage's optimizer holds only the MLP's parameters: earlier models' state was dropped.
     state = torch.load(workdir / final["checkpoint"] / checkpoint.STATE_FILE, weights_only=True)
-    n_mlp = sum(1 for k in state["model"] if k.startswith("mlp."))
-    assert len(state["optimizer"]["state"]) == n_mlp
+    n_mlp = sum(1 for k in state["objects"]["model"] if k.startswith("mlp."))
+    assert len(state["objects"]["optimizer"]["state"]) == n_mlp
     model = load_exported(workdir / "export")
     assert checkpoint.weights_sha256(model.state_dict()) == final["weights_sha256"]
 

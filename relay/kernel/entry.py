@@ -1,6 +1,6 @@
 """Running the user's code.entry in a session: in this process, or once per rank in N processes with the
 torchrun environment (session.devices > 1 on a T4 x2). The entry reads its session from RELAY_SESSION
-(`session_config`), opens it with relay.open_session(), and is classified when it fails: a code error stops
+(relay.kernel.session.settings.SessionSettings), opens it with relay.open_session(), and is classified when it fails: a code error stops
 the relay (UserCodeError), an out-of-memory or a broken collective is a transient fault a new session may not hit.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from relay.kernel.session import api, api_distributed, distributed
 from relay.kernel.session.device import pick_device
+from relay.kernel.session.settings import SessionSettings
 from relay.kernel.usercode import UserCodeError, parse_entry
 from relay.shared.errors import InputError
 
@@ -28,25 +29,7 @@ if TYPE_CHECKING:
 
 
 # -- running an entry ---------------------------------------------------------------------------------------
-def session_config(spec: "RunSpec", workdir: Path, *, budget, deadline, max_steps, resume_from, data_dir,
-                   feature_dirs, run_id) -> dict:
-    """What `relay.open_session()` reads (env RELAY_SESSION) inside the user's script."""
-    return {
-        "workdir": str(Path(workdir).resolve()), "name": spec.name, "run_id": run_id, "seed": spec.seed,
-        "budget": budget, "deadline": deadline, "max_steps": max_steps,
-        "total_steps": spec.optim.max_steps, "log_every": spec.optim.log_every_steps,
-        "resume_from": [str(Path(p).resolve()) for p in resume_from],
-        "data": str(Path(data_dir).resolve()) if data_dir else None,
-        "features": [str(Path(p).resolve()) for p in feature_dirs],
-        "save_every": spec.session.save_every, "safety_margin": spec.session.safety_margin,
-        "threads": spec.session.threads, "keep_last": spec.checkpoints.keep_last,
-        "stop_on_divergence": spec.session.stop_on_divergence,
-        "disk_budget_gb": spec.checkpoints.disk_budget_gb, "digest": spec.checkpoints.digest,
-        "tracking": spec.tracking.model_dump(), "internet": spec.kaggle.enable_internet,
-    }
-
-
-def run_entry(spec: "RunSpec", config: dict) -> dict:
+def run_entry(spec: "RunSpec", config: SessionSettings) -> dict:
     """Run code.entry in this process with the session config in the environment; return its progress.
 
     A script that never opens a session, or that raises (other than out-of-memory and CUDA faults, which a
@@ -58,7 +41,7 @@ def run_entry(spec: "RunSpec", config: dict) -> dict:
         return launch_entry(spec, config, world_size)
 
     kind, target, args = parse_entry(spec.code.entry, Path(spec.code.folder))
-    os.environ[api.ENV] = json.dumps(config)
+    os.environ[api.ENV] = json.dumps(config.to_json())
     opened_before = api.sessions_opened()
     argv, cwd, path = sys.argv, os.getcwd(), list(sys.path)
     # The entry runs as `python train.py ...` runs from its own folder: relative reads work in a session too.
@@ -90,7 +73,7 @@ def run_entry(spec: "RunSpec", config: dict) -> dict:
         raise UserCodeError(f"code.entry {spec.code.entry}: ended without opening a relay session"
                             " (call relay.open_session() and session.close(); see docs/your-code.md)")
     api.close_open_sessions()  # a script that forgot close(): save and report for it
-    progress = Path(config["workdir"]) / "progress.json"
+    progress = Path(config.workdir) / "progress.json"
     return json.loads(progress.read_text())
 
 
@@ -101,10 +84,10 @@ def _transient(err: BaseException) -> bool:
 
 
 # -- launching the user's entry, one process per rank -----------------------------------------------------
-def launch_entry(spec, config: dict, world_size: int) -> dict:
+def launch_entry(spec, config: SessionSettings, world_size: int) -> dict:
     """Run code.entry in `world_size` processes; return rank 0's progress. A refused input on any rank is one
     InputError here (the CLI's one line, exit 2), and a fresh workdir that got no file is removed."""
-    workdir = Path(config["workdir"])
+    workdir = Path(config.workdir)
     created = next((p for p in reversed([workdir, *workdir.parents]) if not p.exists()), None)
     try:
         distributed.launch(_entry_rank, world_size, (spec, config))
@@ -115,7 +98,7 @@ def launch_entry(spec, config: dict, world_size: int) -> dict:
     return json.loads((workdir / "progress.json").read_text())
 
 
-def _entry_rank(rank: int, world_size: int, port: int, errors, spec, config: dict) -> None:
+def _entry_rank(rank: int, world_size: int, port: int, errors, spec, config: SessionSettings) -> None:
     """One rank (a spawned process): the torchrun environment, then the single-process entry runner."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -118,15 +118,14 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     if spec.optim.activation_checkpointing and not recipe.enable_activation_checkpointing(model):
         log.warning("optim.activation_checkpointing: recipe %s has no checkpointable modules", spec.recipe)
     model.to(device)
-    clock.estimated_save_seconds = books.estimated_save_seconds(sum(p.nbytes for p in model.parameters()))
 
     total = data.total_steps(schedule, spec.optim.epochs, spec.optim.max_steps)
     core = SessionCore(workdir, clock, world, total_steps=total, name=spec.name, run_id=run_id,
-                       resume_from=resume_from, checkpoints=spec.checkpoints.model_dump(),
+                       resume_from=resume_from, checkpoints=spec.checkpoints,
                        tracking=spec.tracking.model_dump(), internet=spec.kaggle.enable_internet)
     restored, state = _restore(core, spec, world, device, created)
     session = core.open(state.sessions, state.global_step, state.tracking, current_step=lambda: state.global_step,
-                        gpus=memory.gpu_inventory())
+                        model_bytes=sum(p.nbytes for p in model.parameters()), gpus=memory.gpu_inventory())
     log.info("GPUs: %d %s", session["gpus"]["count"], session["gpus"]["names"])  # what Kaggle really gave
 
     def save(reason: str) -> None:
@@ -144,7 +143,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
                   exports=1 + keep_best)
 
     trainer = Trainer(spec, recipe, model, device, clock, state, total_steps=total, schedule=schedule,
-                      log_metrics=core.log, save=save, world=world)
+                      log_metrics=core.log, save=save, stop_reason=core.stop_reason, world=world)
     if restored:
         trainer.load_state_dict(restored[1])
         del restored  # free the loaded copy before training (seed 002's "load to CPU, then del")
@@ -200,7 +199,7 @@ def _restore(core: SessionCore, spec, world, device, created: Optional[Path]):
             shutil.rmtree(created, ignore_errors=True)
         raise
     if restored:
-        state = TrainState.from_dict(restored[1]["trainer"])
+        state = TrainState.from_dict(restored[1]["relay"])
         log.info("resuming from %s (step %d)", restored[0].path, state.global_step)
         books.warn_if_threads_changed(state.threads)
     else:
@@ -245,7 +244,7 @@ def _best_weights(ckpt_root: Path, state: TrainState) -> Optional[dict]:
         return None
     for ckpt in checkpoint.list_valid(ckpt_root):
         if ckpt.metric is not None and ckpt.step == state.best["step"]:
-            return checkpoint.load(ckpt)["model"]
+            return books.current_layout(checkpoint.load(ckpt))["objects"]["model"]
     log.warning("no export/best: the best checkpoint (step %d) was deleted to fit checkpoints.disk_budget_gb",
                 state.best["step"])
     return None
@@ -260,10 +259,10 @@ def _change_world(state: TrainState, world_size: int) -> None:
     state.exactness_lost = state.exactness_lost or lost
 
 
-def _progress_fields(state: TrainState, schedule: data.StepSchedule) -> dict:
+def _progress_fields(state: TrainState, schedule: data.StepSchedule) -> books.RunFields:
     """What progress.json says of this run besides the checkpoint (SessionCore.write_progress)."""
-    return dict(step=state.global_step, epoch=schedule.epoch_of(max(0, state.global_step - 1)),
-                steps_per_epoch=schedule.steps_per_epoch, metrics=state.last_eval, best=state.best,
-                micro_batch=state.micro_batch, grad_accum=state.grad_accum, precision=state.precision,
-                world_size=state.world_size, exactness_lost=state.exactness_lost, tracking=state.tracking,
-                sessions=state.sessions, memory_rungs=state.memory_rungs)
+    return books.RunFields(step=state.global_step, epoch=schedule.epoch_of(max(0, state.global_step - 1)),
+                           steps_per_epoch=schedule.steps_per_epoch, metrics=state.last_eval, best=state.best,
+                           micro_batch=state.micro_batch, grad_accum=state.grad_accum, precision=state.precision,
+                           world_size=state.world_size, exactness_lost=state.exactness_lost,
+                           tracking=state.tracking, sessions=state.sessions, memory_rungs=state.memory_rungs)

@@ -9,7 +9,7 @@
     session.close()                                       # final save, progress.json (done or paused)
 
 Under `relay train` (locally or in a Kaggle kernel) the session reads its settings from the RELAY_SESSION
-environment variable (relay.kernel.entry.session_config); run by hand it trains in ./relay-run with no deadline,
+environment variable (relay.kernel.session.settings.SessionSettings); run by hand it trains in ./relay-run with no deadline,
 so the same script runs on a laptop, in the emulator and on Kaggle. A SIGTERM only sets a flag; the save
 happens at the next step boundary (never inside the handler: Lightning #21406). The stop is decided from
 the measured step and save times (relay.kernel.session.budget.SessionClock), not a fixed lead.
@@ -28,13 +28,13 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from relay.kernel.session import api_distributed, books, checkpoint, data, distributed, trace
+from relay.kernel.session import api_distributed, books, checkpoint, data, distributed, rng, trace
 from relay.kernel.session.api_distributed import unwrap
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.core import SessionCore
 from relay.kernel.session.device import pick_device, seed_everything
 from relay.kernel.session.divergence import DivergenceGuard
-from relay.kernel.session.rng import rng_state, set_rng_state
+from relay.kernel.session.settings import SessionSettings
 from relay.shared import environment
 from relay.shared.environment import SessionEnvironment
 from relay.shared.errors import InputError
@@ -56,50 +56,49 @@ def close_open_sessions() -> None:
             s.close()
 
 
-def open_session(total_steps: Optional[int] = None, *, workdir: Optional[str] = None, seed: int = 0,
-                 log_every: int = 10, save_every: float = 1800.0, **overrides) -> "Session":
-    """A session from what the relay passes (env RELAY_SESSION), else from these arguments.
-    Under the relay the spec's values win (optim.max_steps is the run's total_steps, `seed` the spec's).
-    Seeds python, numpy and torch from `seed`: build the model after this call. Under several processes
-    (WORLD_SIZE > 1, set by `relay train` with session.devices: N) it joins the process group first."""
-    config = {"workdir": workdir or "relay-run", "total_steps": total_steps, "seed": seed,
-              "log_every": log_every, "save_every": save_every, "safety_margin": 60.0, "keep_last": 2,
-              "disk_budget_gb": 20.0, "digest": "crc32", "resume_from": [], "features": [], **overrides}
-    relayed_config = SessionEnvironment.read().session
-    if relayed_config:
-        relayed = {k: v for k, v in relayed_config.items() if v is not None}
-        if total_steps is not None and relayed.get("total_steps") not in (None, total_steps):
-            log.warning("open_session(total_steps=%d): the spec's optim.max_steps (%d) wins",
-                        total_steps, relayed["total_steps"])
-        config.update(relayed)
-    if not config.get("total_steps"):
+def open_session(total_steps: Optional[int] = None, **settings: Any) -> "Session":
+    """A session from what the relay passes (env RELAY_SESSION), else from these arguments: any field of
+    relay.kernel.session.settings.SessionSettings (workdir="relay-run", seed=0, log_every, save_every, ...; their
+    defaults are the spec's). Under the relay the spec's values win (optim.max_steps is the run's total_steps,
+    `seed` the spec's). Seeds python, numpy and torch from `seed`: build the model after this call. Under several
+    processes (WORLD_SIZE > 1, set by `relay train` with session.devices: N) it joins the process group first."""
+    given = {k: v for k, v in {"total_steps": total_steps, **settings}.items() if v is not None}
+    relayed = {k: v for k, v in (SessionEnvironment.read().session or {}).items() if v is not None}
+    if total_steps is not None and relayed.get("total_steps") not in (None, total_steps):
+        log.warning("open_session(total_steps=%d): the spec's optim.max_steps (%d) wins",
+                    total_steps, relayed["total_steps"])
+    config = SessionSettings.from_json({**given, **relayed})
+    if config.extra and not relayed:
+        raise InputError(f"relay.open_session: unknown setting(s) {sorted(config.extra)}; known:"
+                         f" {', '.join(sorted(SessionSettings.__dataclass_fields__))}")
+    if not config.total_steps:
         raise InputError("relay.open_session: total_steps is unknown: pass open_session(total_steps=N)"
                          " or set optim.max_steps in the spec")
     world, device = api_distributed.join_world(pick_device())
     session = Session(config, world, device)
-    seed_everything(int(config["seed"]))  # a fresh run is reproducible; restore() replaces all three RNGs
+    seed_everything(config.seed)  # a fresh run is reproducible; restore() replaces all three RNGs
     _opened.append(session)
     return session
 
 
 class Session:
-    def __init__(self, config: dict, world: distributed.World = distributed.SINGLE,
+    def __init__(self, config: SessionSettings, world: distributed.World = distributed.SINGLE,
                  device: Optional[torch.device] = None):
         self.config = config
         self.world = world  # rank 0 alone writes checkpoints, metrics.jsonl, progress.json and the export
         self.device = device or pick_device()  # where this rank trains (cuda:LOCAL_RANK under several GPUs)
         self._agreement = distributed.StepAgreement(world, self.device if self.device.type == "cuda"
                                                     else torch.device("cpu"))
-        self.workdir = Path(config["workdir"])
+        self.workdir = Path(config.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.total_steps = int(config["total_steps"])
-        self.run_id = config.get("run_id")
-        self.data_dir = Path(config["data"]) if config.get("data") else None
-        self.feature_dirs = [Path(p) for p in config.get("features", [])]
-        if config.get("threads"):
-            torch.set_num_threads(int(config["threads"]))
-        self.clock = SessionClock(config.get("budget"), config.get("deadline"), float(config["safety_margin"]),
-                                  max_steps=config.get("max_steps"))
+        self.total_steps = int(config.total_steps)
+        self.run_id = config.run_id
+        self.data_dir = Path(config.data) if config.data else None
+        self.feature_dirs = [Path(p) for p in config.features]
+        if config.threads:
+            torch.set_num_threads(int(config.threads))
+        self.clock = SessionClock(config.budget, config.deadline, float(config.safety_margin),
+                                  max_steps=config.max_steps)
         self.clock.install_signal_handlers()
         self.objects: dict[str, Any] = {}
         self.weights_model: Optional[torch.nn.Module] = None  # whose weights_sha256/export (default: registered)
@@ -115,14 +114,14 @@ class Session:
         self._schedule: Optional[data.StepSchedule] = None
         self._session_samples = 0
         self._train_seconds = 0.0
-        self._divergence = DivergenceGuard() if config.get("stop_on_divergence", True) else None
+        self._divergence = DivergenceGuard() if config.stop_on_divergence else None
         self.diverged: Optional[str] = None  # why the session stopped itself on a diverging loss
         self._trace = trace.StepTrace.from_env()  # per-step fingerprints, under `relay verify-resume` only
         # the workdir's books: checkpoints, metrics.jsonl, progress.json, trackers (started by restore())
         self.core = SessionCore(self.workdir, self.clock, world, total_steps=self.total_steps,
-                                name=config.get("name"), run_id=self.run_id, resume_from=config["resume_from"],
-                                checkpoints=config, tracking=config.get("tracking"),
-                                internet=bool(config.get("internet")))
+                                name=config.name, run_id=self.run_id, resume_from=config.resume_from,
+                                checkpoints=config.checkpoints(), tracking=config.tracking,
+                                internet=bool(config.internet))
         self.trackers = self.core.trackers
 
     @property
@@ -171,22 +170,17 @@ class Session:
             if self._divergence is not None:  # its history: it stops, or not, at the uninterrupted run's step
                 self._divergence.load_state_dict(self._book.pop("divergence", None))
             self.step = self._saved_step = int(self._book["global_step"])
-            rngs = state.get("rng_ranks") or [state["rng"]]
-            if self.world.rank < len(rngs):
-                set_rng_state(rngs[self.world.rank], self._device())
-            else:  # a rank the saving session did not have (the world grew): exactness is lost already
-                seed_everything(distributed.rank_seed(int(self.config["seed"]) + self.step, self.world.rank))
+            rng.restore(state, self.world, self._device(), self.config.seed, self.step)
             books.warn_if_threads_changed(self._book.get("threads"))
             log.info("resumed from %s (step %d)", ckpt.path, self.step)
             del restored, state
         elif self.world.rank:  # the same initial weights on every rank (seeded alike), then each its own RNG
-            seed_everything(distributed.rank_seed(int(self.config["seed"]), self.world.rank))
+            seed_everything(distributed.rank_seed(self.config.seed, self.world.rank))
         self._check_world_size()
         model_bytes = sum(p.nbytes for o in self.objects.values() if isinstance(o, torch.nn.Module)
                           for p in o.parameters())
-        self.clock.estimated_save_seconds = books.estimated_save_seconds(model_bytes)
         self.core.open(self._book["sessions"], self.step, self._book.setdefault("tracking", {}),
-                       current_step=lambda: self.step)
+                       current_step=lambda: self.step, model_bytes=model_bytes)
         self.run_id = self.core.run_id
         if self._trace:
             self._trace.start(self, resumed=resumed)
@@ -207,7 +201,7 @@ class Session:
         """The sample indices of the current step: epoch e is a permutation seeded by (seed, e), so any step's
         batch costs one permutation (O(1) in the step), never a replay of the batches before it. With several
         processes, `batch_size` is the effective batch and rank r gets the r-th equal slice of it."""
-        seed = self.config["seed"] if seed is None else seed
+        seed = self.config.seed if seed is None else seed
         api_distributed.rank_batch(self.world, batch_size)
         s = self._schedule
         if s is None or (s.n_samples, s.effective_batch, s.seed) != (n_samples, batch_size, seed):
@@ -238,15 +232,11 @@ class Session:
         """True when the work is done, the session's step cap is reached, a SIGTERM came, or one more step
         plus the final save would not fit before the deadline. With several processes every rank gets the
         same answer: a SIGTERM to any rank, rank 0's clock for the budget."""
-        if self.step >= self.total_steps:
-            self.stop_reason = "done"
-        elif self.diverged:
-            self.stop_reason = "diverged"
-        elif self.world.size > 1:
-            self.stop_reason = self._agreement.stop_reason(self.step, self.clock.should_stop())
-        else:
-            self.stop_reason = self.clock.should_stop()
-        return self.stop_reason is not None
+        reason = self.core.stop_reason(self.step, self.diverged)
+        if reason != "done" and self.world.size > 1:  # the step count is the same on every rank
+            reason = self._agreement.stop_reason(self.step, reason)
+        self.stop_reason = reason
+        return reason is not None
 
     def step_done(self, loss: Any = None, *, save: bool = True, samples: Optional[int] = None,
                   **metrics: float) -> None:
@@ -267,7 +257,7 @@ class Session:
                 self.diverged = self._divergence.update(self.step, loss)
         if self.world.size > 1:
             return self._step_done_together(save, metrics)
-        if (self._losses or metrics) and (self.step % int(self.config["log_every"]) == 0
+        if (self._losses or metrics) and (self.step % self.config.log_every == 0
                                           or self.step == self.total_steps):
             losses = [float(x) for x in self._losses]
             self._losses.clear()
@@ -278,7 +268,7 @@ class Session:
 
     def _step_done_together(self, save: bool, metrics: dict) -> None:
         """step_done's logging and insurance save, agreed by every rank in one all-reduce."""
-        log_due = self.step % int(self.config["log_every"]) == 0 or self.step == self.total_steps
+        log_due = self.step % self.config.log_every == 0 or self.step == self.total_steps
         clock_reason = None if self.step >= self.total_steps else self.clock.should_stop()
         _, save_now, mean = self._agreement.decide(self.step, clock_reason, save and self.insurance_due(),
                                                    self._losses if log_due else None)
@@ -292,7 +282,7 @@ class Session:
 
     def insurance_due(self) -> bool:
         """A periodic save is due (session.save_every since the last one): insurance against a SIGKILL."""
-        return time.monotonic() - self._last_save >= float(self.config["save_every"])
+        return time.monotonic() - self._last_save >= float(self.config.save_every)
 
     def log(self, kind: str = "train", **values: Any) -> None:
         """One metrics.jsonl record at the current step; `kind="eval"` records become progress metrics."""
@@ -321,13 +311,11 @@ class Session:
                           window_losses=[float(x) for x in self._losses])  # logged exactly after a resume
         if self._divergence is not None:
             self._book["divergence"] = self._divergence.state_dict()
-        rngs = distributed.gather(self.world, rng_state(self._device()))
+        rngs = rng.capture(self.world, self._device())
         state = None
         if self.world.main:
-            state = {"objects": {n: unwrap(o).state_dict() for n, o in self.objects.items()},
-                     "rng": rngs[0], "relay": self._book}
-            if self.world.size > 1:
-                state["rng_ranks"] = rngs
+            state = {"objects": {n: unwrap(o).state_dict() for n, o in self.objects.items()}, "relay": self._book,
+                     **rngs}
         ckpt = self.core.save(state, reason, step=self.step, meta={"epoch": self.epoch, "best": self._book.get("best")},
                               progress=self._progress_fields(), model=self._model(), started=t0)
         self._last_save, self._saved_step = time.monotonic(), self.step
@@ -394,14 +382,16 @@ class Session:
         """Unknown (None) until a step counted its samples (from batches() or step_done(samples=))."""
         return self._session_samples / self._train_seconds if self._train_seconds and self._session_samples else None
 
-    def _progress_fields(self) -> dict:
-        """What progress.json says of this run besides the checkpoint (SessionCore.write_progress)."""
+    def _progress_fields(self) -> books.RunFields:
+        """What progress.json says of this run besides the checkpoint (SessionCore.write_progress); the script
+        picks its own accumulation and precision, so those stay unknown (None)."""
         schedule = self._schedule
-        return dict(step=self.step, epoch=self.epoch, steps_per_epoch=schedule.steps_per_epoch if schedule else None,
-                    metrics=self._book.get("last_eval") or {}, best=self._book.get("best"),
-                    micro_batch=schedule.effective_batch // self.world.size if schedule else None, grad_accum=1,
-                    precision=None, world_size=self.world.size, exactness_lost=self._book.get("exactness_lost"),
-                    tracking=self._book.get("tracking"), sessions=self._book["sessions"])
+        return books.RunFields(step=self.step, epoch=self.epoch, sessions=self._book["sessions"],
+                               world_size=self.world.size,
+                               steps_per_epoch=schedule.steps_per_epoch if schedule else None,
+                               metrics=self._book.get("last_eval") or {}, best=self._book.get("best"),
+                               micro_batch=schedule.effective_batch // self.world.size if schedule else None,
+                               exactness_lost=self._book.get("exactness_lost"), tracking=self._book.get("tracking"))
 
 
 class RunBatchSampler(torch.utils.data.Sampler):

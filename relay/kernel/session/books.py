@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -25,6 +26,17 @@ STOP_REASONS = ("budget", "steps", "sigterm", "done", "diverged")  # anything el
 def estimated_save_seconds(model_bytes: int) -> float:
     """Until a save is measured: the model and AdamW's two moments at a pessimistic 200 MB/s."""
     return 0.2 + 3 * model_bytes / 200e6
+
+
+def current_layout(state: dict) -> dict:
+    """A checkpoint's state in the one layout both session paths save: {"objects": {name: state_dict},
+    "relay": the run's books, "rng"[, "rng_ranks"]}. The built-in runner's checkpoints written before it saved
+    this layout ({"model", "optimizer", "scheduler", "scaler", "trainer", "rng"}) read as it, so they resume."""
+    if "trainer" not in state:
+        return state
+    old = dict(state)
+    objects = {name: old.pop(name) for name in ("model", "optimizer", "scheduler", "scaler")}
+    return {"objects": objects, "relay": old.pop("trainer"), **old}
 
 
 def carry_metrics(metrics: Path, resume_from: Sequence[Path]) -> None:
@@ -75,18 +87,34 @@ def update_record(record: dict, clock: SessionClock, step: int, reason: str, sam
     )
 
 
-def write_progress(workdir: Path, ckpt, *, status: str, reason: str, run_id: Optional[str], name: Optional[str],
-                   step: int, total: Optional[int], epoch: int, steps_per_epoch: Optional[int], metrics: dict,
-                   best: Optional[dict], micro_batch: Optional[int], grad_accum: int, precision: Optional[str],
-                   world_size: int, exactness_lost: Optional[dict], tracking: Optional[dict], sessions: list,
-                   weights: Optional[str] = None, **extra: Any) -> dict:
+@dataclass
+class RunFields:
+    """What progress.json says of the run besides its checkpoint, filled by both session paths alike. None is
+    "not the relay's to know": a user's own loop picks its micro-batch split and precision itself."""
+
+    step: int
+    epoch: int
+    sessions: list
+    world_size: int
+    steps_per_epoch: Optional[int] = None
+    metrics: dict = field(default_factory=dict)  # the last eval
+    best: Optional[dict] = None
+    micro_batch: Optional[int] = None
+    grad_accum: Optional[int] = None
+    precision: Optional[str] = None
+    exactness_lost: Optional[dict] = None
+    tracking: Optional[dict] = None
+    memory_rungs: list = field(default_factory=list)
+
+
+def write_progress(workdir: Path, ckpt, run: RunFields, *, status: str, reason: str, run_id: Optional[str],
+                   name: Optional[str], total: Optional[int], weights: Optional[str] = None) -> dict:
     """progress.json, atomically: where the run stands, what the newest checkpoint is, every session so far."""
+    fields = asdict(run)
+    sessions = fields.pop("sessions")
     progress = {
         "status": status, "stop_reason": reason, "run_id": run_id, "name": name, "code_version": code_version(),
-        "global_step": step, "total_steps": total, "epoch": epoch, "steps_per_epoch": steps_per_epoch,
-        "metrics": metrics, "best": best, "micro_batch": micro_batch, "grad_accum": grad_accum,
-        "precision": precision, "world_size": world_size, "exactness_lost": exactness_lost, **extra,
-        "tracking": tracking,
+        "global_step": fields.pop("step"), "total_steps": total, **fields,
         "checkpoint": str(ckpt.path.relative_to(workdir)) if ckpt.path.is_relative_to(workdir) else str(ckpt.path),
         "weights_sha256": weights, "sessions": sessions,
         "total_seconds": round(sum(s.get("seconds", 0.0) for s in sessions), 3),

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from relay.kernel.session import books, checkpoint, distributed
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.checkpoint import disk_besides
 from relay.kernel.session.tracking import Trackers
 from relay.shared.progress_line import ProgressLines
+from relay.shared.spec_sections import CheckpointConfig
 from relay.shared.version import code_version
 
 
@@ -27,13 +28,13 @@ class SessionCore:
 
     def __init__(self, workdir: Path, clock: SessionClock, world: distributed.World, *, total_steps: int,
                  name: Optional[str], run_id: Optional[str], resume_from: Sequence[Path],
-                 checkpoints: Mapping[str, Any], tracking: Optional[dict], internet: bool):
+                 checkpoints: CheckpointConfig, tracking: Optional[dict], internet: bool):
         self.workdir, self.clock, self.world = Path(workdir), clock, world
         self.total_steps, self.name, self.run_id = total_steps, name, run_id
         self.resume_from = [Path(p) for p in resume_from]
         self.ckpt_root = self.workdir / "checkpoints"
         self.metrics_path = self.workdir / "metrics.jsonl"
-        self.checkpoints = checkpoints  # keep_last, disk_budget_gb, digest: read at each save
+        self.checkpoints = checkpoints  # keep_last, disk_budget_gb, digest
         self.trackers = Trackers(tracking, self.workdir, main=world.main, internet=internet)
         self.record: dict = {}  # this session's entry in progress.json's `sessions`, from open() on
         self.lines: Optional[ProgressLines] = None
@@ -45,11 +46,13 @@ class SessionCore:
         restored = checkpoint.load_resume(self.ckpt_root, self.resume_from)
         if self.world.main:
             books.carry_metrics(self.metrics_path, self.resume_from)
-        return restored
+        return (restored[0], books.current_layout(restored[1])) if restored else None
 
     def open(self, sessions: list, step: int, tracking_state: dict, current_step: Callable[[], int],
-             **record: Any) -> dict:
-        """Start this session's record (appended to `sessions`), its progress lines and its trackers."""
+             model_bytes: int, **record: Any) -> dict:
+        """Start this session's record (appended to `sessions`), its progress lines and its trackers; until a
+        save is measured, the clock plans the final save from the model's size."""
+        self.clock.estimated_save_seconds = books.estimated_save_seconds(model_bytes)
         self.run_id = self.run_id or (sessions[-1].get("run_id") if sessions else None)
         self.record = books.open_record(sessions, self.run_id, self.clock, step, self.world.size, **record)
         self.lines = ProgressLines(self.record["index"], step, self.total_steps, self.clock.remaining,
@@ -58,6 +61,13 @@ class SessionCore:
         return self.record
 
     # -- during -----------------------------------------------------------------------------------------
+    def stop_reason(self, step: int, diverged: Optional[str], eval_due: bool = False) -> Optional[str]:
+        """This process's answer to "stop before the next step?" ("done", "diverged", the clock's "budget",
+        "steps" or "sigterm"), or None; with several processes the caller agrees on it with the others."""
+        if step >= self.total_steps:
+            return "done"
+        return "diverged" if diverged else self.clock.should_stop(eval_due=eval_due)
+
     def log(self, record: dict, shown: Optional[dict] = None) -> None:
         """One metrics.jsonl line (appended and flushed: a kill loses at most that line), then its progress
         line and the trackers; `shown` (samples/s, lr) goes to those two only."""
@@ -79,7 +89,7 @@ class SessionCore:
         speed = None if samples_per_s is None else round(samples_per_s, 2)
         books.update_record(self.record, self.clock, step, reason, speed, diverged, **extra)
 
-    def save(self, state: Optional[dict], reason: str, *, step: int, meta: dict, progress: dict, model: Any,
+    def save(self, state: Optional[dict], reason: str, *, step: int, meta: dict, progress: books.RunFields, model: Any,
              background: bool = False, keep_best_mode: Optional[str] = None, exports: int = 1,
              started: Optional[float] = None) -> Optional[checkpoint.Checkpoint]:
         """An atomic checkpoint of `state` (None off rank 0), then progress.json ("paused") from `progress`.
@@ -104,8 +114,8 @@ class SessionCore:
         pending = checkpoint.start_save(
             self.ckpt_root, state, step=step,
             meta={"run_id": self.run_id, "code_version": code_version(), "reason": reason, **meta},
-            disk_budget_bytes=int(float(c["disk_budget_gb"]) * 1e9), keep_last=int(c["keep_last"]),
-            keep_best_mode=keep_best_mode, digest=c["digest"],
+            disk_budget_bytes=int(c.disk_budget_gb * 1e9), keep_last=c.keep_last,
+            keep_best_mode=keep_best_mode, digest=c.digest,
             besides_bytes=disk_besides(self.workdir, self.ckpt_root, model, reason, exports),
             background=background, on_commit=committed)
         ckpt = None if background else pending.result()
@@ -113,17 +123,17 @@ class SessionCore:
         return ckpt
 
     # -- end --------------------------------------------------------------------------------------------
-    def write_progress(self, ckpt: checkpoint.Checkpoint, status: str, reason: str, progress: dict,
+    def write_progress(self, ckpt: checkpoint.Checkpoint, status: str, reason: str, progress: books.RunFields,
                        weights: Optional[str] = None) -> dict:
-        return books.write_progress(self.workdir, ckpt, status=status, reason=reason, run_id=self.run_id,
-                                    name=self.name, total=self.total_steps, weights=weights, **progress)
+        return books.write_progress(self.workdir, ckpt, progress, status=status, reason=reason, run_id=self.run_id,
+                                    name=self.name, total=self.total_steps, weights=weights)
 
-    def finish(self, status: str, reason: str, progress: dict, weights: Optional[str]) -> dict:
+    def finish(self, status: str, reason: str, progress: books.RunFields, weights: Optional[str]) -> dict:
         """Rank 0 after the last save (and the export): progress.json and the session's last progress line."""
         checkpoint.wait_for_deletions()
         result = self.write_progress(checkpoint.list_valid(self.ckpt_root)[0], status, reason, progress, weights)
         if self.lines is not None:
-            self.lines.end(progress["step"], result["status"], reason)
+            self.lines.end(progress.step, result["status"], reason)
         return result
 
     def close(self) -> None:

@@ -23,10 +23,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from relay.kernel.session import data, distributed, memory, stages
+from relay.kernel.session import data, distributed, memory, rng, stages
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.divergence import DivergenceGuard
-from relay.kernel.session.rng import rng_state, set_rng_state
 from relay.shared.spec import RunSpec
 
 if TYPE_CHECKING:  # the Trainer runs any Recipe; the session runtime does not import the recipes
@@ -107,11 +106,12 @@ class Trainer:
     def __init__(self, spec: RunSpec, recipe: Recipe, model: nn.Module, device: torch.device,
                  clock: SessionClock, state: TrainState, *, total_steps: int,
                  schedule: data.StepSchedule, log_metrics: Callable[[dict], None],
-                 save: Callable[[str], None], world: distributed.World = distributed.SINGLE):
+                 save: Callable[[str], None], stop_reason: Callable[..., Optional[str]],
+                 world: distributed.World = distributed.SINGLE):
         self.spec, self.recipe, self.model, self.device, self.clock = spec, recipe, model, device, clock
         self.world = world
         self.state, self.total_steps, self.schedule = state, total_steps, schedule
-        self.log_metrics, self._save = log_metrics, save
+        self.log_metrics, self._save, self._stop_reason = log_metrics, save, stop_reason  # SessionCore's
         self.span: Optional[stages.Span] = None
         self.spans = stages.plan(recipe.stages(), total_steps)
         for span in self.spans:  # a stage's scaled batch larger than the training set: an error now, not mid-run
@@ -172,40 +172,34 @@ class Trainer:
     def state_dict(self) -> Optional[dict[str, Any]]:
         """The resume state, on rank 0 (None on the others: the replicas are equal, only RNG differs, and every
         rank's RNG is gathered into `rng_ranks`). All ranks must call it."""
-        rngs = distributed.gather(self.world, rng_state(self.device))
+        rngs = rng.capture(self.world, self.device)
         if not self.world.main:
             return None
-        sd = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer else {},
-            "scheduler": self.scheduler.state_dict() if self.scheduler else {},
-            "scaler": self.scaler.state_dict(),
-            "rng": rngs[0],
+        return {  # the layout the Session API saves too (session/books.py current_layout)
+            "objects": {"model": self.model.state_dict(),
+                        "optimizer": self.optimizer.state_dict() if self.optimizer else {},
+                        "scheduler": self.scheduler.state_dict() if self.scheduler else {},
+                        "scaler": self.scaler.state_dict()},
             # with the logging window so far (a session resumed inside it logs the uninterrupted run's mean) and the
             # divergence guard's history (it stops, or not, at the uninterrupted run's step)
-            "trainer": {**asdict(self.state), "window_losses": list(self._recent_losses),
-                        "divergence": self.divergence.state_dict() if self.divergence else None},
+            "relay": {**asdict(self.state), "window_losses": list(self._recent_losses),
+                      "divergence": self.divergence.state_dict() if self.divergence else None},
+            **rngs,
         }
-        if self.world.size > 1:
-            sd["rng_ranks"] = rngs
-        return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.model.load_state_dict(sd["model"])
-        self._recent_losses = list(sd["trainer"].get("window_losses", []))
+        objects, books = sd["objects"], sd["relay"]
+        self.model.load_state_dict(objects["model"])
+        self._recent_losses = list(books.get("window_losses", []))
         if self.divergence is not None:
-            self.divergence.load_state_dict(sd["trainer"].get("divergence"))
+            self.divergence.load_state_dict(books.get("divergence"))
         if self.optimizer is not None:  # the optimizer of the stage global_step is in
-            self.optimizer.load_state_dict(sd["optimizer"])  # optimizer before scheduler
-            self.scheduler.load_state_dict(sd["scheduler"])
+            self.optimizer.load_state_dict(objects["optimizer"])  # optimizer before scheduler
+            self.scheduler.load_state_dict(objects["scheduler"])
         self.scaler = self._new_scaler()
-        if sd["scaler"]:
-            self.scaler.load_state_dict(sd["scaler"])
-        rngs = sd.get("rng_ranks") or [sd["rng"]]
-        if self.world.rank < len(rngs):
-            set_rng_state(rngs[self.world.rank], self.device)
-        else:  # a rank the saving session did not have (the world grew): exactness is already lost
-            torch.manual_seed(distributed.rank_seed(self.spec.seed + self.state.global_step, self.world.rank))
+        if objects["scaler"]:
+            self.scaler.load_state_dict(objects["scaler"])
+        rng.restore(sd, self.world, self.device, self.spec.seed, self.state.global_step)
 
     # -- the loop -------------------------------------------------------------------------------
     def preflight(self) -> dict:
@@ -288,7 +282,7 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=st.global_step, desc=f"session {st.sessions[-1]['index']}",
                    unit="step", dynamic_ncols=True, mininterval=1.0, disable=not self.world.main)
         try:
-            while st.global_step < self.total_steps:
+            while True:
                 reason, save_due = self._decide(eval_due=self._eval_due(st.global_step + 1))
                 if reason:
                     return reason
@@ -305,7 +299,6 @@ class Trainer:
                 bar.update(1)
                 if st.global_step % self.spec.optim.log_every_steps == 0:  # ~40 us: not every step
                     bar.set_postfix(loss=f"{loss:.4f}", left=f"{self.clock.remaining():.0f}s", refresh=False)
-            return "done"
         finally:
             bar.close()
 
@@ -407,9 +400,9 @@ class Trainer:
     def _decide(self, eval_due: bool) -> tuple[Optional[str], bool]:
         """Stop now (the reason), and is a periodic save due? With several ranks, rank 0's clock decides the
         budget and the save, a SIGTERM to any rank stops all, and every rank gets the same answer."""
-        reason = "diverged" if self.diverged else self.clock.should_stop(eval_due=eval_due)
+        reason = self._stop_reason(self.state.global_step, self.diverged, eval_due=eval_due)
         save_due = time.monotonic() - self._last_save >= self.spec.session.save_every
-        if not self.world.active:
+        if reason == "done" or not self.world.active:  # the step count is the same on every rank
             return reason, save_due
         agreed, save, _ = self._agreement.decide(self.state.global_step, reason, save_due)
         return agreed, save

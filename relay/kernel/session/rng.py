@@ -3,9 +3,13 @@ data that torch.load(weights_only=True) reads, and put back. Both session paths 
 from __future__ import annotations
 
 import random
+from typing import Optional
 
 import numpy as np
 import torch
+
+from relay.kernel.session import distributed
+from relay.kernel.session.device import seed_everything
 
 
 def rng_state(device: torch.device) -> dict:
@@ -26,6 +30,25 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def capture(world: distributed.World, device: torch.device) -> Optional[dict]:
+    """The checkpoint's RNG entries: `rng` (rank 0's) and, with several processes, `rng_ranks` (every rank's,
+    gathered: a collective, every rank calls it). None off rank 0."""
+    rngs = distributed.gather(world, rng_state(device))
+    if not world.main:
+        return None
+    return {"rng": rngs[0], **({"rng_ranks": rngs} if world.size > 1 else {})}
+
+
+def restore(saved: dict, world: distributed.World, device: torch.device, seed: int, step: int) -> None:
+    """Put this rank's generators back from a checkpoint. A rank the saving session did not have (the world
+    grew: exactness is lost already) is seeded from the run's seed, the step and its rank instead."""
+    rngs = saved.get("rng_ranks") or [saved["rng"]]
+    if world.rank < len(rngs):
+        set_rng_state(rngs[world.rank], device)
+    else:
+        seed_everything(distributed.rank_seed(seed + step, world.rank))
 
 
 def _python_rng_to_plain(s: tuple) -> list:
