@@ -164,9 +164,22 @@ def run(only: list[str] | None = None, inject_at: float = 0.5, jump: float = 100
     delays = [r["stopped_after"] for r in figures.values() if r.get("stopped_after") is not None]
     summary = {"divergence_false_stops": len(false_stops), "divergence_missed": len(missed),
                "divergence_max_steps_to_stop": max(delays) if delays else None,
-               "divergence_max_headroom": max(r["headroom"] for r in figures.values())}
-    print(json.dumps(summary))
+               "divergence_max_headroom": max(r["headroom"] for r in figures.values()), "divergence_lr_jump": jump}
+    summary["divergence_meets_target"] = not false_stops and not missed
     return {**summary, "divergence_runs": figures}
+
+
+def format_lines(f: dict) -> list[str]:
+    x = f"lr x{f['divergence_lr_jump']:g}"
+    lines = [f"divergence guard (each run to its end in one session, guard on; then the {x} from mid-phase):"]
+    for name, r in f["divergence_runs"].items():
+        jumped = (f"{x} at step {r['jump_at']}: stopped {r['stopped_after']} steps later" if r.get("stopped_after")
+                  is not None else f"{x}: MISSED" if "jump_at" in r else "too short to judge a jump")
+        old = f", the old 10x-median rule stopped it at {r['median_rule_stop']}" if r["median_rule_stop"] else ""
+        lines.append(f"  {name:24s} {r['stop']} at {r['steps']} (headroom {r['headroom']:.2f}{old}); {jumped}")
+    lines.append(f"  false stops {f['divergence_false_stops']}, missed {f['divergence_missed']}, slowest stop"
+                 f" {f['divergence_max_steps_to_stop']} steps after the jump  {'OK' if f['divergence_meets_target'] else 'MISSED'}")
+    return lines
 
 
 if __name__ == "__main__":
@@ -179,4 +192,5 @@ if __name__ == "__main__":
     ap.add_argument("--jump", type=float, default=100.0, help="the learning rate's factor from then on")
     a = ap.parse_args()
     out = run(a.only.split(",") if a.only else None, a.inject_at, a.jump)
-    sys.exit(1 if out["divergence_false_stops"] or out["divergence_missed"] else 0)
+    print("\n".join(format_lines(out)))
+    sys.exit(0 if out["divergence_meets_target"] else 1)

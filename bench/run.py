@@ -3,7 +3,7 @@
     python bench/run.py [--only loop,checkpoint,features] [--quick]
 
 Each bench module has `run() -> dict` of figures (bench_loop, bench_checkpoint, bench_features, bench_relay,
-bench_vqa, bench_recsys, bench_byo, bench_live, bench_tick).
+bench_vqa, bench_recsys, bench_byo, bench_live, bench_tick, bench_tracking, bench_divergence).
 Timings are of this machine at this moment: the output and the results file name the machine (CPU model, cores,
 torch version, load average; bench/machine.py). Every figure is a ratio against a baseline measured in the same
 run, compared variants alternate, and each is reported as a median with its spread.
@@ -40,6 +40,8 @@ BENCHES = {
     "tick": ("bench_tick", {}, {"rounds": 3, "flow_rounds": 1}),
     "byo": ("bench_byo", {"steps": 400, "repeats": 7, "verify_steps": 24, "examples": ("byo-plain",)},
             {"steps": 100, "repeats": 3, "verify_steps": 0}),
+    # ~15 min: every tiny/demo/byo run to its end with the guard on, then again with the lr jumped 100x
+    "divergence": ("bench_divergence", {}, {"only": ["legal-tiny", "byo-plain"]}),
     # ~30 s: 7 alternating rounds of ~1.5 CPU s each, tracking on vs off (sized from a step time measured first)
     "tracking": ("bench_tracking", {"repeats": 7, "target_s": 1.5}, {"repeats": 3, "target_s": 0.5}),
 }
@@ -118,6 +120,10 @@ def _lines(name: str, f: dict) -> list[str]:
         import bench_byo
 
         return bench_byo.format_lines(f)
+    if name == "divergence":
+        import bench_divergence
+
+        return bench_divergence.format_lines(f)
     if name == "tracking":
         import bench_tracking
 
