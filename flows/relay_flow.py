@@ -21,7 +21,7 @@ from prefect import flow, get_run_logger
 from relay.orchestrator import chain, handoff, restore
 from relay.orchestrator.chain import Do
 from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
-from relay.orchestrator.kaggle.types import Refusal
+from relay.orchestrator.kaggle.types import KaggleUnresponsive, Refusal
 from relay.orchestrator.policy import budget_lowered, plan_text, session_budget, utc
 from relay.preflight import load_spec
 from tasks import artifacts, relay_tasks as t
@@ -113,6 +113,17 @@ class _Driver:
     reported: Optional[str] = None  # the handed-over run the artifacts show
 
     def run(self) -> dict:
+        while True:
+            try:
+                return self._run()
+            except KaggleUnresponsive as err:  # a watch outlives an outage: every step is rebuilt from Kaggle
+                if self.mode == "tick" or time.monotonic() > self.give_up:
+                    raise
+                self.lock.release()
+                self.logger.warning("%s; looking again in %.0f s", err, self.poll_seconds)
+                time.sleep(self.poll_seconds)
+
+    def _run(self) -> dict:
         while True:
             self.lock.acquire()
             obs = t.observe(self.backend, self.names, self.local)

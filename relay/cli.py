@@ -298,6 +298,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"relay: error: relay {args.command} needs the training stack ({err.name} is not installed):"
               " pip install 'kaggle-relay[train]'", file=sys.stderr)
         return 2
+    except Exception as err:  # noqa: BLE001 - only Kaggle's failures are answered here; anything else is a bug
+        types = sys.modules.get("relay.orchestrator.kaggle.types")  # loaded by whatever talked to Kaggle
+        if types is None or not isinstance(err, types.KaggleError):
+            raise
+        print(f"relay: error: {err}", file=sys.stderr)  # one line naming the call, never a traceback
+        return 1
 
 
 if __name__ == "__main__":

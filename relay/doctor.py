@@ -42,7 +42,7 @@ def run(spec_path: Optional[str], backend_factory: Callable, timeout_s: float = 
 
 
 def _checks(spec_path, backend_factory, timeout_s, poll_s) -> Iterator[Check]:
-    from relay.orchestrator.kaggle import KaggleError
+    from relay.orchestrator.kaggle import KaggleError, KaggleUnresponsive
     from relay.orchestrator.kaggle.credentials import resolve
 
     run_spec = None
@@ -66,6 +66,9 @@ def _checks(spec_path, backend_factory, timeout_s, poll_s) -> Iterator[Check]:
     try:
         backend = backend_factory()
         quota = backend.quota()
+    except KaggleUnresponsive as err:
+        yield Check(FAIL, "api", f"{err} -> Kaggle is not answering; try again later")
+        return
     except KaggleError as err:
         yield Check(FAIL, "api", f"{err} -> check the key (it may be revoked) and the network")
         return

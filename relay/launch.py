@@ -73,8 +73,13 @@ def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: 
 
     if poll_seconds is None:  # the emulator answers at once; Kaggle is polled gently
         poll_seconds = 2.0 if os.environ.get("RELAY_KAGGLE_ENDPOINT") else 30.0
+    from relay.orchestrator.kaggle import KaggleUnresponsive
+
     if tick and not os.environ.get("PREFECT_API_URL"):
-        waiting = _still_running(run_spec, local)
+        try:
+            waiting = _still_running(run_spec, local)
+        except KaggleUnresponsive as err:
+            return _unanswered(emit, run_spec.name, err)
         if waiting:  # nothing to do but wait: no Prefect, no artifacts that an ephemeral server would drop
             emit(f"relay {run_spec.name}: {waiting}; nothing to do (`relay status {run_spec.name}` shows its progress)")
             return 0
@@ -87,11 +92,19 @@ def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: 
                         state_dir=str(folder), credentials_block=credentials_block)
     except RelayFailed as err:
         return _stopped(emit, str(err))
+    except KaggleUnresponsive as err:  # a tick (a watch waits it out)
+        return _unanswered(emit, run_spec.name, err)
     except KeyboardInterrupt:
         emit("relay: interrupted; nothing is lost: `relay run` again continues from what Kaggle shows")
         return 130
     _outputs(emit, run_spec.name, local, summary)
     return 0
+
+
+def _unanswered(emit, name: str, err: Exception) -> int:
+    """One line for a call Kaggle left unanswered past its bound; the relay is as it was, so run it again."""
+    emit(f"relay {name}: Kaggle did not answer: {err}; nothing was lost, the next run or tick looks again")
+    return 1
 
 
 def _stopped(emit, reason: str) -> int:

@@ -10,9 +10,29 @@ from prefect.cache_policies import NO_CACHE
 
 from relay.orchestrator import handoff
 from relay.orchestrator.chain import Action, Names, Observation
-from relay.orchestrator.kaggle.types import NotFound, PushResult, Quota, SessionKernel
+from relay.orchestrator.kaggle.lease import LeaseLost
+from relay.orchestrator.kaggle.selective_output import DiskSpaceError
+from relay.orchestrator.kaggle.types import KaggleUnresponsive, NotFound, PushResult, Quota, SessionKernel
 
-RETRY = dict(retries=3, retry_delay_seconds=[2, 10, 30], retry_jitter_factor=0.5, cache_policy=NO_CACHE)
+
+def _retry_unless(*final: type):
+    """A retry condition: retry a failed task unless its exception is one of `final`. KaggleUnresponsive is
+    always final: the call retried for its whole give-up bound already, and retrying it here would stretch a
+    tick's bound fourfold (the next tick, or the watch's next look, tries again)."""
+    def condition(task, task_run, state) -> bool:
+        try:
+            state.result(raise_on_failure=True)
+        except final + (KaggleUnresponsive,):
+            return False
+        except BaseException:  # noqa: BLE001
+            return True
+        return True
+
+    return condition
+
+
+RETRY = dict(retries=3, retry_delay_seconds=[2, 10, 30], retry_jitter_factor=0.5, cache_policy=NO_CACHE,
+             retry_condition_fn=_retry_unless())
 
 
 @task(name="observe", **RETRY)
@@ -41,22 +61,9 @@ def push_session(backend, session: SessionKernel) -> PushResult:
     return result
 
 
-def _retry_unless_disk_short(task, task_run, state) -> bool:
-    """A short disk is not transient within a tick: fail at once with its one-line message (the next tick
-    retries, after someone freed space)."""
-    from relay.orchestrator.kaggle.lease import LeaseLost
-    from relay.orchestrator.kaggle.selective_output import DiskSpaceError
-
-    try:
-        state.result(raise_on_failure=True)
-    except (DiskSpaceError, LeaseLost):  # LeaseLost: another orchestrator has the step now
-        return False
-    except BaseException:  # noqa: BLE001
-        return True
-    return True
-
-
-@task(name="hand-over", retry_condition_fn=_retry_unless_disk_short, **RETRY)
+# a short disk is not transient within a tick: fail at once with its one-line message (the next tick retries,
+# after someone freed space); LeaseLost: another orchestrator has the step now
+@task(name="hand-over", **{**RETRY, "retry_condition_fn": _retry_unless(DiskSpaceError, LeaseLost)})
 def hand_over(backend, spec, names: Names, action: Action, obs: Observation, local: Path,
               confirm=None) -> handoff.HandOver:
     result = handoff.hand_over(backend, spec, names, action, obs, local, wandb_key=lambda: wandb_api_key(spec),

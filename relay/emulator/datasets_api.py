@@ -118,7 +118,8 @@ class DatasetsService:
             dataset = self._dataset(ref)
             if dataset["owner"] != call.user:
                 raise ApiError(403, f"Permission denied: {call.user} cannot version {ref}")
-            if dataset["versions"] and dataset["versions"][-1]["ready_at"] > time.time():
+            latest = dataset["versions"][-1] if dataset["versions"] else None
+            if latest and (latest["ready_at"] > time.time() or self.faults.refuse_version(ref, latest["number"])):
                 raise ApiError(403, f"Dataset {ref} is still processing its latest version; try again later")
             files = self._check_tokens(call.user, body.get("files") or [])
             for key in ("subtitle", "description"):
@@ -200,6 +201,8 @@ class DatasetsService:
         dataset = self._dataset(ref)
         if number:
             found = next((v for v in dataset["versions"] if v["number"] == int(number)), None)
+            if found is dataset["versions"][-1] and self.faults.hide_version(ref, found["number"]):
+                found = None  # a new version 404s for a while after its creation
         else:
             found = self._current(ref)
         if found is None:

@@ -10,10 +10,19 @@ Spec (JSON, or built from CLI flags):
    "kill_kernel": {"probability": 0.5, "min_s": 0.5, "max_s": 3},   # SIGKILL at a random instant
    "status_lag": {"seconds": 60, "calls": 5},   # after a push, unpinned status/output answer the previous version
    "latency": {"min_s": 0.01, "max_s": 0.1},     # every request waits a seeded draw, half before, half after
-   "stream_drop": {"after_events": 20}}          # each version's live log stream is cut once, after 20 events
+   "stream_drop": {"after_events": 20},         # each version's live log stream is cut once, after 20 events
+   "version_refused": {"calls": 2},  # the 2 first new versions asked of a dataset after each version: 403
+   "version_404": {"calls": 3}}      # the 3 first reads naming a dataset's newest version number: 404
 Kinds: 429 (with Retry-After), 500, 503, reset (connection dropped before handling), lost (handled, then the
 connection dropped: the client cannot know it happened), slow (answered after slow_s seconds), refused (HTTP 200
-`{"versionNumber": 0, "error": ...}` without handling: a refused push; script it for SaveKernel).
+`{"versionNumber": 0, "error": ...}` without handling: a refused push; script it for SaveKernel), hang (never
+answered: the request waits until the emulator stops), html (an HTML error page with status `html_status`,
+default 503, and Retry-After when 429: what Kaggle's front end answers instead of JSON).
+version_refused: Kaggle refuses a new dataset version (403) while the previous one still processes, and its
+status can read READY before that ends; here the first `calls` CreateDatasetVersion requests after each new
+version are refused whatever the status says. version_404: a new version 404s for a few seconds after its
+creation; here the first `calls` requests naming the newest version's number (ListDatasetFiles, DownloadDataset,
+its file GETs) answer 404. Both count calls, not seconds, so a test does not depend on the machine's speed.
 status_lag: GetKernelSessionStatus and ListKernelSessionOutput without a versionLabel answer the previous
 version while the newest was pushed less than `seconds` ago OR fewer than `calls` such calls have been
 answered since its push (`calls` alone is independent of the machine's speed). With a versionLabel they
@@ -35,7 +44,7 @@ from typing import Dict, Optional
 
 from relay.shared.errors import InputError
 
-KINDS = ("429", "500", "503", "reset", "lost", "slow", "refused")
+KINDS = ("429", "500", "503", "reset", "lost", "slow", "refused", "hang", "html")
 DEFAULT_RATE_KINDS = ("429", "500", "reset", "lost")
 
 
@@ -43,6 +52,7 @@ DEFAULT_RATE_KINDS = ("429", "500", "reset", "lost")
 class Fault:
     kind: str            # "ok" or one of KINDS
     slow_s: float = 0.0
+    status: int = 503    # the HTTP status of an `html` fault
 
 
 class FaultPlan:
@@ -66,6 +76,8 @@ class FaultPlan:
                 float(self.latency.get("max_s", 0)) > 60:
             raise InputError("faults: latency: need 0 <= min_s <= max_s <= 60")
         self.stream_drop: dict = dict(spec.get("stream_drop") or {})
+        self.version_refused = self._calls_setting(spec, "version_refused")
+        self.version_404 = self._calls_setting(spec, "version_404")
         self._streams_cut: set = set()
         self._lagged: Dict[str, int] = defaultdict(int)  # kernel version -> unpinned calls answered since push
         self._counts: Dict[str, int] = defaultdict(int)
@@ -75,6 +87,13 @@ class FaultPlan:
             for kind in rule.get("script", []):
                 if kind != "ok" and kind not in KINDS:
                     raise InputError(f"faults: method {name}: unknown kind {kind!r} (use ok or {', '.join(KINDS)})")
+
+    @staticmethod
+    def _calls_setting(spec: dict, key: str) -> int:
+        value = spec.get(key) or {}
+        if set(value) - {"calls"} or not isinstance(value.get("calls", 0), int) or value.get("calls", 0) < 0:
+            raise InputError(f"faults: {key}: expected {{\"calls\": N}} with N >= 0 (got {value!r})")
+        return int(value.get("calls", 0))
 
     def _rng(self, *key: object) -> random.Random:
         return random.Random("/".join(str(k) for k in (self.seed,) + key))
@@ -94,7 +113,10 @@ class FaultPlan:
         if kind != "ok":
             with self._lock:
                 self.injected[kind] += 1
-        return Fault(kind, float(rule.get("slow_s", 0.3)) if kind == "slow" else 0.0)
+        status = int(rule.get("html_status", 503))
+        if not 400 <= status <= 599:
+            raise InputError(f"faults: method {method}: html_status {status}: expected an HTTP error status (4xx, 5xx)")
+        return Fault(kind, float(rule.get("slow_s", 0.3)) if kind == "slow" else 0.0, status)
 
     @staticmethod
     def _draw(rule: dict, u: float) -> str:
@@ -159,6 +181,25 @@ class FaultPlan:
             self._streams_cut.add((kernel_ref, version))
             self.injected["stream_drop"] += 1
         return int(self.stream_drop.get("after_events", 10))
+
+    def refuse_version(self, dataset_ref: str, after_version: int) -> bool:
+        """Whether this request for a new version of `dataset_ref`, whose newest is `after_version`, is refused
+        as if that version were still processing (version_refused)."""
+        return self._within_calls(self.version_refused, f"refuse/{dataset_ref}/{after_version}", "version_refused")
+
+    def hide_version(self, dataset_ref: str, version: int) -> bool:
+        """Whether this read naming `version`, the newest of `dataset_ref`, answers 404 (version_404)."""
+        return self._within_calls(self.version_404, f"hide/{dataset_ref}/{version}", "version_404")
+
+    def _within_calls(self, calls: int, key: str, kind: str) -> bool:
+        if calls <= 0:
+            return False
+        with self._lock:
+            n = self._counts[key]
+            self._counts[key] += 1
+            if n < calls:
+                self.injected[kind] += 1
+        return n < calls
 
     def kill_at(self, kernel_ref: str, version: int) -> Optional[float]:
         """Wall seconds after start at which to SIGKILL this kernel version, or None."""

@@ -23,7 +23,7 @@ from typing import Optional
 
 from relay.emulator.config import EmulatorConfig
 from relay.emulator.datasets_api import DatasetsService
-from relay.emulator.faults import FaultPlan
+from relay.emulator.faults import Fault, FaultPlan
 from relay.emulator.kernels_api import KernelsService
 from relay.emulator.protocol import ApiError, Call, Reply, error_reply, json_reply
 from relay.emulator.runner import KernelRunner
@@ -63,6 +63,7 @@ class Emulator:
         self.httpd.daemon_threads = True
         self.httpd.emulator = self
         self._thread: Optional[threading.Thread] = None
+        self.stopping = threading.Event()  # releases the requests held by the `hang` fault
 
     @property
     def port(self) -> int:
@@ -79,6 +80,7 @@ class Emulator:
         return self
 
     def stop(self) -> None:
+        self.stopping.set()
         self.httpd.shutdown()
         self.httpd.server_close()
         self.runner.stop()
@@ -177,8 +179,8 @@ class _Handler(BaseHTTPRequestHandler):
         fault = self.emu.faults.decide(key)
         if fault.kind == "slow":
             time.sleep(fault.slow_s)
-        if fault.kind == "reset":
-            return self._drop()
+        if fault.kind in ("reset", "hang", "html"):
+            return self._fail(fault)
         if fault.kind in ("429", "500", "503"):
             message = {"429": "Too many requests", "500": "Internal error", "503": "Service unavailable"}[fault.kind]
             return self._send(error_reply(int(fault.kind), message,
@@ -196,6 +198,20 @@ class _Handler(BaseHTTPRequestHandler):
             return self._drop()
         time.sleep(after)  # the response's way out
         self._send(reply)
+
+    def _fail(self, fault: Fault) -> None:
+        """The faults that answer nothing usable: a dropped connection, no answer at all, an HTML page."""
+        if fault.kind == "hang":
+            self.emu.stopping.wait()  # never answered while the emulator runs; the client's timeout ends it
+            return self._drop()
+        if fault.kind == "html":
+            headers = {"Content-Type": "text/html; charset=UTF-8"}
+            if fault.status == 429:
+                headers["Retry-After"] = self.emu.config.retry_after
+            page = f"<!DOCTYPE html><html><head><title>Error {fault.status}</title></head><body><h1>{fault.status}" \
+                   "</h1><p>That's an error. Please try again later.</p></body></html>"
+            return self._send(Reply(fault.status, page.encode(), headers))
+        return self._drop()
 
     # -- verbs -----------------------------------------------------------------------------------
     def do_POST(self) -> None:
@@ -237,8 +253,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(error_reply(404, "not found"))
         time.sleep(sum(self.emu.faults.delay("upload")))
         fault = self.emu.faults.decide("upload")
-        if fault.kind == "reset":
-            return self._drop()
+        if fault.kind in ("reset", "hang", "html"):
+            return self._fail(fault)
         if fault.kind in ("429", "500", "503"):
             return self._send(Reply(int(fault.kind), b"injected", {"Content-Type": "text/plain"}))
         headers = {k: v for k, v in self.headers.items()}

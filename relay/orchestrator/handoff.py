@@ -74,6 +74,17 @@ def _exists(backend: KaggleBackend, dataset: str) -> bool:
         return False
 
 
+def kaggle_timeout_s(spec: RunSpec, budget_s: Optional[float]) -> int:
+    """The limit Kaggle itself enforces on a session: its training budget, plus the start-up before the
+    session's clock starts (kaggle.startup_overhead) and once more session.safety_margin for a final save slower
+    than the session planned, never more than kaggle.session_timeout. The session ends itself at its budget;
+    this is the last guard, so a hung or wedged session costs at most the margins, not a 12 h session."""
+    k = spec.kaggle
+    if budget_s is None or budget_s != budget_s or budget_s == float("inf"):
+        return int(k.session_timeout)
+    return int(min(k.session_timeout, budget_s + k.startup_overhead + spec.session.safety_margin) + 0.999)
+
+
 def session_kernel(spec: RunSpec, spec_text: str, names: Names, action: Action, budget_s: Optional[float],
                    features_published: bool, has_checkpoint: bool) -> SessionKernel:
     k = spec.kaggle
@@ -92,7 +103,7 @@ def session_kernel(spec: RunSpec, spec_text: str, names: Names, action: Action, 
         enable_gpu=k.enable_gpu,
         enable_internet=k.enable_internet,
         machine_shape=k.machine_shape,
-        session_timeout_s=int(k.session_timeout),
+        session_timeout_s=kaggle_timeout_s(spec, budget_s),
         workdir_name=WORKDIR,
         code_folder=spec.code.folder if spec.code else None,
         code_exclude=tuple(spec.code.exclude) if spec.code else (),

@@ -4,6 +4,13 @@
 KAGGLE_CONFIG_DIR / KAGGLE_API_ENVIRONMENT into class attributes. We import it once with no credentials in
 the environment and HOME/KAGGLE_CONFIG_DIR pointing at an empty temporary folder, then build our own
 `KaggleApi` instances whose credentials, environment and retry helper are set per instance.
+
+No request of the client may wait forever: `kagglesdk` sends its RPCs without a timeout, and the client's
+uploads open `requests` sessions of their own, so no session of ours could carry one. Instead the transport
+itself (`requests`' HTTPAdapter.send) is wrapped, once: while a thread is inside a call of this module
+(`KaggleClient.bound`), a request sent without a timeout gets retry.request_timeout(), and one sent with a longer
+timeout (the client's downloads use 300 s) gets the shorter one. Requests of anything else (Prefect, the user's
+code) are left as they are.
 """
 from __future__ import annotations
 
@@ -16,13 +23,43 @@ import unittest.mock
 from typing import Any, Callable, Iterator, Optional
 
 from relay.orchestrator.kaggle.credentials import KaggleCredentials
-from relay.orchestrator.kaggle.retry import RetryPolicy, call
+from relay.orchestrator.kaggle.retry import RetryPolicy, call, request_timeout
 
 _IMPORT_LOCK = threading.Lock()
 _PRINT = print
 # The SDK reads the LOCAL endpoint from a module-level dict each time it builds a client; calls against
 # different local endpoints in one process take turns under this lock.
 _ENDPOINT_LOCK = threading.RLock()
+_in_call = threading.local()  # depth of KaggleClient.bound() on this thread: its requests get a timeout
+_TRANSPORT_LOCK = threading.Lock()
+
+
+def _tighter(given: Any, bound: tuple) -> tuple:
+    """The shorter of a requests timeout (None, a number or (connect, read)) and `bound`, per part."""
+    if given is None:
+        return bound
+    connect, read = given if isinstance(given, tuple) else (given, given)
+    return (min(connect, bound[0]) if connect is not None else bound[0],
+            min(read, bound[1]) if read is not None else bound[1])
+
+
+def bound_transport() -> None:
+    """Wrap requests' HTTPAdapter.send once, so requests sent inside a call of this module are bounded."""
+    from requests.adapters import HTTPAdapter
+
+    with _TRANSPORT_LOCK:
+        if getattr(HTTPAdapter.send, "relay_bounded", False):
+            return
+        send = HTTPAdapter.send
+
+        def bounded_send(self: Any, request: Any, stream: bool = False, timeout: Any = None,
+                         *args: Any, **kwargs: Any) -> Any:
+            if getattr(_in_call, "depth", 0):
+                timeout = _tighter(timeout, request_timeout())
+            return send(self, request, stream, timeout, *args, **kwargs)
+
+        bounded_send.relay_bounded = True  # type: ignore[attr-defined]
+        HTTPAdapter.send = bounded_send  # type: ignore[method-assign]
 
 
 def kaggle_api_class() -> type:
@@ -64,6 +101,7 @@ class KaggleClient:
         self.credentials = credentials
         self.endpoint = endpoint.rstrip("/") if endpoint else None
         self.policy = policy or RetryPolicy()
+        bound_transport()
         api = kaggle_api_class()()
         values = {"username": credentials.username}
         if credentials.token:
@@ -113,19 +151,24 @@ class KaggleClient:
 
     @contextlib.contextmanager
     def bound(self) -> Iterator[Any]:
-        """The KaggleApi, with the SDK pointed at this client's endpoint for the duration."""
-        if not self.endpoint:
-            yield self.api
-            return
-        from kagglesdk.kaggle_env import KaggleEnv, _env_to_endpoint
-
-        with _ENDPOINT_LOCK:
-            previous = _env_to_endpoint[KaggleEnv.LOCAL]
-            _env_to_endpoint[KaggleEnv.LOCAL] = self.endpoint
-            try:
+        """The KaggleApi, with the SDK pointed at this client's endpoint and every request bounded (see the
+        module's docstring) for the duration."""
+        _in_call.depth = getattr(_in_call, "depth", 0) + 1
+        try:
+            if not self.endpoint:
                 yield self.api
-            finally:
-                _env_to_endpoint[KaggleEnv.LOCAL] = previous
+                return
+            from kagglesdk.kaggle_env import KaggleEnv, _env_to_endpoint
+
+            with _ENDPOINT_LOCK:
+                previous = _env_to_endpoint[KaggleEnv.LOCAL]
+                _env_to_endpoint[KaggleEnv.LOCAL] = self.endpoint
+                try:
+                    yield self.api
+                finally:
+                    _env_to_endpoint[KaggleEnv.LOCAL] = previous
+        finally:
+            _in_call.depth -= 1
 
     def run(self, what: str, fn: Callable[[Any], Any], on_retry: Optional[Callable] = None) -> Any:
         """fn(api) with retries on transient failures."""

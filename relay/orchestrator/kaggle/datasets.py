@@ -174,8 +174,11 @@ class DatasetPublisher:
             raise PublishError(f"new version of {dataset}: {response.error}")
 
     def _attempt(self, dataset: str, marker: str, fn: Any) -> Any:
-        """Run a create call; on an unknown outcome, look for the marker before trying again."""
+        """Run a create call; on an unknown outcome, look for the marker before trying again. A 403 means the
+        previous version is still processing (Kaggle can say READY before it stops refusing): wait, with
+        backoff, and ask again, for at most `wait_s`."""
         deadline = time.monotonic() + self.wait_s
+        delay = min(0.2, self.poll_s)
         while True:
             try:
                 return self.client.run(f"publish {dataset}", fn,
@@ -183,13 +186,15 @@ class DatasetPublisher:
             except _Landed:
                 return None
             except Exception as exc:  # noqa: BLE001
-                if http_status(exc) != 403 or time.monotonic() > deadline:
+                if http_status(exc) != 403 or time.monotonic() + delay > deadline:
                     raise
-                # 403: the previous version is still processing
-                log.info("dataset %s: previous version still processing; waiting", dataset)
+                log.info("dataset %s: a new version is refused while the previous one processes; asking again"
+                         " in %.1f s", dataset, delay)
                 if self._landed(dataset, marker):
                     return None
                 self._wait_ready(dataset, None)
+                time.sleep(delay)
+                delay = min(self.poll_s, delay * 2)
 
     def _stop_if_landed(self, dataset: str, marker: str) -> None:
         if self._landed(dataset, marker):
@@ -222,11 +227,29 @@ class DatasetPublisher:
             raise
 
     def _verify(self, dataset: str, version: int, files: Dict[str, dict]) -> None:
-        listed = {f.name: f.size for f in list_dataset_files(self.client, dataset, version)}
+        listed = {f.name: f.size for f in self._files_of_new_version(dataset, version)}
         missing = [name for name, meta in files.items()
                    if name not in listed or (meta["bytes"] is not None and listed[name] != meta["bytes"])]
         if missing:
             raise PublishError(f"dataset {dataset} v{version} is incomplete: {missing[:5]}")
+
+    def _files_of_new_version(self, dataset: str, version: int) -> List[DatasetFile]:
+        """The listing of a version just made current. Kaggle answers 404 for a new version for a few seconds
+        after its creation, though the dataset already names it current: look again, with backoff, for at
+        most `wait_s`."""
+        deadline = time.monotonic() + self.wait_s
+        delay = min(0.2, self.poll_s)
+        while True:
+            try:
+                return list_dataset_files(self.client, dataset, version)
+            except NotFound:
+                if time.monotonic() + delay > deadline:
+                    raise PublishError(f"dataset {dataset} v{version}: still not found {self.wait_s:.0f} s after"
+                                       " Kaggle made it current") from None
+                log.info("dataset %s v%d: not visible yet (a new version 404s for a while); looking again in"
+                         " %.1f s", dataset, version, delay)
+                time.sleep(delay)
+                delay = min(self.poll_s, delay * 2)
 
 
 class _Landed(Exception):

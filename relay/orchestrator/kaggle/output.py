@@ -17,7 +17,7 @@ from typing import Any, List, Optional, Tuple
 
 from relay.orchestrator.kaggle.client import KaggleClient
 from relay.orchestrator.kaggle.kernel_source import MARKER_FILE
-from relay.orchestrator.kaggle.retry import call
+from relay.orchestrator.kaggle.retry import call, request_timeout
 from relay.orchestrator.kaggle.retry import http_status
 from relay.orchestrator.kaggle.types import KaggleError, NotFound, SessionOutput
 from relay.shared.errors import InputError
@@ -68,7 +68,7 @@ def fetch(client: KaggleClient, url: str, target: Path) -> None:
     import requests
 
     def get() -> None:
-        with requests.get(url, stream=True, timeout=(10, 120)) as response:
+        with requests.get(url, stream=True, timeout=request_timeout()) as response:
             response.raise_for_status()
             expected = response.headers.get("Content-Length")
             partial = target.with_name(target.name + ".part")

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 from relay.orchestrator.kaggle.client import KaggleClient
 from relay.orchestrator.kaggle.kernel_source import MARKER_FILE
 from relay.orchestrator.kaggle.output import list_output, safe_relative
-from relay.orchestrator.kaggle.retry import call
+from relay.orchestrator.kaggle.retry import call, request_timeout
 from relay.orchestrator.kaggle.types import KaggleError
 from relay.shared import atomic
 from relay.shared.manifest import MANIFEST, digest_of, read_manifest, seq_of, size_text
@@ -190,7 +190,7 @@ def head_size(client: KaggleClient, url: str) -> int:
     import requests
 
     def head() -> int:
-        with requests.head(url, timeout=(10, 60), allow_redirects=True) as response:
+        with requests.head(url, timeout=request_timeout(), allow_redirects=True) as response:
             response.raise_for_status()
             return int(response.headers.get("Content-Length") or 0)
 
@@ -207,7 +207,7 @@ def stream_verified(client: KaggleClient, url: str, target: Path, expected_bytes
     partial = target.with_name(target.name + ".part")
 
     def get() -> str:
-        with requests.get(url, stream=True, timeout=(10, 120)) as response:
+        with requests.get(url, stream=True, timeout=request_timeout()) as response:
             response.raise_for_status()
             length = response.headers.get("Content-Length")
             hasher, got = _Hasher(algo), 0

@@ -16,6 +16,20 @@ class RetriesExhausted(KaggleError):
     """Every retry of a transient failure (429, 5xx, connection error) failed."""
 
 
+class KaggleUnresponsive(RetriesExhausted):
+    """A call that kept failing (no answer, 429s, 5xx) for its whole give-up bound (RELAY_KAGGLE_GIVE_UP_S):
+    retrying it at once would only stretch the bound; a watch looks again later, a tick ends."""
+
+
+class KaggleHTTPError(KaggleError):
+    """Kaggle answered a call with an error that retrying does not change (a 4xx other than 408/429); the
+    message is one line naming the call, `response` is the HTTP response."""
+
+    def __init__(self, message: str, response: object = None):
+        super().__init__(message)
+        self.response = response
+
+
 class NotFound(KaggleError):
     """The kernel or dataset does not exist (HTTP 404)."""
 
