@@ -86,13 +86,15 @@ RELAYED = {"optim.max_steps": 90, "session.max_steps": 30, "session.save_every":
            "session.safety_margin": "0.5s", "kaggle.session_timeout": "5m", "kaggle.startup_overhead": "1s"}
 
 
-def relay_in_shell(tmp_path, emulator, cwd, *args, timeout=900, python_code=None):
-    """`python -m relay ARGS` (or `python -c PYTHON_CODE ARGS`) in cwd, with only what a user's shell has."""
+def relay_in_shell(tmp_path, emulator, cwd, *args, timeout=900, python_code=None, env_extra=None):
+    """`python -m relay ARGS` (or `python -c PYTHON_CODE ARGS`) in cwd, with only what a user's shell has
+    (and `env_extra`)."""
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home"), "TMPDIR": str(tmp_path / "tmp"),
            "PYTHONPATH": str(REPO), "KAGGLE_USERNAME": USER, "KAGGLE_KEY": FAKE_KEY,
            "RELAY_KAGGLE_ENDPOINT": emulator.url, "PREFECT_HOME": str(tmp_path / "prefect"), "DO_NOT_TRACK": "1",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    env.update(env_extra or {})
     for d in ("home", "tmp"):
         (tmp_path / d).mkdir(exist_ok=True)
     command = [sys.executable, "-m", "relay"] if python_code is None else [sys.executable, "-c", python_code]
