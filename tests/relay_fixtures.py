@@ -52,8 +52,8 @@ TOY_RELAY: dict = {
     "kaggle": {"session_timeout": "5m", "startup_overhead": "1s", "max_failed_sessions": 2, "lease": "10s"},
 }
 # how long a flow waits for another flow run's Prefect step lock, where a test turns it on (step_lock=True):
-# a SIGKILLed holder's slot lapses only after Prefect's 60 s lease, and the test server reclaims none, so
-# the other tests (all on relays named toy-relay) leave it off
+# a SIGKILLed holder's slot is taken back only 60 s after its last renewal (tasks/step_lock.py), so the other
+# tests (all on relays named toy-relay) leave it off
 STEP_LOCK_WAIT_S = 5
 STEPS_PER_SESSION = TOY_RELAY["session"]["max_steps"]
 

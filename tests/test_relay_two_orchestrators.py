@@ -87,7 +87,7 @@ def test_two_orchestrators_push_and_publish_each_step_once(relay_env, reference,
 
 @pytest.fixture
 def drop_step_lock(prefect_api):
-    """A killed holder's slot would stay taken for the session's later tests (the test server reclaims none)."""
+    """A killed holder's slot would hold up the session's later tests for a lease (60 s) each."""
     yield
     from prefect import get_client
     from prefect.exceptions import ObjectNotFound
