@@ -7,11 +7,11 @@ import time
 from datetime import datetime
 
 import pytest
-import requests
 
 from kaggle_fixtures import (USER, backend_for, isolated_env, make_emulator, push_script,  # noqa: F401
                              wait_state)
-from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, KernelState, Refusal, SessionKernel, classify_refusal
+from relay.orchestrator.kaggle import (ClientBackend, KaggleCredentials, KaggleHTTPError, KernelState, Refusal,
+                                      SessionKernel, classify_refusal)
 from relay.shared.errors import InputError
 from kaggle_fixtures import TOY_SPEC_YAML
 
@@ -138,7 +138,7 @@ def test_processing_delay_and_second_version_refusal(make_emulator, tmp_path):
     (raw / "b.txt").write_text("raw")
     (raw / "dataset-metadata.json").write_text(f'{{"id": "{USER}/delayed-data", "title": "Delayed dataset"}}')
     backend.client.run("raw version", lambda api: api.dataset_create_version(str(raw), "raw", quiet=True))
-    with pytest.raises(requests.HTTPError) as refused:  # a second version while one processes: 403
+    with pytest.raises(KaggleHTTPError) as refused:  # a second version while one processes: 403
         backend.client.run("raw version", lambda api: api.dataset_create_version(str(raw), "again", quiet=True))
     assert refused.value.response.status_code == 403
     pending = push_script(backend, f"{USER}/mount-new", "print(1)\n", datasets=[f"{USER}/brand-new-ds"])
@@ -198,7 +198,7 @@ def test_auth_basic_and_bearer(make_emulator):
     bearer = ClientBackend(KaggleCredentials(USER, token="tok-xyz"), emu.url)
     assert bearer.quota().allowed_s == 30 * HOUR
     wrong = ClientBackend(KaggleCredentials(USER, key="nope"), emu.url)
-    with pytest.raises(requests.HTTPError) as denied:
+    with pytest.raises(KaggleHTTPError, match="^quota: HTTP 401") as denied:  # one line naming the call
         wrong.quota()
     assert denied.value.response.status_code == 401
 

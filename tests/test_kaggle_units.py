@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from relay.emulator.faults import FaultPlan
-from relay.orchestrator.kaggle import RetriesExhausted, RetryPolicy, SessionKernel
+from relay.orchestrator.kaggle import KaggleHTTPError, RetriesExhausted, RetryPolicy, SessionKernel
 from relay.orchestrator.kaggle.bundle import build_bundle
 from relay.orchestrator.kaggle.credentials import resolve
 from relay.orchestrator.kaggle.kernel_source import render, run_id_marker
@@ -42,8 +42,10 @@ def test_retry_honours_retry_after_and_is_bounded():
     assert sleeps[0] >= 2 and all(s < 1 for s in sleeps[1:]) and len(sleeps) == 3
     with pytest.raises(RetriesExhausted, match="gave up after 4 attempts"):
         call(lambda: (_ for _ in ()).throw(http_error(500)), policy, "always 500")
-    with pytest.raises(requests.HTTPError):  # a 404 is an answer, not a glitch
-        call(lambda: (_ for _ in ()).throw(http_error(404)), policy, "missing")
+    asked = []
+    with pytest.raises(KaggleHTTPError, match="^missing: HTTP 404$") as answered:  # an answer, not a glitch:
+        call(lambda: asked.append(1) or (_ for _ in ()).throw(http_error(404)), policy, "missing")  # one line,
+    assert len(asked) == 1 and answered.value.response.status_code == 404  # asked once, the response kept
 
 
 def test_transient_classification_reads_json_error_code_on_http_200():
