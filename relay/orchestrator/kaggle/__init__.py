@@ -14,5 +14,6 @@ from relay.orchestrator.kaggle.types import (DatasetFile, KaggleError, KaggleHTT
 __all__ = [
     "ClientBackend", "KaggleBackend", "classify_refusal", "from_env", "KaggleCredentials", "RetryPolicy",
     "DatasetFile", "KaggleError", "KaggleHTTPError", "KaggleUnresponsive", "KernelState", "KernelStatus",
-    "NotFound", "PublishError", "PublishResult", "PushResult", "Quota", "Refusal", "RetriesExhausted", "SessionKernel", "SessionOutput",
+    "NotFound", "PublishError", "PublishResult", "PushResult", "Quota", "Refusal", "RetriesExhausted",
+    "SessionKernel", "SessionOutput",
 ]

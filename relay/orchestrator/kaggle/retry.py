@@ -4,10 +4,10 @@ The `kaggle` client retries only uploads and dataset creation, so push, status a
 first 429 or 5xx; this wraps every call. Retry-After is honoured (as a floor, capped by `max_delay_s`).
 
 Every request has a connect and a read timeout (`kagglesdk` sends without one, so a request Kaggle never
-answers would block forever), and a call that keeps failing gives up `give_up_s` after its first failure: the
-caller then gets one line naming the call (`RetriesExhausted`). Answers that are not JSON (the HTML error pages of Kaggle's
-front end) are judged by their status code: 429 and 5xx are retried, any other error is one line
-(`KaggleHTTPError`). Both bounds come from the environment, so a test or a CI job can shorten them:
+answers would block forever; client.py applies them), and a call that keeps failing gives up `give_up_s` after
+its first failure: the caller then gets one line naming the call (`KaggleUnresponsive`). Answers that are not
+JSON (the HTML error pages of Kaggle's front end) are judged by their status code: 429 and 5xx are retried, any
+other error is one line (`KaggleHTTPError`). Both bounds come from the environment, so a test or a CI job can shorten them:
 RELAY_KAGGLE_TIMEOUT_S (a request's read timeout, default 60; connect: at most 10) and RELAY_KAGGLE_GIVE_UP_S
 (default 120). A call Kaggle never answers thus ends within 60 + 120 + 60 s = 4 min.
 """
