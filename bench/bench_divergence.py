@@ -111,8 +111,8 @@ def headroom(trace: list) -> float:
 
 def jump_step(trace: list, fraction: float) -> int | None:
     """Where to jump the learning rate: at `fraction` of the longest phase (one model, one curriculum stage: the
-    guard judges within one), but early enough to leave it 2 spans, and after its warmup and a span to learn
-    from; None when no phase is that long (a few fit steps)."""
+    guard judges within one), but early enough to leave it 2 spans (the stated bound), and at least 10 steps after
+    the guard's warmup; None when no phase is that long (a few fit steps, VQA's 60-step tiny stages)."""
     from relay.kernel.session.divergence import DivergenceGuard
 
     span = DivergenceGuard().span
@@ -124,7 +124,7 @@ def jump_step(trace: list, fraction: float) -> int | None:
     longest = max(phases.values(), key=len)
     first, last = longest[0], longest[-1]
     at = min(first + int((last - first) * fraction), last + 1 - 2 * span)
-    return at if at >= first + 2 * span else None
+    return at if at >= first + span + 10 else None
 
 
 def median_rule_stop(trace: list) -> int | None:

@@ -117,8 +117,9 @@ def test_split_by_steps_sigkill_mid_save_and_sigterm_to_rank_1_is_bit_identical(
     assert progress["status"] == "done" and len(progress["sessions"]) == 4
     assert progress["weights_sha256"] == ref_progress["weights_sha256"]
     for part in ("model", "optimizer", "scheduler"):
-        for key, value in _flat(ref_state[part]).items():
-            assert torch.equal(_flat(state[part])[key], value) if torch.is_tensor(value) else True, f"{part}.{key}"
+        for key, value in _flat(ref_state["objects"][part]).items():
+            assert torch.equal(_flat(state["objects"][part])[key], value) if torch.is_tensor(value) else True, \
+                f"{part}.{key}"
     assert all(torch.equal(a["torch"], b["torch"]) for a, b in zip(state["rng_ranks"], ref_state["rng_ranks"]))
     assert progress["exactness_lost"] is None and progress["world_size"] == 2
 
