@@ -10,9 +10,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 import yaml
 
-from byo_fixtures import CRASHING
-
-FINISHING = CRASHING.replace('        raise ValueError("bad column in my data")\n', '        pass\n')
+from byo_fixtures import CRASHING, FINISHING
 
 
 class Receiver:
@@ -63,7 +61,8 @@ def _block(receiver, name: str) -> str:
     return f"custom-webhook/{name}"
 
 
-def test_a_stopped_relay_tells_once_even_when_run_again(relay_env, monkeypatch, receiver):
+def test_a_stopped_relay_tells_once_even_when_run_again(relay_env, both_flows, monkeypatch,
+                                                         receiver):
     import flows.relay_flow as relay_flow
 
     relay_env.start()
@@ -81,7 +80,7 @@ def test_a_stopped_relay_tells_once_even_when_run_again(relay_env, monkeypatch, 
     assert stop.data.startswith("# notify-crash: stopped, needs you\n\n**session 2 failed with a code error: relay: error")
 
 
-def test_a_finished_relay_tells_once_with_where_the_model_is(relay_env, monkeypatch, receiver):
+def test_a_finished_relay_tells_once_with_where_the_model_is(relay_env, both_flows, monkeypatch, receiver):
     relay_env.start()
     _relay(relay_env, "notify-done", FINISHING, _block(receiver, "relay-hook-done"))
     assert relay_env.run_flow(monkeypatch)["state"] == "done"

@@ -305,6 +305,6 @@ def classify_refusal(error: str) -> Refusal:
     return Refusal.OTHER
 
 
-def from_env(endpoint: Optional[str] = None, **kwargs: Any) -> ClientBackend:
-    """A backend from the environment's credentials; RELAY_KAGGLE_ENDPOINT points it at an emulator."""
-    return ClientBackend(None, endpoint or os.environ.get("RELAY_KAGGLE_ENDPOINT"), **kwargs)
+def from_env(endpoint: Optional[str] = None, credentials: Any = None, **kwargs: Any) -> ClientBackend:
+    """A backend with `credentials` or the environment's; RELAY_KAGGLE_ENDPOINT points it at an emulator."""
+    return ClientBackend(credentials, endpoint or os.environ.get("RELAY_KAGGLE_ENDPOINT"), **kwargs)
