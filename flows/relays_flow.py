@@ -1,8 +1,9 @@
 """The relays flow: several run specs (folds, seeds, a sweep) trained at once under Kaggle's concurrent GPU
 session cap and one weekly GPU quota.
 
-Each round observes every relay (relay.orchestrator.chain.decide, as the `relay` flow does), hands over finished sessions
-(no slot or quota needed), then fills the free slots: `cap` minus the sessions in flight, given fairly to the
+Each round takes every relay's step (tasks/relay_step.py, the one the `relay` flow takes: observe, decide, hand
+over finished sessions and recover from their failures, notify, show the running ones; no slot or quota needed),
+then fills the free slots: `cap` minus the sessions in flight, given fairly to the
 relays waiting to push (fewest sessions so far first, then the one whose last session ended earliest, then the
 name). Every new session's budget is an equal share of the quota left among the unfinished relays (capped by
 its spec), so one relay cannot spend the week alone. When the quota is spent, every waiting relay waits for
@@ -21,16 +22,14 @@ from typing import Dict, List, Literal, Optional
 
 from prefect import flow, get_run_logger
 
-from flows.relay_flow import RelayFailed, make_backend
-from relay.orchestrator import chain, handoff, joint_plan, plan as planner
-from relay.orchestrator.chain import Do
-from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost
+from relay.orchestrator import joint_plan, plan as planner
 from relay.orchestrator.kaggle.types import Refusal
 from relay.orchestrator.policy import session_budget, utc
 from relay.preflight import load_spec
 from relay.shared.errors import InputError
-from tasks import relay_tasks as t
+from tasks import relay_step, relay_tasks as t
 from tasks import relays_artifacts
+from tasks.relay_step import RelayContext, RelayFailed, Step
 
 MAX_ERROR_ROUNDS = 3  # a relay whose round raised this many times in a row (after task retries) is failed
 
@@ -39,17 +38,16 @@ MAX_ERROR_ROUNDS = 3  # a relay whose round raised this many times in a row (aft
 class Relay:
     spec_path: str
     name: str
-    spec: Optional[object] = None
-    spec_text: str = ""
-    names: Optional[chain.Names] = None
-    local: Optional[Path] = None
+    ctx: Optional[RelayContext] = None
     failed: str = ""              # why it stopped for good (this flow run)
     errors: int = 0               # rounds in a row that raised
     state: str = "new"
-    progress: Optional[dict] = None
-    action: Optional[chain.Action] = None
-    obs: Optional[chain.Observation] = None
+    step: Optional[Step] = None   # what its last step found or did
     last_end: float = 0.0         # when its last handed-over session ended (fair order)
+
+    @property
+    def progress(self) -> Optional[dict]:
+        return self.step.progress if self.step else None
 
 
 @dataclass
@@ -62,21 +60,19 @@ class Round:
     quota_wait: Optional[datetime] = None  # the refresh every waiting relay waits for
 
 
-def load_relays(specs: List[str], backend, state_dir: str) -> List[Relay]:
+def load_relays(specs: List[str], backend, state_dir: str, live_seconds: float = 30.0,
+                step_lock_wait_s: float = 0.0) -> List[Relay]:
     relays = []
     for path in specs:
         relay = Relay(path, Path(path).stem)
         try:
-            relay.spec = load_spec(path)
-            relay.spec_text = Path(path).read_text()
+            relay.ctx = RelayContext.open(load_spec(path), Path(path).read_text(), backend, state_dir, live_seconds,
+                                          step_lock_wait_s)
         except (InputError, OSError) as err:  # one bad spec is that relay's failure, not everyone's
             relay.failed, relay.state = f"bad spec: {err}", "failed"
             relays.append(relay)
             continue
-        relay.name = relay.spec.name
-        relay.names = chain.Names(backend.username, relay.spec.name)
-        relay.local = Path(state_dir) / relay.spec.name
-        relay.local.mkdir(parents=True, exist_ok=True)
+        relay.name = relay.ctx.spec.name
         relays.append(relay)
     names = [r.name for r in relays]
     duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -85,44 +81,25 @@ def load_relays(specs: List[str], backend, state_dir: str) -> List[Relay]:
     return relays
 
 
-def _observe_and_hand_over(backend, relay: Relay, rnd: Round, logger) -> None:
-    """Observe one relay and hand over its finished session; leaves its next action in relay.action."""
-    spec = relay.spec
-    obs = t.observe(backend, relay.names, relay.local)
-    action = chain.decide(spec.name, obs)
-    if action.do in (Do.HARVEST, Do.SALVAGE):
-        # claimed on Kaggle first (relay/orchestrator/kaggle/lease.py)
-        lease, result = Lease(backend, spec.name, spec.kaggle.lease), None
-        try:
-            held = lease.acquire(f"handover-{action.run_id}")
-            result = t.hand_over(backend, spec, relay.names, action, obs, relay.local, confirm=lease.guard(held))
-        except (LeaseBusy, LeaseLost) as busy:
-            logger.info("relay %s: %s", relay.name, busy)
-            result = None
-        finally:
-            if result is not None and result.ok:
-                lease.took_effect(f"handover-{action.run_id}")
-            lease.release_open()  # a hand-over that did not happen: another orchestrator may try at once
-        if result is None or (not result.ok and result.stale and handoff.pushed_within(
-                backend, relay.names, action.run_id, spec.kaggle.status_lag)):
-            # another orchestrator hands it over, or Kaggle's status lag shows another run's output: look again
-            action = chain.Action(Do.WAIT, action.run_id, action.session, action.attempt, "not ours to hand over yet")
-        elif result.ok:
+STATES = {"ready": "ready", "running": "running", "pushed": "pushed", "done": "done", "waiting": "waiting",
+          "handed-over": "handed over", "restored": "restored"}
+
+
+def _advance(relay: Relay, rnd: Round) -> None:
+    """One relay's step (tasks/relay_step.py, as the `relay` flow takes it); after a hand-over it looks again,
+    so that its next session may go into a slot this round."""
+    step = relay_step.advance(relay.ctx)
+    if step.state in ("handed-over", "restored"):
+        if step.state == "handed-over":
             rnd.handed_over.append(relay.name)
-            obs = t.observe(backend, relay.names, relay.local)
-            action = chain.decide(spec.name, obs)
-        else:
-            code_error = chain.looks_like_code_error(result.log_tail) if action.do is Do.SALVAGE else None
-            if code_error:
-                raise RelayFailed(f"session {action.session} failed with a code error: {code_error}")
-            action = chain.retry_action(spec.name, action, spec.kaggle.max_failed_sessions + 1, result.reason)
-    if action.do is Do.FAILED:
-        raise RelayFailed(action.reason)
-    relay.progress, relay.action = obs.published, action
-    sessions = (obs.published or {}).get("sessions") or []
+        step = relay_step.advance(relay.ctx)
+    if step.state == "running":
+        relay_step.show_running(relay.ctx, step)
+    relay.step, relay.state = step, STATES[step.state]
+    if step.state == "waiting":
+        relay.state = f"waiting: {step.why}"[:120]
+    sessions = (step.progress or {}).get("sessions") or []
     relay.last_end = max([_ts(s.get("ended")) for s in sessions] or [0.0])
-    relay.state = {Do.DONE: "done", Do.WAIT: "running", Do.PUSH: "ready"}[action.do]
-    relay.obs = obs
 
 
 def _ts(value) -> float:
@@ -135,16 +112,20 @@ def _ts(value) -> float:
 
 
 def run_round(backend, relays: List[Relay], cap: int, logger) -> Round:
-    """Observe every relay, then push the ready ones into the free slots, fewest sessions first. (~60 lines:
-    one pass over the cap, the quota and the lease, kept whole so the order of those checks reads as it runs.)"""
+    """Every relay's step, then the ready ones pushed into the free slots, fewest sessions first, each with an
+    equal share of the quota left."""
     rnd = Round()
     for relay in relays:
         if relay.failed:
             continue
         try:
-            _observe_and_hand_over(backend, relay, rnd, logger)
+            _advance(relay, rnd)
             relay.errors = 0
-        except (RelayFailed, InputError) as err:
+        except RelayFailed as err:
+            relay.failed, relay.state = str(err), "failed"
+            relay_step.stopped(relay.ctx, err)
+            logger.error("relay %s failed: %s (the others go on)", relay.name, err)
+        except InputError as err:
             relay.failed, relay.state = str(err), "failed"
             logger.error("relay %s failed: %s (the others go on)", relay.name, err)
         except Exception as err:  # noqa: BLE001 - transient after the tasks' retries: try again next round
@@ -155,50 +136,53 @@ def run_round(backend, relays: List[Relay], cap: int, logger) -> Round:
                 relay.failed, relay.state = f"{type(err).__name__}: {err}", "failed"
         if relay.state == "running":
             rnd.in_flight.append(relay.name)
-
-    ready = [r for r in relays if not r.failed and r.state == "ready"]
-    free = cap - len(rnd.in_flight)
-    if ready and free > 0:
-        quota = t.read_quota(backend)
-        unfinished = [r for r in relays if not r.failed and r.state in ("ready", "running")]
-        ready.sort(key=lambda r: (r.obs.handed_over, r.last_end, r.name))  # fair: fewest sessions first
-        for relay in ready[:free]:
-            budget = session_budget(relay.spec, quota)
-            if quota is not None and quota.allowed_s > 0:
-                budget = min(budget, quota.remaining_s / max(1, len(unfinished)))  # equal shares of what is left
-            if budget <= relay.spec.session.safety_margin or rnd.quota_wait:
-                rnd.quota_wait = utc(quota.refresh_time) if quota is not None and quota.refresh_time else None
-                break
-            session = handoff.session_kernel(relay.spec, relay.spec_text, relay.names, relay.action, budget,
-                                             relay.obs.features_published,
-                                             has_checkpoint=relay.obs.published is not None)
-            lease = Lease(backend, relay.name, relay.spec.kaggle.lease)
-            try:
-                lease.acquire(f"push-{relay.action.run_id}")
-            except LeaseBusy as busy:
-                logger.info("relay %s: %s", relay.name, busy)
-                relay.state = "claimed by another orchestrator"
-                continue
-            except Exception as err:  # noqa: BLE001 - this relay's claim failed: the others go on, it retries
-                logger.warning("relay %s: could not claim its push: %s", relay.name, err)
-                relay.state = "error"
-                continue
-            pushed = t.push_session(backend, session)
-            if pushed.refusal is None:
-                lease.took_effect(f"push-{relay.action.run_id}")
-            lease.release_open()
-            if pushed.refusal is not None:
-                rnd.refused += 1
-                if pushed.refusal is Refusal.QUOTA and quota is not None:
-                    rnd.quota_wait = utc(quota.refresh_time)
-                break  # the cap (or the quota) is reached on Kaggle's side: the rest wait their turn
-            relay.state = "pushed"
-            rnd.pushed.append(relay.name)
-            rnd.in_flight.append(relay.name)
+    try:
+        _fill_slots(backend, relays, cap, rnd, logger)
+    finally:
+        for relay in relays:
+            if relay.ctx is not None:
+                relay.ctx.close()  # another orchestrator may take a step that did not happen here at once
     for relay in relays:
         if relay.state == "ready":
             relay.state = "waiting for quota" if rnd.quota_wait else "waiting for a slot"
     return rnd
+
+
+def _fill_slots(backend, relays: List[Relay], cap: int, rnd: Round, logger) -> None:
+    """Push the ready relays into the free slots: fewest sessions first (then the one whose last session ended
+    earliest), each session's budget an equal share of the quota left among the unfinished relays."""
+    ready = [r for r in relays if not r.failed and r.state == "ready"]
+    free = cap - len(rnd.in_flight)
+    if not ready or free <= 0:
+        return
+    quota = t.read_quota(backend)
+    unfinished = [r for r in relays if not r.failed and r.state != "done"]
+    ready.sort(key=lambda r: (r.step.obs.handed_over, r.last_end, r.name))
+    for relay in ready[:free]:
+        budget = session_budget(relay.ctx.spec, quota)
+        if quota is not None and quota.allowed_s > 0:
+            budget = min(budget, quota.remaining_s / max(1, len(unfinished)))  # equal shares of what is left
+        if budget <= relay.ctx.spec.session.safety_margin or rnd.quota_wait:
+            rnd.quota_wait = utc(quota.refresh_time) if quota is not None and quota.refresh_time else None
+            break
+        step = relay_step.push(relay.ctx, relay.step, budget, quota)
+        if step.refusal is not None:
+            logger.warning("relay %s: %s", relay.name, step.why)
+            rnd.refused += 1
+            if step.refusal is Refusal.QUOTA and quota is not None:
+                rnd.quota_wait = utc(quota.refresh_time)
+            break  # the cap (or the quota) is reached on Kaggle's side: the rest wait their turn
+        if step.state == "waiting":  # claimed by another orchestrator, or the claim failed: it tries again
+            logger.info("relay %s: %s", relay.name, step.why)
+            relay.state = "claimed by another orchestrator"
+            continue
+        relay.step, relay.state = step, "pushed"
+        rnd.pushed.append(relay.name)
+        rnd.in_flight.append(relay.name)
+    if rnd.quota_wait:
+        for relay in ready:
+            if relay.state == "ready":
+                relay_step.quota_spent(relay.ctx, relay.step, quota)
 
 
 def joint_eta(relays: List[Relay], quota, cap: int, now: datetime) -> Optional[joint_plan.JointPlan]:
@@ -208,12 +192,12 @@ def joint_eta(relays: List[Relay], quota, cap: int, now: datetime) -> Optional[j
         if relay.failed or relay.state == "done" or not relay.progress:
             continue
         try:
-            k = relay.spec.kaggle
+            k = relay.ctx.spec.kaggle
             q = planner.QuotaState(quota.allowed_s, quota.used_s, quota.reserved_s, utc(quota.refresh_time), now) \
                 if quota is not None and quota.refresh_time else \
                 planner.quota_from_ledger([], now, total_allowed_s=k.weekly_gpu_quota)
             limits = planner.SessionLimits(session_cap_s=k.session_timeout, startup_s=k.startup_overhead,
-                                           save_s=relay.spec.session.safety_margin + 1, handoff_s=0, min_train_s=0)
+                                           save_s=relay.ctx.spec.session.safety_margin + 1, handoff_s=0, min_train_s=0)
             p = planner.plan_from_progress(relay.progress, q, now, limits=limits,
                                            total_steps=relay.progress.get("total_steps"))
         except (planner.PlanError, KeyError, TypeError, ValueError):
@@ -233,15 +217,16 @@ def joint_eta(relays: List[Relay], quota, cap: int, now: datetime) -> Optional[j
 @flow(name="relays", log_prints=True)
 def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int = 2,
            credentials_block: Optional[str] = None, poll_seconds: float = 30.0, max_hours: float = 24 * 28,
-           state_dir: str = "runs") -> dict:
+           state_dir: str = "runs", live_seconds: float = 30.0, step_lock_wait_s: float = 600.0) -> dict:
     """Advance (tick) or run to the end (watch) every relay in `specs`, at most `cap` sessions at once.
     Returns {"state", "relays": {name: {...}}, "quota_wait", "refused"}; raises RelayFailed at the end of a
-    watch if any relay failed (after the others finished)."""
+    watch if any relay failed (after the others finished). `live_seconds` and `step_lock_wait_s` as in the
+    `relay` flow, for each relay."""
     logger = get_run_logger()
     if cap < 1:
         raise InputError(f"relays: cap {cap}: at least 1 concurrent session")
-    backend = make_backend(credentials_block)
-    all_relays = load_relays(specs, backend, state_dir)
+    backend = relay_step.make_backend(credentials_block)
+    all_relays = load_relays(specs, backend, state_dir, live_seconds, step_lock_wait_s)
     give_up = time.monotonic() + max_hours * 3600
     announced_wait, refused = None, 0
     while True:

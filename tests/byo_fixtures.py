@@ -45,6 +45,7 @@ for idx in session.batches(64, 8):
     session.step_done()
 session.close()
 '''
+FINISHING = CRASHING.replace('        raise ValueError("bad column in my data")\n', '        pass\n')  # CRASHING, fixed
 
 
 RELAY_SETTINGS = {"kaggle.session_timeout": "5m", "kaggle.startup_overhead": "1s", "kaggle.max_failed_sessions": 2,

@@ -8,6 +8,9 @@ make_emulator, which give every test its own HOME/TMPDIR and stop the emulators 
   per entry); PREFECT_HOME in a temporary folder, analytics off. Yields its API URL, which flow processes
   started by a test (`FlowProcess`) use too.
 - `relay_env`: an emulator + the spec + helpers for one test (see RelayEnv).
+- `both_flows`: a test that takes it runs twice, its relay driven once by the `relay` flow (one relay) and once
+  by the `relays` flow (several under one cap; here the one spec): both take the same per-relay step
+  (tasks/relay_step.py), so every recovery must hold in both.
 - `reference`: uninterrupted `relay train` runs of a spec, started in the background at first use and shared
   by the session; `reference.weights(spec)` waits for the run and returns its weights_sha256.
 - Deterministic session lengths: the toy spec sets `session.max_steps`, so every session ends after exactly
@@ -174,6 +177,7 @@ class RelayEnv:
     emu: object = None
     spec: Optional[Path] = None
     processes: List[subprocess.Popen] = field(default_factory=list)
+    flow: str = "relay"  # or "relays": which flow drives the relay (the `both_flows` fixture sets it)
 
     # setup
     def start(self, **emulator_settings):
@@ -203,13 +207,20 @@ class RelayEnv:
     # driving the flow
     def run_flow(self, monkeypatch, mode: str = "watch", state_dir: str = "orchestrator", seed: int = 0,
                  poll_seconds: float = 0.3, step_lock: bool = False) -> dict:
-        """The `relay` flow in this process (the session's Prefect server), with a fast retry policy."""
+        """The relay's flow (`self.flow`) in this process (the session's Prefect server), with a fast retry policy;
+        the `relays` flow's summary of this relay, in the `relay` flow's keys."""
+        import tasks.relay_step as relay_step
+
+        monkeypatch.setattr(relay_step, "make_backend", lambda credentials_block=None: self.backend(seed))
+        args = dict(mode=mode, poll_seconds=poll_seconds, state_dir=str(self.root / state_dir),
+                    step_lock_wait_s=STEP_LOCK_WAIT_S if step_lock else 0)
+        if self.flow == "relays":
+            import flows.relays_flow as relays_flow
+
+            return one_of_relays(relays_flow.relays(specs=[str(self.spec)], cap=2, **args), self.name)
         import flows.relay_flow as relay_flow
 
-        monkeypatch.setattr(relay_flow, "make_backend", lambda credentials_block=None: self.backend(seed))
-        return relay_flow.relay(spec=str(self.spec), mode=mode, poll_seconds=poll_seconds,
-                                state_dir=str(self.root / state_dir),
-                                step_lock_wait_s=STEP_LOCK_WAIT_S if step_lock else 0)
+        return relay_flow.relay(spec=str(self.spec), **args)
 
     def flow_process(self, mode: str = "watch", state_dir: str = "orchestrator", seed: int = 0,
                      log_name: str = "flow.log", step_lock: bool = False) -> subprocess.Popen:
@@ -227,7 +238,8 @@ class RelayEnv:
         for d in ("flow-home", "flow-tmp"):
             (self.root / d).mkdir(exist_ok=True)
         log = open(self.root / log_name, "a")
-        proc = subprocess.Popen([PYTHON, str(driver), str(self.spec), mode, str(self.root / state_dir), str(seed)],
+        proc = subprocess.Popen([PYTHON, str(driver), str(self.spec), mode, str(self.root / state_dir), str(seed),
+                                 self.flow],
                                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.processes.append(proc)
         return proc
@@ -285,16 +297,27 @@ def relay_env(tmp_path, isolated_env, make_emulator, prefect_api):  # noqa: F811
     env.stop()
 
 
+@pytest.fixture(params=["relay", "relays"])
+def both_flows(request, relay_env) -> str:
+    relay_env.flow = request.param
+    return request.param
+
+
+def one_of_relays(summary: dict, name: str) -> dict:
+    """The `relays` flow's summary of one relay, in the keys of the `relay` flow's summary."""
+    return dict(summary["relays"][name], overall=summary["state"])
+
+
 FLOW_DRIVER = '''\
-"""TEST-ONLY (tests/relay_fixtures.py): run the relay flow in a child process the test may SIGKILL.
-The backend is the emulator's, with a fast retry policy (the production default backs off for seconds)."""
+"""TEST-ONLY (tests/relay_fixtures.py): run the relay's flow (argv 5: relay | relays) in a child process the test
+may SIGKILL. The backend is the emulator's, with a fast retry policy (the production default backs off for seconds)."""
 import json
 import os
 import random
 import sys
 import time
 
-import flows.relay_flow as relay_flow
+import tasks.relay_step as relay_step
 from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
 
 
@@ -305,17 +328,30 @@ def make_backend(credentials_block=None):
                          os.environ["RELAY_TEST_ENDPOINT"], policy, dataset_poll_s=0.1, dataset_wait_s=60)
 
 
-relay_flow.make_backend = make_backend
-kwargs = dict(spec=sys.argv[1], poll_seconds=0.3, state_dir=sys.argv[3],
-              step_lock_wait_s=float(os.environ["RELAY_TEST_STEP_LOCK_WAIT"]))
+relay_step.make_backend = make_backend
+kwargs = dict(poll_seconds=0.3, state_dir=sys.argv[3], step_lock_wait_s=float(os.environ["RELAY_TEST_STEP_LOCK_WAIT"]))
+if sys.argv[5] == "relays":
+    import flows.relays_flow as relays_flow
+    from relay.shared.spec import load
+
+    name = load(sys.argv[1]).name
+
+    def run(mode, **extra):
+        summary = relays_flow.relays(specs=[sys.argv[1]], mode=mode, cap=2, **kwargs)
+        return dict(summary["relays"][name], overall=summary["state"])
+else:
+    import flows.relay_flow as relay_flow
+
+    def run(mode, **extra):
+        return relay_flow.relay(spec=sys.argv[1], mode=mode, **extra, **kwargs)
 if sys.argv[2] == "tick-loop":  # a schedule's ticks, back to back
     while True:
-        summary = relay_flow.relay(mode="tick", tick_follow_seconds=0.2, **kwargs)
+        summary = run("tick", tick_follow_seconds=0.2)
         if summary["state"] == "done":
             break
         time.sleep(0.2)
 else:
-    summary = relay_flow.relay(mode=sys.argv[2], **kwargs)
+    summary = run(sys.argv[2])
 print("RELAY-SUMMARY " + json.dumps(summary), flush=True)
 '''
 

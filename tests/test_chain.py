@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from relay.orchestrator.chain import (Action, Do, Names, Observation, decide, looks_like_code_error, parse_run_id, retry_action,
-                         run_id)
+from dataclasses import dataclass
+
+from relay.orchestrator.chain import (SESSION_LIMIT_MESSAGE, Action, Do, Names, Observation, Recovery, after_handover,
+                                      decide, diverged_unchanged, looks_like_code_error, parse_run_id, retry_action,
+                                      run_id)
 
 NAME = "price-tiny"
 
@@ -136,3 +139,89 @@ def test_an_input_error_reported_by_relay_train_is_a_code_error():
     assert looks_like_code_error(tail) == \
         "relay: error: checkpoints.disk_budget_gb: a new checkpoint (~0.01 GB) does not fit"
     assert looks_like_code_error("relay: checkpoint dataset a/b is not mounted; starting without it\n") is None
+
+
+# -- after a hand-over: the same decision for one relay and for several (flows/ carry it out) ---------------------
+@dataclass
+class Result:  # the fields of relay.orchestrator.handoff.HandOver that the decision reads
+    ok: bool
+    reason: str = ""
+    step: int = 0
+    log_tail: str = ""
+    stale: bool = False
+
+
+HARVEST = Action(Do.HARVEST, run_id(NAME, 2, 1), 2, 1, "kernel complete")
+SALVAGE = Action(Do.SALVAGE, run_id(NAME, 2, 1), 2, 1, "kernel error")
+FACTS = Recovery(max_attempts=3, limit_advice="session 2 was stopped by Kaggle at its session limit")
+CODE_ERROR = "relay: error: code.entry train.py raised ValueError: a bug at step 150\n"
+CORRUPT = "relay: error: the mounted checkpoint /kaggle/input/x is corrupt: state.pt crc32 mismatch\n"
+
+
+def after(action=SALVAGE, result=Result(False, "the session left no valid checkpoint"), state="error", failure="",
+          **facts) -> Action:
+    return after_handover(NAME, action, result, obs(published(1), action.run_id, state, failure),
+                          Recovery(**{**FACTS.__dict__, **facts}))
+
+
+def test_a_handed_over_session_means_look_again():
+    action = after(HARVEST, Result(True, "handed over", step=300), "complete")
+    assert (action.do, action.run_id, action.failed) == (Do.HANDED_OVER, HARVEST.run_id, "")
+
+
+def test_a_code_error_stops_the_relay_until_the_code_changed_then_pushes_a_new_attempt():
+    result = Result(False, "no progress", log_tail=CODE_ERROR)
+    stopped = after(result=result)
+    assert stopped.do is Do.FAILED and stopped.reason.startswith(
+        "session 2 failed with a code error: relay: error: code.entry train.py raised ValueError: a bug at step 150"
+        " (the code and spec are unchanged since that push")
+    assert stopped.reason.endswith("--- log tail ---\n" + CODE_ERROR)
+    assert stopped.failed == f"session 2 ({SALVAGE.run_id}) failed: " + CODE_ERROR.strip()
+    fixed = after(result=result, code_changed=True)
+    # a new attempt of the same session, which does not count against the retries (the 3rd of at most 3 here)
+    assert (fixed.do, fixed.run_id) == (Do.PUSH, run_id(NAME, 2, 2)) and "the code changed since" in fixed.reason
+    third = after(Action(Do.SALVAGE, run_id(NAME, 2, 3), 2, 3), result, code_changed=True)
+    assert (third.do, third.run_id) == (Do.PUSH, run_id(NAME, 2, 4)) and third.failed
+    # a harvested (complete) kernel's log is not read for code errors: it is retried
+    assert after(HARVEST, result, "complete").do is Do.PUSH
+
+
+def test_a_transient_failure_is_retried_until_the_attempts_are_used_up():
+    retried = after()
+    assert (retried.do, retried.run_id) == (Do.PUSH, run_id(NAME, 2, 2)) and "no valid checkpoint" in retried.failed
+    last = after(Action(Do.SALVAGE, run_id(NAME, 2, 3), 2, 3), Result(False, "no valid", log_tail="killed"))
+    assert last.do is Do.FAILED and "3 times" in last.reason and last.reason.endswith("--- log tail ---\nkilled")
+
+
+def test_a_corrupt_mounted_checkpoint_is_restored_not_retried():
+    action = after(result=Result(False, "no valid checkpoint", log_tail=CORRUPT))
+    assert action.do is Do.RESTORE and action.run_id == SALVAGE.run_id
+    assert action.reason == "the mounted checkpoint /kaggle/input/x is corrupt: state.pt crc32 mismatch"
+
+
+def test_stale_output_soon_after_a_push_is_the_status_lag_not_a_failure():
+    stale = Result(False, "stale output: it belongs to run x, not y", stale=True)
+    waiting = after(HARVEST, stale, "complete", lagging=True)
+    assert waiting.do is Do.WAIT and "status lag" in waiting.reason and not waiting.failed
+    assert after(HARVEST, stale, "complete", lagging=False).do is Do.PUSH  # long after the push: a retry
+
+
+def test_the_session_limit_stops_the_relay_unless_nothing_was_saved_and_the_budget_was_lowered():
+    limit = dict(state="cancelled", failure=f"Your notebook was stopped because it {SESSION_LIMIT_MESSAGE}")
+    saved = after(result=Result(True, "handed over", step=120, log_tail="tail"), **limit)
+    assert saved.do is Do.FAILED and saved.reason == (
+        "session 2 was stopped by Kaggle at its session limit. Its checkpoint at step 120 is handed over.\n"
+        "--- log tail ---\ntail")
+    nothing = Result(False, "the session left no valid checkpoint")
+    assert "Nothing was handed over (the session left no valid checkpoint)" in after(result=nothing, **limit).reason
+    lowered = after(result=nothing, budget_lowered=True, **limit)
+    assert (lowered.do, lowered.run_id) == (Do.PUSH, run_id(NAME, 2, 2))
+
+
+def test_a_diverged_session_stops_the_relay_until_something_changed():
+    diverged = dict(published(1), stop_reason="diverged", sessions=[{"diverged": "the loss diverged at step 43"}])
+    stopped = diverged_unchanged(obs(diverged, run_id(NAME, 1, 1), "complete"), code_changed=False)
+    assert stopped.do is Do.FAILED and stopped.reason.startswith(
+        "session 1 stopped itself: the loss diverged at step 43. Its checkpoint at step 100 is handed over.")
+    assert diverged_unchanged(obs(diverged, run_id(NAME, 1, 1), "complete"), code_changed=True) is None
+    assert diverged_unchanged(obs(published(1), run_id(NAME, 1, 1), "complete"), code_changed=False) is None

@@ -65,7 +65,7 @@ def _hold_and_damage(relay_env, processing, version: int, damage) -> None:
 
 
 @pytest.mark.parametrize("damage", [flip_bytes, truncate])
-def test_relay_recovers_from_a_bad_newest_checkpoint_version(relay_env, reference, damage):
+def test_relay_recovers_from_a_bad_newest_checkpoint_version(relay_env, both_flows, reference, damage):
     emu = relay_env.start(dataset_processing_delay=3600)
     spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS})
     reference.start(spec)

@@ -26,7 +26,7 @@ MAX_STEPS = 3 * STEPS_PER_SESSION
 STOP_MID_SAVE_AT = STEPS_PER_SESSION + 50  # inside session 2, after it committed saves of its own
 
 
-def test_relay_completes_exactly_under_faults_kills_and_orchestrator_crashes(relay_env, reference):
+def test_relay_completes_exactly_under_faults_kills_and_orchestrator_crashes(relay_env, both_flows, reference):
     emu = relay_env.start(faults=FAULTS, dataset_processing_delay=0.3,
                           kernel_env={**KERNEL_ENV, "RELAY_TEST_STOP_MID_SAVE": str(STOP_MID_SAVE_AT)})
     # saves every 10 ms: session 2 commits some between its start and STOP_MID_SAVE_AT on any machine

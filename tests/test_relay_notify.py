@@ -10,9 +10,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 import yaml
 
-from byo_fixtures import CRASHING
-
-FINISHING = CRASHING.replace('        raise ValueError("bad column in my data")\n', '        pass\n')
+from byo_fixtures import CRASHING, FINISHING
 
 
 class Receiver:
@@ -63,28 +61,31 @@ def _block(receiver, name: str) -> str:
     return f"custom-webhook/{name}"
 
 
-def test_a_stopped_relay_tells_once_even_when_run_again(relay_env, monkeypatch, receiver):
+def test_a_stopped_relay_tells_once_even_when_run_again(relay_env, both_flows, monkeypatch,
+                                                         receiver):
     import flows.relay_flow as relay_flow
 
     relay_env.start()
-    _relay(relay_env, "notify-crash", CRASHING, _block(receiver, "relay-hook-crash"))
+    name = f"crash-{both_flows}"  # what was told is kept per relay name on the (shared) Prefect server
+    _relay(relay_env, name, CRASHING, _block(receiver, f"relay-hook-{name}"))
     for _ in range(2):  # the second run is a restarted orchestrator: it meets the same failure
         with pytest.raises(relay_flow.RelayFailed):
             relay_env.run_flow(monkeypatch)
     subjects = [m["subject"] for m in receiver.received]
-    assert subjects == ["relay notify-crash: session.failed", "relay notify-crash: stopped"], receiver.received
-    assert "notify-crash-s002-a1" in receiver.received[0]["body"] and "ValueError" in receiver.received[0]["body"]
+    assert subjects == [f"relay {name}: session.failed", f"relay {name}: stopped"], receiver.received
+    assert f"{name}-s002-a1" in receiver.received[0]["body"] and "ValueError" in receiver.received[0]["body"]
     assert "stopped and needs you" in receiver.received[1]["body"] and "bad column" in receiver.received[1]["body"]
     from prefect.artifacts import Artifact
 
-    stop = Artifact.get("notify-crash-summary")
-    assert stop.data.startswith("# notify-crash: stopped, needs you\n\n**session 2 failed with a code error: relay: error")
+    stop = Artifact.get(f"{name}-summary")
+    assert stop.data.startswith(f"# {name}: stopped, needs you\n\n**session 2 failed with a code error: relay: error")
 
 
-def test_a_finished_relay_tells_once_with_where_the_model_is(relay_env, monkeypatch, receiver):
+def test_a_finished_relay_tells_once_with_where_the_model_is(relay_env, both_flows, monkeypatch, receiver):
     relay_env.start()
-    _relay(relay_env, "notify-done", FINISHING, _block(receiver, "relay-hook-done"))
+    name = f"done-{both_flows}"
+    _relay(relay_env, name, FINISHING, _block(receiver, f"relay-hook-{name}"))
     assert relay_env.run_flow(monkeypatch)["state"] == "done"
     assert relay_env.run_flow(monkeypatch)["state"] == "done"  # run again: nothing new to tell
-    assert [m["subject"] for m in receiver.received] == ["relay notify-done: finished"], receiver.received
-    assert "finished at step 90" in receiver.received[0]["body"] and "notify-done-model" in receiver.received[0]["body"]
+    assert [m["subject"] for m in receiver.received] == [f"relay {name}: finished"], receiver.received
+    assert "finished at step 90" in receiver.received[0]["body"] and f"{name}-model" in receiver.received[0]["body"]

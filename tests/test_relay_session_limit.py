@@ -15,7 +15,8 @@ from relay.shared import spec as spec_mod
 from relay_fixtures import wait_for  # noqa: E402
 
 
-def test_a_session_stopped_at_the_limit_is_handed_over_and_stops_the_relay_with_advice(relay_env, monkeypatch):
+def test_a_session_stopped_at_the_limit_is_handed_over_and_stops_the_relay_with_advice(relay_env, both_flows,
+                                                                                       monkeypatch):
     import flows.relay_flow as relay_flow
 
     emu = relay_env.start()
@@ -55,7 +56,7 @@ def test_a_session_stopped_at_the_limit_is_handed_over_and_stops_the_relay_with_
     assert "warning: session 1 was stopped by Kaggle at its session limit" in plan
 
 
-def test_a_limit_hit_with_nothing_saved_is_retried_only_once_the_budget_is_lowered(relay_env, monkeypatch):
+def test_a_limit_hit_with_nothing_saved_is_retried_only_once_the_budget_is_lowered(relay_env, both_flows, monkeypatch):
     """/kaggle/working of a run stopped at the limit may not be kept: nothing to hand over. The relay stops
     (the same budget would hit the limit again) until the spec asks for less; then it pushes a new attempt."""
     import flows.relay_flow as relay_flow

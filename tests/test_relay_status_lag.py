@@ -28,7 +28,7 @@ FAULTS = {"seed": 11, "status_lag": LAG,
           "methods": {"SaveKernel": {"script": ["ok", "refused"]}, "GetKernel": {"rate": 0}}}
 
 
-def test_relay_under_status_lag_pushes_each_session_once_through_orchestrator_kills(relay_env, reference):
+def test_relay_under_status_lag_pushes_each_session_once_through_orchestrator_kills(relay_env, both_flows, reference):
     emu = relay_env.start(faults=FAULTS, mount_layout="nested", dataset_processing_delay=3600)
     spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS})
     processing = DatasetProcessing(emu)

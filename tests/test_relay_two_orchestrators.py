@@ -67,8 +67,8 @@ def assert_one_run(env, reference, spec) -> None:
     ("tick-loop", "tick-loop", False, 2),   # a Prefect schedule and a GitHub Actions cron
     ("watch", "tick-loop", False, 3),       # a laptop's watch beside a scheduled tick
 ])  # the first always takes the Prefect step lock
-def test_two_orchestrators_push_and_publish_each_step_once(relay_env, reference, first, second, second_locked,
-                                                           seed):
+def test_two_orchestrators_push_and_publish_each_step_once(relay_env, both_flows, reference, first, second,
+                                                           second_locked, seed):
     emu = relay_env.start(faults=latency(seed))
     spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS})
     reference.start(spec)
@@ -99,7 +99,8 @@ def drop_step_lock(prefect_api):
             pass
 
 
-def test_a_killed_claim_holder_delays_the_relay_by_its_lease_never_stops_it(relay_env, reference, drop_step_lock):
+def test_a_killed_claim_holder_delays_the_relay_by_its_lease_never_stops_it(relay_env, both_flows, reference,
+                                                                            drop_step_lock):
     emu = relay_env.start(faults=latency(7), dataset_processing_delay=3600)
     spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS})
     reference.start(spec)
@@ -132,7 +133,7 @@ def test_a_killed_claim_holder_delays_the_relay_by_its_lease_never_stops_it(rela
     assert taken["expires"] - 10 >= dead["expires"] - 0.5  # taken only once the dead holder's lease ended
 
 
-def test_pessimistic_status_lag_pushes_each_session_once(relay_env, reference, monkeypatch):
+def test_pessimistic_status_lag_pushes_each_session_once(relay_env, both_flows, reference, monkeypatch):
     # after each push the first 8 status/output calls on the new version, pinned or not, answer the previous
     # version (its final state and its files): the relay reads the stale output as the lag, looks again, and
     # never pushes a second attempt while the first runs

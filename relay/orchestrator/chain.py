@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Optional, Protocol
 
 _RUN_ID = re.compile(r"^(?P<name>[a-z0-9][a-z0-9-]*)-s(?P<session>\d{3,})-a(?P<attempt>\d+)$")
 
@@ -76,6 +76,10 @@ class Do(str, enum.Enum):
     SALVAGE = "salvage"    # the kernel failed: hand over what it saved if it advanced, else retry
     DONE = "done"
     FAILED = "failed"
+    # after a hand-over only (after_handover): the checkpoint is published, look again; or the session refused a
+    # corrupt mounted checkpoint version, make the newest valid one current again (relay/orchestrator/restore.py)
+    HANDED_OVER = "handed-over"
+    RESTORE = "restore"
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ class Action:
     session: int = 0
     attempt: int = 0
     reason: str = ""
+    failed: str = ""  # set by after_handover when the session failed: the one line a person is told
 
 
 def decide(name: str, obs: Observation) -> Action:
@@ -119,7 +124,7 @@ def decide(name: str, obs: Observation) -> Action:
                   f"kernel {obs.kernel_state}: {obs.failure_message}".rstrip(": "))
 
 
-# A batch run past the session limit ends CANCEL_ACKNOWLEDGED with this message (../shared/docs/kaggle-api.md).
+# A batch run past the session limit ends CANCEL_ACKNOWLEDGED with this message (Kaggle's own wording).
 SESSION_LIMIT_MESSAGE = "exceeded the max allowed execution duration"
 
 
@@ -136,6 +141,77 @@ def session_limit_advice(session: int, budget_s: Optional[float], timeout_s: flo
             f"{asked} plus start-up and the final save did not fit in kaggle.session_timeout {timeout_s:.0f} s. "
             f"A budget set too long, not a transient failure: lower session.budget or raise "
             f"kaggle.startup_overhead (now {startup_s:.0f} s), then run the relay again")
+
+
+class HandOverResult(Protocol):
+    """What after_handover reads of a hand-over (relay.orchestrator.handoff.HandOver)."""
+
+    ok: bool
+    reason: str
+    step: int
+    log_tail: str
+    stale: bool
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What the decision after a hand-over reads besides the hand-over: the spec's limits, and facts the
+    orchestrator looked up on Kaggle when the hand-over failed."""
+
+    max_attempts: int             # kaggle.max_failed_sessions + 1
+    limit_advice: str = ""        # what to change after a session hit Kaggle's session limit
+    lagging: bool = False         # the kernel's current version was pushed within kaggle.status_lag
+    code_changed: bool = False    # a push now would ship other code or spec than the failed session's
+    budget_lowered: bool = False  # the spec asks for a shorter session than the failed one was pushed with
+
+
+def after_handover(name: str, action: Action, result: HandOverResult, obs: Observation, facts: Recovery) -> Action:
+    """The relay's next step once a finished session (HARVEST or SALVAGE `action`) was handed over, or not: look
+    again (HANDED_OVER; WAIT for Kaggle's status lag), RESTORE a corrupt checkpoint version, PUSH a new attempt
+    or a retry, or FAILED (a code error not fixed since, retries used up, a budget too long for the session
+    limit). A failed session's next action carries `failed`, the line to tell a person."""
+    def same(do: Do, why: str) -> Action:
+        return Action(do, action.run_id, action.session, action.attempt, why)
+
+    if not result.ok and result.stale and facts.lagging:
+        # the lag's signature, not a failed session: even a pinned status/output may answer the previous version
+        # for a while after a push; no new attempt
+        return same(Do.WAIT, f"{result.reason} soon after its push: Kaggle's status lag; looking again")
+    if hit_session_limit(obs.kernel_state, obs.failure_message) and (result.ok or not facts.budget_lowered):
+        # not transient: the same budget would hit the limit again; what it saved is handed over
+        saved = (f"Its checkpoint at step {result.step} is handed over." if result.ok else
+                 f"Nothing was handed over ({result.reason}).")
+        return same(Do.FAILED, f"{facts.limit_advice}. {saved}\n--- log tail ---\n{result.log_tail}")
+    if result.ok:
+        return same(Do.HANDED_OVER, f"handed over at step {result.step}")
+    salvage = action.do is Do.SALVAGE
+    corrupt = mounted_checkpoint_corrupt(result.log_tail) if salvage else None
+    if corrupt:  # not the session's fault
+        return same(Do.RESTORE, corrupt)
+    code_error = looks_like_code_error(result.log_tail) if salvage else None
+    if code_error and not facts.code_changed:
+        then = same(Do.FAILED, f"session {action.session} failed with a code error: {code_error} (the code and"
+                               " spec are unchanged since that push: fix them, then run the relay again)")
+    elif code_error:  # a code error is pushed again only once the code or spec changed
+        then = new_attempt(name, action, f"the code changed since: {code_error}")
+    else:
+        then = retry_action(name, action, facts.max_attempts, result.reason)
+    if then.do is Do.FAILED:
+        then = replace(then, reason=f"{then.reason}\n--- log tail ---\n{result.log_tail}")
+    return replace(then, failed=f"session {action.session} ({action.run_id}) failed: {code_error or result.reason}")
+
+
+def diverged_unchanged(obs: Observation, code_changed: bool) -> Optional[Action]:
+    """Before a push: FAILED when the last session stopped itself on divergence and nothing was changed since."""
+    published = obs.published or {}
+    if published.get("stop_reason") != "diverged" or code_changed:
+        return None
+    last = (published.get("sessions") or [{}])[-1]
+    return Action(Do.FAILED, published.get("run_id"), len(published.get("sessions") or []), 0,
+                  f"session {len(published.get('sessions') or [])} stopped itself: {last.get('diverged')}. Its"
+                  f" checkpoint at step {published.get('global_step')} is handed over. Change the spec or code"
+                  " (learning rate, data) and run the relay again, or set session.stop_on_divergence: false to"
+                  " train on")
 
 
 def retry_action(name: str, failed: Action, max_attempts: int, why: str) -> Action:

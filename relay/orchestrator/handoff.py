@@ -17,7 +17,6 @@ from relay.orchestrator import tracking_handoff
 from relay.orchestrator.chain import Action, Names, Observation, hit_session_limit
 from relay.orchestrator.kaggle.backend import KaggleBackend
 from relay.orchestrator.kaggle.types import NotFound, SessionKernel
-from relay.shared.manifest import Checkpoint, list_valid
 from relay.shared.spec import RunSpec
 from relay.shared.version import code_version
 
@@ -168,56 +167,11 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
     newest valid checkpoint as the next version of the checkpoint dataset (plus the features once, and the
     model when done), with the relay's TensorBoard log cut at its step; then sync the W&B offline run
     (`wandb_key`: where the API key comes from). `confirm` runs before each publication (the orchestrator's
-    claim on this step is still its own: relay/orchestrator/kaggle/lease.py) and raises to stop."""
-    if hasattr(backend, "open_handoff_output"):
-        return _hand_over_streamed(backend, spec, names, action, obs, local, confirm, wandb_key)
-    out = backend.download_output(names.kernel, local / "outputs" / action.run_id, action.run_id, WORKDIR,
-                                  version=obs.kernel_version)
-    tail = log_tail(out.log_path)
-    if out.stale:
-        return HandOver(False, f"stale output: it belongs to run {out.found_run_id}, not {action.run_id}",
-                        log_tail=tail, stale=_lag_suspect(out.found_run_id, obs))
-    workdir = out.directory / WORKDIR
-    valid = list_valid(workdir / "checkpoints", verify_hashes=True)
-    before = int((obs.published or {}).get("global_step", 0))
-    if not valid or out.progress is None:
-        return HandOver(False, "the session left no valid checkpoint", log_tail=tail)
-    newest = valid[0]
-    if newest.step <= before and out.progress.get("status") != "done":
-        return HandOver(False, f"no progress: newest checkpoint is step {newest.step}, published {before}",
-                        log_tail=tail)
-    limit = hit_session_limit(obs.kernel_state, obs.failure_message)
-    stage = _stage(local / "stage" / action.run_id, newest, workdir, out.progress, session_limit=limit)
-    tracking_handoff.stage_from_workdir(workdir, stage, newest.step, local)
-    if not list_valid(stage, verify_hashes=True):  # what goes up is the copy: verify the copy
-        return HandOver(False, "the staged copy of the checkpoint fails verification", log_tail=tail)
-    confirm()
-    result = backend.publish_folder(stage, names.checkpoint_dataset, f"{spec.name} checkpoint",
-                                    notes=f"run {action.run_id}, step {newest.step}, code {code_version()}")
-    published = [f"{names.checkpoint_dataset} v{result.version}"]
-    if not obs.features_published and (workdir / "cache").is_dir() and any((workdir / "cache").iterdir()):
-        confirm()
-        res = backend.publish_folder(workdir / "cache", names.features_dataset, f"{spec.name} features",
-                                     notes=f"built by run {action.run_id}")
-        published.append(f"{names.features_dataset} v{res.version}")
-    progress = json.loads((stage / "progress.json").read_text())
-    if progress.get("status") == "done" and (workdir / "export").is_dir():
-        confirm()
-        res = backend.publish_folder(workdir / "export", names.model_dataset, f"{spec.name} model",
-                                     notes=f"final weights of run {action.run_id}")
-        published.append(f"{names.model_dataset} v{res.version}")
-    if spec.tracking.wandb is not None:
-        tracking_handoff.sync_session(spec, progress, workdir / "wandb", before, newest.step,
-                                      stage / "metrics.jsonl", wandb_key)
-    return HandOver(True, "handed over", progress, newest.step, result.version, tail, published)
-
-
-def _hand_over_streamed(backend: KaggleBackend, spec: RunSpec, names: Names, action: Action, obs: Observation,
-                        local: Path, confirm: Callable[[], None], wandb_key) -> HandOver:
-    """The same handoff, downloading only what it publishes (relay/orchestrator/kaggle/selective_output.py): the newest
-    valid checkpoint straight into the flat staging folder, verified as it arrives; the cache and the export
-    only when they are published. The checkpoint version is published last (it is what the next tick reads
-    as "handed over"), and every folder is deleted as soon as its version is confirmed."""
+    claim on this step is still its own: relay/orchestrator/kaggle/lease.py) and raises to stop.
+    Only what is published is downloaded (relay/orchestrator/kaggle/selective_output.py): the newest valid
+    checkpoint straight into the flat staging folder, verified as it arrives; the cache and the export only when
+    they are published. The checkpoint version is published last (it is what the next tick reads as "handed
+    over"), and every folder is deleted as soon as its version is confirmed."""
     root = local / "handoff" / action.run_id
     out = backend.open_handoff_output(names.kernel, root, WORKDIR, version=obs.kernel_version)
     tail = _log_tail_text(out.log_text)
@@ -317,21 +271,6 @@ def _staged_progress(progress: dict, step: int, session_limit: bool = False) -> 
         if progress.get("sessions"):
             progress["sessions"] = progress["sessions"][:-1] + [dict(progress["sessions"][-1], stop_reason=SESSION_LIMIT)]
     return progress
-
-
-def _stage(stage: Path, newest: Checkpoint, workdir: Path, progress: dict,
-           session_limit: bool = False) -> Path:
-    """One flat folder (datasets skip subfolders): the checkpoint's files, progress and metrics."""
-    if stage.exists():
-        shutil.rmtree(stage)
-    stage.mkdir(parents=True)
-    for f in newest.path.iterdir():
-        shutil.copy2(f, stage / f.name)
-    progress = _staged_progress(progress, newest.step, session_limit)
-    (stage / "progress.json").write_text(json.dumps(progress, indent=1, sort_keys=True))
-    if (workdir / "metrics.jsonl").is_file():
-        shutil.copy2(workdir / "metrics.jsonl", stage / "metrics.jsonl")
-    return stage
 
 
 def log_tail(path: Optional[Path], lines: int = 40) -> str:

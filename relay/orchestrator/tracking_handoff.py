@@ -176,13 +176,6 @@ def stage_from_output(out, root: Path, stage: Path, max_step: int, local: Option
     return stage_tensorboard(files, stage, max_step, local)
 
 
-def stage_from_workdir(workdir: Path, stage: Path, max_step: int, local: Optional[Path]) -> list[str]:
-    folder = workdir / TB_PREFIX.rstrip("/")
-    files = {str(p.relative_to(folder)): p for p in folder.rglob("*") if p.is_file() and is_event_file(p.name)} \
-        if folder.is_dir() else {}
-    return stage_tensorboard(files, stage, max_step, local)
-
-
 def fetch_wandb(out, root: Path) -> Optional[Path]:
     """The output's offline W&B runs (not `latest-run`, a link to one of them) into `root/wandb`."""
     from relay.orchestrator.kaggle.selective_output import stream_verified

@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
 
 from relay.orchestrator.kaggle import kernel_source, output
 from relay.orchestrator.kaggle.bundle import build_bundle
@@ -31,19 +31,13 @@ log = logging.getLogger(__name__)
 class KaggleBackend(Protocol):
     def push_session(self, session: SessionKernel) -> PushResult: ...
     def kernel_status(self, kernel: str, version: Optional[int] = None) -> KernelStatus: ...
-    def log_stream(self, kernel: str) -> Iterator[dict]:
-        """The kernel's log as events ({"data": ...}) through the client's kernels_logs_stream: live server-sent
-        events while the session runs, the stored log once it is done; replayed from the start on every call."""
-        with self.client.bound() as api:  # the SDK reads the endpoint while it connects: hold it until then
-            events = api.kernels_logs_stream(kernel)
-            first = next(events, None)
-        if first is not None:
-            yield first
-            yield from events
-
+    def log_stream(self, kernel: str) -> Iterator[dict]: ...
     def download_output(self, kernel: str, dest: Path, run_id: str, workdir_name: str = "relay",
                         version: Optional[int] = None) -> SessionOutput: ...
-    def publish_folder(self, folder: Path, dataset: str, title: str, notes: str = "") -> PublishResult: ...
+    def open_handoff_output(self, kernel: str, root: Path, workdir_name: str = "relay",
+                            version: Optional[int] = None) -> Any: ...
+    def publish_folder(self, folder: Path, dataset: str, title: str, notes: str = "",
+                       known_sha256: Optional[dict] = None) -> PublishResult: ...
     def quota(self) -> Quota: ...
     def list_dataset_files(self, dataset: str, version: Optional[int] = None) -> List[DatasetFile]: ...
     def current_run(self, kernel: str) -> Optional[Tuple[str, Optional[int]]]: ...
@@ -51,6 +45,10 @@ class KaggleBackend(Protocol):
     def download_dataset_file(self, dataset: str, name: str, dest: Path,
                               version: Optional[int] = None) -> Path: ...
     def dataset_versions(self, dataset: str) -> List[int]: ...
+    def dataset_info(self, dataset: str) -> Optional[dict]: ...
+    def create_dataset_if_absent(self, dataset: str, title: str, description: str, files: Dict[str, str]) -> bool: ...
+    def new_dataset_version(self, dataset: str, title: str, description: str, files: Dict[str, str],
+                            notes: str) -> None: ...
     username: str
 
 
@@ -279,9 +277,45 @@ class ClientBackend:
 
     def dataset_versions(self, dataset: str) -> List[int]:
         """Every published version number of `dataset` (none when it does not exist)."""
-        split_ref(dataset, "dataset")
-        info = self.publisher._info(dataset)
+        info = self.dataset_info(dataset)
         return sorted(info["notes"]) if info else []
+
+    # -- small datasets written whole (the claims of relay/orchestrator/kaggle/lease.py) ---------
+    def dataset_info(self, dataset: str) -> Optional[dict]:
+        """{"current", "description", "notes": {version: notes}}; None when the dataset does not exist."""
+        split_ref(dataset, "dataset")
+        return self.publisher.info(dataset)
+
+    def create_dataset_if_absent(self, dataset: str, title: str, description: str, files: Dict[str, str]) -> bool:
+        """Create the private `dataset` holding `files` ({name: text}) in one CreateDataset: True when this call
+        created it, False when the slug is taken (by anyone): Kaggle's one atomic create-if-absent."""
+        response = self._write_small(dataset, title, description, files, lambda api, folder: api.dataset_create_new(
+            folder, public=False, quiet=True, dir_mode="zip"))
+        error = getattr(response, "error", None)
+        if error and "already" not in error.lower():
+            raise KaggleError(f"create dataset {dataset}: {error}")
+        return not error
+
+    def new_dataset_version(self, dataset: str, title: str, description: str, files: Dict[str, str],
+                            notes: str) -> None:
+        """A new version of `dataset` holding `files` ({name: text}), its metadata as given."""
+        response = self._write_small(dataset, title, description, files, lambda api, folder: api.dataset_create_version(
+            folder, notes, quiet=True, dir_mode="zip"))
+        if getattr(response, "error", None):
+            raise KaggleError(f"new version of {dataset}: {response.error}")
+
+    def _write_small(self, dataset: str, title: str, description: str, files: Dict[str, str],
+                     call: Callable[[Any, str], Any]) -> Any:
+        split_ref(dataset, "dataset")
+        folder = Path(tempfile.mkdtemp(prefix="relay-dataset-"))
+        try:
+            for name, text in files.items():
+                (folder / name).write_text(text)
+            (folder / "dataset-metadata.json").write_text(json.dumps({
+                "id": dataset, "title": title, "licenses": [{"name": "CC0-1.0"}], "description": description}))
+            return self.client.run(f"write {dataset}", lambda api: call(api, str(folder)))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def quota(self) -> Quota:
         response = self.client.run("quota", lambda api: api.quota_view())
@@ -305,6 +339,6 @@ def classify_refusal(error: str) -> Refusal:
     return Refusal.OTHER
 
 
-def from_env(endpoint: Optional[str] = None, **kwargs: Any) -> ClientBackend:
-    """A backend from the environment's credentials; RELAY_KAGGLE_ENDPOINT points it at an emulator."""
-    return ClientBackend(None, endpoint or os.environ.get("RELAY_KAGGLE_ENDPOINT"), **kwargs)
+def from_env(endpoint: Optional[str] = None, credentials: Any = None, **kwargs: Any) -> ClientBackend:
+    """A backend with `credentials` or the environment's; RELAY_KAGGLE_ENDPOINT points it at an emulator."""
+    return ClientBackend(credentials, endpoint or os.environ.get("RELAY_KAGGLE_ENDPOINT"), **kwargs)

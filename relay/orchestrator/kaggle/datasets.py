@@ -88,7 +88,7 @@ class DatasetPublisher:
         files = manifest_of(folder, known_sha256)
         marker = "relay-publish:" + hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
 
-        info = self._info(dataset)
+        info = self.info(dataset)
         if info is not None and self._marker_version(info, marker):
             log.info("dataset %s: %s already published", dataset, marker)
             version = self._wait_ready(dataset, marker)
@@ -118,7 +118,7 @@ class DatasetPublisher:
         return PublishResult(dataset, version, info is None, False, files)
 
     # -- steps -----------------------------------------------------------------------------------
-    def _info(self, dataset: str) -> Optional[dict]:
+    def info(self, dataset: str) -> Optional[dict]:
         """Current version, description and version notes; None when the dataset does not exist."""
         def get(kaggle: Any) -> Any:
             from kagglesdk.datasets.types.dataset_api_service import ApiGetDatasetRequest
@@ -149,7 +149,7 @@ class DatasetPublisher:
         return None
 
     def _landed(self, dataset: str, marker: str) -> bool:
-        info = self._info(dataset)
+        info = self.info(dataset)
         return info is not None and self._marker_version(info, marker) is not None
 
     def _create(self, stage: Path, dataset: str, marker: str) -> bool:
@@ -159,7 +159,7 @@ class DatasetPublisher:
         if response is None:
             return True  # landed on an earlier attempt whose response was lost
         if response.error:
-            if "already" in response.error.lower() and self._info(dataset) is not None:
+            if "already" in response.error.lower() and self.info(dataset) is not None:
                 if self._landed(dataset, marker):
                     return True
                 self._wait_ready(dataset, None)
@@ -206,7 +206,7 @@ class DatasetPublisher:
         delay = min(0.2, self.poll_s)
         while True:
             status = self._status(dataset)
-            info = self._info(dataset) if status == "ready" else None
+            info = self.info(dataset) if status == "ready" else None
             if info is not None:
                 target = self._marker_version(info, marker) if marker else info["current"]
                 if target and info["current"] >= target:

@@ -25,16 +25,16 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import socket
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Optional
 
 from relay.orchestrator.kaggle.types import KaggleError
+
+if TYPE_CHECKING:
+    from relay.orchestrator.kaggle.backend import KaggleBackend
 
 log = logging.getLogger(__name__)
 PREFIX = "relay-lease:"
@@ -72,7 +72,7 @@ class NotALease(KaggleError):
 
 
 class Lease:
-    def __init__(self, backend: Any, relay_name: str, ttl_s: float, holder: str = HOLDER,
+    def __init__(self, backend: "KaggleBackend", relay_name: str, ttl_s: float, holder: str = HOLDER,
                  sleep: Callable[[float], None] = time.sleep):
         self.backend, self.owner = backend, backend.username
         self.name, self.ttl_s, self.holder, self.sleep = relay_name, float(ttl_s), holder, sleep
@@ -133,23 +133,15 @@ class Lease:
         """Release every claim of this Lease whose step did not take effect, so that another process (the next
         tick, the user's next `relay run`) need not wait for the lease. Best effort: expiry is the fallback."""
         for key, claim in list(self._open.items()):
-            slug = self.slug(key, claim.generation)
-            folder = Path(tempfile.mkdtemp(prefix="relay-lease-"))
+            ref = f"{self.owner}/{self.slug(key, claim.generation)}"
             try:
-                (folder / "lease.json").write_text(json.dumps({"key": key, "released_by": self.holder}))
-                info = self.backend.publisher._info(f"{self.owner}/{slug}") or {}
-                (folder / "dataset-metadata.json").write_text(json.dumps({  # as created: the claim stays readable
-                    "id": f"{self.owner}/{slug}", "title": f"relay lease {slug[-18:]}",
-                    "licenses": [{"name": "CC0-1.0"}], "description": info.get("description", "")}))
-                response = self.backend.client.run(f"release {slug}", lambda api: api.dataset_create_version(
-                    str(folder), f"{RELEASED} by {self.holder}", quiet=True, dir_mode="zip"))
-                if getattr(response, "error", None):
-                    raise KaggleError(response.error)
+                info = self.backend.dataset_info(ref) or {}  # its description as created: the claim stays readable
+                self.backend.new_dataset_version(ref, self._title(key, claim.generation), info.get("description", ""),
+                                                 {"lease.json": json.dumps({"key": key, "released_by": self.holder})},
+                                                 notes=f"{RELEASED} by {self.holder}")
                 self._open.pop(key, None)
             except Exception as err:  # noqa: BLE001
                 log.warning("could not release the claim on %s (%s); it lapses at its expiry", key, err)
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
 
     def guard(self, claim: Claim) -> Callable[[], None]:
         """A check to run before each act of a multi-act step (the hand-over's publications)."""
@@ -162,7 +154,7 @@ class Lease:
     # -- Kaggle ----------------------------------------------------------------------------------
     def _read(self, key: str, generation: int) -> Optional[Claim]:
         ref = f"{self.owner}/{self.slug(key, generation)}"
-        info = self.backend.publisher._info(ref)  # GetDataset: None when absent
+        info = self.backend.dataset_info(ref)  # None when absent
         if info is None:
             return None
         text = info["description"]
@@ -176,22 +168,12 @@ class Lease:
 
     def _create(self, key: str, generation: int) -> bool:
         """CreateDataset of the claim: True when it was created, False when the slug was taken (by anyone)."""
-        slug = self.slug(key, generation)
-        data = {"key": key, "holder": self.holder, "expires": round(time.time() + self.ttl_s, 3),
-                "relay": self.name}
-        folder = Path(tempfile.mkdtemp(prefix="relay-lease-"))
-        try:
-            (folder / "lease.json").write_text(json.dumps(data))
-            (folder / "dataset-metadata.json").write_text(json.dumps({
-                "id": f"{self.owner}/{slug}", "title": f"relay lease {slug[-18:]}",
-                "licenses": [{"name": "CC0-1.0"}],
-                "description": f"A claim of kaggle-relay {self.name} (see docs/kaggle.md). {PREFIX}"
-                               f"{json.dumps(data, sort_keys=True)}"}))
-            response = self.backend.client.run(f"lease {slug}", lambda api: api.dataset_create_new(
-                str(folder), public=False, quiet=True, dir_mode="zip"))
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        error = getattr(response, "error", None)
-        if error and "already" not in error.lower():
-            raise KaggleError(f"lease {slug}: {error}")
-        return not error
+        data = {"key": key, "holder": self.holder, "expires": round(time.time() + self.ttl_s, 3), "relay": self.name}
+        description = (f"A claim of kaggle-relay {self.name} (see docs/kaggle.md). {PREFIX}"
+                       f"{json.dumps(data, sort_keys=True)}")
+        return self.backend.create_dataset_if_absent(f"{self.owner}/{self.slug(key, generation)}",
+                                                     self._title(key, generation), description,
+                                                     {"lease.json": json.dumps(data)})
+
+    def _title(self, key: str, generation: int) -> str:
+        return f"relay lease {self.slug(key, generation)[-18:]}"

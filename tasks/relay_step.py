@@ -1,0 +1,260 @@
+"""One relay's step, carried out the same way by the `relay` flow (one relay) and the `relays` flow (several under
+one session cap and one quota): observe Kaggle, decide (relay.orchestrator.chain.decide), hand a finished
+session over under a claim on Kaggle, act on what chain.after_handover decides (restore a corrupt checkpoint
+version, a new attempt once the code changed, a retry, stop), tell a person, show the running session, and push
+when the flow gives the relay a slot and a budget. A flow adds only its own part: how it waits (watch or tick),
+and, for several relays, the shared cap, the joint quota plan and the order in which ready relays get slots.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+from prefect import get_run_logger
+
+from relay.orchestrator import chain, handoff, restore
+from relay.orchestrator.chain import Do
+from relay.orchestrator.kaggle.backend import KaggleBackend
+from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
+from relay.orchestrator.kaggle.types import Quota, Refusal
+from relay.orchestrator.policy import budget_lowered, plan_text, session_budget
+from relay.shared.spec import RunSpec
+from tasks import artifacts, relay_tasks as t
+from tasks.live_view import LiveView
+from tasks.notify import Notifier
+from tasks.step_lock import StepLock
+
+
+class RelayFailed(RuntimeError):
+    """The relay stopped and needs a person; the first line says why."""
+
+
+def make_backend(credentials_block: Optional[str] = None) -> KaggleBackend:
+    """The real Kaggle, or the emulator when RELAY_KAGGLE_ENDPOINT is set; credentials from the environment /
+    kaggle.json, or from a Prefect Secret block holding {"username", "key"} JSON."""
+    from relay.orchestrator.kaggle import from_env
+
+    creds = None
+    if credentials_block:
+        from prefect.blocks.system import Secret
+
+        value = Secret.load(credentials_block).get()
+        creds = json.loads(value) if isinstance(value, str) else value
+    return from_env(credentials=creds)
+
+
+@dataclass
+class RelayContext:
+    """Everything one relay's steps act with, built once per flow run from a spec that was loaded and checked once."""
+
+    spec: RunSpec
+    spec_text: str
+    backend: KaggleBackend
+    names: chain.Names
+    local: Path            # a cache only: everything here can be rebuilt from Kaggle
+    tell: Notifier
+    lock: StepLock         # one step at a time per relay on this Prefect server (0 s: none)
+    lease: Lease           # claims on Kaggle, seen by every orchestrator
+    view: LiveView
+    reported: Optional[str] = None  # the handed-over run the artifacts show
+
+    @classmethod
+    def open(cls, spec: RunSpec, spec_text: str, backend: KaggleBackend, state_dir: str | Path,
+             live_seconds: float = 30.0, step_lock_wait_s: float = 0.0) -> "RelayContext":
+        names = chain.Names(backend.username, spec.name)
+        local = Path(state_dir) / spec.name
+        local.mkdir(parents=True, exist_ok=True)
+        tell = Notifier(spec.name, spec.notify.block)
+        view = LiveView(backend, names, local, curve_every_s=6 * live_seconds,  # 3 min by default
+                        notify=lambda key, text: tell("warning", key, text))
+        return cls(spec, spec_text, backend, names, local, tell, StepLock(spec.name, step_lock_wait_s),
+                   Lease(backend, spec.name, spec.kaggle.lease), view)
+
+    def pause(self) -> None:
+        """Between steps (waiting, following a session): another flow run of this relay may take a step."""
+        self.lock.release()
+
+    def close(self) -> None:
+        """Claims whose step took no effect are free for the next tick or run at once, not at their expiry."""
+        self.lock.release()
+        self.lease.release_open()
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one step found or did, the one outcome both flows act on.
+    state: "ready" (to push, given a slot and a budget), "running", "handed-over", "restored", "pushed",
+    "waiting" (Kaggle's status lag, another orchestrator's claim, a refused push, the quota), "done"."""
+
+    state: str
+    action: chain.Action
+    obs: chain.Observation
+    progress: Optional[dict] = None       # the newest handed-over progress.json
+    why: str = ""                          # what it waits for
+    until: Optional[datetime] = None       # the quota refresh it waits for
+    lease_end: Optional[float] = None      # when the claim it waits for ends (unix time)
+    refusal: Optional[Refusal] = None      # Kaggle refused the push
+
+    def summary(self) -> dict:
+        p = self.progress or {}
+        return {"state": self.state, "run_id": self.action.run_id, "step": p.get("global_step", 0),
+                "total_steps": p.get("total_steps"), "sessions": len(p.get("sessions", [])),
+                "metrics": p.get("metrics", {}), "weights_sha256": p.get("weights_sha256")}
+
+
+def advance(ctx: RelayContext) -> Step:
+    """Observe, decide, and do what needs no session slot: hand over a finished session and recover from its
+    failure, or stop. Returns "ready" with the next session's action, or the step taken or waited for; raises
+    RelayFailed when the relay needs a person. Holds the step lock (ctx.pause releases it)."""
+    logger = get_run_logger()
+    ctx.lock.acquire()
+    obs = t.observe(ctx.backend, ctx.names, ctx.local)
+    action = chain.decide(ctx.spec.name, obs)
+    logger.info("decide: %s %s (%s)", action.do.value, action.run_id or "", action.reason)
+    _report(ctx, obs, action)
+    if action.do in (Do.HARVEST, Do.SALVAGE):
+        step = _hand_over(ctx, obs, action)
+        if step.state != "ready":
+            return step
+        action = step.action
+    if action.do is Do.DONE:
+        done = obs.published or {}
+        ctx.tell("finished", "finished", f"{ctx.spec.name} finished at step {done.get('global_step')}, last eval"
+                 f" {done.get('metrics')}; the final model is the Kaggle dataset {ctx.names.model_dataset}")
+        return Step("done", action, obs, obs.published)
+    if action.do is Do.FAILED:
+        raise RelayFailed(action.reason)
+    if action.do is Do.PUSH:
+        if (obs.published or {}).get("stop_reason") == "diverged":
+            stop = chain.diverged_unchanged(obs, handoff.code_changed(ctx.backend, ctx.names, ctx.spec, ctx.spec_text))
+            if stop is not None:
+                raise RelayFailed(stop.reason)
+        return Step("ready", action, obs, obs.published)
+    return Step("running", action, obs, obs.published)
+
+
+def _hand_over(ctx: RelayContext, obs: chain.Observation, action: chain.Action) -> Step:
+    """Harvest or salvage a finished session under a claim, then carry out chain.after_handover's decision."""
+    key = f"handover-{action.run_id}"
+    held = _claim(ctx, key, obs, action)
+    if isinstance(held, Step):
+        return held
+    confirm = ctx.lease.guard(held)
+    try:
+        result = t.hand_over(ctx.backend, ctx.spec, ctx.names, action, obs, ctx.local, confirm=confirm)
+    except LeaseLost as lost:
+        return Step("waiting", action, obs, obs.published, why=f"hand-over of {action.run_id} stopped: {lost}")
+    then = chain.after_handover(ctx.spec.name, action, result, obs, _recovery(ctx, action, result))
+    if then.failed:
+        ctx.tell("session.failed", f"failed-{action.run_id}", f"{ctx.spec.name}: {then.failed}")
+    if then.do is Do.HANDED_OVER:
+        ctx.lease.took_effect(key)
+        return Step("handed-over", then, obs, result.progress)
+    if then.do is Do.WAIT:
+        return Step("waiting", then, obs, obs.published, why=then.reason)
+    if then.do is Do.RESTORE:
+        return _restore(ctx, obs, then, confirm)
+    if then.do is Do.FAILED:
+        raise RelayFailed(then.reason)
+    return Step("ready", then, obs, obs.published)  # a new attempt or a retry
+
+
+def _recovery(ctx: RelayContext, action: chain.Action, result: handoff.HandOver) -> chain.Recovery:
+    """The spec's limits, and what Kaggle shows about the failed session's push (looked up only after a failure)."""
+    k = ctx.spec.kaggle
+    facts = chain.Recovery(max_attempts=k.max_failed_sessions + 1, limit_advice=chain.session_limit_advice(
+        action.session, session_budget(ctx.spec, None), k.session_timeout, k.startup_overhead))
+    if result.ok:
+        return facts
+    return replace(facts, lagging=result.stale and handoff.pushed_within(ctx.backend, ctx.names, action.run_id,
+                                                                          k.status_lag),
+                   code_changed=handoff.code_changed(ctx.backend, ctx.names, ctx.spec, ctx.spec_text),
+                   budget_lowered=budget_lowered(ctx.backend, ctx.names, ctx.spec))
+
+
+def _restore(ctx: RelayContext, obs: chain.Observation, action: chain.Action, confirm) -> Step:
+    """Not the session's fault: make the newest valid checkpoint version current again."""
+    try:
+        confirm()
+        done = restore.restore_newest_valid(ctx.backend, ctx.names, f"{ctx.spec.name} checkpoint", action.run_id,
+                                            action.reason, ctx.local)
+    except restore.NoValidCheckpoint as err:
+        raise RelayFailed(str(err)) from None
+    except LeaseLost as lost:
+        return Step("waiting", action, obs, obs.published, why=f"restore after {action.run_id} stopped: {lost}")
+    ctx.lease.took_effect(f"handover-{action.run_id}")
+    get_run_logger().warning("%s", done)
+    return Step("restored", action, obs, obs.published)
+
+
+def push(ctx: RelayContext, ready: Step, budget_s: float, quota: Optional[Quota]) -> Step:
+    """Push the ready relay's next session with `budget_s` of training, under a claim on Kaggle: "pushed", or
+    "waiting" (claimed by another orchestrator; refused by Kaggle, with the refusal)."""
+    action, obs = ready.action, ready.obs
+    session = handoff.session_kernel(ctx.spec, ctx.spec_text, ctx.names, action, budget_s, obs.features_published,
+                                     has_checkpoint=obs.published is not None)
+    key = f"push-{action.run_id}"
+    held = _claim(ctx, key, obs, action)  # its act, SaveKernel, follows within seconds
+    if isinstance(held, Step):
+        return held
+    pushed = t.push_session(ctx.backend, session)
+    if pushed.refusal is not None:
+        until = quota.refresh_time if (pushed.refusal is Refusal.QUOTA and quota) else None
+        return Step("waiting", action, obs, obs.published, why=f"push refused ({pushed.refusal.value}):"
+                    f" {pushed.message}", until=until, refusal=pushed.refusal)
+    ctx.lease.took_effect(key)
+    return Step("pushed", action, obs, obs.published)
+
+
+def plan(ctx: RelayContext, progress: Optional[dict], quota: Optional[Quota]) -> None:
+    get_run_logger().info("plan:\n%s", plan_text(ctx.spec, progress, quota, datetime.now(timezone.utc)))
+
+
+def quota_spent(ctx: RelayContext, ready: Step, quota: Optional[Quota]) -> Step:
+    """The weekly GPU quota cannot pay for a session: wait for its refresh (told once per refresh)."""
+    until = quota.refresh_time if quota is not None else None
+    ctx.tell("quota-wait", f"quota-{until}", f"{ctx.spec.name}: the weekly GPU quota is spent; the relay waits"
+             f" until {until} UTC")
+    return Step("waiting", ready.action, ready.obs, ready.progress,
+                why=f"weekly GPU quota spent; waiting until {until}", until=until)
+
+
+def show_running(ctx: RelayContext, running: Step):
+    """Follow the running session's log and refresh its live view (progress, table, curves, early warnings)."""
+    live = ctx.view.follow(running.action.run_id)
+    ctx.view.refresh(running.progress, running.obs.kernel_state or "starting")
+    return live
+
+
+def stopped(ctx: RelayContext, err: RelayFailed) -> None:
+    """The relay stopped and needs a person: the summary artifact says why, and a person is told once."""
+    artifacts.publish_stop(ctx.spec.name, str(err))
+    reason = str(err).split("\n")[0]
+    ctx.tell("stopped", "stopped-" + hashlib.sha256(reason.encode()).hexdigest()[:12],
+             f"{ctx.spec.name} stopped and needs you: {reason}")
+
+
+def _claim(ctx: RelayContext, key: str, obs: chain.Observation, action: chain.Action):
+    """Our claim on the step, or the "waiting" Step to return instead."""
+    try:
+        return ctx.lease.acquire(key)
+    except LeaseBusy as busy:
+        return Step("waiting", action, obs, obs.published, why=str(busy), lease_end=busy.claim.expires)
+    except NotALease as err:
+        raise RelayFailed(str(err)) from None
+    except Exception as err:  # noqa: BLE001 - Kaggle failing past the retries: look again later
+        return Step("waiting", action, obs, obs.published, why=f"could not claim {key} on Kaggle: {err}")
+
+
+def _report(ctx: RelayContext, obs: chain.Observation, action: chain.Action) -> None:
+    """The session table, curves and plan as artifacts, once per handed-over session."""
+    if obs.published and obs.published.get("run_id") != ctx.reported:
+        metrics = handoff.published_metrics(ctx.backend, ctx.names, ctx.local, obs.published)
+        text = plan_text(ctx.spec, obs.published, t.read_quota(ctx.backend), datetime.now(timezone.utc))
+        artifacts.publish_report(ctx.spec.name, obs.published, ctx.local, metrics, plan_text=text,
+                                 state=action.do.value)
+        ctx.reported = obs.published.get("run_id")
