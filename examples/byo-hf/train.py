@@ -51,7 +51,7 @@ def main() -> None:
     model = BertForSequenceClassification(config)
     args = TrainingArguments(
         output_dir=str(session.workdir / "hf"), max_steps=session.total_steps, per_device_train_batch_size=16,
-        learning_rate=1e-3, logging_steps=10, save_strategy="no", report_to=report_to, seed=session.config["seed"],
+        learning_rate=1e-3, logging_steps=10, save_strategy="no", report_to=report_to, seed=session.config.seed,
         dataloader_num_workers=0, disable_tqdm=True, use_cpu=not torch.cuda.is_available())
     callback = RelayCallback(session)  # relay
     resume = callback.restore()  # relay

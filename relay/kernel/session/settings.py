@@ -71,5 +71,19 @@ class SessionSettings:
         values.update(values.pop("extra"))
         return values
 
+    def __getitem__(self, key: str) -> Any:
+        """`session.config["seed"]`: scripts written when the settings were a dict read them by key."""
+        if key in self.extra:
+            return self.extra[key]
+        if key == "extra" or key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
     def checkpoints(self) -> CheckpointConfig:
         return CheckpointConfig(keep_last=self.keep_last, disk_budget_gb=self.disk_budget_gb, digest=self.digest)
