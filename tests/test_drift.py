@@ -134,3 +134,16 @@ def test_changes_compare_only_what_both_sessions_recorded():
     assert runtime.changes(old, new) == ["CUDA 12.1 -> 12.8", f"GPUs 2 x Tesla T4 -> 1 x {P100}"]
     assert runtime.changes({"index": 1}, new) == []  # a record from before `runtime` existed claims nothing
     assert policy.environment_change({"sessions": [old]}) is None
+
+
+def test_sessions_are_pushed_pinned_to_the_first_sessions_image_unless_the_spec_says_latest():
+    from relay.orchestrator.kaggle.backend import ClientBackend
+    from relay.orchestrator.kaggle.types import SessionKernel
+    from relay.shared.spec_sections import KaggleConfig
+
+    def meta(**kwargs):
+        return ClientBackend._metadata(SessionKernel(kernel="u/k", title="Title", spec_text="", run_id="r", **kwargs))
+
+    assert KaggleConfig().pin_image is True
+    assert meta()["docker_image_pinning_type"] == "original"  # the kernel's first version's image
+    assert meta(pin_image=False)["docker_image_pinning_type"] == "latest"

@@ -200,6 +200,10 @@ class KaggleConfig(_Section):
     enable_gpu: bool = Field(True, description="Run sessions on a GPU (spends the weekly quota).")
     enable_internet: bool = Field(False, description=(
         "Internet inside the session (needs a phone-verified account); required by kaggle.pip."))
+    pin_image: bool = Field(True, description=(
+        "Push every session on the Docker image of the relay's first session (the kernel's first version:"
+        " `docker_image_pinning_type: original`), not on the latest one Kaggle rolls out every few weeks; each"
+        " session records the image it ran on and a change is flagged (docs/kaggle.md)."))
     session_timeout: float = Field(12 * 3600.0, description="Kaggle's per-session cap (duration, at most 12h).")
     startup_overhead: float = Field(120.0, description=(
         "Kernel start and restore, kept out of the training budget (duration)."))
