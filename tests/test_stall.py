@@ -137,6 +137,23 @@ def test_the_built_in_runner_whose_data_loader_hangs_ends_itself(relay_cli, tmp_
     assert not list((workdir / "checkpoints").glob("step-*"))
 
 
+def _rank_that_stalls(rank, world_size, port, errors) -> None:
+    """A rank as session/core.py's watchdog ends it; the other waits forever (as on a collective)."""
+    import os
+
+    if rank == 0:
+        os._exit(STALLED_EXIT)
+    threading.Event().wait()
+
+
+def test_a_rank_that_stalls_ends_relay_train_with_the_same_status(spawns_processes):
+    from relay.kernel.session import distributed
+
+    with pytest.raises(SystemExit) as ended:
+        distributed.launch(_rank_that_stalls, 2, ())
+    assert ended.value.code == STALLED_EXIT
+
+
 # -- the watchdog's bound and thread ------------------------------------------------------------------------
 def test_auto_stall_limit_grows_with_the_slowest_step_and_the_save():
     clock = SessionClock()

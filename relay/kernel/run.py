@@ -155,7 +155,8 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
              state.grad_accum, world.size, state.precision,
              "none" if clock.limit == float("inf") else f"{clock.limit:.0f}s")
 
-    trainer.preflight()
+    if not core.wrong_accelerator:  # it stops before its first step: on a P100 the image's torch cannot even run one
+        trainer.preflight()
     try:
         reason = trainer.fit()
         trainer.save(reason)

@@ -58,6 +58,7 @@ class SessionCore:
         self.wrong_accelerator = False  # stop at once: another accelerator than asked for, and the spec says stop
         self.environment_changed: Optional[dict] = None  # {"step", "why"}: ran elsewhere than the session before
         self.watchdog: Optional[StallWatchdog] = None
+        self._current_step: Callable[[], int] = lambda: 0  # the client's step counter, from open()
         self._restored: Optional[checkpoint.Checkpoint] = None
         self._sessions: list = []
         self._written: Optional[dict] = None  # the last progress.json written, which a stall record amends
@@ -115,8 +116,9 @@ class SessionCore:
 
     # -- during -----------------------------------------------------------------------------------------
     def stop_reason(self, step: int, diverged: Optional[str], eval_due: bool = False) -> Optional[str]:
-        """This process's answer to "stop before the next step?" ("done", "diverged", the clock's "budget",
-        "steps" or "sigterm"), or None; with several processes the caller agrees on it with the others."""
+        """This process's answer to "stop before the next step?" ("done", "wrong_accelerator", "diverged", the
+        clock's "budget", "steps" or "sigterm"), or None; with several processes the caller agrees on it with the
+        others (but for books.RANK_INDEPENDENT)."""
         if step >= self.total_steps:
             return "done"
         if self.wrong_accelerator:
@@ -211,10 +213,10 @@ class SessionCore:
         Nothing here waits on what may hang (trackers, a collective); progress.json's lock for a few seconds."""
         step = self._current_step()
         why = f"stalled at step {step} after {format_duration(max(1, round(idle)))}"
-        limit = stall_limit(self.stall_after, self.clock)
-        print(f"relay: session {self.record['index']} {why} without progress (session.stall_after"
-              f" {self.stall_after}: {format_duration(round(limit, 1))}); where each thread was:",
-              file=sys.stderr, flush=True)
+        limit = format_duration(round(stall_limit(self.stall_after, self.clock), 1))
+        setting = f"auto, {limit} now" if self.stall_after == "auto" else limit
+        print(f"relay: session {self.record['index']} {why} without progress (session.stall_after: {setting});"
+              " where each thread was:", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         locked = self._books.acquire(timeout=10)  # a commit mid-write of progress.json finishes it first
         try:
