@@ -54,7 +54,8 @@ class SessionCore:
         self.trackers = Trackers(tracking, self.workdir, main=world.main, internet=internet)
         self.record: dict = {}  # this session's entry in progress.json's `sessions`, from open() on
         self.lines: Optional[ProgressLines] = None
-        self.stall_after, self.machine_shape, self.on_other_accelerator = stall_after, machine_shape, on_other_accelerator
+        self.stall_after, self.machine_shape = stall_after, machine_shape
+        self.on_other_accelerator = on_other_accelerator
         self.wrong_accelerator = False  # stop at once: another accelerator than asked for, and the spec says stop
         self.environment_changed: Optional[dict] = None  # {"step", "why"}: ran elsewhere than the session before
         self.watchdog: Optional[StallWatchdog] = None
