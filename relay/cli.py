@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from relay.shared import accelerators
 from relay.shared.errors import InputError
 from relay.shared.inputs import OneLineArgumentParser
 
@@ -117,7 +118,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except planner.PlanError as err:
         raise InputError(f"relay plan: {err} (see relay plan --help)") from None
     print(planner.format_plan(plan))
-    procs = spec.session.devices if spec.session.devices != "auto" else GPUS_PER_SHAPE.get(spec.kaggle.machine_shape, 1)
+    procs = spec.session.devices if spec.session.devices != "auto" else accelerators.gpus_of(spec.kaggle.machine_shape)
     if spec.recipe is not None:
         from relay.kernel.usercode import recipe_params  # a user recipe's Params are in its own module
 
@@ -128,10 +129,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"processes per session: {1 if fit_only else procs} (session.devices: {spec.session.devices}, {why});"
           " step times are of one optimizer step with all of them")
     return 0
-
-
-# GPUs a Kaggle machine shape brings ("GPU T4 x2"); session.devices: auto trains on all of them
-GPUS_PER_SHAPE = {"NvidiaTeslaT4": 2, "NvidiaTeslaT4Highmem": 2}
 
 
 def cmd_status(args: argparse.Namespace) -> int:

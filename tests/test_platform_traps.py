@@ -222,18 +222,18 @@ def test_gpu_without_a_shape_gets_t4_x2_not_a_p100_and_p100_warns(caplog):
 
 
 def test_gpus_are_recorded_per_session_and_shown_in_the_table():
-    from relay.kernel.session import memory
+    from relay.kernel.session import hardware
     from relay.orchestrator import report
 
     import torch
 
-    found = memory.gpu_inventory()
+    found = hardware.gpu_inventory()
     assert found["count"] == len(found["names"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
     sessions = [{"index": 1, "run_id": "r1", "gpus": {"count": 2, "names": ["Tesla T4", "Tesla T4"]}},
                 {"index": 2, "run_id": "r2", "gpus": {"count": 1, "names": ["Tesla P100-PCIE-16GB"]}},
                 {"index": 3, "run_id": "r3", "gpus": {"count": 0, "names": []}},
                 {"index": 4, "run_id": "r4"}]
     rows = report.session_table({"sessions": sessions})
-    assert [r["gpus"] for r in rows] == ["2 x Tesla T4", "1 x Tesla P100-PCIE-16GB", "none", None]
+    assert [r["gpus"] for r in rows] == ["2 x Tesla T4", "1 x Tesla P100-PCIE-16GB", "no GPU", None]
     table = report.format_table(rows)
     assert "GPUs" in table.splitlines()[0] and "2 x Tesla T4" in table and "P100" in table

@@ -120,13 +120,16 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     model.to(device)
 
     total = data.total_steps(schedule, spec.optim.epochs, spec.optim.max_steps)
+    k = spec.kaggle
     core = SessionCore(workdir, clock, world, total_steps=total, name=spec.name, run_id=run_id,
                        resume_from=resume_from, checkpoints=spec.checkpoints,
-                       tracking=spec.tracking.model_dump(), internet=spec.kaggle.enable_internet)
+                       tracking=spec.tracking.model_dump(), internet=k.enable_internet,
+                       stall_after=spec.session.stall_after, machine_shape=k.machine_shape if k.enable_gpu else None,
+                       on_other_accelerator=k.on_other_accelerator)
     restored, state = _restore(core, spec, world, device, created)
     session = core.open(state.sessions, state.global_step, state.tracking, current_step=lambda: state.global_step,
-                        model_bytes=sum(p.nbytes for p in model.parameters()), gpus=memory.gpu_inventory())
-    log.info("GPUs: %d %s", session["gpus"]["count"], session["gpus"]["names"])  # what Kaggle really gave
+                        model_bytes=sum(p.nbytes for p in model.parameters()))
+    state.exactness_lost = state.exactness_lost or core.environment_changed
 
     def save(reason: str) -> None:
         """Periodic and best saves commit in the background while training goes on; the last is waited for."""
@@ -152,7 +155,8 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
              state.grad_accum, world.size, state.precision,
              "none" if clock.limit == float("inf") else f"{clock.limit:.0f}s")
 
-    trainer.preflight()
+    if not core.wrong_accelerator:  # it stops before its first step: on a P100 the image's torch cannot even run one
+        trainer.preflight()
     try:
         reason = trainer.fit()
         trainer.save(reason)

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Optional, Protocol
 
+from relay.shared import progress_line
+
 _RUN_ID = re.compile(r"^(?P<name>[a-z0-9][a-z0-9-]*)-s(?P<session>\d{3,})-a(?P<attempt>\d+)$")
 
 
@@ -250,6 +252,25 @@ def mounted_checkpoint_corrupt(log_tail: str) -> Optional[str]:
     """The session's one-line reason when it refused to start from a corrupt or partial checkpoint."""
     found = list(_CORRUPT_MOUNT.finditer(log_tail))
     return found[-1].group(0).removeprefix("relay: error: ") if found else None
+
+
+# What a session that ended itself says in its last `relay-progress` line (kind "end"): a stall (the watchdog of
+# session.stall_after; exit status 75, the newest checkpoint as it was) and another accelerator than the spec's
+# kaggle.machine_shape under kaggle.on_other_accelerator: stop.
+SELF_STOPS = ("stalled", "wrong_accelerator")
+
+
+def ended_itself(log_tail: str) -> Optional[tuple[str, str]]:
+    """(stop reason, why) when the session's log ends with it stopping itself: ("stalled", "stalled at step 5
+    after 10m") or ("wrong_accelerator", "got 1 x Tesla P100-PCIE-16GB where ..."); None for any other end.
+    Either is a failed attempt: retried from the same checkpoint within kaggle.max_failed_sessions
+    (retry_action, with `why` as the reason), then the relay stops saying it."""
+    for line in reversed(log_tail.splitlines()):
+        record = progress_line.parse(line)
+        if record is not None and record.get("kind") == "end":
+            reason = record.get("stop_reason")
+            return (reason, str(record.get("why") or reason)) if reason in SELF_STOPS else None
+    return None
 
 
 def looks_like_code_error(log_tail: str) -> Optional[str]:

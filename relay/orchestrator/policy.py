@@ -1,6 +1,6 @@
 """The relay's policy beside its decision (relay.orchestrator.chain): how long the next session may train, the plan and ETA
-a person reads, and what to say after a session hit Kaggle's limit. Shared by the flows, `relay status` and
-`relay plan`; no Prefect here."""
+a person reads, what to say after a session hit Kaggle's limit, and when a session ran on another environment
+than the one before it. Shared by the flows, `relay status` and `relay plan`; no Prefect here."""
 from __future__ import annotations
 
 import math
@@ -9,6 +9,7 @@ from typing import Optional
 
 from relay.orchestrator import chain, plan as planner
 from relay.orchestrator.handoff import SESSION_LIMIT
+from relay.shared import runtime
 
 
 def utc(value: datetime) -> datetime:
@@ -62,3 +63,19 @@ def limit_warning(spec, progress: Optional[dict]) -> str:
     session = len(progress.get("sessions", [])) or 1
     return "\nwarning: " + chain.session_limit_advice(session, session_budget(spec, None), k.session_timeout,
                                                       k.startup_overhead)
+
+
+def environment_change(progress: Optional[dict]) -> Optional[str]:
+    """What changed between the last two sessions of a progress.json (Kaggle's image, torch, CUDA, the GPUs),
+    as one line for a notification; None when nothing did or fewer than two sessions recorded it. The session
+    itself marked exact resume unproven from its first step (progress.json's `exactness_lost`)."""
+    sessions = (progress or {}).get("sessions") or []
+    if len(sessions) < 2:
+        return None
+    before, after = sessions[-2], sessions[-1]
+    changed = runtime.changes(before, after)
+    if not changed:
+        return None
+    return (f"{(progress or {}).get('name') or 'the relay'}: session {after.get('index')} ran on another environment"
+            f" than session {before.get('index')}: {', '.join(changed)}; the run is no longer proven bit-identical"
+            f" to an uninterrupted one from step {after.get('step_start')}")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from relay.orchestrator.plan import Plan, as_utc, format_duration
+from relay.shared import accelerators, runtime
 
 PROGRESS = "progress.json"
 METRICS = "metrics.jsonl"
@@ -96,9 +97,11 @@ COLUMNS = [  # (row key, terminal heading)
     ("session", "session"), ("run_id", "run id"), ("start", "start (UTC)"), ("duration_s", "duration"),
     ("billed_gpu_s", "billed GPU"), ("steps", "steps"), ("world_size", "procs"), ("samples_per_s", "samples/s"),
     ("peak_mem_mb", "peak mem"), ("loss_end", "loss at end"), ("stop_reason", "stop"), ("gpus", "GPUs"),
-    ("stage", "stage"), ("memory_rungs", "OOM rungs"),
+    ("runtime", "runtime"), ("changed", "changed since the session before"), ("stage", "stage"),
+    ("memory_rungs", "OOM rungs"),
 ]
-OPTIONAL_COLUMNS = ("stage", "memory_rungs")  # shown only when some session has them
+# shown only when some session has them
+OPTIONAL_COLUMNS = ("runtime", "changed", "stage", "memory_rungs")
 
 
 def _round(value: Any, digits: int) -> Any:
@@ -110,7 +113,7 @@ def session_table(progress: Mapping[str, Any], billed_s: Mapping[Any, float] | N
     seconds Kaggle billed (known to the orchestrator, not to the session); else a session's own
     "billed_s" key is used when present."""
     billed_s = billed_s or {}
-    rows = []
+    rows, before = [], None
     for s in progress.get("sessions") or []:
         started, ended = s.get("started"), s.get("ended")
         seconds = s.get("seconds")
@@ -134,7 +137,14 @@ def session_table(progress: Mapping[str, Any], billed_s: Mapping[Any, float] | N
             "stop_reason": s.get("stop_reason"),
             "gpus": _gpus(s.get("gpus")),
         })
-        # optional columns, only for runs that have them: curriculum stage(s), OOM rungs taken
+        # optional columns, only for runs that have them: what it ran on and what changed (exact resume is
+        # unproven from there), curriculum stage(s), OOM rungs taken
+        if runtime.describe(s) is not None:
+            rows[-1]["runtime"] = runtime.describe(s)
+        changed = runtime.changes(before, s) if before is not None else []
+        if changed:
+            rows[-1]["changed"] = ", ".join(changed)
+        before = s
         if s.get("stage") is not None:
             rows[-1]["stage"] = s["stage"]
         if s.get("memory_rungs"):
@@ -143,13 +153,10 @@ def session_table(progress: Mapping[str, Any], billed_s: Mapping[Any, float] | N
 
 
 def _gpus(inventory: Any) -> str | None:
-    """"2 x Tesla T4" / "none" from a session's {"count", "names"}; None when the session did not record it."""
+    """"2 x Tesla T4" / "no GPU" from a session's {"count", "names"}; None when the session did not record it."""
     if not isinstance(inventory, Mapping):
         return None
-    names = list(inventory.get("names") or [])
-    if not names:
-        return "none"
-    return f"{len(names)} x {names[0]}" if len(set(names)) == 1 else " + ".join(names)
+    return accelerators.describe(list(inventory.get("names") or []))
 
 
 def _cell(key: str, value: Any) -> str:

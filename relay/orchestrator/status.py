@@ -1,5 +1,6 @@
 """`relay status NAME|SPEC`: where a relay stands, read from Kaggle alone (no local state, so it works from any
-machine): the sessions handed over with their table, the kernel's current session, what the relay will do
+machine): the sessions handed over with their table (what each ran on, a change of image or GPUs flagged), the
+kernel's current session, what the relay will do
 next (relay.orchestrator.chain.decide, the very decision a tick would take), the plan and ETA, and the loss-curve and
 timeline PNGs."""
 from __future__ import annotations
@@ -61,7 +62,10 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
         row = live.running_row(records)
         rows, eta = (rows + [row], live.eta_text(records)) if row is not None else (rows, None)
     if rows:
-        emit(rep.format_table(rows))
+        emit(rep.format_table(rows))  # with what each session ran on, and what changed from the one before
+    drift = policy.environment_change(progress)
+    if drift:
+        emit(f"warning: {drift}")
     if obs.kernel_run:
         state = obs.kernel_state or "starting"
         emit(f"kernel: {names.kernel} v{obs.kernel_version or '?'} runs {obs.kernel_run}: {state}"

@@ -18,6 +18,9 @@ TRACE = "RELAY_TRACE"  # verify-resume: the file each step's fingerprint is appe
 KILL_MARKER = "RELAY_VERIFY_KILL_MARKER"  # verify-resume: the session to SIGKILL mid-save announces itself here
 PROGRESS_EVERY = "RELAY_PROGRESS_EVERY"  # seconds between `relay-progress` lines (default 30)
 STOP_MID_SAVE = "RELAY_TEST_STOP_MID_SAVE"  # tests: a save at or past this step stops itself mid-commit
+# tests and the emulator: what the session is told it runs on, JSON over what it sees ({"gpus": [names],
+# "torch", "cuda", "python", "image"}): CUDA and Kaggle's images cannot run here
+HARDWARE = "RELAY_TEST_HARDWARE"
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,10 @@ class SessionEnvironment:
     progress_every_s: float
     stop_mid_save_at: Optional[int]
     wandb_api_key: bool  # a W&B key is set (its value is never read here)
+    hardware: Optional[dict]  # HARDWARE's override of what the session sees
+    kaggle_kernel: bool  # Kaggle's KAGGLE_KERNEL_RUN_TYPE is set: this runs inside a Kaggle kernel
+    emulator: bool  # ... of the local emulator, which runs kernels on this machine's CPU
+    image: dict  # what Kaggle's Docker image says of itself: its GIT_COMMIT and BUILD_DATE
 
     @classmethod
     def read(cls, environ: Optional[Mapping[str, str]] = None) -> "SessionEnvironment":
@@ -47,4 +54,8 @@ class SessionEnvironment:
             progress_every_s=float(env.get(PROGRESS_EVERY, 30)),
             stop_mid_save_at=int(env[STOP_MID_SAVE]) if env.get(STOP_MID_SAVE) else None,
             wandb_api_key=bool(env.get("WANDB_API_KEY")),
+            hardware=json.loads(env[HARDWARE]) if env.get(HARDWARE) else None,
+            kaggle_kernel=bool(env.get("KAGGLE_KERNEL_RUN_TYPE")),
+            emulator=bool(env.get("KAGGLE_EMULATOR")),
+            image={"commit": env.get("GIT_COMMIT") or None, "built": env.get("BUILD_DATE") or None},
         )

@@ -42,15 +42,17 @@ class ProgressLines:
             line = {**self.base, "step": record.get("step"), "kind": "eval",
                     **{f"eval_{k}": v for k, v in record.items() if k not in ("session", "time", "kind", "step", "epoch")}}
         else:
-            line = {**self.base, **{k: record[k] for k in (*_KEYS, "status", "stop_reason") if k in record}}
+            line = {**self.base, **{k: record[k] for k in (*_KEYS, "status", "stop_reason", "why") if k in record}}
         line["time"] = round(time.time(), 1)
         left = self.time_left()
         if left is not None and math.isfinite(left):
             line["time_left_s"] = round(left, 1)
         self._write(PREFIX + json.dumps(line, default=float, allow_nan=True))
 
-    def end(self, step: int, status: str, stop_reason: Optional[str]) -> None:
-        self({"kind": "end", "step": step, "status": status, "stop_reason": stop_reason}, force=True)
+    def end(self, step: int, status: str, stop_reason: Optional[str], why: Optional[str] = None) -> None:
+        """The session's last line; `why` says what a stop reason alone does not ("stalled at step 5 after 10m")."""
+        self({"kind": "end", "step": step, "status": status, "stop_reason": stop_reason,
+              **({"why": why} if why else {})}, force=True)
 
 
 def parse(text: str) -> Optional[dict]:

@@ -127,11 +127,28 @@ class SessionConfig(_Section):
     devices: Union[Literal["auto"], PositiveInt] = Field("auto", description=(
         "Processes training together: `auto` is every visible GPU (both T4s of a T4 x2), 1 on CPU; or a "
         "number."))
+    stall_after: Union[Literal["auto"], float, None] = Field("auto", description=(
+        "A session whose training makes no progress (no step, eval batch or save) for this long is stuck (a"
+        " hung data loader, a collective that never returns, a deadlock): it records `stalled at step N`,"
+        " leaves its last checkpoint as it is and exits with status 75, and the relay retries it like a"
+        " failed session. `auto`: max(10m, 20 x the slowest step seen, 3 x the save time); a duration (before the"
+        " session's first step, 10m at least: it compiles, starts workers); none"
+        " turns the watchdog off (Kaggle's session timeout is then the only bound)."))
 
     @field_validator("budget", "save_every", "safety_margin", mode="before")
     @classmethod
     def _duration(cls, value: Any) -> Optional[float]:
         return parse_duration(value)
+
+    @field_validator("stall_after", mode="before")
+    @classmethod
+    def _stall_after(cls, value: Any) -> Any:
+        if value == "auto":
+            return value
+        seconds = parse_duration(value)
+        if seconds is not None and seconds <= 0:
+            raise ValueError(f"must be `auto`, a duration > 0 or none (got {value!r})")
+        return seconds
 
     @model_validator(mode="after")
     def _check(self) -> "SessionConfig":
@@ -183,13 +200,22 @@ class KaggleConfig(_Section):
     enable_gpu: bool = Field(True, description="Run sessions on a GPU (spends the weekly quota).")
     enable_internet: bool = Field(False, description=(
         "Internet inside the session (needs a phone-verified account); required by kaggle.pip."))
+    pin_image: bool = Field(True, description=(
+        "Push every session on the Docker image of the relay's first session (the kernel's first version:"
+        " `docker_image_pinning_type: original`), not on the latest one Kaggle rolls out every few weeks; each"
+        " session records the image it ran on and a change is flagged (docs/kaggle.md)."))
     session_timeout: float = Field(12 * 3600.0, description="Kaggle's per-session cap (duration, at most 12h).")
     startup_overhead: float = Field(120.0, description=(
         "Kernel start and restore, kept out of the training budget (duration)."))
     weekly_gpu_quota: float = Field(30 * 3600.0, description=(
         "The account's weekly GPU quota (duration), used by the plan."))
     max_failed_sessions: NonNegativeInt = Field(2, description=(
-        "Retries of a session that failed transiently, from the same checkpoint."))
+        "Retries of a session that failed transiently (a crash, a stall), from the same checkpoint."))
+    on_other_accelerator: Literal["continue", "stop"] = Field("continue", description=(
+        "A session that gets other GPUs than machine_shape asks for (a P100 for a T4 x2, one T4 of two) says"
+        " so in its first seconds, then `continue`s at the speed it measures, or `stop`s at once (stop reason"
+        " `wrong_accelerator`, before any training) to save quota; the relay then retries it like a failed"
+        " session."))
     pip: list[str] = Field(default_factory=list, description=(
         "Requirements installed at kernel start (needs enable_internet)."))
     lease: float = Field(1200.0, gt=0, description=(

@@ -115,6 +115,10 @@ class RelayCallback(TrainerCallback):
         self._save_started = time.perf_counter() if control.should_save else None
         return control
 
+    def on_prediction_step(self, args, state, control, **kwargs):
+        self.session.heartbeat()  # a long eval is not a stall (session.stall_after)
+        return control
+
     def on_evaluate(self, args, state, control, **kwargs):
         if self._save_started is not None:  # an eval due at this step runs between step end and save
             self._save_started = time.perf_counter()

@@ -89,6 +89,9 @@ class RelayLightningCallback(pl.Callback):
         if stop:
             trainer.should_stop = True
 
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self.session.heartbeat()  # a long validation is not a stall (session.stall_after)
+
     def _save(self, trainer, reason: str) -> None:
         path = self.session.workdir / "lightning-save"
         path.mkdir(exist_ok=True)

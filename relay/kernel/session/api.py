@@ -121,7 +121,9 @@ class Session:
         self.core = SessionCore(self.workdir, self.clock, world, total_steps=self.total_steps,
                                 name=config.name, run_id=self.run_id, resume_from=config.resume_from,
                                 checkpoints=config.checkpoints(), tracking=config.tracking,
-                                internet=bool(config.internet))
+                                internet=bool(config.internet), stall_after=config.stall_after,
+                                machine_shape=config.machine_shape,
+                                on_other_accelerator=config.on_other_accelerator)
         self.trackers = self.core.trackers
 
     @property
@@ -181,6 +183,8 @@ class Session:
                           for p in o.parameters())
         self.core.open(self._book["sessions"], self.step, self._book.setdefault("tracking", {}),
                        current_step=lambda: self.step, model_bytes=model_bytes)
+        if self.core.environment_changed and not self._book.get("exactness_lost"):
+            self._book["exactness_lost"] = self.core.environment_changed
         self.run_id = self.core.run_id
         if self._trace:
             self._trace.start(self, resumed=resumed)
@@ -233,7 +237,7 @@ class Session:
         plus the final save would not fit before the deadline. With several processes every rank gets the
         same answer: a SIGTERM to any rank, rank 0's clock for the budget."""
         reason = self.core.stop_reason(self.step, self.diverged)
-        if reason != "done" and self.world.size > 1:  # the step count is the same on every rank
+        if reason not in books.RANK_INDEPENDENT and self.world.size > 1:  # the same on every rank
             reason = self._agreement.stop_reason(self.step, reason)
         self.stop_reason = reason
         return reason is not None
@@ -279,6 +283,11 @@ class Session:
         if save_now:
             self.save("periodic")
         self._mark = time.perf_counter()
+
+    def heartbeat(self) -> None:
+        """A sign of progress between steps, for the stall watchdog (session.stall_after): call it in a long
+        phase without step_done(), such as an eval over a large set (the integrations call it per eval batch)."""
+        self.clock.alive()
 
     def insurance_due(self) -> bool:
         """A periodic save is due (session.save_every since the last one): insurance against a SIGKILL."""

@@ -20,7 +20,10 @@ from relay.shared.version import code_version
 
 log = logging.getLogger(__name__)
 
-STOP_REASONS = ("budget", "steps", "sigterm", "done", "diverged")  # anything else: the session goes on
+# anything else: the session goes on ("stalled" is recorded by the watchdog alone: write_stalled)
+STOP_REASONS = ("budget", "steps", "sigterm", "done", "diverged", "wrong_accelerator", "stalled")
+# reached by every process of a session alone, alike, with no agreement between them
+RANK_INDEPENDENT = ("done", "wrong_accelerator")
 
 
 def estimated_save_seconds(model_bytes: int) -> float:
@@ -119,5 +122,22 @@ def write_progress(workdir: Path, ckpt, run: RunFields, *, status: str, reason: 
         "weights_sha256": weights, "sessions": sessions,
         "total_seconds": round(sum(s.get("seconds", 0.0) for s in sessions), 3),
     }
+    atomic.write_json(workdir / "progress.json", progress)
+    return progress
+
+
+def write_stalled(workdir: Path, written: Optional[dict], record: dict, newest, *, run_id: Optional[str],
+                  name: Optional[str], total: Optional[int], sessions: list) -> dict:
+    """progress.json of a stalled session, atomically: the last one this session wrote (it describes the newest
+    checkpoint, which stands) with this session's record replaced by `record` (stop_reason "stalled"); before
+    any save, what is known: the checkpoint it resumed from (`newest`, None when fresh) and the sessions so far."""
+    progress = dict(written) if written else {
+        "run_id": run_id, "name": name, "code_version": code_version(), "total_steps": total,
+        "global_step": newest.step if newest is not None else 0,
+        "checkpoint": None if newest is None else (str(newest.path.relative_to(workdir))
+                                                   if newest.path.is_relative_to(workdir) else str(newest.path))}
+    before = progress.get("sessions", [dict(s) for s in sessions])
+    progress.update(status="paused", stop_reason="stalled",
+                    sessions=[s for s in before if s.get("index") != record["index"]] + [dict(record)])
     atomic.write_json(workdir / "progress.json", progress)
     return progress

@@ -2,7 +2,9 @@
 
 The loop asks `should_stop()` at every optimizer-step boundary: stop when the next step (plus an eval
 if one is due) plus the final save, with margin, would run past the deadline. Step times are taken as the
-max of the recent ones, so one slow step (a GC pause, a cache flush) does not make us overrun.
+max of the recent ones, so one slow step (a GC pause, a cache flush) does not make us overrun. The clock also
+knows when training last showed a sign of life (a step, an eval batch, a save): the stall watchdog reads it
+(session/watchdog.py).
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ class SessionClock:
         self.save_seconds: Optional[float] = None
         self.estimated_save_seconds = 5.0  # replaced by the first measured save
         self.stop_signal: Optional[str] = None
+        self.slowest_step = 0.0  # over the whole session: the stall watchdog's yardstick
+        self.last_alive = self._t0  # time.monotonic() of the last sign of progress
         self._previous_handlers: dict[int, object] = {}
 
     # -- time -------------------------------------------------------------------------------
@@ -52,6 +56,16 @@ class SessionClock:
     def record_step(self, seconds: float) -> None:
         self._step_times.append(seconds)
         self.steps_taken += 1
+        self.slowest_step = max(self.slowest_step, seconds)
+        self.alive()
+
+    def alive(self) -> None:
+        """Training goes on (a step, an eval batch, a save): the stall watchdog counts from here."""
+        self.last_alive = time.monotonic()
+
+    def idle(self) -> float:
+        """Seconds since the last sign of progress."""
+        return time.monotonic() - self.last_alive
 
     def record_save(self, seconds: float) -> None:
         self.save_seconds = seconds if self.save_seconds is None else max(seconds, 0.5 * self.save_seconds)

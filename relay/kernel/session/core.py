@@ -4,22 +4,34 @@ its workdir happens here, once: load the newest valid checkpoint, open the sessi
 metrics.jsonl with its progress lines and trackers, save atomically (waited for, or committed in the
 background) with progress.json after each commit, and end with progress.json and the last progress line.
 The two clients differ only in what they save (the Trainer's state_dict, the objects a script registered)
-and in how they step; the books' formats are in session/books.py.
+and in how they step; the books' formats are in session/books.py. When the record opens, the session says
+what it runs on (session/hardware.py), stops at once on the wrong accelerator when the spec says so, and
+starts its stall watchdog (session/watchdog.py), whose last act is `_stalled`.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
+import logging
+import os
+import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
-from relay.kernel.session import books, checkpoint, distributed
+from relay.kernel.session import books, checkpoint, distributed, hardware
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.checkpoint import disk_besides
 from relay.kernel.session.tracking import Trackers
+from relay.kernel.session.watchdog import STALLED_EXIT, StallWatchdog, stall_limit
+from relay.shared import runtime
+from relay.shared.environment import SessionEnvironment
 from relay.shared.progress_line import ProgressLines
-from relay.shared.spec_sections import CheckpointConfig
+from relay.shared.spec_sections import CheckpointConfig, format_duration
 from relay.shared.version import code_version
+
+log = logging.getLogger(__name__)
 
 
 class SessionCore:
@@ -28,7 +40,11 @@ class SessionCore:
 
     def __init__(self, workdir: Path, clock: SessionClock, world: distributed.World, *, total_steps: int,
                  name: Optional[str], run_id: Optional[str], resume_from: Sequence[Path],
-                 checkpoints: CheckpointConfig, tracking: Optional[dict], internet: bool):
+                 checkpoints: CheckpointConfig, tracking: Optional[dict], internet: bool,
+                 stall_after: Union[str, float, None] = None, machine_shape: Optional[str] = None,
+                 on_other_accelerator: str = "continue"):
+        """`stall_after`: session.stall_after (None: no watchdog); `machine_shape`: the accelerator the spec
+        asks for (None: not checked), `on_other_accelerator` what to do on another one."""
         self.workdir, self.clock, self.world = Path(workdir), clock, world
         self.total_steps, self.name, self.run_id = total_steps, name, run_id
         self.resume_from = [Path(p) for p in resume_from]
@@ -38,6 +54,17 @@ class SessionCore:
         self.trackers = Trackers(tracking, self.workdir, main=world.main, internet=internet)
         self.record: dict = {}  # this session's entry in progress.json's `sessions`, from open() on
         self.lines: Optional[ProgressLines] = None
+        self.stall_after, self.machine_shape = stall_after, machine_shape
+        self.on_other_accelerator = on_other_accelerator
+        self.wrong_accelerator = False  # stop at once: another accelerator than asked for, and the spec says stop
+        self.environment_changed: Optional[dict] = None  # {"step", "why"}: ran elsewhere than the session before
+        self.watchdog: Optional[StallWatchdog] = None
+        self._current_step: Callable[[], int] = lambda: 0  # the client's step counter, from open()
+        self._restored: Optional[checkpoint.Checkpoint] = None
+        self._sessions: list = []
+        self._written: Optional[dict] = None  # the last progress.json written, which a stall record amends
+        self._books = threading.Lock()  # progress.json: a background commit's or the watchdog's, one at a time
+        self._ended = False  # the watchdog recorded a stall: nothing writes progress.json after it
 
     # -- start ------------------------------------------------------------------------------------------
     def load(self) -> Optional[tuple[checkpoint.Checkpoint, dict]]:
@@ -46,26 +73,57 @@ class SessionCore:
         restored = checkpoint.load_resume(self.ckpt_root, self.resume_from)
         if self.world.main:
             books.carry_metrics(self.metrics_path, self.resume_from)
+        self._restored = restored[0] if restored else None
         return (restored[0], books.current_layout(restored[1])) if restored else None
 
     def open(self, sessions: list, step: int, tracking_state: dict, current_step: Callable[[], int],
              model_bytes: int, **record: Any) -> dict:
-        """Start this session's record (appended to `sessions`), its progress lines and its trackers; until a
-        save is measured, the clock plans the final save from the model's size."""
+        """Start this session's record (appended to `sessions`) with what it runs on, its progress lines, its
+        trackers and its stall watchdog; until a save is measured, the clock plans the final save from the
+        model's size."""
         self.clock.estimated_save_seconds = books.estimated_save_seconds(model_bytes)
         self.run_id = self.run_id or (sessions[-1].get("run_id") if sessions else None)
-        self.record = books.open_record(sessions, self.run_id, self.clock, step, self.world.size, **record)
+        env = SessionEnvironment.read()
+        seen = hardware.observe(env)
+        self.record = books.open_record(sessions, self.run_id, self.clock, step, self.world.size, **seen, **record)
+        self._sessions, self._current_step = sessions, current_step
+        self._check_environment(sessions, step, hardware.accelerator_mismatch(self.machine_shape, seen["gpus"], env))
         self.lines = ProgressLines(self.record["index"], step, self.total_steps, self.clock.remaining,
                                    run_id=self.run_id)
         self.trackers.start(step, tracking_state, self.resume_from, name=self.name, current_step=current_step)
+        self.clock.alive()  # the restore is behind: the watchdog counts from here
+        if self.world.main:  # the other ranks are ended by their launcher (torchrun, distributed.launch)
+            self.watchdog = StallWatchdog(self.clock, self.stall_after, self._stalled).start()
         return self.record
+
+    def _check_environment(self, sessions: list, step: int, wrong: Optional[str]) -> None:
+        """Say what this session runs on; another accelerator than asked for, and another environment than
+        the session before (exact resume is unproven from this step: progress.json's `exactness_lost`)."""
+        r = self.record
+        log.info("session %d runs on %s (%s)", r["index"], hardware.describe_gpus(r["gpus"]["names"]),
+                 runtime.describe(r))
+        if wrong:
+            r["accelerator"] = wrong
+            self.wrong_accelerator = self.on_other_accelerator == "stop"
+            log.warning("accelerator: %s: %s", wrong, "stopping at once to save quota (kaggle.on_other_accelerator:"
+                        " stop)" if self.wrong_accelerator else "training on at the speed it measures"
+                        " (kaggle.on_other_accelerator: continue)")
+        changed = runtime.changes(sessions[-2], r) if len(sessions) > 1 else []
+        if changed:
+            why = f"session {r['index']} ran on another environment than session {sessions[-2].get('index')}:" \
+                  f" {', '.join(changed)}"
+            log.warning("%s: exact resume is unproven from step %d", why, step)
+            self.environment_changed = {"step": step, "why": why}
 
     # -- during -----------------------------------------------------------------------------------------
     def stop_reason(self, step: int, diverged: Optional[str], eval_due: bool = False) -> Optional[str]:
-        """This process's answer to "stop before the next step?" ("done", "diverged", the clock's "budget",
-        "steps" or "sigterm"), or None; with several processes the caller agrees on it with the others."""
+        """This process's answer to "stop before the next step?" ("done", "wrong_accelerator", "diverged", the
+        clock's "budget", "steps" or "sigterm"), or None; with several processes the caller agrees on it with the
+        others (but for books.RANK_INDEPENDENT)."""
         if step >= self.total_steps:
             return "done"
+        if self.wrong_accelerator:
+            return "wrong_accelerator"
         return "diverged" if diverged else self.clock.should_stop(eval_due=eval_due)
 
     def log(self, record: dict, shown: Optional[dict] = None) -> None:
@@ -99,12 +157,14 @@ class SessionCore:
         caller began writing what `state` packs (a trainer's own checkpoint). For a background save, `progress`
         must be a copy the caller no longer changes: it is written when the commit lands."""
         t0 = time.perf_counter() if started is None else started
+        self.clock.alive()
         if not self.world.main:
             distributed.barrier(self.world)
             return None
         self.trackers.flush()  # what this checkpoint covers is on disk before it commits
 
         def committed(ckpt: checkpoint.Checkpoint) -> None:
+            self.clock.alive()
             seconds = time.perf_counter() - t0
             self.clock.record_save(seconds)
             self.record["save_seconds"] = round(seconds, 3)
@@ -125,16 +185,53 @@ class SessionCore:
     # -- end --------------------------------------------------------------------------------------------
     def write_progress(self, ckpt: checkpoint.Checkpoint, status: str, reason: str, progress: books.RunFields,
                        weights: Optional[str] = None) -> dict:
-        return books.write_progress(self.workdir, ckpt, progress, status=status, reason=reason, run_id=self.run_id,
-                                    name=self.name, total=self.total_steps, weights=weights)
+        with self._books:
+            if not self._ended:
+                self._written = books.write_progress(self.workdir, ckpt, progress, status=status, reason=reason,
+                                                     run_id=self.run_id, name=self.name, total=self.total_steps,
+                                                     weights=weights)
+            return self._written
 
     def finish(self, status: str, reason: str, progress: books.RunFields, weights: Optional[str]) -> dict:
         """Rank 0 after the last save (and the export): progress.json and the session's last progress line."""
         checkpoint.wait_for_deletions()
         result = self.write_progress(checkpoint.list_valid(self.ckpt_root)[0], status, reason, progress, weights)
         if self.lines is not None:
-            self.lines.end(progress.step, result["status"], reason)
+            why = {"diverged": self.record.get("diverged"), "wrong_accelerator": self.record.get("accelerator")}
+            self.lines.end(progress.step, result["status"], reason, why=why.get(reason))
         return result
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.trackers.close()
+
+    # -- stalled ----------------------------------------------------------------------------------------
+    def _stalled(self, idle: float) -> None:
+        """The watchdog's last act, on its own thread (the stuck one never comes back): where every thread
+        hangs, the session's record and progress.json saying "stalled at step N after M" (atomically; the
+        newest checkpoint stays what it is), the last progress line the relay reads, and exit STALLED_EXIT.
+        Nothing here waits on what may hang (trackers, a collective); progress.json's lock for a few seconds."""
+        step = self._current_step()
+        why = f"stalled at step {step} after {format_duration(max(1, round(idle)))}"
+        limit = format_duration(round(stall_limit(self.stall_after, self.clock), 1))
+        setting = f"auto, {limit} now" if self.stall_after == "auto" else limit
+        print(f"relay: session {self.record['index']} {why} without progress (session.stall_after: {setting});"
+              " where each thread was:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        locked = self._books.acquire(timeout=10)  # a commit mid-write of progress.json finishes it first
+        try:
+            self._ended = True
+            self.record.update(stop_reason="stalled", stalled=why, ended=time.time(),
+                               seconds=round(self.clock.elapsed(), 3), step_end=step)
+            newest = checkpoint.list_valid(self.ckpt_root)
+            books.write_stalled(self.workdir, self._written, self.record, newest[0] if newest else self._restored,
+                                run_id=self.run_id, name=self.name, total=self.total_steps, sessions=self._sessions)
+        finally:
+            if locked:
+                self._books.release()
+        print(f"relay: {why}; the last checkpoint stands; exit status {STALLED_EXIT}", flush=True)
+        if self.lines is not None:
+            self.lines.end(step, "paused", "stalled", why=why)
+        sys.stdout.flush()
+        os._exit(STALLED_EXIT)

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from relay.kernel.session.watchdog import STALLED_EXIT
 from relay.shared.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,8 @@ def launch(worker: Callable[..., Any], world_size: int, args: Sequence[Any]) -> 
     """Run `worker(rank, world_size, port, errors, *args)` in `world_size` spawned processes and wait for all.
     If any process dies (an exception, a SIGKILL), the others are terminated and this raises. A rank that
     refuses its input puts the one-line message on `errors` and returns: it is raised here as an InputError,
-    so `relay train` exits 2 with one line as in one process."""
+    so `relay train` exits 2 with one line as in one process. A rank that ended a stalled session (its
+    watchdog: session/watchdog.py) makes this process exit with the same status, as one process would."""
     import torch.multiprocessing as mp
 
     errors = mp.get_context("spawn").SimpleQueue()
@@ -109,8 +111,10 @@ def launch(worker: Callable[..., Any], world_size: int, args: Sequence[Any]) -> 
     try:
         while not context.join(grace_period=FAILED_RANK_GRACE_S):
             pass
-    except Exception:  # a rank that refused its input and exited non-zero (the others were stopped): one line
-        if not errors.empty():
+    except Exception as failed:
+        if getattr(failed, "exit_code", None) == STALLED_EXIT:  # recorded and said by that rank already
+            raise SystemExit(STALLED_EXIT) from None
+        if not errors.empty():  # a rank that refused its input and exited non-zero (the others were stopped)
             raise InputError(errors.get()) from None
         raise
     finally:

@@ -24,6 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from relay.kernel.session import data, distributed, memory, rng, stages
+from relay.kernel.session.books import RANK_INDEPENDENT
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.divergence import DivergenceGuard
 from relay.shared.spec import RunSpec
@@ -402,7 +403,7 @@ class Trainer:
         budget and the save, a SIGTERM to any rank stops all, and every rank gets the same answer."""
         reason = self._stop_reason(self.state.global_step, self.diverged, eval_due=eval_due)
         save_due = time.monotonic() - self._last_save >= self.spec.session.save_every
-        if reason == "done" or not self.world.active:  # the step count is the same on every rank
+        if reason in RANK_INDEPENDENT or not self.world.active:  # the same on every rank
             return reason, save_due
         agreed, save, _ = self._agreement.decide(self.state.global_step, reason, save_due)
         return agreed, save
@@ -428,7 +429,8 @@ class Trainer:
                 with torch.random.fork_rng(devices=devices), torch.no_grad(), self._autocast():
                     self.model.eval()
                     try:
-                        batches = (data.to_device(b, self.device, self.spec.data.non_blocking) for b in loader)
+                        batches = (data.to_device(b, self.device, self.spec.data.non_blocking)
+                                   for b in self._alive(loader))
                         metrics = {k: float(v) for k, v in self.recipe.evaluate(self.model, batches).items()}
                     finally:
                         self.model.train()
@@ -529,6 +531,12 @@ class Trainer:
         rng_state (numpy's get_state dominates), taken every step. Recipes keep numpy/python randomness
         out of loss(), deriving it from (seed, epoch, index) in their datasets."""
         return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None)
+
+    def _alive(self, batches: Iterator) -> Iterator:
+        """The batches, each a sign of progress for the stall watchdog (a long eval is not a stall)."""
+        for batch in batches:
+            self.clock.alive()
+            yield batch
 
     def _autocast(self):
         if self.state.precision == "fp32":

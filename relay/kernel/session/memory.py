@@ -102,16 +102,6 @@ def free_cached(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def gpu_inventory() -> dict:
-    """The GPUs this session sees, {"count", "names"}: logged at start and kept in the session's entry of
-    progress.json, because Kaggle has been reported to ignore the machine shape asked for (a P100 instead
-    of T4 x2 shows here, not in the push)."""
-    if not torch.cuda.is_available():
-        return {"count": 0, "names": []}
-    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {"count": len(names), "names": names}
-
-
 def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)

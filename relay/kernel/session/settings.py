@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
-from relay.shared.spec_sections import CheckpointConfig, OptimConfig, SessionConfig
+from relay.shared.spec_sections import CheckpointConfig, KaggleConfig, OptimConfig, SessionConfig
 
 if TYPE_CHECKING:
     from relay.shared.spec import RunSpec
@@ -39,6 +39,9 @@ class SessionSettings:
     safety_margin: float = _spec_default(SessionConfig, "safety_margin")
     threads: Optional[int] = None
     stop_on_divergence: bool = _spec_default(SessionConfig, "stop_on_divergence")
+    stall_after: Union[str, float, None] = _spec_default(SessionConfig, "stall_after")
+    machine_shape: Optional[str] = None          # the accelerator the spec asks for (None: not checked)
+    on_other_accelerator: str = _spec_default(KaggleConfig, "on_other_accelerator")
     keep_last: int = _spec_default(CheckpointConfig, "keep_last")
     disk_budget_gb: float = _spec_default(CheckpointConfig, "disk_budget_gb")
     digest: str = _spec_default(CheckpointConfig, "digest")
@@ -50,15 +53,17 @@ class SessionSettings:
     def from_spec(cls, spec: "RunSpec", workdir: Path, *, budget: Optional[float], deadline: Optional[float],
                   max_steps: Optional[int], resume_from: Sequence, data_dir: Optional[Path],
                   feature_dirs: Sequence, run_id: Optional[str]) -> "SessionSettings":
-        s, c = spec.session, spec.checkpoints
+        s, c, k = spec.session, spec.checkpoints, spec.kaggle
         return cls(total_steps=spec.optim.max_steps, workdir=str(Path(workdir).resolve()), name=spec.name,
                    run_id=run_id, seed=spec.seed, budget=budget, deadline=deadline, max_steps=max_steps,
                    log_every=spec.optim.log_every_steps, resume_from=tuple(str(Path(p).resolve()) for p in resume_from),
                    data=str(Path(data_dir).resolve()) if data_dir else None,
                    features=tuple(str(Path(p).resolve()) for p in feature_dirs), save_every=s.save_every,
                    safety_margin=s.safety_margin, threads=s.threads, stop_on_divergence=s.stop_on_divergence,
+                   stall_after=s.stall_after, machine_shape=k.machine_shape if k.enable_gpu else None,
+                   on_other_accelerator=k.on_other_accelerator,
                    keep_last=c.keep_last, disk_budget_gb=c.disk_budget_gb, digest=c.digest,
-                   tracking=spec.tracking.model_dump(), internet=spec.kaggle.enable_internet)
+                   tracking=spec.tracking.model_dump(), internet=k.enable_internet)
 
     @classmethod
     def from_json(cls, values: dict) -> "SessionSettings":

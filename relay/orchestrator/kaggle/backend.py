@@ -138,6 +138,7 @@ class ClientBackend:
             "enable_internet": session.enable_internet,
             "dataset_sources": list(dict.fromkeys(sources)), "kernel_sources": [],
             "competition_sources": list(session.competitions),
+            "docker_image_pinning_type": "original" if session.pin_image else "latest",  # docs/kaggle.md
         }
         if session.enable_gpu:  # without a shape Kaggle gives a P100, which fails on its current image
             meta["machine_shape"] = session.machine_shape or DEFAULT_GPU_SHAPE

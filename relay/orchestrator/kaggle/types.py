@@ -75,6 +75,7 @@ class SessionKernel:
     enable_gpu: bool = True
     enable_internet: bool = False
     machine_shape: Optional[str] = "NvidiaTeslaT4"
+    pin_image: bool = True                    # every version on the Docker image of the kernel's first one
     session_timeout_s: Optional[int] = None
     workdir_name: str = "relay"               # the session workdir under the kernel's working folder
     code_folder: Optional[str] = None         # the user's code (spec code.folder), shipped beside the package
