@@ -21,7 +21,7 @@ from relay.orchestrator.chain import Do
 from relay.orchestrator.kaggle.backend import KaggleBackend
 from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
 from relay.orchestrator.kaggle.types import Quota, Refusal
-from relay.orchestrator.policy import budget_lowered, plan_text, session_budget
+from relay.orchestrator.policy import budget_lowered, environment_change, plan_text, session_budget
 from relay.shared.spec import RunSpec
 from tasks import artifacts, relay_tasks as t
 from tasks.live_view import LiveView
@@ -153,6 +153,9 @@ def _hand_over(ctx: RelayContext, obs: chain.Observation, action: chain.Action) 
         ctx.tell("session.failed", f"failed-{action.run_id}", f"{ctx.spec.name}: {then.failed}")
     if then.do is Do.HANDED_OVER:
         ctx.lease.took_effect(key)
+        changed = environment_change(result.progress)  # Kaggle's image, torch, CUDA or the GPUs changed
+        if changed:
+            ctx.tell("warning", f"environment-{action.run_id}", f"{ctx.spec.name}: {changed}")
         return Step("handed-over", then, obs, result.progress)
     if then.do is Do.WAIT:
         return Step("waiting", then, obs, obs.published, why=then.reason)

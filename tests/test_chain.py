@@ -225,3 +225,21 @@ def test_a_diverged_session_stops_the_relay_until_something_changed():
         "session 1 stopped itself: the loss diverged at step 43. Its checkpoint at step 100 is handed over.")
     assert diverged_unchanged(obs(diverged, run_id(NAME, 1, 1), "complete"), code_changed=True) is None
     assert diverged_unchanged(obs(published(1), run_id(NAME, 1, 1), "complete"), code_changed=False) is None
+
+
+def test_a_stalled_session_is_a_failed_attempt_retried_then_the_relay_stops_saying_it():
+    """A session that ended itself (stalled; another accelerator) is retried with its own words, never read as a
+    code error, and the relay stops with them once the attempts are used up."""
+    import json
+
+    from relay.shared.progress_line import PREFIX
+
+    tail = ("Traceback (most recent call last):\nKeyError: 'x'\n" + PREFIX +
+            json.dumps({"kind": "end", "step": 5, "status": "paused", "stop_reason": "stalled",
+                        "why": "stalled at step 5 after 10m"}))
+    result = Result(False, "no progress", log_tail=tail)
+    retry = after(result=result)
+    assert retry.do is Do.PUSH and "stalled at step 5 after 10m" in retry.reason
+    assert retry.failed.endswith("failed: stalled at step 5 after 10m")
+    last = after(Action(Do.SALVAGE, run_id(NAME, 2, 3), 2, 3), result)
+    assert last.do is Do.FAILED and "last: stalled at step 5 after 10m" in last.reason

@@ -190,17 +190,19 @@ def after_handover(name: str, action: Action, result: HandOverResult, obs: Obser
     corrupt = mounted_checkpoint_corrupt(result.log_tail) if salvage else None
     if corrupt:  # not the session's fault
         return same(Do.RESTORE, corrupt)
-    code_error = looks_like_code_error(result.log_tail) if salvage else None
+    ended = ended_itself(result.log_tail)  # stalled, or on another accelerator: a failed attempt, retried
+    why = ended[1] if ended else result.reason
+    code_error = looks_like_code_error(result.log_tail) if salvage and not ended else None
     if code_error and not facts.code_changed:
         then = same(Do.FAILED, f"session {action.session} failed with a code error: {code_error} (the code and"
                                " spec are unchanged since that push: fix them, then run the relay again)")
     elif code_error:  # a code error is pushed again only once the code or spec changed
         then = new_attempt(name, action, f"the code changed since: {code_error}")
     else:
-        then = retry_action(name, action, facts.max_attempts, result.reason)
+        then = retry_action(name, action, facts.max_attempts, why)
     if then.do is Do.FAILED:
         then = replace(then, reason=f"{then.reason}\n--- log tail ---\n{result.log_tail}")
-    return replace(then, failed=f"session {action.session} ({action.run_id}) failed: {code_error or result.reason}")
+    return replace(then, failed=f"session {action.session} ({action.run_id}) failed: {code_error or why}")
 
 
 def diverged_unchanged(obs: Observation, code_changed: bool) -> Optional[Action]:
