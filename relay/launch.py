@@ -9,6 +9,7 @@ The relay keeps no state of its own: stop it anywhere (Ctrl-C) and run it again,
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Optional
 
@@ -84,12 +85,26 @@ def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: 
             emit(f"relay {run_spec.name}: {waiting}; nothing to do (`relay status {run_spec.name}` shows its progress)")
             return 0
 
+    embedded = not os.environ.get("PREFECT_API_URL")
+    if embedded:  # a fresh machine (every GitHub Actions tick) starts its Prefect in ~20-60 s when busy
+        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(EMBEDDED_STARTUP_S))
+    # A supervisor or a CI cancel stops us with SIGTERM: leave as Ctrl-C does, so that the embedded Prefect
+    # server (a child process, stopped at exit) ends with us instead of running on orphaned.
+    signal.signal(signal.SIGTERM, _interrupt)
     from flows.relay_flow import RelayFailed, relay
 
     emit(f"relay {run_spec.name}: {'one step' if tick else 'to the end'}; outputs in {local}")
     try:
         summary = relay(spec=str(path.resolve()), mode="tick" if tick else "watch", poll_seconds=poll_seconds,
                         state_dir=str(folder), credentials_block=credentials_block)
+    except RuntimeError as err:
+        if not (embedded and "ephemeral Prefect API server" in str(err)):
+            raise
+        timeout = os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]
+        emit(f"relay: the embedded Prefect server did not start within {timeout} s (a busy machine?); nothing was"
+             " pushed: run again, or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or set"
+             " PREFECT_API_URL to a Prefect server")
+        return 1
     except RelayFailed as err:
         return _stopped(emit, str(err))
     except KaggleUnresponsive as err:  # a tick (a watch waits it out)
@@ -99,6 +114,13 @@ def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: 
         return 130
     _outputs(emit, run_spec.name, local, summary)
     return 0
+
+
+EMBEDDED_STARTUP_S = 180  # Prefect's own default (20 s) fails 4 first runs in 5 on a busy 2-core machine
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _unanswered(emit, name: str, err: Exception) -> int:

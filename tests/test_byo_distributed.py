@@ -179,11 +179,11 @@ def test_the_ranks_slices_make_up_the_steps_effective_batch(tmp_path):
     """What batches() gives rank r is the r-th half of the one-process batch of the same step."""
     from relay.kernel.session.api import Session
     from relay.kernel.session.distributed import World
+    from relay.kernel.session.settings import SessionSettings
 
     def indices(world: World, step: int) -> list[int]:
-        session = Session({"workdir": str(tmp_path), "total_steps": 100, "seed": 3, "log_every": 10,
-                           "save_every": 1e9, "safety_margin": 0.0, "keep_last": 2, "disk_budget_gb": 1,
-                           "digest": "crc32", "resume_from": []}, world)
+        session = Session(SessionSettings(workdir=str(tmp_path), total_steps=100, seed=3, save_every=1e9,
+                                          safety_margin=0.0), world)
         session.clock.restore_signal_handlers()
         session.step = step
         return session.batch_indices(100, 16)
@@ -230,13 +230,13 @@ def test_the_trainer_callbacks_refuse_several_processes_in_one_line(callback, tm
 
     from relay.kernel.session.api import Session
     from relay.kernel.session.distributed import World
+    from relay.kernel.session.settings import SessionSettings
     from relay.shared.errors import InputError
 
     module, name = callback.split(":")
     cls = getattr(importlib.import_module(module), name)
-    session = Session({"workdir": str(tmp_path), "total_steps": 10, "seed": 0, "log_every": 10, "save_every": 1e9,
-                       "safety_margin": 0.0, "keep_last": 2, "disk_budget_gb": 1, "digest": "crc32",
-                       "resume_from": []}, World(1, 2))
+    session = Session(SessionSettings(workdir=str(tmp_path), total_steps=10, save_every=1e9, safety_margin=0.0),
+                      World(1, 2))
     session.clock.restore_signal_handlers()
     with pytest.raises(InputError) as err:
         cls(session)
