@@ -195,7 +195,7 @@ def test_no_import_cycles():
 def test_both_session_paths_keep_their_books_through_one_core():
     """The built-in runner (kernel/run.py) and the Session API (session/api.py) are clients of session/core.py:
     nothing else in the kernel loads, saves or writes progress.json and the session record itself."""
-    core_calls = {("checkpoint", "save"), ("checkpoint", "start_save"), ("checkpoint", "load_resume"),
+    core_calls = {("checkpoint", "CheckpointWriter"), ("checkpoint", "load_resume"),
                   ("books", "write_progress"), ("books", "open_record"), ("books", "update_record"),
                   ("books", "carry_metrics")}
     owners = {"relay/kernel/session/core.py", "relay/kernel/session/checkpoint.py", "relay/kernel/session/books.py"}
