@@ -469,7 +469,8 @@ def test_stop_mid_save_seam_leaves_a_torn_save_to_kill(tmp_path):
 
 def test_with_keep_best_the_best_checkpoints_weights_are_exported_beside_the_final_ones(tmp_path):
     """export/ is the final model (its hash is weights_sha256); export/best/ holds the weights that scored the
-    run's best metric, as the seeds that kept "the best by validation F1" shipped."""
+    run's best metric: the model to ship when the last is not the best ("the best by validation F1" of seed 001,
+    docs/recipes.md)."""
     from safetensors.torch import load_file
 
     spec = load_toy_spec(optim={"epochs": None, "max_steps": 6, "eval_every_steps": 1, "lr": 0.5},

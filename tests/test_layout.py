@@ -1,4 +1,4 @@
-"""The package's shape, read from its own imports (issue 17). The folders say on which side of the wire a module
+"""The package's shape, read from its own imports. The folders say on which side of the wire a module
 runs: relay/shared (what crosses it: the spec, the checkpoint manifest, progress records, atomic writes), relay/kernel
 (inside the Kaggle session), relay/orchestrator (where Prefect runs), relay/emulator (Kaggle's local double).
 Each side imports only itself and the shared part; flows/ and tasks/ are shells over the orchestrator side; the
