@@ -1,8 +1,8 @@
 """Benchmark 2: checkpoint save/restore overhead and the cost of resuming deep into a run.
 
-save     what a periodic save costs the training loop: relay.kernel.session.checkpoint.start_save (torch.save into a
-         temporary folder; the crc32, fsync, manifest, rename and retention then run on a thread while
-         training goes on) vs bare torch.save of the same state dict into a new file (no fsync). Also the
+save     what a periodic save costs the training loop: relay.kernel.session.checkpoint.CheckpointWriter's
+         start_save (torch.save into a temporary folder; the crc32, fsync, manifest, rename and retention then run
+         on a thread while training goes on) vs bare torch.save of the same state dict into a new file (no fsync). Also the
          commit's latency (call to durable and visible, what the session's last save costs) vs torch.save +
          fsync (like with like: both durable)
 restore  relay.kernel.session.checkpoint.load_latest (crc32 of the file beside torch.load(weights_only, mmap)) vs
@@ -78,11 +78,14 @@ def touch(obj) -> float:
     return 0.0
 
 
+WRITER = checkpoint.CheckpointWriter()  # the bench's saves, as one session's
+
+
 def _settle() -> None:
     """Start every timed save from the same disk state: no dirty pages left by the previous variant (a bare
     torch.save leaves ~300 MB for the kernel to write back, and the next writer is throttled while it does) and
     no retired checkpoint still being deleted. Without this, a variant's time depended on which ran before it."""
-    checkpoint.wait_for_deletions()
+    WRITER.wait_for_deletions()
     os.sync()
 
 
@@ -118,8 +121,8 @@ def _relay_save(state: dict, root: Path, step: int, commits: list) -> float:
     commit (crc32, fsync, manifest, rename, retention) then runs on a thread. It is waited for here, untimed, so
     it never overlaps the next variant, and its own latency is kept in `commits` (vs torch.save + fsync)."""
     t0 = time.perf_counter()
-    pending = checkpoint.start_save(root, state, step=step, meta={"run_id": "bench", "code_version": "bench"},
-                                    keep_last=1, disk_budget_bytes=int(20e9))
+    pending = WRITER.start_save(root, state, step=step, meta={"run_id": "bench", "code_version": "bench"},
+                                keep_last=1, disk_budget_bytes=int(20e9))
     blocked = time.perf_counter() - t0
     pending.result()
     commits.append(pending.seconds)

@@ -46,7 +46,7 @@ def _deadline(value: str) -> float:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from relay.kernel.run import run_session
-    from relay.preflight import load_spec
+    from relay.front_door import load_spec
 
     overrides = {}
     if args.budget is not _UNSET:
@@ -93,7 +93,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from datetime import datetime, timezone
 
     from relay.orchestrator import plan as planner
-    from relay.preflight import load_spec
+    from relay.front_door import load_spec
 
     spec = load_spec(args.spec)
     progress = _load_progress(args.progress) if args.progress else {}
@@ -187,7 +187,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_emulator(args: argparse.Namespace) -> int:
-    from relay.emulator.cli import main as emulator_main
+    from relay.emulator.serve_command import main as emulator_main
 
     return emulator_main(args.rest) or 0
 

@@ -49,7 +49,7 @@ def _checks(spec_path, backend_factory, timeout_s, poll_s) -> Iterator[Check]:
     if spec_path is not None:
         if not Path(spec_path).is_file():
             raise InputError(f"{spec_path}: no such spec file (relative paths start at {Path.cwd()})")
-        from relay.preflight import load_spec
+        from relay.front_door import load_spec
 
         try:
             run_spec = load_spec(spec_path)

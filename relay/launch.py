@@ -46,7 +46,7 @@ def _still_running(run_spec, local: Path) -> Optional[str]:
 
 def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: Optional[float] = None,
         submit: bool = False, credentials_block: Optional[str] = None, emit=print) -> int:
-    from relay.preflight import load_spec
+    from relay.front_door import load_spec
 
     path = Path(spec)
     if not path.is_file():

@@ -1,19 +1,10 @@
-"""The front door every command and flow loads a spec through: the spec itself (relay.shared.spec: YAML,
-types, paths; torch-free and importing no user code), then the user's code it names, imported and checked
-once here (relay.kernel.usercode.check_code), so a wrong entry or recipe is one line and exit 2 before
-anything is written, trained or pushed. A built-in recipe imports nothing of the kernel side."""
-from __future__ import annotations
+"""Deprecated name of relay.front_door (the spec loader every command and flow uses): "preflight" also names
+the Trainer's out-of-memory probe before training (session/loop.py). Kept importable, with a warning, for
+code that still imports it."""
+import warnings
 
-from pathlib import Path
-from typing import Any, Optional
+from relay.front_door import load_spec
 
-from relay.shared import spec as spec_mod
+warnings.warn("relay.preflight is renamed relay.front_door", DeprecationWarning, stacklevel=2)
 
-
-def load_spec(path: str | Path, overrides: Optional[dict[str, Any]] = None) -> spec_mod.RunSpec:
-    run_spec = spec_mod.load(path, overrides)
-    if run_spec.code is not None:
-        from relay.kernel.usercode import check_code
-
-        check_code(run_spec, source=str(path))
-    return run_spec
+__all__ = ["load_spec"]

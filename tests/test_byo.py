@@ -73,7 +73,7 @@ def _bad(tmp_path: Path, files: dict, spec: dict) -> tuple[Path, dict]:
     return path, base
 
 
-USER_PARAMS = ("from relay.kernel.recipes import Recipe, RecipeParams\n\n\nclass P(RecipeParams):\n    hidden: int = 4\n\n\n"
+USER_PARAMS = ("from relay import Recipe, RecipeParams\n\n\nclass P(RecipeParams):\n    hidden: int = 4\n\n\n"
                "class Mine(Recipe):\n    Params = P\n")
 BAD = {
     "recipe does not import": ({"mypkg/__init__.py": "", "mypkg/r.py": "import not_a_module_anywhere\n"},
@@ -124,7 +124,7 @@ def test_bad_user_code_is_one_line_exit_2_nothing_written(case, tmp_path, capsys
     assert not workdir.exists()
 
 
-PIP_ONLY = "import not_installed_here_xyz\nfrom relay.kernel.recipes import Recipe\n\nclass Mine(Recipe):\n    pass\n"
+PIP_ONLY = "import not_installed_here_xyz\nfrom relay import Recipe\n\nclass Mine(Recipe):\n    pass\n"
 
 
 @pytest.mark.parametrize("spec", [{"recipe": "pkgq.r:Mine", "params": {"anything": 1}},
@@ -132,7 +132,7 @@ PIP_ONLY = "import not_installed_here_xyz\nfrom relay.kernel.recipes import Reci
 def test_user_code_needing_a_kaggle_pip_package_loads_in_the_orchestrator(spec, tmp_path, monkeypatch):
     """The orchestrator never pip-installs: a module importing what kaggle.pip provides is checked for its file
     only, and the Recipe/Params check happens in the kernel's `relay train`, after pip."""
-    from relay.preflight import load_spec  # the spec, then the user's code it names
+    from relay.front_door import load_spec  # the spec, then the user's code it names
     from relay.shared import spec as spec_mod
 
     monkeypatch.setattr("sys.path", list(__import__("sys").path))
@@ -149,7 +149,7 @@ def test_user_code_needing_a_kaggle_pip_package_loads_in_the_orchestrator(spec, 
 
 
 def test_loading_a_user_recipe_writes_nothing_in_its_folder(tmp_path, monkeypatch):
-    from relay.preflight import load_spec  # the spec, then the user's code it names
+    from relay.front_door import load_spec  # the spec, then the user's code it names
 
     monkeypatch.setattr("sys.path", list(__import__("sys").path))
     monkeypatch.setattr("sys.dont_write_bytecode", False)  # as for a user without PYTHONDONTWRITEBYTECODE
@@ -234,7 +234,7 @@ def test_hf_callback_refuses_configs_that_cannot_resume(setting, expected, tmp_p
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     import relay
-    from relay.kernel.integrations.hf import RelayCallback
+    from relay.hf import RelayCallback
     from relay.shared.errors import InputError
 
     session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
@@ -265,7 +265,7 @@ def test_hf_save_time_counts_from_the_trainers_write(fake_clock, tmp_path):
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     import relay
-    from relay.kernel.integrations.hf import RelayCallback
+    from relay.hf import RelayCallback
 
     session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
     try:
@@ -290,7 +290,7 @@ def test_lightning_save_time_counts_from_the_trainers_write(fake_clock, tmp_path
     from types import SimpleNamespace
 
     import relay
-    from relay.kernel.integrations.lightning import RelayLightningCallback
+    from relay.lightning import RelayLightningCallback
 
     session = relay.open_session(total_steps=10, workdir=str(tmp_path / "w"))
     try:
@@ -357,7 +357,7 @@ def test_hf_callback_refuses_an_iterable_train_set(tmp_path):
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     import relay
-    from relay.kernel.integrations.hf import RelayCallback
+    from relay.hf import RelayCallback
     from relay.shared.errors import InputError
 
     class Stream(IterableDataset):

@@ -222,8 +222,7 @@ def test_an_input_refused_by_rank_1_alone_stops_rank_0_and_is_one_line_exit_2(re
     assert "Traceback" not in proc.stderr and not (tmp_path / "w").exists()
 
 
-@pytest.mark.parametrize("callback", ["relay.kernel.integrations.hf:RelayCallback",
-                                      "relay.kernel.integrations.lightning:RelayLightningCallback"])
+@pytest.mark.parametrize("callback", ["relay.hf:RelayCallback", "relay.lightning:RelayLightningCallback"])
 def test_the_trainer_callbacks_refuse_several_processes_in_one_line(callback, tmp_path):
     """HF Trainer and Lightning under several processes are not proved: refused, never half-supported."""
     import importlib

@@ -23,6 +23,17 @@ class Payload:  # an arbitrary class: pickle would import and build it; weights_
     pass
 
 
+writer = ck.CheckpointWriter()  # replaced for each test: a test's saves share one, as a session's do
+
+
+@pytest.fixture(autouse=True)
+def fresh_writer():
+    global writer
+    writer = ck.CheckpointWriter()
+    yield
+    writer.wait_for_deletions()
+
+
 def state(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
     return {"model": {"w": torch.randn(N, generator=g), "b": torch.zeros(3)}, "step": step,
@@ -35,11 +46,11 @@ def best(step: int, value: float) -> dict:
 
 def save(root: Path, step: int, meta: dict | None = None, **kwargs) -> ck.Checkpoint:
     kwargs.setdefault("keep_last", 100)
-    return ck.save(root, state(step), step=step, meta=meta or {"run_id": "r"}, **kwargs)
+    return writer.save(root, state(step), step=step, meta=meta or {"run_id": "r"}, **kwargs)
 
 
 def names(root: Path) -> list[str]:
-    ck.wait_for_deletions()  # retired checkpoints are deleted in the background
+    writer.wait_for_deletions()  # retired checkpoints are deleted in the background
     return sorted(p.name for p in root.iterdir())
 
 
@@ -84,7 +95,7 @@ def test_stale_tmp_folder_is_ignored_and_removed_at_next_save(tmp_path):
 def test_failed_save_leaves_no_folder_and_keeps_older(tmp_path):
     save(tmp_path, 1)
     with pytest.raises(Exception):
-        ck.save(tmp_path, {"bad": lambda: 0}, step=2, meta={})  # torch.save cannot pickle this
+        writer.save(tmp_path, {"bad": lambda: 0}, step=2, meta={})  # torch.save cannot pickle this
     assert names(tmp_path) == ["step-00000001"]
     assert latest_step(tmp_path) == 1
 
@@ -101,16 +112,16 @@ def test_a_second_save_at_one_step_replaces_the_first(tmp_path):
     """The final save right after a best save at the same step: one folder per step, holding the newer state
     and the best record, and it does not take an older checkpoint's keep_last slot."""
     save(tmp_path, 3, keep_last=2)
-    first = ck.save(tmp_path, state(7), step=7, meta={**best(7, 0.5), "reason": "best"}, keep_last=2,
+    first = writer.save(tmp_path, state(7), step=7, meta={**best(7, 0.5), "reason": "best"}, keep_last=2,
                     keep_best_mode="max")
     newer = {**state(7), "stop_reason": "done"}
-    c = ck.save(tmp_path, newer, step=7, meta={**best(7, 0.5), "reason": "done"}, keep_last=2,
+    c = writer.save(tmp_path, newer, step=7, meta={**best(7, 0.5), "reason": "done"}, keep_last=2,
                 keep_best_mode="max")
     assert first.path == c.path == tmp_path / "step-00000007" and c.seq == 0 and c.metric == 0.5
     assert names(tmp_path) == ["step-00000003", "step-00000007"]
     found, loaded = ck.load_latest(tmp_path)
     assert found.manifest["reason"] == "done" and loaded["stop_reason"] == "done"
-    c = ck.save(tmp_path, state(7), step=7, meta=best(7, 0.5), keep_last=2)  # a third time, while deleting
+    c = writer.save(tmp_path, state(7), step=7, meta=best(7, 0.5), keep_last=2)  # a third time, while deleting
     assert names(tmp_path) == ["step-00000003", "step-00000007"] and c.path.name == "step-00000007"
 
 
@@ -187,10 +198,10 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, damage, caplog):
 
 def test_sha256_digest_is_recorded_written_inline_and_checked(tmp_path):
     # the opt-in cryptographic digest (checkpoints.digest: sha256): same protocol, other checksum
-    c = ck.save(tmp_path, {"w": torch.arange(1000.0)}, step=1, meta={}, digest="sha256")
+    c = writer.save(tmp_path, {"w": torch.arange(1000.0)}, step=1, meta={}, digest="sha256")
     info = json.loads((c.path / "manifest.json").read_text())["files"]["state.pt"]
     assert set(info) == {"bytes", "sha256"} and info["sha256"] == ck.sha256_file(c.path / "state.pt")
-    ck.save(tmp_path, {"w": torch.arange(1000.0) + 1}, step=2, meta={}, digest="sha256")
+    writer.save(tmp_path, {"w": torch.arange(1000.0) + 1}, step=2, meta={}, digest="sha256")
     flip_byte(tmp_path / "step-00000002" / "state.pt")
     assert [x.step for x in ck.list_valid(tmp_path, verify_hashes=True)] == [1]
     assert torch.equal(ck.load_latest(tmp_path)[1]["w"], torch.arange(1000.0))
@@ -200,7 +211,7 @@ def test_retired_checkpoint_stops_counting_at_once_and_is_gone_after_the_wait(tm
     for step in range(1, 4):
         save(tmp_path, step, keep_last=1)
         assert [c.step for c in ck.list_valid(tmp_path)] == [step]  # before any background deletion ends
-    ck.wait_for_deletions()
+    writer.wait_for_deletions()
     assert names(tmp_path) == ["step-00000003"]
 
 
@@ -257,7 +268,7 @@ def test_prune_never_deletes_newest_valid_and_leaves_incomplete_alone(tmp_path):
     for step in (1, 2, 3):
         save(tmp_path, step)
     (tmp_path / "step-00000003" / "manifest.json").unlink()  # newest incomplete
-    removed = ck.prune(tmp_path, keep_last=1)
+    removed = writer.prune(tmp_path, keep_last=1)
     assert removed == [tmp_path / "step-00000001"]
     assert names(tmp_path) == ["step-00000002", "step-00000003"]
     assert latest_step(tmp_path) == 2
@@ -267,7 +278,7 @@ def test_failed_save_prunes_nothing(tmp_path):
     for step in (1, 2):
         save(tmp_path, step, keep_last=2)
     with pytest.raises(Exception):
-        ck.save(tmp_path, {"bad": lambda: 0}, step=3, meta={}, keep_last=1)
+        writer.save(tmp_path, {"bad": lambda: 0}, step=3, meta={}, keep_last=1)
     assert names(tmp_path) == ["step-00000001", "step-00000002"]
 
 
@@ -385,7 +396,7 @@ def test_run_exports_weights_only_model(tmp_path):
 
 # -- the commit runs behind the training loop; the test seam that stops a save midway ------------------
 def test_a_background_save_commits_the_state_as_it_was_and_the_previous_stays_newest_until_then(tmp_path, monkeypatch):
-    first = ck.save(tmp_path, {"w": torch.zeros(6_000_000)}, step=1, meta={"run_id": "r"})
+    first = writer.save(tmp_path, {"w": torch.zeros(6_000_000)}, step=1, meta={"run_id": "r"})
     gate, digest = threading.Event(), ck.file_digest
 
 
@@ -397,7 +408,7 @@ def test_a_background_save_commits_the_state_as_it_was_and_the_previous_stays_ne
     monkeypatch.setattr(ck, "file_digest", held_in_the_commit)
     committed = []
     state = {"w": torch.ones(6_000_000)}
-    pending = ck.start_save(tmp_path, state, step=2, meta={"run_id": "r"}, on_commit=committed.append)
+    pending = writer.start_save(tmp_path, state, step=2, meta={"run_id": "r"}, on_commit=committed.append)
     state["w"].add_(41)  # training goes on while the commit waits: the save holds the tensors as they were
     assert [c.step for c in ck.list_valid(tmp_path, verify_hashes=True)] == [1] and not committed
     gate.set()
@@ -408,16 +419,16 @@ def test_a_background_save_commits_the_state_as_it_was_and_the_previous_stays_ne
 
 
 def test_a_failed_background_commit_is_raised_and_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
-    ck.save(tmp_path, {"w": torch.zeros(10)}, step=1, meta={"run_id": "r"})
+    writer.save(tmp_path, {"w": torch.zeros(10)}, step=1, meta={"run_id": "r"})
 
     def disk_gone(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ck.atomic, "fsync", disk_gone)
-    ck.start_save(tmp_path, {"w": torch.ones(10)}, step=2, meta={"run_id": "r"})
+    writer.start_save(tmp_path, {"w": torch.ones(10)}, step=2, meta={"run_id": "r"})
     with pytest.raises(OSError, match="No space left"):
-        ck.wait_pending()  # or the next start_save: a failed commit is never silent
-    assert ck.wait_pending() is None  # raised once
+        writer.wait_pending()  # or the next start_save: a failed commit is never silent
+    assert writer.wait_pending() is None  # raised once
     assert [c.step for c in ck.list_valid(tmp_path, verify_hashes=True)] == [1]
     assert not list(tmp_path.glob(".tmp-*"))
 
@@ -426,8 +437,9 @@ STOP_SCRIPT = """
 import sys, torch
 from pathlib import Path
 from relay.kernel.session import checkpoint as ck
+writer = ck.CheckpointWriter()
 for step in (1, 2, 5):
-    ck.save(Path(sys.argv[1]), {"w": torch.full((10,), float(step))}, step=step, meta={"run_id": "r"})
+    writer.save(Path(sys.argv[1]), {"w": torch.full((10,), float(step))}, step=step, meta={"run_id": "r"})
 """
 
 
@@ -457,7 +469,8 @@ def test_stop_mid_save_seam_leaves_a_torn_save_to_kill(tmp_path):
 
 def test_with_keep_best_the_best_checkpoints_weights_are_exported_beside_the_final_ones(tmp_path):
     """export/ is the final model (its hash is weights_sha256); export/best/ holds the weights that scored the
-    run's best metric, as the seeds that kept "the best by validation F1" shipped."""
+    run's best metric: the model to ship when the last is not the best ("the best by validation F1" of seed 001,
+    docs/recipes.md)."""
     from safetensors.torch import load_file
 
     spec = load_toy_spec(optim={"epochs": None, "max_steps": 6, "eval_every_steps": 1, "lr": 0.5},

@@ -71,7 +71,7 @@ def test_credentials_from_env_and_kaggle_json(tmp_path):
 def test_bundle_is_deterministic_and_versioned_like_code_version(tmp_path):
     bundle = build_bundle()
     names = zipfile.ZipFile(io.BytesIO(bundle.data)).namelist()
-    # the kernel side and what `python -m relay train` enters by; the orchestrator stays home (issue 17)
+    # the kernel side, what `python -m relay train` enters by and what user code imports; the orchestrator stays home
     assert "relay/cli.py" in names and "relay/kernel/session/checkpoint.py" in names
     assert "relay/orchestrator/kaggle/kernel_source.py" not in names
     assert not any("__pycache__" in n for n in names)

@@ -1,10 +1,11 @@
-"""The package's shape, read from its own imports (issue 17). The folders say on which side of the wire a module
+"""The package's shape, read from its own imports. The folders say on which side of the wire a module
 runs: relay/shared (what crosses it: the spec, the checkpoint manifest, progress records, atomic writes), relay/kernel
 (inside the Kaggle session), relay/orchestrator (where Prefect runs), relay/emulator (Kaggle's local double).
 Each side imports only itself and the shared part; flows/ and tasks/ are shells over the orchestrator side; the
-faces (relay/cli.py, launch.py, doctor.py, preflight.py) may use both sides, and nothing imports a face but a face
-(and the flows, the front door relay.preflight). A kernel needs neither Prefect nor the `kaggle` client, and
-orchestrator changes cannot break a running session."""
+faces (the commands: relay/cli.py, launch.py, doctor.py, front_door.py; the public surface user code imports:
+relay/__init__.py, hf.py, lightning.py and the paths documented before the split) may use both sides, and nothing
+imports a face but a face (and the flows, the front door relay.front_door). A kernel needs neither Prefect nor the
+`kaggle` client, and orchestrator changes cannot break a running session."""
 from __future__ import annotations
 
 import ast
@@ -14,11 +15,17 @@ REPO = Path(__file__).resolve().parents[1]
 KERNEL_SIDE = ["relay/kernel", "relay/shared"]
 ORCHESTRATOR = ("prefect", "flows", "tasks", "kaggle", "kagglesdk", "relay.orchestrator", "relay.emulator")
 SIDES = ("relay.shared", "relay.kernel", "relay.orchestrator", "relay.emulator")
-FACES = {"relay", "relay.__main__", "relay.cli", "relay.launch", "relay.doctor", "relay.preflight"}
+COMMANDS = {"relay.__main__", "relay.cli", "relay.launch", "relay.doctor", "relay.front_door",
+            "relay.preflight"}  # relay.preflight: the front door's old name, until flows/ import the new one
+# What user code imports (docs/your-code.md), and the paths documented before the package split (deprecated).
+# It runs inside the session: it ships in the kernel bundle and imports only the kernel side and the shared part.
+PUBLIC = {"relay", "relay.hf", "relay.lightning", "relay.recipes", "relay.integrations", "relay.integrations.hf",
+          "relay.integrations.lightning"}
+FACES = COMMANDS | PUBLIC
 # what each part may import, besides itself
 MAY_IMPORT = {"relay.shared": (), "relay.kernel": ("relay.shared",), "relay.orchestrator": ("relay.shared",),
               "relay.emulator": ("relay.shared",),
-              "flows": ("relay.orchestrator", "relay.shared", "relay.preflight", "tasks"),
+              "flows": ("relay.orchestrator", "relay.shared", "relay.front_door", "relay.preflight", "tasks"),
               "tasks": ("relay.orchestrator", "relay.shared")}
 
 
@@ -56,7 +63,7 @@ def test_the_orchestrator_never_imports_torch():
     code = """
 import sys
 from pathlib import Path
-import flows.relay_flow, flows.relays_flow, relay.cli, relay.launch, relay.doctor, relay.preflight, tasks.relays_artifacts
+import flows.relay_flow, flows.relays_flow, relay.cli, relay.launch, relay.doctor, relay.front_door, tasks.relays_artifacts
 import relay.orchestrator.handoff, relay.orchestrator.plan, relay.orchestrator.submit, relay.orchestrator.status
 import relay.orchestrator.restore, relay.orchestrator.live, relay.orchestrator.report
 from relay.cli import TRAINING_STACK
@@ -161,18 +168,38 @@ def test_every_module_lives_on_a_side():
     assert not loose, loose
 
 
-def test_the_kernel_bundle_carries_only_the_kernel_side_and_the_shared_part():
+def module_file(module: str) -> str:
+    path = REPO / Path(*module.split("."))
+    return f"{module.replace('.', '/')}/__init__.py" if path.is_dir() else f"{module.replace('.', '/')}.py"
+
+
+def test_the_kernel_bundle_carries_the_kernel_side_the_shared_part_and_the_public_surface():
+    """Inside the session the user's code imports the public surface (relay.hf, relay.Recipe, and the paths
+    documented before the split): a module of it missing from the bundle fails the user's script there."""
     import io
     import zipfile
 
     from relay.orchestrator.kaggle.bundle import build_bundle
 
     names = zipfile.ZipFile(io.BytesIO(build_bundle().data)).namelist()
-    faces = {f"relay/{f}.py" for f in ("__init__", "__main__", "cli", "preflight")}  # `python -m relay train`
-    assert faces <= set(names)
-    other = [n for n in names if n not in faces and not n.startswith(("relay/shared/", "relay/kernel/"))]
+    entered_by = {"relay/__main__.py", "relay/cli.py", "relay/front_door.py"}  # `python -m relay train`
+    public = {module_file(m) for m in PUBLIC}
+    assert entered_by | public <= set(names), sorted(entered_by | public - set(names))
+    other = [n for n in names if n not in entered_by | public and not n.startswith(("relay/shared/", "relay/kernel/"))]
     assert not other, other
     assert any(n.startswith("relay/kernel/session/") for n in names) and "relay/shared/spec.py" in names
+
+
+def test_the_public_surface_imports_only_what_ships_in_the_session():
+    graph = import_graph()
+    assert PUBLIC <= graph.keys(), sorted(PUBLIC - graph.keys())
+    import relay
+
+    # relay/__init__.py imports its names lazily by module name: those names, as the arrows they are
+    lazy = {("relay", module) for module in relay._SURFACE.values()}
+    wrong = [f"{m} -> {t}" for m, t in {(m, t) for m in PUBLIC for t in graph[m]} | lazy
+             if t not in PUBLIC and part_of(t) not in ("relay.kernel", "relay.shared")]
+    assert not wrong, wrong
 
 
 def test_inside_the_kernel_the_session_runtime_is_the_bottom():
@@ -195,7 +222,7 @@ def test_no_import_cycles():
 def test_both_session_paths_keep_their_books_through_one_core():
     """The built-in runner (kernel/run.py) and the Session API (session/api.py) are clients of session/core.py:
     nothing else in the kernel loads, saves or writes progress.json and the session record itself."""
-    core_calls = {("checkpoint", "save"), ("checkpoint", "start_save"), ("checkpoint", "load_resume"),
+    core_calls = {("checkpoint", "CheckpointWriter"), ("checkpoint", "load_resume"),
                   ("books", "write_progress"), ("books", "open_record"), ("books", "update_record"),
                   ("books", "carry_metrics")}
     owners = {"relay/kernel/session/core.py", "relay/kernel/session/checkpoint.py", "relay/kernel/session/books.py"}

@@ -119,7 +119,7 @@ def test_pessimistic_status_lag_answers_pinned_requests_with_the_previous_versio
 
 
 def test_emulator_flags_for_the_new_faults(tmp_path):
-    from relay.emulator.cli import build_parser, load_config
+    from relay.emulator.serve_command import build_parser, load_config
 
     def config(*flags):
         return load_config(build_parser().parse_args(["serve", "--state", str(tmp_path), *flags]))

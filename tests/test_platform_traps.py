@@ -1,5 +1,5 @@
 """What real Kaggle does that a relay must survive, in the emulator and through the real client
-(../shared/docs/kaggle-api.md, "More platform facts"):
+(docs/kaggle.md, "Platform traps the relay handles"):
 
 - status lag: after a push, the unpinned status and output still answer the previous version; pinned
   (versionLabel "v<N>") they answer the version asked for; the relay observes the pinned one and never

@@ -1,5 +1,5 @@
 """Status lag after a push: for a while Kaggle's "latest" status and output still answer the previous version
-(../shared/docs/kaggle-api.md, "More platform facts"). A relay reading them would harvest the previous run's
+(docs/kaggle.md, "Platform traps the relay handles"). A relay reading them would harvest the previous run's
 files, call them stale, and push the same session again while the first push is still queued: the same work
 twice, on quota. The relay pins every observation to the version it pushed (versionLabel "v<N>").
 

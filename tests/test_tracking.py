@@ -90,7 +90,7 @@ LIGHTNING_KILLED_AFTER_A_SAVE = """
 import os, signal, sys, torch, relay
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
-from relay.kernel.integrations.lightning import RelayLightningCallback
+from relay.lightning import RelayLightningCallback
 
 class Net(pl.LightningModule):
     def __init__(self, session):

@@ -9,7 +9,7 @@ from transformers import (BertConfig, BertForSequenceClassification, PreTrainedT
                           TrainingArguments)
 
 import relay
-from relay.kernel.integrations.hf import RelayCallback
+from relay.hf import RelayCallback
 
 WORDS = "the a good bad movie film plot actor great awful fine dull bright story ending music".split()
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import relay
-from relay.kernel.integrations.lightning import RelayLightningCallback
+from relay.lightning import RelayLightningCallback
 
 
 class Regressor(pl.LightningModule):

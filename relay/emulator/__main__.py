@@ -1,5 +1,5 @@
 import sys
 
-from relay.emulator.cli import main
+from relay.emulator.serve_command import main
 
 sys.exit(main())

@@ -149,7 +149,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
                       log_metrics=core.log, save=save, stop_reason=core.stop_reason, world=world)
     if restored:
         trainer.load_state_dict(restored[1])
-        del restored  # free the loaded copy before training (seed 002's "load to CPU, then del")
+        del restored  # free the loaded copy now: it would hold a second copy of the state all session long
     log.info("session %d on %s: step %d of %d, micro-batch %d x %d x %d processes, %s, budget %s",
              session["index"], memory.describe_device(device), state.global_step, total, state.micro_batch,
              state.grad_accum, world.size, state.precision,

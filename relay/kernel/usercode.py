@@ -1,9 +1,9 @@
 """The user's own code: importing it, checking it, and running its entry in a session.
 
 A spec names it with a `code:` section (a folder and an entry: `train.py --lr 3e-4` or `pkg.module:function`)
-and/or a user recipe (`recipe: pkg.module:Class`, a `relay.kernel.recipes.Recipe` subclass from that folder).
+and/or a user recipe (`recipe: pkg.module:Class`, a `relay.Recipe` subclass from that folder).
 The spec alone checks the folder (relay.shared.spec: exists, at most 2 MB, relay.shared.code_folder); the front
-door (relay.preflight.load_spec) then runs check_code here, so a wrong entry or recipe is one line and exit 2
+door (relay.front_door.load_spec) then runs check_code here, so a wrong entry or recipe is one line and exit 2
 before anything is written or pushed.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ def recipe_params(spec: "RunSpec"):
     return params_class.model_validate(spec.params)
 
 
-# -- the check behind the front door (relay.preflight.load_spec) ----------------------------------------
+# -- the check behind the front door (relay.front_door.load_spec) ----------------------------------------
 def check_code(spec: "RunSpec", source: str = "spec") -> bool:
     """Import-check the user's code the spec names (its folder, size and shape were checked when the spec
     loaded): the entry exists, a user recipe imports, is a Recipe, and its Params accept `params:`. SpecError
@@ -186,7 +186,7 @@ def load_recipe(path: str, folder: Optional[Path] = None, pip: list[str] = ()):
     if cls is None:
         raise SpecError(f"recipe: {module_name} has no {cls_name}")
     if not (isinstance(cls, type) and issubclass(cls, Recipe)):
-        raise SpecError(f"recipe: {path} is not a Recipe (expected a subclass of relay.kernel.recipes.Recipe)")
+        raise SpecError(f"recipe: {path} is not a Recipe (expected a subclass of relay.Recipe)")
     if not (isinstance(getattr(cls, "Params", None), type) and issubclass(cls.Params, RecipeParams)):
-        raise SpecError(f"recipe: {path}.Params must be a relay.kernel.recipes.RecipeParams subclass")
+        raise SpecError(f"recipe: {path}.Params must be a relay.RecipeParams subclass")
     return cls

@@ -207,7 +207,7 @@ class VQAStudentParams(RecipeParams):
     soft_top_k: int = Field(4, ge=1)
     soft_temperature: float = Field(2.0, gt=0.0)
     curriculum: list[Stage] = Field(min_length=1)
-    # The seed's OOM ladder after the micro-batch rung: answer length, beams, eval chunk.
+    # The VQA student's OOM ladder after the micro-batch rung (docs/recipes.md): answer length, beams, eval chunk.
     oom_answer_max_len: int = Field(128, ge=2)
     oom_num_beams: int = Field(3, ge=1)
     oom_eval_batch: int = Field(2, ge=1)

@@ -102,7 +102,7 @@ def validate_params(spec: RunSpec, params_class: type) -> params_mod.RecipeParam
 
 def _check_code_section(spec: RunSpec) -> None:
     """What the spec alone says about the user's code: present where needed, a folder that exists and fits in
-    a kernel. Importing it is the second step (relay.preflight.load_spec)."""
+    a kernel. Importing it is the second step (relay.front_door.load_spec)."""
     if spec.kaggle.pip and not spec.kaggle.enable_internet:
         raise SpecError("kaggle.pip: installing requirements at kernel start needs kaggle.enable_internet: true"
                         " (offline kernels cannot reach PyPI); turn internet on or vendor the code into code.folder")

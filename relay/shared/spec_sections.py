@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-# What Kaggle allows (kaggle-api.md, "More platform facts"): a spec asking for more is refused, not clipped.
+# What Kaggle allows (docs/kaggle.md: session limit, output cap): a spec asking for more is refused, not clipped.
 KAGGLE_SESSION_LIMIT_S = 12 * 3600.0  # the longest a GPU session runs
 KAGGLE_OUTPUT_LIMIT_GB = 20.0  # /kaggle/working kept as a session's output
 WEEK_S = 7 * 24 * 3600.0  # the weekly GPU quota cannot exceed the week itself

@@ -6,10 +6,12 @@ import hashlib
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # relay/
-# What a session kernel runs, and so all that ships in it: the kernel side, the shared part, and the face
-# `python -m relay train` enters by. The orchestrator and the emulator stay home: changing them changes no
-# code version.
-KERNEL_PARTS = ("__init__.py", "__main__.py", "cli.py", "preflight.py", "shared", "kernel")
+# What a session kernel runs, and so all that ships in it: the kernel side, the shared part, the faces
+# `python -m relay train` enters by, and the public surface the user's code imports (docs/your-code.md), the
+# paths documented before the package split included. The orchestrator and the emulator stay home: changing
+# them changes no code version.
+KERNEL_PARTS = ("__init__.py", "__main__.py", "cli.py", "front_door.py", "shared", "kernel",
+                "hf.py", "lightning.py", "recipes.py", "integrations")
 
 
 def kernel_files(package_dir: Path = PACKAGE_DIR) -> list[tuple[str, Path]]:

@@ -12,7 +12,7 @@ from pydantic import Field
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from relay.kernel.recipes import Recipe, RecipeParams
+from relay import Recipe, RecipeParams
 
 
 class ClassifyParams(RecipeParams):

@@ -3,9 +3,10 @@ one after another in one relay, each predicting the forward return over `horizon
 
 The models are the run's stages (relay.kernel.session.stages): the spec's steps are shared equally between them, each
 gets its own AdamW and schedule, and the previous one's optimizer state is dropped and the CUDA cache emptied
-when the next begins (the seed's "clear cache between models"). A session may end between two models or in the
-middle of one: the stage is a function of the step. Features are computed once into the parquet feature cache;
-AMP (fp16 on a T4) falls back to fp32 after non-finite losses (the runtime's guard, seed 003's advice).
+when the next begins, so a model never trains beside the memory the last one held. A session may end between two
+models or in the middle of one: the stage is a function of the step. Features are computed once into the parquet
+feature cache; AMP (fp16 on a T4) falls back to fp32 after non-finite losses (the runtime's guard: fp16's narrow
+range can overflow where fp32 does not).
 """
 from __future__ import annotations
 

@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-
 class CheckpointError(RuntimeError):
     pass
 
@@ -54,8 +53,7 @@ class CorruptCheckpointError(CheckpointError, InputError):
 CORRUPT_PREFIX = "the mounted checkpoint"
 
 
-
-# -- save -------------------------------------------------------------------------------------------
+# -- save and retention (one writer per session) ---------------------------------------------------
 def _next_name(root: Path, step: int) -> str:
     base = f"step-{step:08d}"
     if not (root / base).exists():
@@ -66,105 +64,188 @@ def _next_name(root: Path, step: int) -> str:
     return f"{base}.{seq}"
 
 
-def save(root: Path, state: dict, **kwargs: Any) -> Checkpoint:
-    """Write `state` as a new checkpoint under `root`, commit it, then apply retention; returns it committed.
-    Arguments as `start_save`."""
-    return start_save(root, state, background=False, **kwargs).result()
+class CheckpointWriter:
+    """What one session's saves share, owned here rather than by the module (as torchtitan's CheckpointManager
+    owns its async save): the one save in flight (a new save, an export or the end of the session waits for
+    it), the retired folders still being deleted on their threads, and the step of the last save (the test
+    seam below). A session (SessionCore) holds one; a save through another writer does not wait for it."""
 
+    def __init__(self) -> None:
+        self._pending: Optional[PendingSave] = None
+        self._deleting: list[threading.Thread] = []
+        self._last_saved_step: Optional[int] = None
 
-def start_save(root: Path, state: dict, *, step: int, meta: dict, disk_budget_bytes: Optional[int] = None,
-               keep_last: int = 2, keep_best_mode: Optional[str] = None, digest: str = "crc32",
-               besides_bytes: int = 0, background: bool = True,
-               on_commit: Optional[Callable[["Checkpoint"], Any]] = None) -> "PendingSave":
-    """Serialize `state` into a temporary folder now (when this returns, training may change the tensors), and
-    commit it (checksum, fsync, manifest, rename, retention, then `on_commit(checkpoint)`) on a thread, or here
-    when `background` is False. Until the commit, the previous checkpoint stays the newest valid one, so a kill
-    at any instant loses at most this save. One save is in flight at a time: this first waits for the last one.
+    def save(self, root: Path, state: dict, **kwargs: Any) -> Checkpoint:
+        """Write `state` as a new checkpoint under `root`, commit it, then apply retention; returns it committed.
+        Arguments as `start_save`."""
+        return self.start_save(root, state, background=False, **kwargs).result()
 
-    Why a thread: torch.save into the page cache is the only part that needs the state as it is now. The crc32
-    re-read of the file (1-2.6 GB/s here, about torch.save's own speed) and the fsync (the disk's speed) need
-    nothing from training, so the training loop no longer waits for them (bench/bench_checkpoint.py).
+    def start_save(self, root: Path, state: dict, *, step: int, meta: dict, disk_budget_bytes: Optional[int] = None,
+                   keep_last: int = 2, keep_best_mode: Optional[str] = None, digest: str = "crc32",
+                   besides_bytes: int = 0, background: bool = True,
+                   on_commit: Optional[Callable[["Checkpoint"], Any]] = None) -> "PendingSave":
+        """Serialize `state` into a temporary folder now (when this returns, training may change the tensors),
+        and commit it (checksum, fsync, manifest, rename, retention, then `on_commit(checkpoint)`) on a thread,
+        or here when `background` is False. Until the commit, the previous checkpoint stays the newest valid
+        one, so a kill at any instant loses at most this save. One save is in flight at a time: this first
+        waits for the last one.
 
-    `meta` goes into the manifest (run_id, code_version, epoch, best={"metric","value","step"}).
-    `keep_best_mode` ("min"/"max") keeps the checkpoint with the best `best.value` as well.
-    `besides_bytes`: the rest of the session's output (feature cache, export), which shares the disk budget
-    (Kaggle's 20 GB output cap counts everything under /kaggle/working).
-    """
-    wait_pending()
-    t0 = time.perf_counter()
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(root)
-    if disk_budget_bytes is not None:
-        _make_room(root, disk_budget_bytes - besides_bytes, keep_best_mode, besides_bytes)
-    name = _next_name(root, step)
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    tmp.mkdir()
-    try:
-        import torch  # here, not at the top: the orchestrator reads and verifies manifests without torch
+        Why a thread: torch.save into the page cache is the only part that needs the state as it is now. The
+        crc32 re-read of the file (1-2.6 GB/s here, about torch.save's own speed) and the fsync (the disk's
+        speed) need nothing from training, so the training loop no longer waits for them
+        (bench/bench_checkpoint.py).
 
-        torch.save(state, tmp / STATE_FILE)  # torch's own C++ writer: the fastest path into the page cache
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    meta = json.loads(json.dumps(meta))  # the caller's dicts may change while the commit runs
-
-    def commit() -> Checkpoint:
+        `meta` goes into the manifest (run_id, code_version, epoch, best={"metric","value","step"}).
+        `keep_best_mode` ("min"/"max") keeps the checkpoint with the best `best.value` as well.
+        `besides_bytes`: the rest of the session's output (feature cache, export), which shares the disk budget
+        (Kaggle's 20 GB output cap counts everything under /kaggle/working).
+        """
+        self.wait_pending()
+        t0 = time.perf_counter()
+        root.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_tmp(root)
+        if disk_budget_bytes is not None:
+            _make_room(root, disk_budget_bytes - besides_bytes, keep_best_mode, besides_bytes)
+        name = _next_name(root, step)
+        tmp = root / f".tmp-{name}-{os.getpid()}"
+        tmp.mkdir()
         try:
-            state_file = tmp / STATE_FILE
-            files = {STATE_FILE: {"bytes": state_file.stat().st_size, digest: file_digest(state_file, digest)}}
-            atomic.fsync(state_file)
-            manifest = {"format": FORMAT, "step": step, "created": time.time(), **meta, "files": files}
-            # The manifest is the commit marker: written last, then the folder appears under its name.
-            atomic.write_json(tmp / MANIFEST, manifest)
-            _test_stop_mid_save(step)
-            os.rename(tmp, root / name)
-            atomic.fsync(root)
+            import torch  # here, not at the top: the orchestrator reads and verifies manifests without torch
+
+            torch.save(state, tmp / STATE_FILE)  # torch's own C++ writer: the fastest path into the page cache
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        saved = _supersede(root, Checkpoint(root / name, step, seq_of(name), manifest))
-        prune(root, keep_last=keep_last, keep_best_mode=keep_best_mode)
-        if on_commit is not None:
-            on_commit(saved)
-        return saved
+        meta = json.loads(json.dumps(meta))  # the caller's dicts may change while the commit runs
 
-    return PendingSave(commit, t0, background)
+        def commit() -> Checkpoint:
+            try:
+                state_file = tmp / STATE_FILE
+                files = {STATE_FILE: {"bytes": state_file.stat().st_size, digest: file_digest(state_file, digest)}}
+                atomic.fsync(state_file)
+                manifest = {"format": FORMAT, "step": step, "created": time.time(), **meta, "files": files}
+                # The manifest is the commit marker: written last, then the folder appears under its name.
+                atomic.write_json(tmp / MANIFEST, manifest)
+                self._test_stop_mid_save(step)
+                os.rename(tmp, root / name)
+                atomic.fsync(root)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            saved = self._supersede(root, Checkpoint(root / name, step, seq_of(name), manifest))
+            self.prune(root, keep_last=keep_last, keep_best_mode=keep_best_mode)
+            if on_commit is not None:
+                on_commit(saved)
+            return saved
 
+        pending = PendingSave(commit, t0, background, on_result=self._forget)
+        if background:
+            self._pending = pending
+            pending.start()
+        return pending
 
-def _supersede(root: Path, saved: Checkpoint) -> Checkpoint:
-    """The newest save at a step replaces the older ones at that step (same step, same weights: no optimizer
-    step ran between them; the newer holds the later bookkeeping and the same best record). Crash-safe: the
-    new folder is committed before the old ones are retired, and its rename to the plain name is atomic, so a
-    kill anywhere leaves a valid checkpoint of this step (at worst still named <name>.1, loaded as usual).
-    An older one that scored a metric the new one does not carry is kept (keep_best still needs it)."""
-    if saved.seq == 0:
-        return saved
-    for old in list_valid(root):
-        if old.step == saved.step and old.path != saved.path and old.metric in (None, saved.metric):
-            _retire(old.path)
-    plain = root / f"step-{saved.step:08d}"
-    if plain.exists():
-        return saved
-    os.rename(saved.path, plain)
-    atomic.fsync(root)
-    return Checkpoint(plain, saved.step, 0, saved.manifest)
+    def wait_pending(self) -> Optional[Checkpoint]:
+        """Wait for the save in flight, if any (before the next save, an export, or the end of a session); raises
+        what its commit raised."""
+        return self._pending.result() if self._pending is not None else None
+
+    def _forget(self, done: "PendingSave") -> None:
+        if self._pending is done:
+            self._pending = None
+
+    def _supersede(self, root: Path, saved: Checkpoint) -> Checkpoint:
+        """The newest save at a step replaces the older ones at that step (same step, same weights: no optimizer
+        step ran between them; the newer holds the later bookkeeping and the same best record). Crash-safe: the
+        new folder is committed before the old ones are retired, and its rename to the plain name is atomic, so
+        a kill anywhere leaves a valid checkpoint of this step (at worst still named <name>.1, loaded as usual).
+        An older one that scored a metric the new one does not carry is kept (keep_best still needs it)."""
+        if saved.seq == 0:
+            return saved
+        for old in list_valid(root):
+            if old.step == saved.step and old.path != saved.path and old.metric in (None, saved.metric):
+                self._retire(old.path)
+        plain = root / f"step-{saved.step:08d}"
+        if plain.exists():
+            return saved
+        os.rename(saved.path, plain)
+        atomic.fsync(root)
+        return Checkpoint(plain, saved.step, 0, saved.manifest)
+
+    def prune(self, root: Path, keep_last: int, keep_best_mode: Optional[str] = None) -> list[Path]:
+        """Delete all but the newest `keep_last` valid checkpoints (and the best). Returns what was removed.
+        Incomplete folders are left alone here: a concurrent reader may still be validating them."""
+        valid = list_valid(root)
+        keep = {c.path for c in valid[:keep_last]}
+        best = _best(valid, keep_best_mode)
+        if best is not None:
+            keep.add(best.path)
+        removed = []
+        for ckpt in valid[keep_last:]:
+            if ckpt.path not in keep:
+                self._retire(ckpt.path)
+                removed.append(ckpt.path)
+        return removed
+
+    # TEST SEAM (tests/test_relay_faults.py): with RELAY_TEST_STOP_MID_SAVE=<step> set, a writer that has already
+    # saved below that step stops its process (SIGSTOP) in its first save at or past it, with every file written
+    # but the folder not yet renamed, so a test can SIGKILL a provably torn save on a machine of any speed (or
+    # SIGCONT it). Unset in production: one environment lookup per save.
+    def _test_stop_mid_save(self, step: int) -> None:
+        at = SessionEnvironment.read().stop_mid_save_at
+        previous, self._last_saved_step = self._last_saved_step, step
+        if at is not None and previous is not None and previous < at <= step:
+            # Directed at this thread (the commit may run on one): it stops before its next instruction. A
+            # SIGSTOP sent to the process is taken by the main thread, and this one could still rename meanwhile.
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+
+    def _remove_stale_tmp(self, root: Path) -> None:
+        """Half-written folders from a save that was killed, and retired ones a killed process left: never
+        valid, only taking disk. Retired folders this writer is still deleting are left to their thread (a
+        save need not wait for the previous one's deletion: they no longer count as checkpoints)."""
+        self._deleting[:] = [t for t in self._deleting if t.is_alive()]
+        deleting = {t.name for t in self._deleting}
+        for p in [*root.glob(".tmp-step-*"), *root.glob(".trash-step-*")]:
+            if str(p) not in deleting:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _retire(self, path: Path) -> None:
+        """Drop a checkpoint: renamed away at once (it stops counting as a checkpoint), its files deleted in
+        the background, because unlinking GBs is slow (0.3 s per 300 MB here) and training need not wait."""
+        trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
+        n = 0
+        while trash.exists():  # the same name retired twice (a step's checkpoint superseded again) while deleting
+            n += 1
+            trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{n}")
+        os.rename(path, trash)
+        thread = threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}, daemon=True,
+                                  name=str(trash))
+        thread.start()
+        self._deleting.append(thread)
+
+    def wait_for_deletions(self) -> None:
+        """Block until retired checkpoints are gone (before a disk-budget check, and before a session ends so
+        no half-deleted folder becomes kernel output)."""
+        while self._deleting:
+            self._deleting.pop().join()
 
 
 class PendingSave:
-    """A save whose bytes are written and whose commit runs on a (non-daemon) thread: a crash of the training
-    code still lets it finish; `result()` waits for it and re-raises its error."""
+    """A save whose bytes are written and whose commit runs on a (non-daemon) thread once started: a crash of
+    the training code still lets it finish; `result()` waits for it and re-raises its error. Unstarted, it
+    commits here and now (a synchronous save)."""
 
-    def __init__(self, commit: Callable[[], Checkpoint], started: float, background: bool):
-        global _pending
+    def __init__(self, commit: Callable[[], Checkpoint], started: float, background: bool,
+                 on_result: Callable[["PendingSave"], None]):
         self.started, self.seconds = started, None  # seconds: call to commit, what a synchronous save costs
         self._checkpoint: Optional[Checkpoint] = None
         self._error: Optional[BaseException] = None
+        self._on_result = on_result
         self._thread = threading.Thread(target=self._run, args=(commit,), name="checkpoint-commit")
-        if background:
-            _pending = self
-            self._thread.start()
-        else:
+        if not background:
             self._run(commit)
+
+    def start(self) -> None:
+        self._thread.start()
 
     def _run(self, commit: Callable[[], Checkpoint]) -> None:
         try:
@@ -174,77 +255,12 @@ class PendingSave:
         self.seconds = time.perf_counter() - self.started
 
     def result(self) -> Checkpoint:
-        global _pending
         if self._thread.ident is not None:
             self._thread.join()
-        if _pending is self:
-            _pending = None
+        self._on_result(self)
         if self._error is not None:
             raise self._error
         return self._checkpoint
-
-
-_pending: Optional[PendingSave] = None
-
-
-def wait_pending() -> Optional[Checkpoint]:
-    """Wait for the save in flight, if any (before the next save, an export, or the end of a session); raises
-    what its commit raised."""
-    return _pending.result() if _pending is not None else None
-
-
-# TEST SEAM (tests/test_relay_faults.py): with RELAY_TEST_STOP_MID_SAVE=<step> set, a process that has already
-# saved below that step stops itself (SIGSTOP) in its first save at or past it, with every file written but the
-# folder not yet renamed, so a test can SIGKILL a provably torn save on a machine of any speed (or SIGCONT it).
-# Unset in production: one environment lookup per save.
-_last_saved_step: Optional[int] = None
-
-
-def _test_stop_mid_save(step: int) -> None:
-    global _last_saved_step
-    at = SessionEnvironment.read().stop_mid_save_at
-    previous, _last_saved_step = _last_saved_step, step
-    if at is not None and previous is not None and previous < at <= step:
-        # Directed at this thread (the commit may run on one): it stops before its next instruction. A SIGSTOP
-        # sent to the process is taken by the main thread, and this one could still rename in the meantime.
-        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
-
-
-
-def _remove_stale_tmp(root: Path) -> None:
-    """Half-written folders from a save that was killed, and retired ones a killed process left: never
-    valid, only taking disk. Retired folders this process is still deleting are left to their thread (a
-    save need not wait for the previous one's deletion: they no longer count as checkpoints)."""
-    _deleting[:] = [t for t in _deleting if t.is_alive()]
-    deleting = {t.name for t in _deleting}
-    for p in [*root.glob(".tmp-step-*"), *root.glob(".trash-step-*")]:
-        if str(p) not in deleting:
-            shutil.rmtree(p, ignore_errors=True)
-
-
-_deleting: list[threading.Thread] = []
-
-
-def _retire(path: Path) -> None:
-    """Drop a checkpoint: renamed away at once (it stops counting as a checkpoint), its files deleted in
-    the background, because unlinking GBs is slow (0.3 s per 300 MB here) and training need not wait."""
-    trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
-    n = 0
-    while trash.exists():  # the same name retired twice (a step's checkpoint superseded again) while deleting
-        n += 1
-        trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{n}")
-    os.rename(path, trash)
-    thread = threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}, daemon=True,
-                              name=str(trash))
-    thread.start()
-    _deleting.append(thread)
-
-
-def wait_for_deletions() -> None:
-    """Block until retired checkpoints are gone (before a disk-budget check, and before a session ends so
-    no half-deleted folder becomes kernel output)."""
-    while _deleting:
-        _deleting.pop().join()
 
 
 def bytes_besides(workdir: Path, checkpoints: Path) -> int:
@@ -261,7 +277,6 @@ def bytes_besides(workdir: Path, checkpoints: Path) -> int:
     return total
 
 
-
 def disk_besides(workdir: Path, ckpt_root: Path, model, reason: str, exports: int = 1) -> int:
     """What shares the output's disk budget with the checkpoints: everything else in the workdir (the cache,
     an export, the integrations' hf-resume/ and lightning-resume/ copies, a Trainer's output folder), and at
@@ -270,6 +285,14 @@ def disk_besides(workdir: Path, ckpt_root: Path, model, reason: str, exports: in
     if reason == "done" and model is not None:  # twice with export/best/ beside the final export
         used += exports * sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return used
+
+
+def _best(valid: list[Checkpoint], mode: Optional[str]) -> Optional[Checkpoint]:
+    scored = [c for c in valid if c.metric is not None]
+    if not mode or not scored:
+        return None
+    pick = min if mode == "min" else max
+    return pick(scored, key=lambda c: c.metric)
 
 
 def _make_room(root: Path, budget: int, keep_best_mode: Optional[str], besides: int = 0) -> None:
@@ -329,7 +352,6 @@ def load_resume(own: Path, resume_from: Sequence[Path], map_location: str = "cpu
     return restored
 
 
-
 def load(ckpt: Checkpoint, map_location: str = "cpu") -> dict:
     """Load the state file safely (weights_only) while a second thread verifies its checksum; the result
     is used only if the checksum matches. zlib and hashlib release the GIL, so on two cores the check
@@ -349,31 +371,6 @@ def load(ckpt: Checkpoint, map_location: str = "cpu") -> dict:
     if error is not None:
         raise CheckpointError(f"{path}: cannot be loaded ({type(error).__name__}: {error})")
     return state
-
-
-# -- retention --------------------------------------------------------------------------------------
-def _best(valid: list[Checkpoint], mode: Optional[str]) -> Optional[Checkpoint]:
-    scored = [c for c in valid if c.metric is not None]
-    if not mode or not scored:
-        return None
-    pick = min if mode == "min" else max
-    return pick(scored, key=lambda c: c.metric)
-
-
-def prune(root: Path, keep_last: int, keep_best_mode: Optional[str] = None) -> list[Path]:
-    """Delete all but the newest `keep_last` valid checkpoints (and the best). Returns what was removed.
-    Incomplete folders are left alone here: a concurrent reader may still be validating them."""
-    valid = list_valid(root)
-    keep = {c.path for c in valid[:keep_last]}
-    best = _best(valid, keep_best_mode)
-    if best is not None:
-        keep.add(best.path)
-    removed = []
-    for ckpt in valid[keep_last:]:
-        if ckpt.path not in keep:
-            _retire(ckpt.path)
-            removed.append(ckpt.path)
-    return removed
 
 
 def weights_sha256(state_dict: dict[str, torch.Tensor]) -> str:

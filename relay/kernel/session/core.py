@@ -51,6 +51,7 @@ class SessionCore:
         self.ckpt_root = self.workdir / "checkpoints"
         self.metrics_path = self.workdir / "metrics.jsonl"
         self.checkpoints = checkpoints  # keep_last, disk_budget_gb, digest
+        self.writer = checkpoint.CheckpointWriter()  # this session's saves: the one in flight, the deletions
         self.trackers = Trackers(tracking, self.workdir, main=world.main, internet=internet)
         self.record: dict = {}  # this session's entry in progress.json's `sessions`, from open() on
         self.lines: Optional[ProgressLines] = None
@@ -171,7 +172,7 @@ class SessionCore:
             self.write_progress(ckpt, "paused", reason, progress)
 
         c = self.checkpoints
-        pending = checkpoint.start_save(
+        pending = self.writer.start_save(
             self.ckpt_root, state, step=step,
             meta={"run_id": self.run_id, "code_version": code_version(), "reason": reason, **meta},
             disk_budget_bytes=int(c.disk_budget_gb * 1e9), keep_last=c.keep_last,
@@ -194,7 +195,7 @@ class SessionCore:
 
     def finish(self, status: str, reason: str, progress: books.RunFields, weights: Optional[str]) -> dict:
         """Rank 0 after the last save (and the export): progress.json and the session's last progress line."""
-        checkpoint.wait_for_deletions()
+        self.writer.wait_for_deletions()
         result = self.write_progress(checkpoint.list_valid(self.ckpt_root)[0], status, reason, progress, weights)
         if self.lines is not None:
             why = {"diverged": self.record.get("diverged"), "wrong_accelerator": self.record.get("accelerator")}

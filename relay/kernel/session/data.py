@@ -1,4 +1,5 @@
-"""Where the data stands is a pure function of the optimizer step (nanoGPT's lesson: derive state).
+"""Where the data stands is a pure function of the optimizer step: derived, not saved (as nanoGPT derives its
+learning rate), so there is nothing to restore or replay.
 
 Epoch e visits a permutation seeded by (seed, e); optimizer step s takes the `effective_batch` indices at
 position (s mod steps_per_epoch) of its epoch. Resuming at step s therefore costs one permutation, not a

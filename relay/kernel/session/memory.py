@@ -96,7 +96,7 @@ def next_rung(rungs: list, taken: list[str], phase: str):
 
 
 def free_cached(device: torch.device) -> None:
-    """Periodic cleanup (seed 002): returns cached blocks so fragmentation does not end in an OOM."""
+    """Periodic cleanup: returns cached blocks so fragmentation does not end in an OOM."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -1,6 +1,6 @@
 """The exact project version a kernel runs: the kernel side of the relay package (relay.shared.version's
-kernel_files: shared/, kernel/ and the `relay train` face; not the orchestrator) as a deterministic,
-content-hashed zip.
+kernel_files: shared/, kernel/, the `relay train` face and the public surface user code imports; not the
+orchestrator) as a deterministic, content-hashed zip.
 
 The zip holds the .py files `relay.shared.version.code_version()` hashes, and its version is computed by the same
 rule from the very bytes it holds, so the code version a session records inside Kaggle equals the bundle's
