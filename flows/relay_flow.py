@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger
 
 from relay.orchestrator.kaggle.types import KaggleUnresponsive
 from relay.orchestrator.policy import plan_text, session_budget, utc  # noqa: F401 - plan_text: part of the flow's API
-from relay.preflight import load_spec
+from relay.front_door import load_spec
 from tasks import relay_step, relay_tasks as t
 from tasks.relay_step import RelayContext, RelayFailed, Step  # noqa: F401 - RelayFailed: the flow's API
 

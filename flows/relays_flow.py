@@ -25,7 +25,7 @@ from prefect import flow, get_run_logger
 from relay.orchestrator import joint_plan, plan as planner
 from relay.orchestrator.kaggle.types import Refusal
 from relay.orchestrator.policy import session_budget, utc
-from relay.preflight import load_spec
+from relay.front_door import load_spec
 from relay.shared.errors import InputError
 from tasks import relay_step, relay_tasks as t
 from tasks import relays_artifacts

@@ -15,8 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 KERNEL_SIDE = ["relay/kernel", "relay/shared"]
 ORCHESTRATOR = ("prefect", "flows", "tasks", "kaggle", "kagglesdk", "relay.orchestrator", "relay.emulator")
 SIDES = ("relay.shared", "relay.kernel", "relay.orchestrator", "relay.emulator")
-COMMANDS = {"relay.__main__", "relay.cli", "relay.launch", "relay.doctor", "relay.front_door",
-            "relay.preflight"}  # relay.preflight: the front door's old name, until flows/ import the new one
+COMMANDS = {"relay.__main__", "relay.cli", "relay.launch", "relay.doctor", "relay.front_door"}
 # What user code imports (docs/your-code.md), and the paths documented before the package split (deprecated).
 # It runs inside the session: it ships in the kernel bundle and imports only the kernel side and the shared part.
 PUBLIC = {"relay", "relay.hf", "relay.lightning", "relay.recipes", "relay.integrations", "relay.integrations.hf",
@@ -25,7 +24,7 @@ FACES = COMMANDS | PUBLIC
 # what each part may import, besides itself
 MAY_IMPORT = {"relay.shared": (), "relay.kernel": ("relay.shared",), "relay.orchestrator": ("relay.shared",),
               "relay.emulator": ("relay.shared",),
-              "flows": ("relay.orchestrator", "relay.shared", "relay.front_door", "relay.preflight", "tasks"),
+              "flows": ("relay.orchestrator", "relay.shared", "relay.front_door", "tasks"),
               "tasks": ("relay.orchestrator", "relay.shared")}
 
 

@@ -161,7 +161,7 @@ class Session:
         if restored:
             ckpt, state = restored
             saved, here = set(state["objects"]), set(self.objects)
-            if saved != here:  # lesson 6 of the anchors: say what changed rather than resume half a state
+            if saved != here:  # say what changed rather than resume half a state
                 raise InputError(f"{ckpt.path}: holds {sorted(saved)} but the script registered {sorted(here)}")
             for name, obj in self.objects.items():
                 saved_state = state["objects"][name]

@@ -145,7 +145,8 @@ class Trainer:
     # -- stages ---------------------------------------------------------------------------------
     def _enter_stage(self, span: stages.Span) -> None:
         """A stage's own optimizer and schedule over its own steps (none for a fit stage); the previous
-        stage's optimizer state is dropped and cached memory returned first (seed 003's clear between models)."""
+        stage's optimizer state is dropped and cached memory returned first, so the next stage never trains beside
+        the memory the last one held."""
         switching = self.span is not None
         self.span, self.optimizer, self.scheduler, self._batches = span, None, None, None
         # Stage.batch_scale: this stage's steps take k x the micro-batch from a k x larger step schedule
@@ -465,7 +466,7 @@ class Trainer:
             raise NonFiniteLossError(
                 f"loss was non-finite for {st.nonfinite_streak} steps in a row in fp32 at step {st.global_step};"
                 " lower optim.lr or check the data")
-        log.warning("falling back from %s to fp32 after %d non-finite losses (seed 003)", st.precision,
+        log.warning("falling back from %s to fp32 after %d non-finite losses", st.precision,
                     st.nonfinite_streak)
         st.precision, st.nonfinite_streak = "fp32", 0
         self.scaler = self._new_scaler()
