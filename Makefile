@@ -27,7 +27,7 @@ demo: $(STAMP)
 
 # In parallel: the relay tests mostly wait on processes (kernels, Prefect, the emulator), so more workers than
 # cores pay; each worker takes one test at a time, the longest first (tests/conftest.py).
-TEST_WORKERS ?= 6
+TEST_WORKERS ?= 4
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1
 

@@ -185,7 +185,7 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
         secret = procs.start("secret", [sys.executable, "-c", SAVE_SECRET],
                              dict(env, SECRET_JSON=json.dumps({"username": USER, "key": key})))
         deployed = run_cli([PREFECT, "deploy", "--all", "--no-prompt", "--prefect-file", "deploy/prefect.yaml"],
-                           env, 120)
+                           env, 600)  # a hang guard: 7 deployments took > 120 s beside a parallel suite
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         assert secret.wait(60) == 0, procs.tails()
         deployments = {d["name"]: d for d in api_post(api_url, "/deployments/filter", {})}
