@@ -25,8 +25,11 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) deploy/demo.py
 
+# In parallel: the relay tests mostly wait on processes (kernels, Prefect, the emulator), so more workers than
+# cores pay; each worker takes one test at a time, the longest first (tests/conftest.py).
+TEST_WORKERS ?= 4
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1
 
 # Everything that starts no process (no Prefect server, no relay, no subprocess session): a few minutes.
 test-fast: $(STAMP)

@@ -9,6 +9,9 @@
 - Two tiers: a test that starts a process (a Prefect server, the emulator's kernels, a `relay` subprocess,
   spawned workers) is marked `slow` from the fixtures it uses; `make test-fast` (`-m "not slow"`) runs the rest.
   In that tier a test that starts a process anyway fails and says how to mark it, so the tiers cannot drift.
+- In parallel (`make test` runs pytest-xdist workers): each worker is a session of its own, with its own
+  Prefect server, temporary folders (the worker's basetemp) and PREFECT_HOME, so workers share no state; the
+  tests that start a whole relay are handed out first, so the longest do not start last.
 """
 from __future__ import annotations
 
@@ -29,6 +32,10 @@ pytest_plugins = ["relay_fixtures"]
 for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                       "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(_name, _value)
+
+# A worker of pytest-xdist keeps Prefect's profile and local database apart from the other workers'.
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("PREFECT_HOME"):
+    os.environ["PREFECT_HOME"] = os.path.join(os.environ["PREFECT_HOME"], os.environ["PYTEST_XDIST_WORKER"])
 
 import torch  # noqa: E402
 
@@ -57,10 +64,22 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts processes (Prefect server, emulator kernels, subprocesses)")
 
 
+# The order in which xdist workers are handed tests: a whole relay (Prefect + emulator + kernels, 0.5-3 min)
+# first, then what starts a server or the emulator, then other processes, then the tests that start none.
+LONGEST_FIRST = ({"relay_env"}, {"prefect_api", "make_emulator", "reference"}, SLOW_FIXTURES)
+
+
+def _expected_length(item) -> int:
+    names = set(getattr(item, "fixturenames", ()))
+    return next((rank for rank, fixtures in enumerate(LONGEST_FIRST) if names & fixtures), len(LONGEST_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike: xdist checks the collections match
+        items.sort(key=_expected_length)
 
 
 @pytest.fixture

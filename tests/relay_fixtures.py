@@ -99,13 +99,14 @@ def prefect_api(tmp_path_factory):
     mp.setenv("PREFECT_HOME", str(home))
     mp.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     mp.setenv("DO_NOT_TRACK", "1")
-    mp.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    # hang guards: under `make test` every xdist worker starts its own server at once, beside the first kernels
+    mp.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "600")
     mp.setenv("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
     try:
-        with prefect_test_harness(server_startup_timeout=120):
+        with prefect_test_harness(server_startup_timeout=600):
             yield PREFECT_API_URL.value()
     finally:
         mp.undo()

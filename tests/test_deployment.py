@@ -1,7 +1,7 @@
 """What a user runs, end to end: a real Prefect server, the `relay-pool` process work pool, the deployments of
 deploy/prefect.yaml (`prefect deploy --all`), a process worker, a Kaggle emulator holding the demo data, the emulator's
 credentials in a Prefect Secret block (as production keeps Kaggle's), and
-`prefect deployment run 'relay/price-model-demo' --watch` completing a short relay of 3 sessions.
+`prefect deployment run 'relay/price-model-demo' --watch` completing a short relay of 2 sessions (one hand-over).
 
 Every process runs in its own process group with an isolated HOME, TMPDIR and PREFECT_HOME, on free ports of
 127.0.0.1, and is stopped at the end. About 2-3 minutes on 2 CPU cores.
@@ -44,7 +44,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-STEPS_PER_SESSION = 25  # 60 steps -> 3 sessions on any machine (time-based sessions varied 1-5 with load)
+STEPS_PER_SESSION = 30  # 60 steps -> 2 sessions on any machine (time-based sessions varied 1-5 with load)
+SESSIONS = 2  # one hand-over is what the deployment adds; the relay's recoveries are proved by the relay tests
 
 
 def short_spec(path: Path) -> Path:
@@ -184,7 +185,7 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
         secret = procs.start("secret", [sys.executable, "-c", SAVE_SECRET],
                              dict(env, SECRET_JSON=json.dumps({"username": USER, "key": key})))
         deployed = run_cli([PREFECT, "deploy", "--all", "--no-prompt", "--prefect-file", "deploy/prefect.yaml"],
-                           env, 120)
+                           env, 600)  # a hang guard: 7 deployments took > 120 s beside a parallel suite
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         assert secret.wait(60) == 0, procs.tails()
         deployments = {d["name"]: d for d in api_post(api_url, "/deployments/filter", {})}
@@ -221,12 +222,12 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
             "raised KeyError: 'label'" in stopped[0], failed.stdout[-4000:]
         assert key not in failed.stdout + failed.stderr
 
-        # What Kaggle (the emulator) holds: the checkpoint dataset says done, after 3 sessions.
+        # What Kaggle (the emulator) holds: the checkpoint dataset says done, after SESSIONS sessions.
         progress_file = backend.download_dataset_file("demo/price-deploy-test-ckpt", "progress.json",
                                                       tmp_path / "check")
         progress = json.loads(progress_file.read_text())
         assert progress["status"] == "done" and progress["global_step"] == progress["total_steps"] == 60
-        assert len(progress["sessions"]) == 3, progress["sessions"]
+        assert len(progress["sessions"]) == SESSIONS, progress["sessions"]
         print([(s["step_start"], s["step_end"], round(s["seconds"], 1)) for s in progress["sessions"]])
         run_id, version = backend.current_run("demo/price-deploy-test-session")
         assert version >= len(progress["sessions"]) and run_id == progress["run_id"]
