@@ -92,3 +92,22 @@ def test_bad_input_to_the_new_commands_is_one_line_exit_2_and_writes_nothing(mak
         assert out.returncode == 2 and out.stderr.strip().startswith(expected) and "\n" not in out.stderr.strip(), \
             (args, out.stderr[-2000:])
     assert not (project / "relay-runs").exists() and not emulator.store.kernels  # nothing written, nothing pushed
+
+
+def test_the_users_code_is_checked_once_per_spec_and_files(tmp_path, monkeypatch):
+    """`relay run` loads the spec before Prefect starts and the flow loads it again: the user's code is
+    import-checked once, and again only when a file of the code folder (or the spec) changed."""
+    from relay import front_door
+    from relay.kernel import usercode
+
+    checks = []
+    real = usercode.check_code
+    monkeypatch.setattr(usercode, "check_code", lambda spec, source: checks.append(source) or real(spec, source))
+    monkeypatch.setattr(front_door, "_checked", set())
+    spec = copy_example("byo-plain", tmp_path / "ex", **RELAYED)
+    front_door.load_spec(spec)
+    front_door.load_spec(spec)
+    assert len(checks) == 1
+    (spec.parent / "train.py").write_text((spec.parent / "train.py").read_text() + "\n# changed\n")
+    front_door.load_spec(spec)
+    assert len(checks) == 2
