@@ -61,7 +61,7 @@ def run(steps: int = 150, step_s: float = 1.0, progress_every_s: float = 30.0, l
     seen: dict = {}  # step -> wall time the progress artifact first showed it
     try:
         with prefect_test_harness(server_startup_timeout=120):
-            from flows.relay_flow import relay
+            from flows.one_relay import relay
 
             result: dict = {}
             flow = threading.Thread(target=lambda: result.update(relay(

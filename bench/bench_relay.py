@@ -119,9 +119,9 @@ def _wait_finished(backend, kernel: str, timeout: float = 600) -> str:
 
 
 def relay_session(backend, spec_path: Path, local: Path) -> bool:
-    """One session of the relay flow's loop without Prefect (observe, decide, act: flows/relay_flow.py):
+    """One session of the relay flow's loop without Prefect (observe, decide, act: flows/one_relay.py):
     push, wait, hand over. False once the relay is done."""
-    from flows.relay_flow import session_budget
+    from flows.one_relay import session_budget
     from relay.orchestrator import chain, handoff
     from relay.orchestrator.chain import Do
     from relay.shared import spec as spec_mod

@@ -84,7 +84,7 @@ def run(rounds: int = 7, flow_rounds: int = 2, install: bool = False) -> dict:
         "kaggle": {"session_timeout": "1h", "startup_overhead": "1s"}}))
     tick = [sys.executable, "-m", "relay", "run", "spec.yaml", "--tick", "--poll", "0.3"]
     bare = [str(Path(sys.executable).parent / "kaggle"), "kernels", "status", f"{USER}/bench-tick-session"]
-    flow_tick = [sys.executable, "-c", "import sys; from flows.relay_flow import relay; "
+    flow_tick = [sys.executable, "-c", "import sys; from flows.one_relay import relay; "
                  "print(relay(spec='spec.yaml', mode='tick', poll_seconds=0.3, state_dir='relay-runs'))"]
     try:
         first_wall, first_cpu, out = _timed(tick, relay_env, project)  # pushes session 1 (the flow acts)

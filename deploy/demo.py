@@ -58,7 +58,7 @@ def main() -> int:
         result = backend.publish_folder(data, f"{USER}/price-data", "Synthetic price data")
         print(f"published {USER}/price-data v{result.version}: {', '.join(sorted(result.files))}")
 
-        from flows.relay_flow import relay
+        from flows.one_relay import relay
 
         t0 = time.time()
         summary = relay(spec=str(SPEC), mode="watch", poll_seconds=1.0, state_dir=str(RUN / "orchestrator"))

@@ -91,7 +91,7 @@ def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: 
     # A supervisor or a CI cancel stops us with SIGTERM: leave as Ctrl-C does, so that the embedded Prefect
     # server (a child process, stopped at exit) ends with us instead of running on orphaned.
     signal.signal(signal.SIGTERM, _interrupt)
-    from flows.relay_flow import RelayFailed, relay
+    from flows.one_relay import RelayFailed, relay
 
     emit(f"relay {run_spec.name}: {'one step' if tick else 'to the end'}; outputs in {local}")
     try:

@@ -216,12 +216,12 @@ class RelayEnv:
         args = dict(mode=mode, poll_seconds=poll_seconds, state_dir=str(self.root / state_dir),
                     step_lock_wait_s=STEP_LOCK_WAIT_S if step_lock else 0)
         if self.flow == "relays":
-            import flows.relays_flow as relays_flow
+            import flows.relays_sharing_quota as relays_sharing_quota
 
-            return one_of_relays(relays_flow.relays(specs=[str(self.spec)], cap=2, **args), self.name)
-        import flows.relay_flow as relay_flow
+            return one_of_relays(relays_sharing_quota.relays(specs=[str(self.spec)], cap=2, **args), self.name)
+        import flows.one_relay as one_relay
 
-        return relay_flow.relay(spec=str(self.spec), **args)
+        return one_relay.relay(spec=str(self.spec), **args)
 
     def flow_process(self, mode: str = "watch", state_dir: str = "orchestrator", seed: int = 0,
                      log_name: str = "flow.log", step_lock: bool = False) -> subprocess.Popen:
@@ -332,19 +332,19 @@ def make_backend(credentials_block=None):
 relay_step.make_backend = make_backend
 kwargs = dict(poll_seconds=0.3, state_dir=sys.argv[3], step_lock_wait_s=float(os.environ["RELAY_TEST_STEP_LOCK_WAIT"]))
 if sys.argv[5] == "relays":
-    import flows.relays_flow as relays_flow
+    import flows.relays_sharing_quota as relays_sharing_quota
     from relay.shared.spec import load
 
     name = load(sys.argv[1]).name
 
     def run(mode, **extra):
-        summary = relays_flow.relays(specs=[sys.argv[1]], mode=mode, cap=2, **kwargs)
+        summary = relays_sharing_quota.relays(specs=[sys.argv[1]], mode=mode, cap=2, **kwargs)
         return dict(summary["relays"][name], overall=summary["state"])
 else:
-    import flows.relay_flow as relay_flow
+    import flows.one_relay as one_relay
 
     def run(mode, **extra):
-        return relay_flow.relay(spec=sys.argv[1], mode=mode, **extra, **kwargs)
+        return one_relay.relay(spec=sys.argv[1], mode=mode, **extra, **kwargs)
 if sys.argv[2] == "tick-loop":  # a schedule's ticks, back to back
     while True:
         summary = run("tick", tick_follow_seconds=0.2)

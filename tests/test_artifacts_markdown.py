@@ -35,7 +35,7 @@ def run(tmp_path_factory):
 
 
 def plan_for(spec, progress) -> str:
-    from flows.relay_flow import plan_text
+    from flows.one_relay import plan_text
 
     halfway = {**progress, "status": "paused", "global_step": 6, "sessions": progress["sessions"][:1]}
     return plan_text(spec, halfway, None, datetime.now(timezone.utc))

@@ -23,7 +23,7 @@ def test_example_relays_to_the_weights_of_one_run_with_a_kill_mid_save(example, 
 
 def _relay_script(relay_env, monkeypatch, name: str, script: str, session_steps: int, max_failed: int) -> str:
     """Relay a one-file user script of 90 steps on the emulator; the RelayFailed message it must end with."""
-    import flows.relay_flow as relay_flow
+    import flows.one_relay as one_relay
 
     relay_env.start()
     folder = relay_env.root / name
@@ -35,7 +35,7 @@ def _relay_script(relay_env, monkeypatch, name: str, script: str, session_steps:
         "session": {"threads": 1, "max_steps": session_steps, "safety_margin": "0.5s"},
         "kaggle": {"session_timeout": "5m", "startup_overhead": "1s", "max_failed_sessions": max_failed}}))
     relay_env.spec = spec
-    with pytest.raises(relay_flow.RelayFailed) as failed:
+    with pytest.raises(one_relay.RelayFailed) as failed:
         relay_env.run_flow(monkeypatch)
     return str(failed.value)
 

@@ -146,7 +146,7 @@ session.close()
 def test_a_session_stops_itself_on_divergence_and_the_relay_says_why(relay_env, monkeypatch):
     import yaml
 
-    import flows.relay_flow as relay_flow
+    import flows.one_relay as one_relay
 
     relay_env.start()
     folder = relay_env.root / "diverge"
@@ -158,7 +158,7 @@ def test_a_session_stops_itself_on_divergence_and_the_relay_says_why(relay_env, 
         "session": {"threads": 1, "max_steps": 100, "safety_margin": "0.5s"},
         "kaggle": {"session_timeout": "5m", "startup_overhead": "1s"}}))
     relay_env.spec = spec
-    with pytest.raises(relay_flow.RelayFailed) as failed:
+    with pytest.raises(one_relay.RelayFailed) as failed:
         relay_env.run_flow(monkeypatch)
     # 1.0 for 40 steps, then 1000: the 20-step average is over the bar from step 41, for 20 steps in a row
     assert "session 1 stopped itself: the loss diverged at step 60: its 20-step average was over 1" in str(failed.value)

@@ -62,7 +62,7 @@ def test_the_orchestrator_never_imports_torch():
     code = """
 import sys
 from pathlib import Path
-import flows.relay_flow, flows.relays_flow, relay.cli, relay.launch, relay.doctor, relay.front_door, tasks.relays_artifacts
+import flows.one_relay, flows.relays_sharing_quota, relay.cli, relay.launch, relay.doctor, relay.front_door, tasks.relays_artifacts
 import relay.orchestrator.handoff, relay.orchestrator.plan, relay.orchestrator.submit, relay.orchestrator.status
 import relay.orchestrator.restore, relay.orchestrator.live, relay.orchestrator.report
 from relay.cli import TRAINING_STACK

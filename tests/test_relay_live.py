@@ -37,7 +37,7 @@ def _artifact(key: str):
 
 
 def test_the_running_session_shows_in_prefect_while_it_trains(relay_env, monkeypatch):
-    import flows.relay_flow as relay_flow
+    import flows.one_relay as one_relay
     import tasks.relay_step as relay_step
 
     relay_env.start(kernel_env={**KERNEL_ENV, "RELAY_PROGRESS_EVERY": "0"})
@@ -53,7 +53,7 @@ def test_the_running_session_shows_in_prefect_while_it_trains(relay_env, monkeyp
     relay_env.spec = spec
     monkeypatch.setattr(relay_step, "make_backend", lambda credentials_block=None: relay_env.backend())
     result = {}
-    flow = threading.Thread(target=lambda: result.update(relay_flow.relay(
+    flow = threading.Thread(target=lambda: result.update(one_relay.relay(
         spec=str(spec), poll_seconds=0.3, live_seconds=0.5, state_dir=str(relay_env.root / "orch"))), daemon=True)
     flow.start()
 

@@ -63,13 +63,13 @@ def _block(receiver, name: str) -> str:
 
 def test_a_stopped_relay_tells_once_even_when_run_again(relay_env, both_flows, monkeypatch,
                                                          receiver):
-    import flows.relay_flow as relay_flow
+    import flows.one_relay as one_relay
 
     relay_env.start()
     name = f"crash-{both_flows}"  # what was told is kept per relay name on the (shared) Prefect server
     _relay(relay_env, name, CRASHING, _block(receiver, f"relay-hook-{name}"))
     for _ in range(2):  # the second run is a restarted orchestrator: it meets the same failure
-        with pytest.raises(relay_flow.RelayFailed):
+        with pytest.raises(one_relay.RelayFailed):
             relay_env.run_flow(monkeypatch)
     subjects = [m["subject"] for m in receiver.received]
     assert subjects == [f"relay {name}: session.failed", f"relay {name}: stopped"], receiver.received

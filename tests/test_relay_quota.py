@@ -72,7 +72,7 @@ def test_quota_exhaustion_waits_for_the_refresh_and_continues(relay_env, referen
 
 
 def test_a_code_error_in_a_kernel_stops_the_relay_with_the_log_tail(relay_env, monkeypatch):
-    from flows.relay_flow import RelayFailed
+    from flows.one_relay import RelayFailed
 
     relay_env.start()
     # 8 x 4 samples per step from a training set of 16: the session runtime raises ValueError at start

@@ -17,7 +17,7 @@ from relay_fixtures import wait_for  # noqa: E402
 
 def test_a_session_stopped_at_the_limit_is_handed_over_and_stops_the_relay_with_advice(relay_env, both_flows,
                                                                                        monkeypatch):
-    import flows.relay_flow as relay_flow
+    import flows.one_relay as one_relay
 
     emu = relay_env.start()
     # a session that would train far longer than the test: only the limit ends it
@@ -31,7 +31,7 @@ def test_a_session_stopped_at_the_limit_is_handed_over_and_stops_the_relay_with_
 
     trigger = threading.Thread(target=expire_after_first_checkpoint, daemon=True)
     trigger.start()
-    with pytest.raises(relay_flow.RelayFailed) as failed:
+    with pytest.raises(one_relay.RelayFailed) as failed:
         relay_env.run_flow(monkeypatch, mode="watch")
     trigger.join(5)
     message = str(failed.value)
@@ -52,14 +52,14 @@ def test_a_session_stopped_at_the_limit_is_handed_over_and_stops_the_relay_with_
 
     # the plan the next run prints says so too
     spec = spec_mod.load(relay_env.spec)
-    plan = relay_flow.plan_text(spec, published, None, datetime.now(timezone.utc))
+    plan = one_relay.plan_text(spec, published, None, datetime.now(timezone.utc))
     assert "warning: session 1 was stopped by Kaggle at its session limit" in plan
 
 
 def test_a_limit_hit_with_nothing_saved_is_retried_only_once_the_budget_is_lowered(relay_env, both_flows, monkeypatch):
     """/kaggle/working of a run stopped at the limit may not be kept: nothing to hand over. The relay stops
     (the same budget would hit the limit again) until the spec asks for less; then it pushes a new attempt."""
-    import flows.relay_flow as relay_flow
+    import flows.one_relay as one_relay
 
     emu = relay_env.start(timeout_keeps_output=False)  # disputed on Kaggle: here the working folder is lost
     relay_env.write_spec(**{"optim.max_steps": 10 ** 6, "session.max_steps": None, "session.budget": "4m"})
@@ -73,7 +73,7 @@ def test_a_limit_hit_with_nothing_saved_is_retried_only_once_the_budget_is_lower
     trigger = threading.Thread(target=expire_after_first_checkpoint, daemon=True)
     trigger.start()
     for _ in range(2):  # running it again with the same spec changes nothing
-        with pytest.raises(relay_flow.RelayFailed) as failed:
+        with pytest.raises(one_relay.RelayFailed) as failed:
             relay_env.run_flow(monkeypatch, mode="watch")
         assert "session 1 was stopped by Kaggle at its session limit" in str(failed.value)
         assert "Nothing was handed over" in str(failed.value)

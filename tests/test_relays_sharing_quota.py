@@ -40,9 +40,9 @@ def _published(emu, name: str) -> dict:
 
 
 def test_three_relays_share_the_cap_and_one_quota_wait(relay_env, reference, monkeypatch, tmp_path):
-    import flows.relays_flow as relays_flow
+    import flows.relays_sharing_quota as relays_sharing_quota
     import tasks.relay_step as relay_step
-    from flows.relay_flow import RelayFailed
+    from flows.one_relay import RelayFailed
 
     emu = relay_env.start()
     assert emu.config.max_gpu_sessions == 2
@@ -59,7 +59,7 @@ def test_three_relays_share_the_cap_and_one_quota_wait(relay_env, reference, mon
 
     ticks, spent_at = [], None
     for _ in range(300):
-        res = relays_flow.relays(mode="tick", **args)
+        res = relays_sharing_quota.relays(mode="tick", **args)
         ticks.append(res)
         assert res["relays"]["broken"]["state"] == "failed" and "bad spec" in res["relays"]["broken"]["error"]
         assert res["refused"] == 0, res
@@ -79,11 +79,11 @@ def test_three_relays_share_the_cap_and_one_quota_wait(relay_env, reference, mon
     waiting = {n: r["state"] for n, r in res["relays"].items() if n != "broken"}
     assert res["quota_wait"] and set(waiting.values()) <= {"waiting for quota", "done"}, res
     assert "waiting for quota" in waiting.values()
-    assert relays_flow.relays(mode="tick", **args)["pushed"] == []  # idempotent while waiting
+    assert relays_sharing_quota.relays(mode="tick", **args)["pushed"] == []  # idempotent while waiting
 
     emu.config.gpu_quota_s = allowed  # the refresh
     with pytest.raises(RelayFailed) as failed:  # watch ends when all are done, then reports the bad spec
-        relays_flow.relays(mode="watch", **args)
+        relays_sharing_quota.relays(mode="watch", **args)
     assert "broken: bad spec" in str(failed.value) and "toy-fold" not in str(failed.value)
 
     for name, spec in zip(NAMES, specs):
