@@ -195,7 +195,8 @@ def format_lines(f: dict) -> list[str]:
         jumped = (f"{x} at step {r['jump_at']}: stopped {r['stopped_after']} steps later" if r.get("stopped_after")
                   is not None else f"{x}: MISSED" if r.get("blew_up") else
                   f"{x} at step {r['jump_at']}: not stopped, its loss stayed between its best and its start"
-                  if "jump_at" in r else "too short to judge a jump")
+                  if "jump_at" in r else "not judged: no per-step loss" if not r["guarded_steps"]
+                  else "too short to judge a jump")
         old = f", the old 10x-median rule stopped it at {r['median_rule_stop']}" if r["median_rule_stop"] else ""
         lines.append(f"  {name:24s} {r['stop']} at {r['steps']} (headroom {r['headroom']:.2f}{old}); {jumped}")
     lines.append(f"  false stops {f['divergence_false_stops']}, missed {f['divergence_missed']}, slowest stop"
