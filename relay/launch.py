@@ -97,7 +97,11 @@ def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: 
     try:
         summary = relay(spec=str(path.resolve()), mode="tick" if tick else "watch", poll_seconds=poll_seconds,
                         state_dir=str(folder), credentials_block=credentials_block)
-    except RuntimeError as err:
+    except RelayFailed as err:
+        return _stopped(emit, str(err))
+    except KaggleUnresponsive as err:  # a tick (a watch waits it out)
+        return _unanswered(emit, run_spec.name, err)
+    except RuntimeError as err:  # after RelayFailed, a RuntimeError too
         if not (embedded and "ephemeral Prefect API server" in str(err)):
             raise
         timeout = os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]
@@ -105,10 +109,6 @@ def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: 
              " pushed: run again, or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or set"
              " PREFECT_API_URL to a Prefect server")
         return 1
-    except RelayFailed as err:
-        return _stopped(emit, str(err))
-    except KaggleUnresponsive as err:  # a tick (a watch waits it out)
-        return _unanswered(emit, run_spec.name, err)
     except KeyboardInterrupt:
         emit("relay: interrupted; nothing is lost: `relay run` again continues from what Kaggle shows")
         return 130

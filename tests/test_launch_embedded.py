@@ -44,7 +44,7 @@ def test_a_sigterm_takes_the_embedded_prefect_server_down_too(make_emulator, tmp
     relay = psutil.Process(proc.pid)
     servers, deadline = [], time.monotonic() + 600  # a hang guard, not a speed bound
     while not servers and proc.poll() is None and time.monotonic() < deadline:
-        servers = [p for p in relay.children(recursive=True) if "uvicorn" in " ".join(p.cmdline())]
+        servers = [p for p in relay.children(recursive=True) if "uvicorn" in " ".join(_cmdline(p))]
         time.sleep(0.2)
     assert servers, "the embedded Prefect server never started"
     proc.send_signal(signal.SIGTERM)
@@ -52,3 +52,11 @@ def test_a_sigterm_takes_the_embedded_prefect_server_down_too(make_emulator, tmp
     assert "interrupted; nothing is lost" in out, out[-3000:]
     gone, alive = psutil.wait_procs(servers, timeout=120)
     assert not alive, f"left running: {[p.pid for p in alive]}\n{out[-3000:]}"
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    """A child's command line; [] for one that ended between the listing and the read (a short-lived kernel)."""
+    try:
+        return process.cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return []

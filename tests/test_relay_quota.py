@@ -14,7 +14,8 @@ from relay_fixtures import STEPS_PER_SESSION, USER  # noqa: E402
 TIME_SCALE = 10.0            # Kaggle seconds per wall second in this emulator
 GPU_QUOTA_S = 3600.0         # Kaggle seconds (6 wall minutes): no session spends it on any machine by itself
 QUOTA_PERIOD_S = 36000.0     # Kaggle seconds: 1 h of wall time; the test moves the refresh closer itself
-REFRESH_IN_S = 6.0           # wall seconds from the "waiting" tick to the quota refresh
+REFRESH_IN_S = 45.0          # wall seconds from the "waiting" tick to the quota refresh: room for a loaded
+                             # machine to start the watch flow before it (a hang guard in spirit, not a speed bound)
 HANG_GUARD_S = 300.0         # wall seconds for session 1 to be handed over (a hang guard, not a speed bound)
 
 
