@@ -158,6 +158,7 @@ class Trainer:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lr_lambda(self.spec.optim.schedule, self.spec.optim.warmup_steps, span.length))
         self.recipe.begin_stage(self.model, span.stage)
+        self._set_phase()
         if len(self.spans) > 1:
             log.info("stage %s: steps %d-%d%s", span.stage.name, span.start, span.end,
                      " (fit)" if span.stage.fit else "")
@@ -371,7 +372,7 @@ class Trainer:
         if math.isfinite(loss):
             self._recent_losses.append(loss)
             if self.divergence is not None and self.diverged is None:
-                self.diverged = self.divergence.update(st.global_step, loss, phase=self._phase())
+                self.diverged = self.divergence.update(st.global_step, loss, phase=self._phase)
         if st.global_step % spec.optim.log_every_steps == 0 or st.global_step == self.total_steps:
             self._log_train()
         every = spec.session.empty_cache_every_steps
@@ -516,6 +517,7 @@ class Trainer:
         if not shown or shown == self._shown:
             return
         self._shown = dict(shown)
+        self._set_phase()
         self.log_metrics({"kind": "stage", "step": step, "epoch": self.schedule.epoch_of(step), **shown})
         session = self.state.sessions[-1] if self.state.sessions else {}
         for key, value in shown.items():  # e.g. "A" or "A -> B" for a session that crossed a stage change
@@ -523,9 +525,10 @@ class Trainer:
                 value = f"{session[key]} -> {value}"
             session[key] = value
 
-    def _phase(self) -> str:
-        """The model and curriculum stage a loss belongs to: the divergence guard compares losses within one."""
-        return f"{self.span.stage.name} {sorted((self._shown or {}).items())}"
+    def _set_phase(self) -> None:
+        """The model and curriculum stage a loss belongs to (the divergence guard compares losses within one),
+        derived when either changes rather than every step."""
+        self._phase = f"{self.span.stage.name} {sorted((getattr(self, '_shown', None) or {}).items())}"
 
     def _torch_rng(self) -> tuple:
         """The generators a forward/backward draws from (dropout): ~3 us, against ~150 us for the full
