@@ -31,21 +31,30 @@ def copy_example(name: str, dest: Path, **spec_overrides) -> Path:
     return spec
 
 
-CRASHING = '''
+def tiny_session_script(before_step: str = "", after_step: str = "", head: str = "", lr: float = 0.1,
+                        loss: str = "model(torch.randn(8, 4)).sum()", report_loss: bool = False,
+                        train: bool = True) -> str:
+    """The smallest Session API loop (a Linear(4, 1) on random batches, 64 steps of 8), with code of the test's
+    own at module level (`head`) and before and after each step (one line each, inside the loop). Without
+    `train` the loop only steps (and reports `loss` when `report_loss`): no optimizer, no backward."""
+    step = [before_step, f"loss = {loss}" if train or report_loss else "",
+            "opt.zero_grad(); loss.backward(); opt.step()" if train else "",
+            "session.step_done(loss=loss.detach())" if report_loss else "session.step_done()", after_step]
+    loop = "".join(f"    {line}\n" for line in step if line)
+    optimizer = f"opt = torch.optim.SGD(model.parameters(), lr={lr})\n" if train else ""
+    return f'''{head}
 import torch, relay
 session = relay.open_session()
 model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-session.register(model=model, optimizer=opt)
+{optimizer}session.register(model=model{", optimizer=opt" if train else ""})
 session.restore()
 for idx in session.batches(64, 8):
-    if session.step == 45:
-        raise ValueError("bad column in my data")
-    opt.zero_grad(); model(torch.randn(8, 4)).sum().backward(); opt.step()
-    session.step_done()
-session.close()
+{loop}session.close()
 '''
-FINISHING = CRASHING.replace('        raise ValueError("bad column in my data")\n', '        pass\n')  # CRASHING, fixed
+
+
+CRASHING = tiny_session_script(before_step='if session.step == 45: raise ValueError("bad column in my data")')
+FINISHING = tiny_session_script()  # CRASHING, fixed
 
 
 RELAY_SETTINGS = {"kaggle.session_timeout": "5m", "kaggle.startup_overhead": "1s", "kaggle.max_failed_sessions": 2,

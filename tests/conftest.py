@@ -217,3 +217,22 @@ def load_toy_spec(*layers: dict, **overrides):
     from relay.shared import spec
 
     return spec.validate(toy_spec_dict(*layers, **overrides), source="test-spec")
+
+
+# RELAY_TEST_CPU_LOG=FILE: each test's CPU seconds (this process and the processes it waited for: kernels,
+# subprocesses, flow processes) appended as "seconds nodeid" lines, to find what makes the suite long on any
+# machine (wall time depends on the machine's load; CPU time much less).
+_CPU_LOG = os.environ.get("RELAY_TEST_CPU_LOG")
+if _CPU_LOG:
+    import resource
+
+    def _cpu_seconds() -> float:
+        own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        start = _cpu_seconds()
+        yield
+        with open(_CPU_LOG, "a") as log:
+            log.write(f"{_cpu_seconds() - start:.1f} {item.nodeid}\n")

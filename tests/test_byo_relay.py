@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from byo_fixtures import CRASHING, relay_example_with_a_kill_mid_save
+from byo_fixtures import CRASHING, relay_example_with_a_kill_mid_save, tiny_session_script
 
 EXAMPLES = {  # optim.max_steps, session.max_steps: 3 sessions each
     "byo-plain": {"optim.max_steps": 450, "session.max_steps": 150},
@@ -48,18 +48,8 @@ def test_relay_stops_on_a_traceback_in_user_code(relay_env, monkeypatch):
     assert relay_env.published_progress()["global_step"] == 30
 
 
-STALLING = '''
-import torch, relay
-session = relay.open_session()
-model = torch.nn.Linear(4, 1)
-session.register(model=model)
-session.restore()
-for idx in session.batches(64, 8):
-    if session.step == 30:
-        break  # a script that stops stepping (a data loader that runs dry, a wrong condition) and exits 0
-    session.step_done()
-session.close()
-'''
+# a script that stops stepping (a data loader that runs dry, a wrong condition) and exits 0
+STALLING = tiny_session_script(train=False, before_step="if session.step == 30: break")
 
 
 def test_relay_stops_when_user_code_makes_no_progress(relay_env, monkeypatch):

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from byo_fixtures import tiny_session_script
 from conftest import load_toy_spec
 from relay.kernel.recipes.toy import ToyRecipe
 from relay.kernel.run import run_session
@@ -130,17 +131,8 @@ def test_the_built_in_runner_split_inside_the_judging_span_stops_at_the_same_ste
     assert split["sessions"][-1]["diverged"] == whole["sessions"][-1]["diverged"]
 
 
-BLOWING_UP = '''
-import torch, relay
-session = relay.open_session()
-model = torch.nn.Linear(4, 1)
-session.register(model=model)
-session.restore()
-for idx in session.batches(64, 8):
-    loss = torch.tensor(1.0 if session.step < 40 else 1000.0)  # the loss blows up at step 40
-    session.step_done(loss=loss)
-session.close()
-'''
+BLOWING_UP = tiny_session_script(  # the loss blows up at step 40
+    train=False, report_loss=True, loss="torch.tensor(1.0 if session.step < 40 else 1000.0)")
 
 
 def test_a_session_stops_itself_on_divergence_and_the_relay_says_why(relay_env, monkeypatch):

@@ -9,25 +9,14 @@ import time
 
 import yaml
 
+from byo_fixtures import tiny_session_script
 from kaggle_fixtures import KERNEL_ENV
 
 HOLD_AT = 15
-SCRIPT = '''
-import os, time, torch, relay
-session = relay.open_session()
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-session.register(model=model, optimizer=opt)
-session.restore()
-for idx in session.batches(64, 8):
-    loss = model(torch.randn(8, 4)).pow(2).mean()
-    opt.zero_grad(); loss.backward(); opt.step()
-    session.step_done(loss=loss.detach())
-    if session.step == %d:  # held here until the test saw this step in Prefect
-        while not os.path.exists(os.path.join(os.environ["KAGGLE_WORKING_DIR"], "release")):
-            time.sleep(0.05)
-session.close()
-''' % HOLD_AT
+SCRIPT = tiny_session_script(  # held at HOLD_AT until the test saw that step in Prefect
+    head="import os, time", lr=0.01, loss="model(torch.randn(8, 4)).pow(2).mean()", report_loss=True,
+    after_step=f"while session.step == {HOLD_AT} and not os.path.exists("
+               "os.path.join(os.environ['KAGGLE_WORKING_DIR'], 'release')): time.sleep(0.05)")
 
 
 def _artifact(key: str):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from byo_fixtures import copy_example
+from byo_fixtures import copy_example, tiny_session_script
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.watchdog import STALL_FLOOR_S, STALLED_EXIT, StallWatchdog, stall_limit
 from relay.orchestrator import chain
@@ -21,31 +21,12 @@ from relay.shared.progress_line import PREFIX
 
 # A Session API loop that saves at step 3 and then hangs in step 5 (a deadlock in user code, a hung loader):
 # the hang step is read from a file, so the next session of the same spec runs without it.
-HANGING_SCRIPT = '''
-import threading
-from pathlib import Path
-
-import torch
-import relay
-
-marker = Path(__file__).with_name("hang-at")
-hang_at = int(marker.read_text()) if marker.exists() else -1
-session = relay.open_session()
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-session.register(model=model, optimizer=opt)
-session.restore()
-for idx in session.batches(64, 8):
-    if session.step == hang_at:
-        threading.Event().wait()  # never set: this step never ends
-    opt.zero_grad()
-    model(torch.randn(8, 4)).sum().backward()
-    opt.step()
-    session.step_done()
-    if session.step == 3:
-        session.save()
-session.close()
-'''
+HANGING_SCRIPT = tiny_session_script(
+    head="import threading\nfrom pathlib import Path\n"
+         "marker = Path(__file__).with_name('hang-at')\n"
+         "hang_at = int(marker.read_text()) if marker.exists() else -1",
+    before_step="if session.step == hang_at: threading.Event().wait()  # never set: this step never ends",
+    after_step="if session.step == 3: session.save()")
 
 # The built-in runner on a recipe whose data loader hangs when it fetches the batches of step `hang_at`.
 HANGING_RECIPE = '''

@@ -21,6 +21,14 @@ def _tick(tmp_path, emulator, project, blocked):
                   python_code=BLOCK.format(mods=tuple(blocked)))
 
 
+def _wait_for_the_newest_session(emulator, kernel: str) -> None:
+    """Until the newest version of `kernel` has ended: the emulator runs each on a thread of its own."""
+    newest = emulator.store.kernels[kernel]["versions"][-1]["number"]
+    runner = emulator.runner.threads[f"{kernel}/v{newest}"]
+    runner.join(timeout=600)  # a hang guard: a toy session ends in seconds
+    assert not runner.is_alive(), f"{kernel} v{newest} still runs after 600 s"
+
+
 def test_ticks_run_a_relay_without_the_training_stack_and_a_waiting_tick_without_prefect(
         make_emulator, tmp_path, spawns_processes):
     emulator = make_emulator(kernel_env=dict(KERNEL_ENV))
@@ -44,7 +52,8 @@ def test_ticks_run_a_relay_without_the_training_stack_and_a_waiting_tick_without
 
     gate.touch()
     states = []
-    for _ in range(400):  # bounded by ticks: each waits for nothing, so the count only guards a stuck relay
+    for _ in range(12):  # four acting ticks are needed; the count only guards a stuck relay
+        _wait_for_the_newest_session(emulator, "alice/byo-plain-session")  # a tick now has something to do
         tick = _tick(tmp_path, emulator, project, TRAINING_STACK)
         assert tick.returncode == 0, tick.stdout + tick.stderr[-3000:]
         summary = re.search(r"^([a-z-]+): step \d+/", tick.stdout, re.M)
