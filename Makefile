@@ -31,9 +31,11 @@ TEST_WORKERS ?= 4
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1
 
-# Everything that starts no process (no Prefect server, no relay, no subprocess session): a few minutes.
+# Everything that starts no process (no Prefect server, no relay, no subprocess session): CPU-bound, so one
+# worker per core.
+FAST_WORKERS ?= 2
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(FAST_WORKERS) --dist load
 
 # The reference pages are generated from the code; the home page is the README's first screen.
 docs: $(STAMP)

@@ -224,8 +224,10 @@ class RelayEnv:
         return one_relay.relay(spec=str(self.spec), **args)
 
     def flow_process(self, mode: str = "watch", state_dir: str = "orchestrator", seed: int = 0,
-                     log_name: str = "flow.log", step_lock: bool = False) -> subprocess.Popen:
-        """The `relay` flow in a child process (so a test can SIGKILL it), against the same Prefect server.
+                     log_name: str = "flow.log", step_lock: bool = False,
+                     flow: Optional[str] = None) -> subprocess.Popen:
+        """The relay's flow (`flow`, else self.flow: "relay" or "relays") in a child process (so a test can
+        SIGKILL it), against the same Prefect server.
         mode "tick-loop": ticks until done, as a schedule would. step_lock=True: it takes the relay's Prefect
         step lock; without it, it stands for an orchestrator that shares nothing with the others but Kaggle (a
         GitHub Actions tick beside a Prefect server)."""
@@ -240,7 +242,7 @@ class RelayEnv:
             (self.root / d).mkdir(exist_ok=True)
         log = open(self.root / log_name, "a")
         proc = subprocess.Popen([PYTHON, str(driver), str(self.spec), mode, str(self.root / state_dir), str(seed),
-                                 self.flow],
+                                 flow or self.flow],
                                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.processes.append(proc)
         return proc

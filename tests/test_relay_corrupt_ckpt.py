@@ -64,7 +64,9 @@ def _hold_and_damage(relay_env, processing, version: int, damage) -> None:
     processing.held.discard((relay_env.ckpt, version))
 
 
-@pytest.mark.parametrize("damage", [flip_bytes, truncate])
+# each flow recovers, each damage is recovered from (both damages are refused alike by the session, above)
+@pytest.mark.parametrize("both_flows, damage", [("relay", flip_bytes), ("relays", truncate)],
+                         indirect=["both_flows"])
 def test_relay_recovers_from_a_bad_newest_checkpoint_version(relay_env, both_flows, reference, damage):
     emu = relay_env.start(dataset_processing_delay=3600)
     spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS})

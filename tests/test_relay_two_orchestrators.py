@@ -62,19 +62,21 @@ def assert_one_run(env, reference, spec) -> None:
     assert published[-1]["weights_sha256"] == reference.weights(spec)
 
 
-@pytest.mark.parametrize("first, second, second_locked, seed", [
-    ("watch", "watch", True, 1),            # two deployments (or a person) on one Prefect server
-    ("tick-loop", "tick-loop", False, 2),   # a Prefect schedule and a GitHub Actions cron
-    ("watch", "tick-loop", False, 3),       # a laptop's watch beside a scheduled tick
-])  # the first always takes the Prefect step lock
-def test_two_orchestrators_push_and_publish_each_step_once(relay_env, both_flows, reference, first, second,
-                                                           second_locked, seed):
+@pytest.mark.parametrize("first, second, second_locked, seed, flows", [
+    ("watch", "watch", True, 1, ("relay", "relay")),            # two deployments (or a person) on one server
+    ("tick-loop", "tick-loop", False, 2, ("relays", "relays")),  # a Prefect schedule and a GitHub Actions cron
+    ("watch", "tick-loop", False, 3, ("relay", "relays")),       # a laptop's watch beside a scheduled round
+    ("watch", "tick-loop", False, 4, ("relays", "relay")),       # a round beside a scheduled tick
+])  # the first always takes the Prefect step lock; each flow meets the other and itself, watching and ticking
+def test_two_orchestrators_push_and_publish_each_step_once(relay_env, reference, first, second, second_locked,
+                                                           seed, flows):
     emu = relay_env.start(faults=latency(seed))
     spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS})
     reference.start(spec)
-    a = relay_env.flow_process(mode=first, state_dir="orch-a", seed=seed, log_name="a.log", step_lock=True)
+    a = relay_env.flow_process(mode=first, state_dir="orch-a", seed=seed, log_name="a.log", step_lock=True,
+                               flow=flows[0])
     b = relay_env.flow_process(mode=second, state_dir="orch-b", seed=seed + 100, log_name="b.log",
-                               step_lock=second_locked)
+                               step_lock=second_locked, flow=flows[1])
     assert a.wait(400) == 0, _log(relay_env, "a.log")
     assert b.wait(400) == 0, _log(relay_env, "b.log")
 
