@@ -29,7 +29,7 @@ demo: $(STAMP)
 # cores pay; each worker takes one test at a time, the longest first (tests/conftest.py).
 TEST_WORKERS ?= 4
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 --durations=15
 
 # Everything that starts no process (no Prefect server, no relay, no subprocess session): CPU-bound, so one
 # worker per core.
