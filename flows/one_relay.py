@@ -110,11 +110,14 @@ def _follow(ctx: RelayContext, running: Step, pace: Pace) -> Optional[dict]:
         return running.summary()
     if time.monotonic() > pace.give_up:
         raise RelayFailed(f"gave up waiting for {running.action.run_id}: the flow's max_hours have passed")
-    waited = time.monotonic() + 600  # look at Kaggle again at least every 10 min
+    # look at Kaggle again at least every 10 min, and once the session's deadline passed (is it wedged?)
+    look = 600.0 if running.deadline is None else min(600.0, running.deadline - time.time() + pace.poll_seconds)
+    waited = time.monotonic() + look
     state = "starting"
     while time.monotonic() < waited and state in ("starting", "queued", "running"):
         state = t.wait_for_kernel(ctx.backend, ctx.names.kernel, running.obs.kernel_version,
-                                  max_seconds=pace.live_seconds, poll_seconds=pace.poll_seconds)
+                                  max_seconds=max(0.0, min(pace.live_seconds, waited - time.monotonic())),
+                                  poll_seconds=pace.poll_seconds)
         ctx.view.refresh(running.progress, state)
     return None
 

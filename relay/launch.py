@@ -38,7 +38,7 @@ def _still_running(run_spec, local: Path) -> Optional[str]:
 
     backend = from_env()
     names = chain.Names(backend.username, run_spec.name)
-    action = chain.decide(run_spec.name, handoff.observe(backend, names, local))
+    action = chain.decide(run_spec.name, handoff.observe(backend, names, local, run_spec.kaggle.startup_overhead))
     if action.do is not chain.Do.WAIT:
         return None
     return f"session {action.session} ({action.run_id}) {action.reason.removeprefix('kernel ')}"

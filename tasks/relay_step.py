@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,7 +22,7 @@ from relay.orchestrator.chain import Do
 from relay.orchestrator.kaggle.backend import KaggleBackend
 from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
 from relay.orchestrator.kaggle.types import Quota, Refusal
-from relay.orchestrator.policy import budget_lowered, environment_change, plan_text, session_budget
+from relay.orchestrator.policy import budget_lowered, environment_change, plan_text, session_budget, wedge_notice
 from relay.shared.spec import RunSpec
 from tasks import artifacts, relay_tasks as t
 from tasks.live_view import LiveView
@@ -98,6 +99,7 @@ class Step:
     until: Optional[datetime] = None       # the quota refresh it waits for
     lease_end: Optional[float] = None      # when the claim it waits for ends (unix time)
     refusal: Optional[Refusal] = None      # Kaggle refused the push
+    deadline: Optional[float] = None       # running: when it is wedged if still running (look again then)
 
     def summary(self) -> dict:
         p = self.progress or {}
@@ -112,12 +114,12 @@ def advance(ctx: RelayContext) -> Step:
     RelayFailed when the relay needs a person. Holds the step lock (ctx.pause releases it)."""
     logger = get_run_logger()
     ctx.lock.acquire()
-    obs = t.observe(ctx.backend, ctx.names, ctx.local)
+    obs = t.observe(ctx.backend, ctx.names, ctx.local, ctx.spec.kaggle.startup_overhead)
     action = chain.decide(ctx.spec.name, obs)
     logger.info("decide: %s %s (%s)", action.do.value, action.run_id or "", action.reason)
     _report(ctx, obs, action)
-    if action.do in (Do.HARVEST, Do.SALVAGE):
-        step = _hand_over(ctx, obs, action)
+    if action.do in (Do.HARVEST, Do.SALVAGE, Do.WEDGED):
+        step = _wedged(ctx, obs, action) if action.do is Do.WEDGED else _hand_over(ctx, obs, action)
         if step.state != "ready":
             return step
         action = step.action
@@ -134,7 +136,41 @@ def advance(ctx: RelayContext) -> Step:
             if stop is not None:
                 raise RelayFailed(stop.reason)
         return Step("ready", action, obs, obs.published)
-    return Step("running", action, obs, obs.published)
+    ahead = obs.deadline if obs.kernel_state == "running" and (obs.deadline or 0) > obs.observed_at else None
+    return Step("running", action, obs, obs.published, deadline=ahead)
+
+
+def _wedged(ctx: RelayContext, obs: chain.Observation, wedged: chain.Action) -> Step:
+    """A session Kaggle still reports running past its deadline: tell a person, then per kaggle.on_wedged wait
+    for Kaggle, or hand over what its output holds (if anything), delete its kernel so its quota stops, and go on
+    from the last published checkpoint (chain.after_wedge)."""
+    then = chain.on_wedged(wedged, ctx.spec.kaggle.on_wedged)
+    notice = wedge_notice(ctx.spec.name, then, (obs.published or {}).get("global_step", 0))
+    told = ctx.tell("session.wedged", f"wedged-{wedged.run_id}", notice)
+    if then.do is Do.WAIT:  # said once; every later look only decides it again
+        get_run_logger().log(logging.WARNING if told else logging.INFO, "%s", notice)
+        return Step("running", then, obs, obs.published)
+    get_run_logger().warning("%s", notice)
+    key = f"handover-{wedged.run_id}"
+    held = _claim(ctx, key, obs, wedged)
+    if isinstance(held, Step):
+        return held
+    confirm = ctx.lease.guard(held)
+    try:
+        result = t.hand_over(ctx.backend, ctx.spec, ctx.names, wedged, obs, ctx.local, confirm=confirm)
+        confirm()
+    except LeaseLost as lost:
+        return Step("waiting", wedged, obs, obs.published, why=f"wedged {wedged.run_id}: stopped: {lost}")
+    t.delete_kernel(ctx.backend, ctx.names.kernel)
+    ctx.lease.took_effect(key)
+    then = chain.after_wedge(ctx.spec.name, wedged, result.ok, ctx.spec.kaggle.max_failed_sessions + 1)
+    if then.failed:
+        ctx.tell("session.failed", f"failed-{wedged.run_id}", f"{ctx.spec.name}: {then.failed}")
+    if then.do is Do.FAILED:
+        raise RelayFailed(then.reason)
+    if then.do is Do.HANDED_OVER:
+        return Step("handed-over", then, obs, result.progress)
+    return Step("ready", then, obs, obs.published)  # the same session again, from the last published checkpoint
 
 
 def _hand_over(ctx: RelayContext, obs: chain.Observation, action: chain.Action) -> Step:

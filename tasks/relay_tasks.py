@@ -36,8 +36,14 @@ RETRY = dict(retries=3, retry_delay_seconds=[2, 10, 30], retry_jitter_factor=0.5
 
 
 @task(name="observe", **RETRY)
-def observe(backend, names: Names, local: Path) -> Observation:
-    return handoff.observe(backend, names, local)
+def observe(backend, names: Names, local: Path, grace_s: Optional[float] = None) -> Observation:
+    return handoff.observe(backend, names, local, grace_s)
+
+
+@task(name="delete-kernel", **RETRY)
+def delete_kernel(backend, kernel: str) -> bool:
+    """Delete a wedged session's kernel: the only way Kaggle offers to stop it (False: it was gone already)."""
+    return backend.delete_kernel(kernel)
 
 
 @task(name="quota", **RETRY)

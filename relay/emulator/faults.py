@@ -12,7 +12,8 @@ Spec (JSON, or built from CLI flags):
    "latency": {"min_s": 0.01, "max_s": 0.1},     # every request waits a seeded draw, half before, half after
    "stream_drop": {"after_events": 20},         # each version's live log stream is cut once, after 20 events
    "version_refused": {"calls": 2},  # the 2 first new versions asked of a dataset after each version: 403
-   "version_404": {"calls": 3}}      # the 3 first reads naming a dataset's newest version number: 404
+   "version_404": {"calls": 3},      # the 3 first reads naming a dataset's newest version number: 404
+   "wedge": {"pushes": [2], "calls": 30}}  # the 2nd session pushed stays RUNNING after its process ended
 Kinds: 429 (with Retry-After), 500, 503, reset (connection dropped before handling), lost (handled, then the
 connection dropped: the client cannot know it happened), slow (answered after slow_s seconds), refused (HTTP 200
 `{"versionNumber": 0, "error": ...}` without handling: a refused push; script it for SaveKernel), hang (never
@@ -28,6 +29,12 @@ version while the newest was pushed less than `seconds` ago OR fewer than `calls
 answered since its push (`calls` alone is independent of the machine's speed). With a versionLabel they
 answer that version, as Kaggle does; with `"pinned": true` (the pessimistic reading: whether the lag reaches
 pinned requests is undocumented) a versionLabel naming the newest version is answered with the previous one too.
+wedge: Kaggle misses a session's end (a crash after its last save, a hung shutdown): the process of each session
+pushed as the `pushes`-th GPU or CPU batch run of the emulator (1-based; absent: every one) ends, but its status
+stays RUNNING, no output is served, and it keeps its concurrency slot and counts GPU time, past its own session
+limit: until `calls` GetKernelSessionStatus calls were answered for it after that limit passed (then it reads
+what its process ended with), or until its kernel is deleted (`calls` 0 or absent). Counted in calls, not
+seconds, like the others.
 latency: each RPC, file GET and upload PUT is delayed by a draw from [min_s, max_s], half before it is handled
 (the request's way in) and half after (the response's way out), so two orchestrators' check-then-act steps
 interleave as they do over a real network.
@@ -78,6 +85,8 @@ class FaultPlan:
         self.stream_drop: dict = dict(spec.get("stream_drop") or {})
         self.version_refused = self._calls_setting(spec, "version_refused")
         self.version_404 = self._calls_setting(spec, "version_404")
+        self.wedge: Optional[dict] = self._wedge_setting(spec.get("wedge"))
+        self._pushes = 0
         self._streams_cut: set = set()
         self._lagged: Dict[str, int] = defaultdict(int)  # kernel version -> unpinned calls answered since push
         self._counts: Dict[str, int] = defaultdict(int)
@@ -94,6 +103,36 @@ class FaultPlan:
         if set(value) - {"calls"} or not isinstance(value.get("calls", 0), int) or value.get("calls", 0) < 0:
             raise InputError(f"faults: {key}: expected {{\"calls\": N}} with N >= 0 (got {value!r})")
         return int(value.get("calls", 0))
+
+    @staticmethod
+    def _wedge_setting(value: Optional[dict]) -> Optional[dict]:
+        if value is None:
+            return None
+        valid = isinstance(value, dict) and not set(value) - {"pushes", "calls"}
+        calls, pushes = (value.get("calls", 0), value.get("pushes")) if valid else (None, None)
+        valid = valid and isinstance(calls, int) and calls >= 0 and (pushes is None or (
+            isinstance(pushes, list) and all(isinstance(n, int) and n >= 1 for n in pushes)))
+        if not valid:
+            raise InputError(f"faults: wedge: expected {{\"pushes\": [N, ...], \"calls\": M}} with N >= 1 and"
+                             f" M >= 0 (got {value!r})")
+        return {"pushes": pushes, "calls": calls}
+
+    def wedge_push(self) -> bool:
+        """Whether the session being pushed now is one the `wedge` fault wedges (counted per batch run)."""
+        if self.wedge is None:
+            return False
+        with self._lock:
+            self._pushes += 1
+            wedged = self.wedge["pushes"] is None or self._pushes in self.wedge["pushes"]
+            if wedged:
+                self.injected["wedge"] += 1
+        return wedged
+
+    def still_wedged(self, version_key: str) -> bool:
+        """Whether this status call of a wedged version (`version_key`: unique to it, even across a deleted and
+        re-created kernel), past its session limit, still answers RUNNING."""
+        calls = self.wedge["calls"] if self.wedge else 0
+        return calls == 0 or self._within_calls(calls, f"wedge/{version_key}", "wedge_call")
 
     def _rng(self, *key: object) -> random.Random:
         return random.Random("/".join(str(k) for k in (self.seed,) + key))

@@ -1,9 +1,10 @@
 """kernels.KernelsApiService: push (SaveKernel), status, output (paged, with log), pull (GetKernel), list,
-accelerator quota, and the files and log stream behind them."""
+delete (DeleteKernel), accelerator quota, and the files and log stream behind them."""
 from __future__ import annotations
 
 import json
 import secrets
+import shutil
 import time
 import urllib.parse
 from typing import Iterator, Optional
@@ -64,7 +65,8 @@ class KernelsService:
             version = {"number": number, "status": "NEW_SCRIPT" if quick else "QUEUED", "failure": "",
                        "pushed": now, "enable_gpu": gpu, "enable_internet": body.get("enableInternet", True),
                        "timeout_s": min(float(requested), self.config.session_timeout_s), "sources": sources,
-                       "meta": {k: body[k] for k in META_FIELDS if k in body}, "output_key": secrets.token_hex(12)}
+                       "meta": {k: body[k] for k in META_FIELDS if k in body}, "output_key": secrets.token_hex(12),
+                       "wedge": not quick and self.faults.wedge_push()}
             directory = self.store.kernel_dir(ref, number)
             directory.mkdir(parents=True, exist_ok=True)
             (directory / "source.py").write_text(source)
@@ -132,11 +134,58 @@ class KernelsService:
         return ref, version
 
     def GetKernelSessionStatus(self, call: Call) -> dict:
-        _, version = self._lookup(call, lag=True)
+        ref, version = self._lookup(call, lag=True)
+        if version.get("wedged"):
+            self._end_wedge(ref, version)
         reply = {"status": version["status"]}
         if version.get("failure"):
             reply["failureMessage"] = version["failure"]
         return reply
+
+    def _end_wedge(self, ref: str, version: dict) -> None:
+        """A wedged version (the `wedge` fault) reads RUNNING until its session limit passed and the fault's
+        status calls after it were answered; then what its process ended with."""
+        with self.store.lock:
+            wedged = version.get("wedged")
+            limit = (version.get("started") or version["pushed"]) + self.config.wall(version["timeout_s"])
+            if not wedged or time.time() < limit or self.faults.still_wedged(version["output_key"]):
+                return
+            self.runner.end(ref, version, wedged["status"], wedged["failure"], wedged["exit_code"], time.time())
+            del version["wedged"]
+            self.store.save()
+
+    def DeleteKernel(self, call: Call) -> dict:
+        """`kaggle kernels delete`: the kernel and all its versions; a session still running (or wedged) is
+        killed and its GPU time up to now charged. Kaggle offers no other way to stop a session."""
+        owner = call.body.get("userName") or call.user
+        ref = f"{owner}/{slug_of(call.body, 'kernelSlug')}"
+        if owner != call.user:
+            raise ApiError(403, f"Permission denied: {call.user} cannot delete {owner}'s kernels")
+        with self.store.lock:
+            kernel = self.store.kernels.get(ref)
+            if kernel is None:
+                raise ApiError(404, f"Kernel {ref} not found")
+            active = [v["number"] for v in kernel["versions"] if v["status"] in ACTIVE]
+        for number in active:  # killed first, outside the store's lock: the runner takes it to finish
+            self.runner.delete(ref, number)
+        with self.store.lock:
+            kernel = self.store.kernels.get(ref)
+            if kernel is None:
+                raise ApiError(404, f"Kernel {ref} not found")
+            now = time.time()
+            for version in kernel["versions"]:
+                if version["status"] in ACTIVE:
+                    self.runner.end(ref, version, "CANCEL_ACKNOWLEDGED", "The kernel was deleted.", None, now)
+                    version.pop("wedged", None)
+            del self.store.kernels[ref]
+            # its files move aside (tests read what was pushed); a kernel pushed again under the slug starts empty
+            folder, aside = self.store.root / "kernels" / ref, self.store.root / "deleted" / ref / str(kernel["id"])
+            if folder.exists():
+                aside.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(str(folder), str(aside))
+            self.store.data.setdefault("deleted_kernels", []).append({"ref": ref, "deleted": now, **kernel})
+            self.store.save()
+        return {}
 
     def ListKernelSessionOutput(self, call: Call) -> dict:
         ref, version = self._lookup(call, lag=True)

@@ -4,7 +4,9 @@ Each version runs `sys.executable source.py` (so it gets this venv) in its own p
 folder, with mounted inputs under input/<slug> named by KAGGLE_INPUT_DIR and the working folder by
 KAGGLE_WORKING_DIR; the environment is built from scratch, so no credential of the emulator's host process
 reaches a kernel. Enforced: the session timeout (SIGTERM to the group, grace, SIGKILL; the output is what the
-working folder holds then), the output cap, injected kills; GPU wall time is charged to the quota ledger.
+working folder holds then), the output cap, injected kills; GPU wall time is charged to the quota ledger. A
+wedged version (the `wedge` fault) keeps RUNNING after its process ended (relay/emulator/kernels_api.py ends it);
+a deleted one is killed at once and leaves the store alone.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class KernelRunner:
         self.threads: Dict[str, threading.Thread] = {}
         self.logs: Dict[str, List[dict]] = {}   # live logs of versions in flight
         self.expired: set = set()               # versions whose session limit was moved to now (expire_now)
+        self.deleted: set = set()               # versions whose kernel was deleted: killed, nothing recorded
         self.lock = threading.Lock()
 
     def start(self, ref: str, number: int) -> None:
@@ -47,6 +50,8 @@ class KernelRunner:
         with self.lock:
             self.threads[key] = thread
             self.logs[key] = []
+            self.deleted.discard(key)  # a kernel deleted and pushed again starts its versions at 1 again
+            self.expired.discard(key)
         thread.start()
 
     def expire_now(self, ref: str, number: int) -> None:
@@ -54,6 +59,14 @@ class KernelRunner:
         time were up: tests trigger the timeout on an event instead of waiting a machine-dependent time."""
         with self.lock:
             self.expired.add(f"{ref}/v{number}")
+
+    def delete(self, ref: str, number: int) -> None:
+        """The kernel was deleted (DeleteKernel): SIGKILL its process now; the store no longer holds the version."""
+        with self.lock:
+            self.deleted.add(f"{ref}/v{number}")
+            thread = self.threads.get(f"{ref}/v{number}")
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(10)
 
     def live_log(self, ref: str, number: int) -> Optional[List[dict]]:
         with self.lock:
@@ -77,6 +90,8 @@ class KernelRunner:
         version = self.store.kernel_version(ref, f"v{number}")
         if self.stopping.wait(self.config.queue_delay):
             return self._finish(ref, number, "ERROR", "The emulator stopped before this session ran.", None, [])
+        if f"{ref}/v{number}" in self.deleted:
+            return self._finish(ref, number, "ERROR", "deleted", None, [])
         base = self.store.kernel_dir(ref, number)
         working, inputs = base / "working", base / "input"
         for folder in (working, inputs, base / "home", base / "tmp"):
@@ -98,15 +113,16 @@ class KernelRunner:
         for reader in readers:
             reader.join(5)
         rc = proc.returncode
+        wedged = version.get("wedge") and reason != SESSION_LIMIT_MESSAGE and not self.stopping.is_set()
         if reason is None and rc == 0:
-            return self._finish(ref, number, "COMPLETE", "", rc, entries)
+            return self._finish(ref, number, "COMPLETE", "", rc, entries, wedged)
         if reason == SESSION_LIMIT_MESSAGE:
             if not self.config.timeout_keeps_output:
                 shutil.rmtree(working, ignore_errors=True)
                 working.mkdir()
             return self._finish(ref, number, SESSION_LIMIT_STATUS, reason, rc, entries)
         message = reason or f"Kernel exited with code {rc}"
-        return self._finish(ref, number, "ERROR", message, rc, entries)
+        return self._finish(ref, number, "ERROR", message, rc, entries, wedged)
 
     def _supervise(self, proc: subprocess.Popen, ref: str, number: int, started: float,
                    timeout_s: float, working: Path) -> Optional[str]:
@@ -116,6 +132,10 @@ class KernelRunner:
         key = f"{ref}/v{number}"
         while proc.poll() is None:
             now = time.time()
+            if key in self.deleted:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+                return "deleted"
             if now >= deadline or key in self.expired:
                 self._terminate(proc)
                 return SESSION_LIMIT_MESSAGE
@@ -153,19 +173,33 @@ class KernelRunner:
                             "data": raw.decode("utf-8", "replace")})
         stream.close()
 
-    def _finish(self, ref: str, number: int, status: str, failure: str, rc: Optional[int], entries: list) -> None:
-        version = self.store.kernel_version(ref, f"v{number}")
-        ended = time.time()
-        write_json(self.store.kernel_dir(ref, number) / "log.json", entries)
+    def _finish(self, ref: str, number: int, status: str, failure: str, rc: Optional[int], entries: list,
+                wedged: bool = False) -> None:
+        """Record how the run ended; a wedged one only remembers it (its status stays RUNNING, its GPU time
+        runs on: end_wedge records it later); a deleted one records nothing (DeleteKernel did)."""
+        key = f"{ref}/v{number}"
         with self.store.lock:  # one step: a reader never sees the run ended but not yet charged (quota 0)
-            version.update(status=status, failure=failure, ended=ended, exit_code=rc)
-            if version.get("enable_gpu") and version.get("started"):
-                self.store.charge(self.store.kernels[ref]["owner"], ref, number, version["started"], ended,
-                                  self.config.time_scale)
+            if key in self.deleted:
+                with self.lock:
+                    self.logs.pop(key, None)
+                return log.info("kernel %s v%d: deleted", ref, number)
+            write_json(self.store.kernel_dir(ref, number) / "log.json", entries)
+            version = self.store.kernel_version(ref, f"v{number}")
+            if wedged:
+                version["wedged"] = {"status": status, "failure": failure, "exit_code": rc}
+            else:
+                self.end(ref, version, status, failure, rc, time.time())
             self.store.save()
         with self.lock:
-            self.logs.pop(f"{ref}/v{number}", None)
-        log.info("kernel %s v%d: %s %s", ref, number, status, failure)
+            self.logs.pop(key, None)
+        log.info("kernel %s v%d: %s %s%s", ref, number, status, failure, " (wedged: still RUNNING)" if wedged else "")
+
+    def end(self, ref: str, version: dict, status: str, failure: str, rc: Optional[int], ended: float) -> None:
+        """A run's end in the store, its GPU time charged to the quota (the caller holds the store's lock)."""
+        version.update(status=status, failure=failure, ended=ended, exit_code=rc)
+        if version.get("enable_gpu") and version.get("started"):
+            self.store.charge(self.store.kernels[ref]["owner"], ref, version["number"], version["started"], ended,
+                              self.config.time_scale)
 
     # -- environment -----------------------------------------------------------------------------
     def _mount(self, version: dict, inputs: Path) -> None:

@@ -33,7 +33,8 @@ log = logging.getLogger("relay.emulator")
 
 SERVICES = {
     "kernels.KernelsApiService": ("kernels", {"SaveKernel", "GetKernelSessionStatus", "ListKernelSessionOutput",
-                                              "GetKernel", "ListKernels", "GetAcceleratorQuotaStatistics"}),
+                                              "GetKernel", "ListKernels", "GetAcceleratorQuotaStatistics",
+                                              "DeleteKernel"}),
     "datasets.DatasetApiService": ("datasets", {"GetDatasetStatus", "GetDataset", "CreateDataset",
                                                 "CreateDatasetVersion", "CreateDatasetVersionById",
                                                 "ListDatasetFiles", "GetDatasetMetadata", "DownloadDataset"}),

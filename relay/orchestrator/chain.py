@@ -63,6 +63,10 @@ class Observation:
     # the kernel version that carries kernel_run: the state and the output are read for this version only
     # (versionLabel "v<N>"), never for "the latest", which lags a push; None: not known yet ("starting")
     kernel_version: Optional[int] = None
+    # while the kernel runs: the unix time past which Kaggle should have ended it (its push, the timeout the push
+    # asked for, and kaggle.startup_overhead more), None when unknown; and when this observation was made
+    deadline: Optional[float] = None
+    observed_at: float = 0.0
 
     @property
     def handed_over(self) -> int:
@@ -76,6 +80,7 @@ class Do(str, enum.Enum):
     WAIT = "wait"          # the kernel is queued or running
     HARVEST = "harvest"    # the kernel finished: download, verify, publish the checkpoint
     SALVAGE = "salvage"    # the kernel failed: hand over what it saved if it advanced, else retry
+    WEDGED = "wedged"      # Kaggle reports the kernel running past its deadline: per kaggle.on_wedged (on_wedged)
     DONE = "done"
     FAILED = "failed"
     # after a hand-over only (after_handover): the checkpoint is published, look again; or the session refused a
@@ -115,6 +120,10 @@ def decide(name: str, obs: Observation) -> Action:
         return Action(Do.FAILED, obs.kernel_run, session, attempt,
                       f"the kernel runs session {session} but only {obs.handed_over} are handed over:"
                       " the checkpoint dataset was changed by hand")
+    if obs.kernel_state == "running" and obs.deadline is not None and obs.observed_at > obs.deadline:
+        return Action(Do.WEDGED, obs.kernel_run, session, attempt,
+                      f"session {session} ({obs.kernel_run}) is still reported running"
+                      f" {obs.observed_at - obs.deadline:.0f} s past its deadline: wedged")
     if obs.kernel_state in (None, "queued", "running", "new_script"):
         return Action(Do.WAIT, obs.kernel_run, session, attempt, f"kernel is {obs.kernel_state or 'starting'}")
     if obs.kernel_state == "complete":
@@ -143,6 +152,24 @@ def session_limit_advice(session: int, budget_s: Optional[float], timeout_s: flo
             f"{asked} plus start-up and the final save did not fit in kaggle.session_timeout {timeout_s:.0f} s. "
             f"A budget set too long, not a transient failure: lower session.budget or raise "
             f"kaggle.startup_overhead (now {startup_s:.0f} s), then run the relay again")
+
+
+def on_wedged(wedged: Action, setting: str) -> Action:
+    """kaggle.on_wedged: "delete" the wedged session's kernel (the WEDGED action itself: harvest what can be, delete,
+    then after_wedge), or "wait" for Kaggle to end it (WAIT: a person was told and may delete it by hand)."""
+    if setting == "wait":
+        return replace(wedged, do=Do.WAIT, reason=f"{wedged.reason}; kaggle.on_wedged: wait: waiting for Kaggle"
+                                                  " to end it")
+    return wedged
+
+
+def after_wedge(name: str, wedged: Action, harvested: bool, max_attempts: int) -> Action:
+    """After a wedged session's kernel was deleted: HANDED_OVER when its output could be harvested, else the same
+    session again from the last published checkpoint, a failed attempt (within kaggle.max_failed_sessions)."""
+    if harvested:
+        return replace(wedged, do=Do.HANDED_OVER, reason=f"{wedged.reason}; its output was handed over")
+    then = retry_action(name, wedged, max_attempts, wedged.reason)
+    return replace(then, failed=f"session {wedged.session} ({wedged.run_id}) failed: {wedged.reason}")
 
 
 class HandOverResult(Protocol):

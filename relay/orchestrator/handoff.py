@@ -27,11 +27,12 @@ PUBLISHED_FILES = ("progress.json", "metrics.jsonl")
 SESSION_LIMIT = "session_limit"  # stop reason of a session Kaggle stopped at its maximum duration
 
 
-def observe(backend: KaggleBackend, names: Names, local: Path) -> Observation:
+def observe(backend: KaggleBackend, names: Names, local: Path, grace_s: Optional[float] = None) -> Observation:
     """What Kaggle shows. The kernel's state is read for the version that carries its run id, by version
     label: for about a minute after a push Kaggle's "latest" status and output still show the previous
     version's final state, which would read as "finished" before the new run has even started. A version
-    whose status is not available yet (no number, not found) is "starting" (None), never finished."""
+    whose status is not available yet (no number, not found) is "starting" (None), never finished.
+    Given `grace_s` (kaggle.startup_overhead), a running kernel's deadline too (running_deadline)."""
     published = read_published_progress(backend, names.checkpoint_dataset, local / "published")
     current = backend.current_run(names.kernel)
     run, version = current if current is not None else (None, None)
@@ -42,8 +43,20 @@ def observe(backend: KaggleBackend, names: Names, local: Path) -> Observation:
             state, failure = status.state.value, status.failure_message
         except NotFound:
             log.info("kernel %s v%s: no status yet (starting)", names.kernel, version)
+    deadline = running_deadline(backend, names, run, grace_s) if state == "running" and grace_s is not None else None
     return Observation(published, run, state, failure, features_published=_exists(backend, names.features_dataset),
-                       kernel_version=version or None)
+                       kernel_version=version or None, deadline=deadline, observed_at=time.time())
+
+
+def running_deadline(backend: KaggleBackend, names: Names, run_id: Optional[str], grace_s: float) -> Optional[float]:
+    """When Kaggle should have ended the running session at the latest: its push (read back from the pushed
+    source), plus the timeout the push asked Kaggle for (kaggle_timeout_s: its budget and the margins), plus
+    `grace_s` for the queue before Kaggle's own clock starts. Past it, a session still reported running is
+    wedged. None for a kernel pushed without them."""
+    plan = backend.current_plan(names.kernel) or {}
+    if plan.get("run_id") != run_id or plan.get("pushed_at") is None or plan.get("timeout_s") is None:
+        return None
+    return float(plan["pushed_at"]) + float(plan["timeout_s"]) + grace_s
 
 
 def read_published_progress(backend: KaggleBackend, dataset: str, dest: Path) -> Optional[dict]:

@@ -1,6 +1,6 @@
 """The relay's policy beside its decision (relay.orchestrator.chain): how long the next session may train, the plan and ETA
-a person reads, what to say after a session hit Kaggle's limit, and when a session ran on another environment
-than the one before it. Shared by the flows, `relay status` and `relay plan`; no Prefect here."""
+a person reads, what to say after a session hit Kaggle's limit or was wedged, and when a session ran on another
+environment than the one before it. Shared by the flows, `relay status` and `relay plan`; no Prefect here."""
 from __future__ import annotations
 
 import math
@@ -79,3 +79,12 @@ def environment_change(progress: Optional[dict]) -> Optional[str]:
     return (f"{(progress or {}).get('name') or 'the relay'}: session {after.get('index')} ran on another environment"
             f" than session {before.get('index')}: {', '.join(changed)}; the run is no longer proven bit-identical"
             f" to an uninterrupted one from step {after.get('step_start')}")
+
+
+def wedge_notice(name: str, then: chain.Action, published_step: int) -> str:
+    """The one line a person is told, and the flow logs, about a wedged session (chain.on_wedged's `then`)."""
+    if then.do is chain.Do.WAIT:
+        return (f"{name}: {then.reason} (its GPU time still counts; `kaggle kernels delete` stops it, or set"
+                " kaggle.on_wedged: delete)")
+    return (f"{name}: {then.reason}; deleting its kernel (Kaggle's only way to stop it) after harvesting what it"
+            f" left, then resuming from the last published checkpoint (step {published_step})")

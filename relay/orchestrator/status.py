@@ -43,7 +43,7 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
     out = Path(out_dir or Path("relay-runs") / name)
     try:
         with tempfile.TemporaryDirectory(prefix="relay-status-") as scratch:  # nothing written for a wrong name
-            obs = handoff.observe(backend, names, Path(scratch))
+            obs = handoff.observe(backend, names, Path(scratch), run_spec.kaggle.startup_overhead)
         quota = backend.quota()
     except KaggleError as err:
         raise InputError(f"relay status {name}: {err}") from None

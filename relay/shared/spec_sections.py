@@ -216,6 +216,11 @@ class KaggleConfig(_Section):
         " so in its first seconds, then `continue`s at the speed it measures, or `stop`s at once (stop reason"
         " `wrong_accelerator`, before any training) to save quota; the relay then retries it like a failed"
         " session."))
+    on_wedged: Literal["delete", "wait"] = Field("delete", description=(
+        "A session Kaggle still reports running after its deadline (its push, plus the timeout the push asked"
+        " for, plus startup_overhead) is wedged, spending quota: the relay tells you, then `delete`s its kernel"
+        " (Kaggle's only way to stop a session) after harvesting what it can and goes on from the last published"
+        " checkpoint (a failed attempt, retried within max_failed_sessions), or `wait`s for Kaggle to end it."))
     pip: list[str] = Field(default_factory=list, description=(
         "Requirements installed at kernel start (needs enable_internet)."))
     lease: float = Field(1200.0, gt=0, description=(

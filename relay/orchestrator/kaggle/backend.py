@@ -32,6 +32,7 @@ class KaggleBackend(Protocol):
     def push_session(self, session: SessionKernel) -> PushResult: ...
     def kernel_status(self, kernel: str, version: Optional[int] = None) -> KernelStatus: ...
     def log_stream(self, kernel: str) -> Iterator[dict]: ...
+    def delete_kernel(self, kernel: str) -> bool: ...
     def download_output(self, kernel: str, dest: Path, run_id: str, workdir_name: str = "relay",
                         version: Optional[int] = None) -> SessionOutput: ...
     def open_handoff_output(self, kernel: str, root: Path, workdir_name: str = "relay",
@@ -241,6 +242,28 @@ class ClientBackend:
         name = name.removeprefix("kernel_worker_status_")
         state = {"cancel_requested": KernelState.CANCELLED, "cancel_acknowledged": KernelState.CANCELLED}.get(name)
         return KernelStatus(state or KernelState(name), response.failure_message or "")
+
+    def delete_kernel(self, kernel: str) -> bool:
+        """Delete the kernel and all its versions (the client's kernels_delete): the only way Kaggle offers to
+        stop a running session. False when it was gone already (a retried call whose first answer was lost)."""
+        owner, slug = split_ref(kernel, "kernel")
+
+        def delete(kaggle: Any) -> Any:
+            from kagglesdk.kernels.types.kernels_api_service import ApiDeleteKernelRequest
+
+            request = ApiDeleteKernelRequest()
+            request.user_name, request.kernel_slug = owner, slug
+            return kaggle.kernels.kernels_api_client.delete_kernel(request)
+
+        try:
+            response = self.client.sdk(f"delete kernel {kernel}", delete)
+        except Exception as exc:  # noqa: BLE001
+            if http_status(exc) == 404:
+                return False
+            raise
+        if response.error_message:
+            raise KaggleError(f"delete kernel {kernel}: {response.error_message}")
+        return True
 
     def log_stream(self, kernel: str) -> Iterator[dict]:
         """The kernel's log as events ({"data": ...}) through the client's kernels_logs_stream: live server-sent

@@ -72,6 +72,8 @@ def render(session: SessionKernel, bundle: Bundle) -> str:
         "pip": list(session.pip),
         # when it was pushed (this machine's clock): output of another run soon after is Kaggle's status lag
         "pushed_at": round(time.time(), 1),
+        # the limit the push asks Kaggle for: a session still running well past it is wedged (handoff.observe)
+        "timeout_s": session.session_timeout_s,
     }
     if session.canary is not None:
         plan["canary"] = list(session.canary)

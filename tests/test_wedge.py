@@ -1,0 +1,147 @@
+"""A wedged session (docs/kaggle.md, "Platform traps the relay handles"): Kaggle still reports a session running
+after its process ended, past its own session limit, while its GPU time is counted. Deleting its kernel is the
+only lever. The emulator's `wedge` fault, the kernel delete, the relay's pure decision, and the relay noticing,
+deleting (or waiting), telling and resuming.
+
+No outcome here depends on the machine's speed: the emulator's wedge lasts a number of status calls after the
+session limit, or until the kernel is deleted; where a limit must have passed, the test moves the version's start
+back (the emulator's clock for it), never sleeps for it.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kaggle_fixtures import USER, backend_for, isolated_env, make_emulator, push_script  # noqa: F401
+from relay.emulator.faults import FaultPlan
+from relay.orchestrator import chain
+from relay.orchestrator.chain import Do, Observation
+from relay.orchestrator.kaggle import KernelState, NotFound
+from relay.shared.errors import InputError
+
+KERNEL = f"{USER}/wedge-probe"
+WRITE_AND_END = "open('out.txt', 'w').write('saved')\nprint('saved', flush=True)\n"
+SLEEP = "import time\nopen('started.txt', 'w').write('yes')\ntime.sleep(120)\n"
+
+
+def _until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _process_ended(emu, ref: str = KERNEL, number: int = 1) -> bool:
+    with emu.store.lock:
+        return bool((emu.store.kernel_version(ref, f"v{number}") or {}).get("wedged"))
+
+
+def _limit_passed(emu, ref: str = KERNEL, number: int = 1) -> None:
+    """The version's session limit is in the past: its start moved back (what the emulator measures the limit from)."""
+    with emu.store.lock:
+        version = emu.store.kernel_version(ref, f"v{number}")
+        version["started"] -= version["timeout_s"] + 1
+
+
+# -- the emulator ------------------------------------------------------------------------------------------
+def test_wedged_version_reads_running_past_its_limit_for_the_fault_calls_then_what_it_ended_with(make_emulator):
+    emu = make_emulator(faults={"wedge": {"pushes": [1], "calls": 3}})
+    backend = backend_for(emu)
+    push_script(backend, KERNEL, WRITE_AND_END, gpu=False, timeout_s=3600)
+    _until(lambda: _process_ended(emu), 60, "the process's end")
+    # before the limit passed: RUNNING however often asked, no output served, nothing counted
+    for _ in range(5):
+        assert backend.kernel_status(KERNEL, 1).state is KernelState.RUNNING
+    served = backend.client.run("output", lambda api: api.kernels_output(KERNEL, path=str(emu.store.root / "o")))[0]
+    assert [name.rsplit("/", 1)[-1] for name in served] == ["wedge-probe.log"]  # the log alone, not out.txt
+    _limit_passed(emu)
+    assert [backend.kernel_status(KERNEL, 1).state for _ in range(4)] == [KernelState.RUNNING] * 3 + [
+        KernelState.COMPLETE]
+    version = emu.store.kernel_version(KERNEL, "v1")
+    assert "wedged" not in version and version["exit_code"] == 0
+    assert (emu.store.kernel_dir(KERNEL, 1) / "working" / "out.txt").read_text() == "saved"
+    assert emu.faults.injected["wedge"] == 1 and emu.faults.injected["wedge_call"] == 3
+    # the second push is not wedged (pushes: [1])
+    push_script(backend, KERNEL, WRITE_AND_END, gpu=False, timeout_s=3600)
+    _until(lambda: backend.kernel_status(KERNEL, 2).state.finished, 60, "version 2's end")
+    assert backend.kernel_status(KERNEL, 2).state is KernelState.COMPLETE
+
+
+def test_delete_ends_a_wedged_and_a_running_session_and_their_gpu_time(make_emulator):
+    emu = make_emulator(faults={"wedge": {"pushes": [1]}})  # calls absent: wedged until deleted
+    backend = backend_for(emu)
+    push_script(backend, KERNEL, WRITE_AND_END, timeout_s=3600)
+    _until(lambda: _process_ended(emu), 60, "the process's end")
+    _limit_passed(emu)
+    assert [backend.kernel_status(KERNEL, 1).state for _ in range(20)] == [KernelState.RUNNING] * 20
+    assert emu.store.running_gpu_sessions(USER) == 1  # a wedged session keeps its slot
+
+    assert backend.delete_kernel(KERNEL) is True
+    assert backend.delete_kernel(KERNEL) is False  # gone already: a retried delete is no error
+    with pytest.raises(NotFound):
+        backend.kernel_status(KERNEL, 1)
+    assert backend.current_run(KERNEL) is None
+    assert emu.store.running_gpu_sessions(USER) == 0
+    charged = [e for e in emu.store.data["quota"] if e["kernel"] == KERNEL]
+    assert len(charged) == 1 and charged[0]["kaggle_seconds"] > 3600  # the wedge's GPU time counted to its delete
+
+    # pushed again under the same slug: a new kernel, version 1, none of the deleted one's output
+    push_script(backend, KERNEL, SLEEP, timeout_s=3600)
+    working = emu.store.kernel_dir(KERNEL, 1) / "working"
+    _until(lambda: (working / "started.txt").is_file(), 60, "the new version 1's start")
+    assert not (working / "out.txt").exists()
+    assert backend.kernel_status(KERNEL, 1).state is KernelState.RUNNING
+    # a running session's delete kills its process now (it would sleep 120 s) and charges its GPU time
+    assert backend.delete_kernel(KERNEL) is True
+    assert not emu.runner.threads[f"{KERNEL}/v1"].is_alive()
+    assert len([e for e in emu.store.data["quota"] if e["kernel"] == KERNEL]) == 2
+    assert [k["ref"] for k in emu.store.data["deleted_kernels"]] == [KERNEL, KERNEL]
+
+
+@pytest.mark.parametrize("bad", [{"calls": -1}, {"pushes": [0]}, {"pushes": 2}, {"every": 1}, {"calls": "3"}])
+def test_wedge_fault_rejects_bad_settings_in_one_line(bad):
+    with pytest.raises(InputError, match=r"^faults: wedge: expected"):
+        FaultPlan({"wedge": bad})
+
+
+# -- the relay's decision (pure) ---------------------------------------------------------------------------
+PUBLISHED = {"run_id": "r-s001-a1", "global_step": 150, "status": "paused"}
+
+
+def _obs(state: str = "running", deadline=1000.0, at: float = 1001.0, run: str = "r-s002-a1") -> Observation:
+    return Observation(PUBLISHED, run, state, kernel_version=2, deadline=deadline, observed_at=at)
+
+
+def test_decide_a_session_running_past_its_deadline_is_wedged():
+    action = chain.decide("r", _obs())
+    assert (action.do, action.run_id, action.session, action.attempt) == (Do.WEDGED, "r-s002-a1", 2, 1)
+    assert action.reason == "session 2 (r-s002-a1) is still reported running 1 s past its deadline: wedged"
+
+
+@pytest.mark.parametrize("obs", [
+    _obs(at=999.0),                 # before the deadline: running
+    _obs(at=1000.0),                # at it
+    _obs(deadline=None),            # a kernel pushed without a deadline in its plan
+    _obs(state="queued"),           # Kaggle has not started it: its own clock has not begun
+    _obs(state="complete"),         # ended, as it should
+])
+def test_decide_not_wedged(obs):
+    assert chain.decide("r", obs).do is not Do.WEDGED
+
+
+def test_after_wedge_retries_from_the_published_checkpoint_or_stops_after_the_retries():
+    wedged = chain.decide("r", _obs())
+    retry = chain.after_wedge("r", wedged, harvested=False, max_attempts=3)
+    assert (retry.do, retry.run_id, retry.session, retry.attempt) == (Do.PUSH, "r-s002-a2", 2, 2)
+    assert retry.failed == f"session 2 (r-s002-a1) failed: {wedged.reason}"
+    last = chain.after_wedge("r", chain.decide("r", _obs(run="r-s002-a3")), harvested=False, max_attempts=3)
+    assert last.do is Do.FAILED and "failed 3 times" in last.reason
+    kept = chain.after_wedge("r", wedged, harvested=True, max_attempts=3)
+    assert kept.do is Do.HANDED_OVER and not kept.failed
+    # the spec's choice: delete (the default) or wait
+    assert chain.on_wedged(wedged, "wait").do is Do.WAIT and "waiting for Kaggle" in chain.on_wedged(wedged, "wait").reason
+    assert chain.on_wedged(wedged, "delete") is wedged
