@@ -9,12 +9,15 @@ back (the emulator's clock for it), never sleeps for it.
 """
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
 from kaggle_fixtures import USER, backend_for, isolated_env, make_emulator, push_script  # noqa: F401
+from relay_fixtures import wait_for
 from relay.emulator.faults import FaultPlan
+from relay.orchestrator.kaggle.kernel_source import find_run_id
 from relay.orchestrator import chain
 from relay.orchestrator.chain import Do, Observation
 from relay.orchestrator.kaggle import KernelState, NotFound
@@ -145,3 +148,93 @@ def test_after_wedge_retries_from_the_published_checkpoint_or_stops_after_the_re
     # the spec's choice: delete (the default) or wait
     assert chain.on_wedged(wedged, "wait").do is Do.WAIT and "waiting for Kaggle" in chain.on_wedged(wedged, "wait").reason
     assert chain.on_wedged(wedged, "delete") is wedged
+
+
+# -- the relay, end to end -----------------------------------------------------------------------------------
+# A 30 s budget: Kaggle's limit for a session is 32 s (kaggle_timeout_s: budget, startup_overhead, safety_margin),
+# the relay's deadline 1 s (startup_overhead) later. Sessions end at session.max_steps long before either; the
+# wedge lasts until the relay deletes the kernel, or until the test lets it go, so the budget sets how long the
+# test takes, never what it sees.
+WEDGED_SECOND = {"seed": 5, "wedge": {"pushes": [2]}}
+
+
+def _relay_spec(relay_env, name: str, on_wedged: str):
+    return relay_env.write_spec(**{"name": name, "session.budget": "30s", "kaggle.on_wedged": on_wedged})
+
+
+def _told(name: str) -> list:
+    from prefect.variables import Variable
+
+    return json.loads(Variable.get(f"relay-notified-{name}", default="[]"))
+
+
+def _summary(log: str) -> dict:
+    return json.loads(log.split("RELAY-SUMMARY ", 1)[1].splitlines()[0])
+
+
+def test_a_wedged_session_is_deleted_told_and_redone_from_the_last_checkpoint(relay_env, both_flows, reference):
+    emu = relay_env.start(faults=WEDGED_SECOND)
+    name = f"wedge-{both_flows}"  # what was told is kept per relay name on the (shared) Prefect server
+    spec = _relay_spec(relay_env, name, "delete")
+    reference.start(spec)
+    flow = relay_env.flow_process()
+    assert flow.wait(600) == 0, _log(relay_env)
+    log = _log(relay_env)
+    summary = _summary(log)
+    assert summary["state"] == "done" and summary["step"] == 450
+
+    # session 2 was wedged (still RUNNING, its process ended): its kernel was deleted, its GPU time charged to the
+    # delete; session 2 ran again, from session 1's checkpoint, on a new kernel under the same slug
+    (deleted,) = emu.store.data["deleted_kernels"]
+    assert [(v["number"], v["status"]) for v in deleted["versions"]] == [(1, "COMPLETE"), (2, "CANCEL_ACKNOWLEDGED")]
+    gone = emu.store.root / "deleted" / relay_env.kernel / str(deleted["id"])
+    pushed = [find_run_id((gone / f"v{n}" / "source.py").read_text()) for n in (1, 2)]
+    pushed += [r.run_id for r in relay_env.kernel_runs()]
+    assert pushed == [f"{name}-s001-a1", f"{name}-s002-a1", f"{name}-s002-a2", f"{name}-s003-a1"]  # none twice
+    assert all(r.status == "COMPLETE" for r in relay_env.kernel_runs())
+    charged = [e for e in emu.store.data["quota"] if e["kernel"] == relay_env.kernel]
+    assert len(charged) == 4  # the wedge's GPU time stopped at its delete
+
+    # said in one line in the flow log, and told once through the notifications
+    lines = [line for line in log.splitlines() if "wedged; deleting its kernel" in line]
+    assert len(lines) == 1 and f"session 2 ({name}-s002-a1) is still reported running" in lines[0], log
+    assert "resuming from the last published checkpoint (step 150)" in lines[0]
+    assert f"wedged-{name}-s002-a1" in _told(name) and f"failed-{name}-s002-a1" in _told(name)
+
+    progress = relay_env.published_progress()
+    assert [s["step_start"] for s in progress["sessions"]] == [0, 150, 300]
+    assert summary["weights_sha256"] == progress["weights_sha256"] == reference.weights(spec)
+
+
+def test_on_wedged_wait_tells_and_waits_for_kaggle_and_relay_status_says_so(relay_env, reference):
+    from relay.orchestrator import status
+
+    emu = relay_env.start(faults=WEDGED_SECOND)
+    name = "wedge-wait"
+    spec = _relay_spec(relay_env, name, "wait")
+    reference.start(spec)
+    flow = relay_env.flow_process()
+    wait_for(lambda: "kaggle.on_wedged: wait" in _log(relay_env) or flow.poll() is not None, 300,
+             "the relay noticing the wedge")
+    lines = []
+    status.report(str(spec), relay_env.backend, out_dir=relay_env.root / "status", emit=lines.append)
+    (nxt,) = [line for line in lines if line.startswith("next:")]
+    assert nxt.startswith(f"next: wait {name}-s002-a1 (session 2 ({name}-s002-a1) is still reported running"), lines
+    assert nxt.endswith("wedged; kaggle.on_wedged: wait: waiting for Kaggle to end it)"), lines
+    assert "deleted_kernels" not in emu.store.data and relay_env.kernel_runs()[-1].status == "RUNNING"
+    assert _told(name) == [f"wedged-{name}-s002-a1"]
+
+    emu.faults.wedge["calls"] = 1  # Kaggle ends the wedge: one more status call answers RUNNING, then COMPLETE
+    assert flow.wait(600) == 0, _log(relay_env)
+    log = _log(relay_env)
+    assert _summary(log)["state"] == "done"
+    assert len([line for line in log.splitlines() if "kaggle.on_wedged: wait" in line and "WARNING" in line]) == 1
+    runs = relay_env.kernel_runs()
+    assert [r.run_id for r in runs] == [f"{name}-s00{i}-a1" for i in (1, 2, 3)]  # nothing deleted or redone
+    assert all(r.status == "COMPLETE" for r in runs)
+    assert relay_env.published_progress()["weights_sha256"] == reference.weights(spec)
+
+
+def _log(env, name: str = "flow.log") -> str:
+    path = env.root / name
+    return path.read_text() if path.exists() else "(no log)"

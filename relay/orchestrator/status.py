@@ -52,6 +52,8 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
                          f" (no dataset {names.checkpoint_dataset}, no kernel {names.kernel})")
     progress = obs.published or {}
     action = chain.decide(name, obs)
+    if action.do is chain.Do.WEDGED:  # what the relay does about it, in the `next:` line
+        action = chain.on_wedged(action, run_spec.kaggle.on_wedged)
     emit(f"relay {name} (Kaggle user {names.owner}): {obs.handed_over} session(s) handed over, step"
          f" {progress.get('global_step', 0)}/{progress.get('total_steps', '?')}")
     rows, eta = rep.session_table(progress), None
