@@ -13,7 +13,8 @@ Spec (JSON, or built from CLI flags):
    "stream_drop": {"after_events": 20},         # each version's live log stream is cut once, after 20 events
    "version_refused": {"calls": 2},  # the 2 first new versions asked of a dataset after each version: 403
    "version_404": {"calls": 3},      # the 3 first reads naming a dataset's newest version number: 404
-   "wedge": {"pushes": [2], "calls": 30}}  # the 2nd session pushed stays RUNNING after its process ended
+   "wedge": {"pushes": [2], "calls": 30},  # the 2nd session pushed stays RUNNING after its process ended
+   "machine": {"pushes": [2], "gpus": ["Tesla P100-PCIE-16GB"], "image": "9f8e7d6"}}  # what session 2 runs on
 Kinds: 429 (with Retry-After), 500, 503, reset (connection dropped before handling), lost (handled, then the
 connection dropped: the client cannot know it happened), slow (answered after slow_s seconds), refused (HTTP 200
 `{"versionNumber": 0, "error": ...}` without handling: a refused push; script it for SaveKernel), hang (never
@@ -35,6 +36,10 @@ stays RUNNING, no output is served, and it keeps its concurrency slot and counts
 limit: until `calls` GetKernelSessionStatus calls were answered for it after that limit passed (then it reads
 what its process ended with), or until its kernel is deleted (`calls` 0 or absent). Counted in calls, not
 seconds, like the others.
+machine: what the sessions pushed as the `pushes`-th batch runs (absent: every one) run on, other than asked
+(Kaggle served a P100 for a T4 request; its image changes every few weeks): `image` becomes GIT_COMMIT in the
+session's environment (how Kaggle's image names itself); `gpus`, `torch`, `cuda`, `python` become
+RELAY_TEST_HARDWARE, which replaces what the session sees (CUDA cannot run here).
 latency: each RPC, file GET and upload PUT is delayed by a draw from [min_s, max_s], half before it is handled
 (the request's way in) and half after (the response's way out), so two orchestrators' check-then-act steps
 interleave as they do over a real network.
@@ -43,12 +48,14 @@ other threads do.
 """
 from __future__ import annotations
 
+import json
 import random
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, Optional
 
+from relay.shared.environment import HARDWARE
 from relay.shared.errors import InputError
 
 KINDS = ("429", "500", "503", "reset", "lost", "slow", "refused", "hang", "html")
@@ -86,6 +93,7 @@ class FaultPlan:
         self.version_refused = self._calls_setting(spec, "version_refused")
         self.version_404 = self._calls_setting(spec, "version_404")
         self.wedge: Optional[dict] = self._wedge_setting(spec.get("wedge"))
+        self.machine: Optional[dict] = self._machine_setting(spec.get("machine"))
         self._pushes = 0
         self._streams_cut: set = set()
         self._lagged: Dict[str, int] = defaultdict(int)  # kernel version -> unpinned calls answered since push
@@ -110,23 +118,48 @@ class FaultPlan:
             return None
         valid = isinstance(value, dict) and not set(value) - {"pushes", "calls"}
         calls, pushes = (value.get("calls", 0), value.get("pushes")) if valid else (None, None)
-        valid = valid and isinstance(calls, int) and calls >= 0 and (pushes is None or (
-            isinstance(pushes, list) and all(isinstance(n, int) and n >= 1 for n in pushes)))
+        valid = valid and isinstance(calls, int) and calls >= 0 and _pushes_ok(pushes)
         if not valid:
             raise InputError(f"faults: wedge: expected {{\"pushes\": [N, ...], \"calls\": M}} with N >= 1 and"
                              f" M >= 0 (got {value!r})")
         return {"pushes": pushes, "calls": calls}
 
-    def wedge_push(self) -> bool:
-        """Whether the session being pushed now is one the `wedge` fault wedges (counted per batch run)."""
-        if self.wedge is None:
-            return False
+    @staticmethod
+    def _machine_setting(value: Optional[dict]) -> Optional[dict]:
+        if value is None:
+            return None
+        told = {k: v for k, v in value.items() if k != "pushes"} if isinstance(value, dict) else {}
+        pushes = value.get("pushes") if isinstance(value, dict) else None
+        if not told or set(told) - {"gpus", "torch", "cuda", "python", "image"} or not _pushes_ok(pushes) or \
+                not isinstance(told.get("gpus", []), list):
+            raise InputError("faults: machine: expected {\"pushes\": [N, ...], and any of \"gpus\": [names],"
+                             f" \"torch\", \"cuda\", \"python\", \"image\"}} (got {value!r})")
+        return {"pushes": pushes, "told": told}
+
+    def next_push(self) -> int:
+        """The ordinal (1-based) of the batch run being pushed now: the `wedge` and `machine` faults name them."""
         with self._lock:
             self._pushes += 1
-            wedged = self.wedge["pushes"] is None or self._pushes in self.wedge["pushes"]
-            if wedged:
+            return self._pushes
+
+    def wedges(self, push: int) -> bool:
+        """Whether the `push`-th batch run is one the `wedge` fault wedges."""
+        wedged = self.wedge is not None and (self.wedge["pushes"] is None or push in self.wedge["pushes"])
+        if wedged:
+            with self._lock:
                 self.injected["wedge"] += 1
         return wedged
+
+    def machine_env(self, push: int) -> dict:
+        """The environment the `push`-th batch run gets from the `machine` fault ({} when it does not apply)."""
+        rule = self.machine
+        if rule is None or (rule["pushes"] is not None and push not in rule["pushes"]):
+            return {}
+        with self._lock:
+            self.injected["machine"] += 1
+        told = dict(rule["told"])
+        env = {"GIT_COMMIT": str(told.pop("image"))} if "image" in told else {}
+        return {**env, **({HARDWARE: json.dumps(told)} if told else {})}
 
     def still_wedged(self, version_key: str) -> bool:
         """Whether this status call of a wedged version (`version_key`: unique to it, even across a deleted and
@@ -249,6 +282,10 @@ class FaultPlan:
         if rng.random() >= float(spec.get("probability", 1.0)):
             return None
         return rng.uniform(float(spec.get("min_s", 0.0)), float(spec.get("max_s", 1.0)))
+
+
+def _pushes_ok(pushes: object) -> bool:
+    return pushes is None or (isinstance(pushes, list) and all(isinstance(n, int) and n >= 1 for n in pushes))
 
 
 def from_flags(rate: float = 0.0, seed: int = 0, kinds: Optional[list] = None) -> dict:

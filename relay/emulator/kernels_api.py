@@ -66,7 +66,7 @@ class KernelsService:
                        "pushed": now, "enable_gpu": gpu, "enable_internet": body.get("enableInternet", True),
                        "timeout_s": min(float(requested), self.config.session_timeout_s), "sources": sources,
                        "meta": {k: body[k] for k in META_FIELDS if k in body}, "output_key": secrets.token_hex(12),
-                       "wedge": not quick and self.faults.wedge_push()}
+                       **self._faults_of_push(quick)}
             directory = self.store.kernel_dir(ref, number)
             directory.mkdir(parents=True, exist_ok=True)
             (directory / "source.py").write_text(source)
@@ -77,6 +77,13 @@ class KernelsService:
             self.runner.start(ref, number)
         return {"ref": f"/code/{ref}", "url": f"{call.base}/code/{ref}", "versionNumber": number,
                 "kernelId": kernel["id"]}
+
+    def _faults_of_push(self, quick: bool) -> dict:
+        """A batch run's share of the `wedge` and `machine` faults (they name runs by their push's ordinal)."""
+        if quick:
+            return {"wedge": False, "env": {}}
+        push = self.faults.next_push()
+        return {"wedge": self.faults.wedges(push), "env": self.faults.machine_env(push)}
 
     def _ref_for_save(self, call: Call) -> str:
         if call.body.get("slug"):

@@ -228,6 +228,7 @@ class KernelRunner:
             for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
                 env[name] = NO_INTERNET_PROXY
         env.update(self.config.kernel_env)
+        env.update(version.get("env") or {})  # the `machine` fault: what this session runs on
         return env
 
 
