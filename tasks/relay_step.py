@@ -21,7 +21,8 @@ from relay.orchestrator import chain, handoff, restore
 from relay.orchestrator.chain import Do
 from relay.orchestrator.kaggle.backend import KaggleBackend
 from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
-from relay.orchestrator.kaggle.types import Quota, Refusal
+from relay.orchestrator.kaggle.selective_output import DiskSpaceError
+from relay.orchestrator.kaggle.types import KaggleUnresponsive, Quota, Refusal
 from relay.orchestrator.policy import budget_lowered, environment_change, plan_text, session_budget, wedge_notice
 from relay.shared.spec import RunSpec
 from tasks import artifacts, relay_tasks as t
@@ -156,20 +157,26 @@ def _wedged(ctx: RelayContext, obs: chain.Observation, wedged: chain.Action) -> 
     if isinstance(held, Step):
         return held
     confirm = ctx.lease.guard(held)
+    harvested = None
     try:
-        result = t.hand_over(ctx.backend, ctx.spec, ctx.names, wedged, obs, ctx.local, confirm=confirm)
+        harvested = t.hand_over(ctx.backend, ctx.spec, ctx.names, wedged, obs, ctx.local, confirm=confirm)
         confirm()
     except LeaseLost as lost:
         return Step("waiting", wedged, obs, obs.published, why=f"wedged {wedged.run_id}: stopped: {lost}")
+    except (DiskSpaceError, KaggleUnresponsive):
+        raise  # its output may hold a checkpoint: never deleted unread for want of disk here or of an answer
+    except Exception as err:  # noqa: BLE001 - Kaggle may refuse a running session's output: nothing to harvest
+        get_run_logger().warning("wedged %s: its output could not be read (%s); nothing harvested", wedged.run_id, err)
     t.delete_kernel(ctx.backend, ctx.names.kernel)
     ctx.lease.took_effect(key)
-    then = chain.after_wedge(ctx.spec.name, wedged, result.ok, ctx.spec.kaggle.max_failed_sessions + 1)
+    ok = harvested is not None and harvested.ok
+    then = chain.after_wedge(ctx.spec.name, wedged, ok, ctx.spec.kaggle.max_failed_sessions + 1)
     if then.failed:
         ctx.tell("session.failed", f"failed-{wedged.run_id}", f"{ctx.spec.name}: {then.failed}")
     if then.do is Do.FAILED:
         raise RelayFailed(then.reason)
     if then.do is Do.HANDED_OVER:
-        return Step("handed-over", then, obs, result.progress)
+        return Step("handed-over", then, obs, harvested.progress)
     return Step("ready", then, obs, obs.published)  # the same session again, from the last published checkpoint
 
 

@@ -176,7 +176,7 @@ class KernelRunner:
     def _finish(self, ref: str, number: int, status: str, failure: str, rc: Optional[int], entries: list,
                 wedged: bool = False) -> None:
         """Record how the run ended; a wedged one only remembers it (its status stays RUNNING, its GPU time
-        runs on: end_wedge records it later); a deleted one records nothing (DeleteKernel did)."""
+        runs on: KernelsService._end_wedge records it later); a deleted one records nothing (DeleteKernel did)."""
         key = f"{ref}/v{number}"
         with self.store.lock:  # one step: a reader never sees the run ended but not yet charged (quota 0)
             if key in self.deleted:

@@ -191,7 +191,8 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
     tail = _log_tail_text(out.log_text)
     try:
         if out.found_run_id != action.run_id:
-            return HandOver(False, f"stale output: it belongs to run {out.found_run_id}, not {action.run_id}",
+            whose = f"it belongs to run {out.found_run_id}" if out.found_run_id else "it holds no run's files"
+            return HandOver(False, f"stale output: {whose}, not {action.run_id}'s",
                             log_tail=tail, stale=_lag_suspect(out.found_run_id, obs))
         before = int((obs.published or {}).get("global_step", 0))
         if not out.candidates or out.progress is None:
