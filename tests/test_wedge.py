@@ -173,11 +173,20 @@ def _summary(log: str) -> dict:
 
 
 def test_a_wedged_session_is_deleted_told_and_redone_from_the_last_checkpoint(relay_env, both_flows, reference):
+    # what was told is kept per relay name on the (shared) Prefect server
+    _wedged_relay_is_deleted_and_redone(relay_env, reference, f"wedge-{both_flows}", "watch")
+
+
+def test_ticks_notice_a_wedged_session_too(relay_env, reference):
+    """A schedule's ticks, back to back, each at most one step: a tick that observes the wedge takes it."""
+    _wedged_relay_is_deleted_and_redone(relay_env, reference, "wedge-ticks", "tick-loop")
+
+
+def _wedged_relay_is_deleted_and_redone(relay_env, reference, name: str, mode: str) -> None:
     emu = relay_env.start(faults=WEDGED_SECOND)
-    name = f"wedge-{both_flows}"  # what was told is kept per relay name on the (shared) Prefect server
     spec = _relay_spec(relay_env, name, "delete")
     reference.start(spec)
-    flow = relay_env.flow_process()
+    flow = relay_env.flow_process(mode=mode)
     assert flow.wait(600) == 0, _log(relay_env)
     log = _log(relay_env)
     summary = _summary(log)
