@@ -1,5 +1,5 @@
 """Telling a person, once each, through Prefect's own machinery: every relay event is a Prefect event
-(`relay.kernel.session.failed`, `relay.session.wedged`, `relay.stopped`, `relay.finished`, `relay.quota-wait`,
+(`relay.session.failed`, `relay.session.wedged`, `relay.stopped`, `relay.finished`, `relay.quota-wait`,
 `relay.warning` on the resource `relay.<name>`) that a server's automations can act on, and, when the spec names one (`notify.block`), a message
 through that Prefect notification block (Slack, Teams, Discord, e-mail, a webhook: secrets stay in the block).
 "Once" survives a killed orchestrator: the keys already told are kept in a Prefect Variable per relay."""
