@@ -172,12 +172,18 @@ def _wedged(ctx: RelayContext, obs: chain.Observation, wedged: chain.Action) -> 
     ok = harvested is not None and harvested.ok
     then = chain.after_wedge(ctx.spec.name, wedged, ok, ctx.spec.kaggle.max_failed_sessions + 1)
     if then.failed:
-        ctx.tell("session.failed", f"failed-{wedged.run_id}", f"{ctx.spec.name}: {then.failed}")
+        _session_failed(ctx, wedged.run_id, then.failed)
     if then.do is Do.FAILED:
         raise RelayFailed(then.reason)
     if then.do is Do.HANDED_OVER:
         return Step("handed-over", then, obs, harvested.progress)
     return Step("ready", then, obs, obs.published)  # the same session again, from the last published checkpoint
+
+
+def _session_failed(ctx: RelayContext, run_id: str, why: str) -> None:
+    """A failed session (a code error, a stall, another accelerator than asked): in the flow's log and told."""
+    get_run_logger().warning("%s", why)
+    ctx.tell("session.failed", f"failed-{run_id}", f"{ctx.spec.name}: {why}")
 
 
 def _hand_over(ctx: RelayContext, obs: chain.Observation, action: chain.Action) -> Step:
@@ -193,7 +199,7 @@ def _hand_over(ctx: RelayContext, obs: chain.Observation, action: chain.Action) 
         return Step("waiting", action, obs, obs.published, why=f"hand-over of {action.run_id} stopped: {lost}")
     then = chain.after_handover(ctx.spec.name, action, result, obs, _recovery(ctx, action, result))
     if then.failed:
-        ctx.tell("session.failed", f"failed-{action.run_id}", f"{ctx.spec.name}: {then.failed}")
+        _session_failed(ctx, action.run_id, then.failed)
     if then.do is Do.HANDED_OVER:
         ctx.lease.took_effect(key)
         changed = environment_change(result.progress)  # Kaggle's image, torch, CUDA or the GPUs changed
