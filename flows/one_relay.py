@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal, Optional
@@ -20,6 +20,7 @@ from relay.orchestrator.kaggle.types import KaggleUnresponsive
 from relay.orchestrator.policy import plan_text, session_budget, utc  # noqa: F401 - plan_text: part of the flow's API
 from relay.front_door import load_spec
 from tasks import relay_step, relay_tasks as t
+from tasks.account_slots import AccountSlot
 from tasks.relay_step import RelayContext, RelayFailed, Step  # noqa: F401 - RelayFailed: the flow's API
 
 # A watch waiting for the weekly quota looks at it again this often before the refresh Kaggle announced: the
@@ -35,16 +36,25 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
     """Advance (tick) or run to the end (watch) the relay of `spec`. Returns {"state", "step", ...}.
     While a session runs its progress is refreshed every `live_seconds`; a tick reads its log for at most
     `tick_follow_seconds`. Each step waits at most `step_lock_wait_s` for another flow run of this relay on
-    this Prefect server (tasks/step_lock.py; 0: no lock); pushes and hand-overs are claimed on Kaggle."""
-    ctx = RelayContext.open(load_spec(spec), Path(spec).read_text(), relay_step.make_backend(credentials_block),
+    this Prefect server (tasks/step_lock.py; 0: no lock); pushes and hand-overs are claimed on Kaggle.
+    The Kaggle account: `credentials_block`, else the spec's kaggle.credentials_block, else the worker's
+    environment; a watch holds a slot of the account's session limit while its session runs (tasks/account_slots.py)."""
+    run_spec = load_spec(spec)
+    ctx = RelayContext.open(run_spec, Path(spec).read_text(),
+                            relay_step.make_backend(credentials_block or run_spec.kaggle.credentials_block),
                             state_dir, live_seconds, step_lock_wait_s)
+    get_run_logger().info("relay %s on Kaggle account %s", run_spec.name, ctx.backend.username)
     pace = Pace(mode, poll_seconds, time.monotonic() + max_hours * 3600, live_seconds, tick_follow_seconds)
+    # a tick ends before its session does, so only a watch can hold a slot for as long as the session runs
+    slot = AccountSlot(ctx.backend.username, run_spec.kaggle.account_sessions) if mode == "watch" else None
     try:
-        return drive(ctx, pace)
+        return drive(ctx, pace, slot)
     except RelayFailed as err:
         relay_step.stopped(ctx, err)
         raise
     finally:
+        if slot is not None:
+            slot.release()
         ctx.close()
 
 
@@ -59,12 +69,12 @@ class Pace:
     tick_follow_seconds: float
 
 
-def drive(ctx: RelayContext, pace: Pace) -> dict:
+def drive(ctx: RelayContext, pace: Pace, slot: Optional[AccountSlot] = None) -> dict:
     """The relay's loop: one step (tasks/relay_step.py), then wait or return; in tick mode at most one step. A
     watch outlives a Kaggle that stops answering (every step is rebuilt from Kaggle); a tick reports it."""
     while True:
         try:
-            return _steps(ctx, pace)
+            return _steps(ctx, pace, slot)
         except KaggleUnresponsive as err:
             if pace.mode == "tick" or time.monotonic() > pace.give_up:
                 raise
@@ -73,11 +83,16 @@ def drive(ctx: RelayContext, pace: Pace) -> dict:
             time.sleep(pace.poll_seconds)
 
 
-def _steps(ctx: RelayContext, pace: Pace) -> dict:
+def _steps(ctx: RelayContext, pace: Pace, slot: Optional[AccountSlot]) -> dict:
     while True:
         step = relay_step.advance(ctx)
+        if slot is not None:
+            if step.state == "running":
+                slot.take()  # a session this run did not push (a killed worker's): it counts, when a slot is free
+            elif step.state != "ready":
+                slot.release()  # no session of this relay runs: the account's slot is another relay's to take
         if step.state == "ready":
-            step = _push(ctx, step)
+            step = _push(ctx, step, slot)
         if step.state == "done" or (pace.mode == "tick" and step.state in ("handed-over", "restored", "pushed")):
             return step.summary()
         if step.state == "running":
@@ -90,14 +105,21 @@ def _steps(ctx: RelayContext, pace: Pace) -> dict:
             return summary
 
 
-def _push(ctx: RelayContext, ready: Step) -> Step:
-    """The whole quota is this relay's: the session's budget is the spec's, within what is left of it."""
+def _push(ctx: RelayContext, ready: Step, slot: Optional[AccountSlot]) -> Step:
+    """The whole quota is this relay's: the session's budget is the spec's, within what is left of it. A watch
+    pushes only with a slot of its account's session limit."""
     quota = t.read_quota(ctx.backend)
     budget = session_budget(ctx.spec, quota)
     relay_step.plan(ctx, ready.progress, quota)
     if budget <= ctx.spec.session.safety_margin:
         return relay_step.quota_spent(ctx, ready, quota)
-    return relay_step.push(ctx, ready, budget, quota)
+    if slot is not None and not slot.take():
+        return replace(ready, state="waiting", why=f"account {ctx.backend.username}: its"
+                       f" {slot.sessions} GPU sessions run (Prefect limit {slot.limit}); waiting for a slot")
+    pushed = relay_step.push(ctx, ready, budget, quota)
+    if slot is not None and pushed.state != "pushed":
+        slot.release()
+    return pushed
 
 
 def _follow(ctx: RelayContext, running: Step, pace: Pace) -> Optional[dict]:

@@ -27,6 +27,7 @@ from relay.orchestrator.kaggle.types import Refusal
 from relay.orchestrator.policy import session_budget, utc
 from relay.front_door import load_spec
 from relay.shared.errors import InputError
+from relay.shared.spec import load as spec_only  # the spec without its code: to read one field
 from tasks import relay_step, relay_tasks as t
 from tasks import relays_artifacts
 from tasks.relay_step import RelayContext, RelayFailed, Step
@@ -214,6 +215,15 @@ def joint_eta(relays: List[Relay], quota, cap: int, now: datetime) -> Optional[j
                                    refresh_at=refresh, done_sessions=done, running=running)
 
 
+def one_account(specs: List[str]) -> Optional[str]:
+    """The credentials block the specs name (kaggle.credentials_block): the cap and the quota are one account's."""
+    named = {spec_only(path).kaggle.credentials_block for path in specs}
+    if len(named) > 1:
+        raise InputError(f"relays: the specs name different kaggle.credentials_block ({sorted(map(str, named))});"
+                         " one relays run drives one account: start one per account")
+    return named.pop() if named else None
+
+
 @flow(name="relays", log_prints=True)
 def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int = 2,
            credentials_block: Optional[str] = None, poll_seconds: float = 30.0, max_hours: float = 24 * 28,
@@ -225,7 +235,8 @@ def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int 
     logger = get_run_logger()
     if cap < 1:
         raise InputError(f"relays: cap {cap}: at least 1 concurrent session")
-    backend = relay_step.make_backend(credentials_block)
+    backend = relay_step.make_backend(credentials_block or one_account(specs))
+    logger.info("relays on Kaggle account %s", backend.username)
     all_relays = load_relays(specs, backend, state_dir, live_seconds, step_lock_wait_s)
     give_up = time.monotonic() + max_hours * 3600
     announced_wait, refused = None, 0

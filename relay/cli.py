@@ -131,14 +131,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _backend(credentials_block: Optional[str]):
+    """Kaggle (or the emulator at RELAY_KAGGLE_ENDPOINT) with the account of a Prefect Secret block, or of the
+    environment / ~/.kaggle without one."""
+    if credentials_block:
+        from tasks.relay_step import make_backend
+
+        return make_backend(credentials_block)
+    from relay.orchestrator.kaggle import from_env
+
+    return from_env()
+
+
+CREDENTIALS_BLOCK_HELP = ("Kaggle credentials from this Prefect Secret block ({\"username\", \"key\"} JSON) instead of"
+                          " the spec's kaggle.credentials_block, the environment or ~/.kaggle")
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from relay.orchestrator import report
 
     if not Path(args.dir).is_dir():  # a relay name or a spec: read from Kaggle
         from relay.orchestrator import status
-        from relay.orchestrator.kaggle import from_env
 
-        return status.report(args.dir, from_env, Path(args.out) if args.out else None)
+        _, run_spec = status.resolve_name(args.dir)
+        block = args.credentials_block or run_spec.kaggle.credentials_block
+        return status.report(args.dir, lambda: _backend(block), Path(args.out) if args.out else None)
     progress = _load_progress(args.dir)
     print(report.format_table(report.session_table(progress)))
     best = progress.get("best") or {}
@@ -235,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("dir", metavar="NAME|SPEC|DIR",
                     help="a relay name or its spec (read from Kaggle), or a workdir / harvested outputs folder")
     st.add_argument("--out", metavar="DIR", help="where the PNGs go for NAME|SPEC (default: relay-runs/NAME)")
+    st.add_argument("--credentials-block", metavar="NAME", help=CREDENTIALS_BLOCK_HELP)
     st.set_defaults(func=cmd_status)
 
     v = sub.add_parser("verify-resume", help="N steps straight vs the same N split into sessions with a SIGKILL"
@@ -256,9 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--submit", action="store_true",
                    help="run it on the Prefect server at PREFECT_API_URL (deployment relay/run, whose worker must see"
                         " the same paths) and follow it here")
-    r.add_argument("--credentials-block", metavar="NAME",
-                   help="Kaggle credentials from this Prefect Secret block ({\"username\", \"key\"} JSON) instead of"
-                        " the environment / ~/.kaggle")
+    r.add_argument("--credentials-block", metavar="NAME", help=CREDENTIALS_BLOCK_HELP)
     r.set_defaults(func=cmd_run)
 
     dr = sub.add_parser("doctor", help="check an account before spending GPU quota: credentials, quota, data"

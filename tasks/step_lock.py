@@ -88,17 +88,7 @@ class StepLock:
 
     # -- the steps ---------------------------------------------------------------------------------------
     def _take(self, client) -> Optional[str]:
-        """One request for the slot: its lease id, or None while another holds it (HTTP 423)."""
-        import httpx
-
-        try:
-            response = client.increment_concurrency_slots_with_lease(
-                names=[self.limit], slots=1, mode="concurrency", lease_duration=max(SERVER_LEASE_S, self.lease_s))
-        except httpx.HTTPStatusError as err:
-            if err.response.status_code == 423:
-                return None
-            raise
-        return str(response.json()["lease_id"])
+        return take_slot(client, self.limit, self.lease_s)
 
     def _take_back(self, client, record: dict) -> None:
         """Give back the slot of a holder that stopped renewing it (killed): by its lease on a shared server
@@ -116,21 +106,38 @@ class StepLock:
             client.release_concurrency_slots_with_lease(UUID(record["lease_id"]))
 
     def _ensure_limit(self, client) -> None:
-        """Create the limit (1 slot) on first use; a limit someone created by hand is left as it is."""
-        if self._ready:
-            return
-        from prefect.exceptions import ObjectNotFound
+        if not self._ready:
+            ensure_limit(client, self.limit, 1)
+            self._ready = True
 
+
+def take_slot(client, limit: str, lease_s: float) -> Optional[str]:
+    """One request for a slot of `limit`: its lease id, or None while all its slots are held (HTTP 423)."""
+    import httpx
+
+    try:
+        response = client.increment_concurrency_slots_with_lease(
+            names=[limit], slots=1, mode="concurrency", lease_duration=max(SERVER_LEASE_S, lease_s))
+    except httpx.HTTPStatusError as err:
+        if err.response.status_code == 423:
+            return None
+        raise
+    return str(response.json()["lease_id"])
+
+
+def ensure_limit(client, limit: str, slots: int) -> None:
+    """Create the global concurrency limit with `slots` on first use; one someone created by hand is left as it is."""
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        found: Optional[object] = client.read_global_concurrency_limit_by_name(limit)
+    except ObjectNotFound:
+        found = None
+    if found is None:
         try:
-            found: Optional[object] = client.read_global_concurrency_limit_by_name(self.limit)
-        except ObjectNotFound:
-            found = None
-        if found is None:
-            try:
-                client.upsert_global_concurrency_limit_by_name(self.limit, 1)
-            except Exception:  # noqa: BLE001 - created by another run at the same time
-                client.read_global_concurrency_limit_by_name(self.limit)
-        self._ready = True
+            client.upsert_global_concurrency_limit_by_name(limit, slots)
+        except Exception:  # noqa: BLE001 - created by another run at the same time
+            client.read_global_concurrency_limit_by_name(limit)
 
 
 class _Holding:

@@ -227,6 +227,15 @@ class KaggleConfig(_Section):
         "How long one orchestrator's claim on a step (a push, a hand-over) lasts on Kaggle; another takes the "
         "step over only after it, so a killed orchestrator delays the relay by at most this (duration; a "
         "hand-over longer than half of it pauses to renew its claim)."))
+    credentials_block: Optional[str] = Field(None, pattern=r"^[a-z0-9][a-z0-9-]*$", description=(
+        "The Prefect Secret block holding this relay's Kaggle account as {\"username\", \"key\"} JSON; a run's"
+        " own credentials_block (`relay run --credentials-block`, a deployment's parameter) wins. Unset: the"
+        " worker's environment (KAGGLE_USERNAME/KAGGLE_KEY, kaggle.json). The key never appears in the spec."))
+    account_sessions: int = Field(2, ge=1, description=(
+        "GPU sessions the account may run at once (Kaggle: 2). On a Prefect server every `relay` flow run takes a"
+        " slot of the global concurrency limit `kaggle-account-<username>` (created with this many slots) from"
+        " before its push until its session ends, so relays of one account wait their turn instead of pushing"
+        " into Kaggle's refusal."))
     status_lag: float = Field(300.0, ge=0, description=(
         "For this long after a push, output of another run is read as Kaggle's status lag (look again), not as "
         "a failed session (duration)."))
