@@ -61,6 +61,8 @@ def start(data: Path, port: int) -> str:
         if data.exists() and any(data.iterdir()):
             sys.exit(f"local_postgres: --data {data}: not empty and not a PostgreSQL cluster; expected an empty"
                      " or absent folder")
+        if os.geteuid() == 0:
+            _check_reachable_by_owner(data)
         data.mkdir(mode=0o700, exist_ok=True)
         if os.geteuid() == 0:
             os.chown(data, *_owner_ids())
@@ -85,6 +87,14 @@ def stop(data: Path) -> None:
     if not (data / "postmaster.pid").exists():
         return
     _run([str(binaries() / "pg_ctl"), "-D", str(data), "-w", "-t", "60", "-m", "fast", "stop"], "stopping PostgreSQL")
+
+
+def _check_reachable_by_owner(folder: Path) -> None:
+    """Under root the cluster's owner is `nobody`, who must be able to pass through every folder above it."""
+    for part in folder.parents:
+        if not part.stat().st_mode & 0o001:
+            sys.exit(f"local_postgres: --data {folder}: user {RUN_AS_ROOT} (PostgreSQL does not run as root) cannot"
+                     f" enter {part}; put the cluster under folders others may enter (chmod o+x), e.g. in /tmp")
 
 
 def _owner_ids() -> tuple:
