@@ -38,23 +38,23 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
     `tick_follow_seconds`. Each step waits at most `step_lock_wait_s` for another flow run of this relay on
     this Prefect server (tasks/step_lock.py; 0: no lock); pushes and hand-overs are claimed on Kaggle.
     The Kaggle account: `credentials_block`, else the spec's kaggle.credentials_block, else the worker's
-    environment; a watch holds a slot of the account's session limit while its session runs (tasks/account_slots.py)."""
+    environment; each session holds a slot of the account's session limit until it is handed over
+    (tasks/account_slots.py)."""
     run_spec = load_spec(spec)
     ctx = RelayContext.open(run_spec, Path(spec).read_text(),
                             relay_step.make_backend(credentials_block or run_spec.kaggle.credentials_block),
                             state_dir, live_seconds, step_lock_wait_s)
     get_run_logger().info("relay %s on Kaggle account %s", run_spec.name, ctx.backend.username)
     pace = Pace(mode, poll_seconds, time.monotonic() + max_hours * 3600, live_seconds, tick_follow_seconds)
-    # a tick ends before its session does, so only a watch can hold a slot for as long as the session runs
-    slot = AccountSlot(ctx.backend.username, run_spec.kaggle.account_sessions) if mode == "watch" else None
+    slot = AccountSlot(ctx.backend.username, run_spec.name, run_spec.kaggle.account_sessions,
+                       run_spec.kaggle.session_timeout + run_spec.kaggle.startup_overhead)
     try:
         return drive(ctx, pace, slot)
     except RelayFailed as err:
+        slot.release()  # the relay stopped after its session ended: it pushes nothing until a person acts
         relay_step.stopped(ctx, err)
         raise
     finally:
-        if slot is not None:
-            slot.release()
         ctx.close()
 
 
@@ -86,11 +86,10 @@ def drive(ctx: RelayContext, pace: Pace, slot: Optional[AccountSlot] = None) -> 
 def _steps(ctx: RelayContext, pace: Pace, slot: Optional[AccountSlot]) -> dict:
     while True:
         step = relay_step.advance(ctx)
-        if slot is not None:
-            if step.state == "running":
-                slot.take()  # a session this run did not push (a killed worker's): it counts, when a slot is free
-            elif step.state != "ready":
-                slot.release()  # no session of this relay runs: the account's slot is another relay's to take
+        if slot is not None and step.state == "running":
+            slot.keep()  # the session is queued or running (pushed by this run or another): its slot lasts
+        elif slot is not None and step.state in ("handed-over", "done"):
+            slot.release()  # no session of this relay runs: the account's slot is another relay's to take
         if step.state == "ready":
             step = _push(ctx, step, slot)
         if step.state == "done" or (pace.mode == "tick" and step.state in ("handed-over", "restored", "pushed")):
@@ -116,10 +115,8 @@ def _push(ctx: RelayContext, ready: Step, slot: Optional[AccountSlot]) -> Step:
     if slot is not None and not slot.take():
         return replace(ready, state="waiting", why=f"account {ctx.backend.username}: its"
                        f" {slot.sessions} GPU sessions run (Prefect limit {slot.limit}); waiting for a slot")
-    pushed = relay_step.push(ctx, ready, budget, quota)
-    if slot is not None and pushed.state != "pushed":
-        slot.release()
-    return pushed
+    # a push that did not land (a refusal, another orchestrator's claim) keeps the slot for the relay's retry
+    return relay_step.push(ctx, ready, budget, quota)
 
 
 def _follow(ctx: RelayContext, running: Step, pace: Pace) -> Optional[dict]:

@@ -1,27 +1,27 @@
 """A Kaggle account's concurrent GPU sessions as a Prefect global concurrency limit, `kaggle-account-<username>`,
 created with the spec's `kaggle.account_sessions` slots (Kaggle's cap: 2).
 
-A `relay` flow run watching its relay takes one slot before it pushes a session and holds it (a Prefect lease,
-renewed by a thread) until the session has ended, so relays of one account on one Prefect server, on any of its
-workers, never push a session Kaggle would refuse: they wait for a slot. A run that finds its relay's session
-already running (it took over from a killed worker) takes a slot too when one is free.
-
-A holder that is killed stops renewing; the server's repossessor service gives its slot back within about a
-minute (the shortest lease the server accepts, plus the service's loop). Until then the account counts one
-session too many, which only delays a push. The limit is an optimisation: Kaggle's own refusal (the relay waits
-and tries again) and the claims on Kaggle (relay/orchestrator/kaggle/lease.py) stay the guarantee. Slots are
-taken only on a Prefect server (PREFECT_API_URL set): an ephemeral server keeps leases in its memory, so a slot
-taken there would outlive a killed holder.
+A slot stands for one relay's session, not for the process that pushed it: a relay takes one before it pushes
+and gives it back once that session has been handed over, whichever flow run (watch or tick, on any worker) does
+each. The slot is a Prefect lease as long as the session can last on Kaggle (its timeout plus start-up,
+`hold_s`), recorded in the Prefect variable `kaggle-slot-<username>-<relay>`, so that:
+- a flow run killed while its session runs leaves the slot taken for as long as the session may run, and the
+  next run of the relay finds it by the record, renews it while it follows the session and gives it back after
+  the hand-over: the account's count stays true through a worker's death;
+- two flow runs of one relay (two deployments, a watch beside a schedule) share its one slot;
+- a relay never run again gives its slot back when the lease ends (the server's repossessor service).
+Relays of one account on one Prefect server therefore wait for a slot instead of pushing into Kaggle's refusal;
+Kaggle's refusal (the relay waits and tries again) and the claims on Kaggle (relay/orchestrator/kaggle/lease.py)
+stay the guarantee. Slots are taken only with a Prefect server to count on (PREFECT_API_URL set).
 """
 from __future__ import annotations
 
 import logging
-import threading
-from typing import Optional
 
-from tasks.step_lock import SERVER_LEASE_S, ensure_limit, take_slot
+from tasks.step_lock import SERVER_LEASE_S, delete_record, ensure_limit, read_record, take_slot, write_record
 
 log = logging.getLogger(__name__)
+MAX_LEASE_S = 24 * 3600.0  # the longest lease Prefect's server grants
 
 
 def limit_name(username: str) -> str:
@@ -29,71 +29,85 @@ def limit_name(username: str) -> str:
 
 
 class AccountSlot:
-    """This flow run's slot (at most one) of its account's limit."""
+    """The slot of one relay's session in its account's limit."""
 
-    def __init__(self, username: str, sessions: int, lease_s: float = SERVER_LEASE_S):
-        self.limit, self.sessions, self.lease_s = limit_name(username), sessions, lease_s
-        self._lease: Optional[str] = None
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._ready = False
-
-    @property
-    def held(self) -> bool:
-        return self._lease is not None
+    def __init__(self, username: str, relay_name: str, sessions: int, hold_s: float):
+        self.limit, self.sessions = limit_name(username), sessions
+        self.record = f"kaggle-slot-{username}-{relay_name}"
+        self.hold_s = min(MAX_LEASE_S, max(SERVER_LEASE_S, hold_s))
 
     def take(self) -> bool:
-        """A slot, without waiting: True when held (or when there is no Prefect server to count on), False when
-        the account's sessions all run."""
-        from prefect.settings import PREFECT_API_URL
-
-        if self._lease is not None or not PREFECT_API_URL.value():
-            return True
-        from prefect import get_client
-
+        """Before a push: the relay's slot (its recorded one, renewed, or a new one). False when the account's
+        sessions all run; True also when there is no Prefect server to count on."""
         try:
-            with get_client(sync_client=True) as client:
-                if not self._ready:
-                    ensure_limit(client, self.limit, self.sessions)
-                    self._ready = True
-                lease = take_slot(client, self.limit, self.lease_s)
+            with _client() as client:
+                if client is None or self._renew(client):
+                    return True
+                ensure_limit(client, self.limit, self.sessions)
+                lease = take_slot(client, self.limit, self.hold_s)
+                if lease is None:
+                    return False
+                write_record(client, self.record, {"lease_id": lease})
+                return True
         except Exception as err:  # noqa: BLE001 - no server, old server: Kaggle's refusal still guards the cap
             log.warning("account limit %s unavailable (%s); pushing, guarded by Kaggle's cap", self.limit,
                         str(err).splitlines()[0] if str(err) else type(err).__name__)
             return True
-        if lease is None:
-            return False
-        self._lease, self._stop = lease, threading.Event()
-        self._thread = threading.Thread(target=self._keep, name=f"account-slot-{self.limit}", daemon=True)
-        self._thread.start()
-        return True
+
+    def keep(self) -> None:
+        """While the relay's session is queued or running: its slot lasts another `hold_s`."""
+        try:
+            with _client() as client:
+                if client is not None:
+                    self._renew(client)
+        except Exception as err:  # noqa: BLE001 - the lease still runs for the session's whole length
+            log.warning("account limit %s: renewal failed (%s)", self.limit, type(err).__name__)
 
     def release(self) -> None:
-        lease, self._lease = self._lease, None
-        if lease is None:
-            return
+        """Once no session of the relay runs (handed over, done): the slot is another relay's to take."""
         from uuid import UUID
 
-        from prefect import get_client
-
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
         try:
-            with get_client(sync_client=True) as client:
-                client.release_concurrency_slots_with_lease(UUID(lease))
-        except Exception as err:  # noqa: BLE001 - the lease lapses on its own
+            with _client() as client:
+                record = read_record(client, self.record) if client is not None else None
+                if record is None:
+                    return
+                delete_record(client, self.record)
+                try:
+                    client.release_concurrency_slots_with_lease(UUID(record["lease_id"]))
+                except Exception:  # noqa: BLE001 - its lease ended already (the repossessor gave it back)
+                    pass
+        except Exception as err:  # noqa: BLE001 - the lease ends on its own
             log.warning("account limit %s: release failed (%s)", self.limit, err)
 
-    def _keep(self) -> None:
+    def _renew(self, client) -> bool:
+        """Renew the relay's recorded lease; False when there is none (or it ended)."""
         from uuid import UUID
 
-        from prefect import get_client
+        record = read_record(client, self.record)
+        if record is None:
+            return False
+        try:
+            client.renew_concurrency_lease(UUID(record["lease_id"]), self.hold_s)
+            return True
+        except Exception:  # noqa: BLE001 - ended (the session outlived hold_s, or a server without it): a new one
+            delete_record(client, self.record)
+            return False
 
-        lease = self._lease
-        while lease is not None and not self._stop.wait(self.lease_s / 3):
-            try:
-                with get_client(sync_client=True) as client:
-                    client.renew_concurrency_lease(UUID(lease), max(SERVER_LEASE_S, self.lease_s))
-            except Exception as err:  # noqa: BLE001 - the next renewal may get through; the lease outlasts two misses
-                log.warning("account limit %s: renewal failed (%s)", self.limit, type(err).__name__)
+
+class _client:
+    """A sync Prefect client, or None when no Prefect server is set (an ephemeral one keeps leases in memory)."""
+
+    def __enter__(self):
+        from prefect.settings import PREFECT_API_URL
+
+        self._client = None
+        if PREFECT_API_URL.value():
+            from prefect import get_client
+
+            self._client = get_client(sync_client=True).__enter__()
+        return self._client
+
+    def __exit__(self, *exc) -> None:
+        if self._client is not None:
+            self._client.__exit__(*exc)

@@ -59,7 +59,7 @@ class StepLock:
                     if lease_id is not None:
                         self._held = _Holding(self, lease_id)
                         return True
-                    record = _read_record(client, self.record_name)
+                    record = read_record(client, self.record_name)
                     if record is not None and record.get("until", 0) < time.time():
                         self._take_back(client, record)
                         continue
@@ -98,7 +98,7 @@ class StepLock:
 
         log.warning("step lock %s: %s stopped renewing it %.0f s ago (killed?); taking its slot back", self.limit,
                     _who(record), time.time() - record["until"] + self.lease_s)
-        _delete_record(client, self.record_name)
+        delete_record(client, self.record_name)
         if record.get("own_server"):
             client.release_concurrency_slots(names=[self.limit], slots=1,
                                              occupancy_seconds=max(0.0, time.time() - record.get("since", 0)))
@@ -162,7 +162,7 @@ class _Holding:
         with get_client(sync_client=True) as client:
             client.renew_concurrency_lease(UUID(self.lease_id), max(SERVER_LEASE_S, self.lock.lease_s))
             self.record["until"] = time.time() + self.lock.lease_s
-            _write_record(client, self.lock.record_name, self.record)
+            write_record(client, self.lock.record_name, self.record)
 
     def _keep(self) -> None:
         while not self.stop.wait(self.lock.lease_s / 3):
@@ -180,7 +180,7 @@ class _Holding:
         self.thread.join()
         try:
             with get_client(sync_client=True) as client:
-                _delete_record(client, self.lock.record_name)
+                delete_record(client, self.lock.record_name)
                 client.release_concurrency_slots_with_lease(UUID(self.lease_id))
         except Exception as err:  # noqa: BLE001 - the lease lapses on its own
             log.warning("step lock %s: release failed (%s)", self.lock.limit, err)
@@ -190,12 +190,12 @@ def _who(record: Optional[dict]) -> str:
     return f"holder {record['holder']}" if record else "another flow run"
 
 
-def _read_record(client, name: str) -> Optional[dict]:
+def read_record(client, name: str) -> Optional[dict]:
     variable = client.read_variable_by_name(name)
     return variable.value if variable is not None and isinstance(variable.value, dict) else None
 
 
-def _write_record(client, name: str, value: dict) -> None:
+def write_record(client, name: str, value: dict) -> None:
     from prefect.client.schemas.actions import VariableCreate, VariableUpdate
     from prefect.exceptions import ObjectAlreadyExists
 
@@ -208,7 +208,7 @@ def _write_record(client, name: str, value: dict) -> None:
         client.update_variable(VariableUpdate(name=name, value=value))
 
 
-def _delete_record(client, name: str) -> None:
+def delete_record(client, name: str) -> None:
     from prefect.exceptions import ObjectNotFound
 
     try:

@@ -232,10 +232,10 @@ class KaggleConfig(_Section):
         " own credentials_block (`relay run --credentials-block`, a deployment's parameter) wins. Unset: the"
         " worker's environment (KAGGLE_USERNAME/KAGGLE_KEY, kaggle.json). The key never appears in the spec."))
     account_sessions: int = Field(2, ge=1, description=(
-        "GPU sessions the account may run at once (Kaggle: 2). On a Prefect server every `relay` flow run takes a"
-        " slot of the global concurrency limit `kaggle-account-<username>` (created with this many slots) from"
-        " before its push until its session ends, so relays of one account wait their turn instead of pushing"
-        " into Kaggle's refusal."))
+        "GPU sessions the account may run at once (Kaggle: 2). On a Prefect server the `relay` flow takes a"
+        " slot of the global concurrency limit `kaggle-account-<username>` (created with this many slots) for"
+        " each session, from before its push until its hand-over, so relays of one account wait their turn"
+        " instead of pushing into Kaggle's refusal."))
     status_lag: float = Field(300.0, ge=0, description=(
         "For this long after a push, output of another run is read as Kaggle's status lag (look again), not as "
         "a failed session (duration)."))
