@@ -1,0 +1,91 @@
+"""Several Kaggle accounts: the spec's fields, the one-account rule of the `relays` flow, the local PostgreSQL's bad
+inputs, and the account's session slots on a real Prefect server (the test harness's). The whole shape, several
+workers and accounts through a worker's death, is tests/test_several_workers.py."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from relay.shared.errors import InputError
+from relay.shared.spec import SpecError, load
+from relay_fixtures import prefect_api, spec_dict  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(folder: Path, name: str, **overrides) -> Path:
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec_dict(name=name, **overrides), sort_keys=False))
+    return path
+
+
+def test_the_spec_names_its_account_block_and_its_session_cap(tmp_path):
+    spec = load(write(tmp_path, "acct-relay", **{"kaggle.credentials_block": "kaggle-ann",
+                                                 "kaggle.account_sessions": 1}))
+    assert (spec.kaggle.credentials_block, spec.kaggle.account_sessions) == ("kaggle-ann", 1)
+    assert load(write(tmp_path, "plain-relay")).kaggle.credentials_block is None
+    for field, value in (("credentials_block", "Kaggle Ann"), ("account_sessions", 0)):
+        with pytest.raises(SpecError) as err:
+            load(write(tmp_path, "bad-relay", **{f"kaggle.{field}": value}))
+        assert f"kaggle.{field}" in str(err.value) and len(str(err.value).splitlines()) == 1, str(err.value)
+
+
+def test_one_relays_run_drives_one_account(tmp_path):
+    from flows.relays_sharing_quota import one_account
+
+    ann = write(tmp_path, "relay-ann", **{"kaggle.credentials_block": "kaggle-ann"})
+    ann2 = write(tmp_path, "relay-ann-2", **{"kaggle.credentials_block": "kaggle-ann"})
+    ben = write(tmp_path, "relay-ben", **{"kaggle.credentials_block": "kaggle-ben"})
+    assert one_account([str(ann), str(ann2)]) == "kaggle-ann"
+    assert one_account([str(write(tmp_path, "plain-relay"))]) is None
+    with pytest.raises(InputError) as err:
+        one_account([str(ann), str(ben)])
+    assert str(err.value) == ("relays: the specs name different kaggle.credentials_block (['kaggle-ann', "
+                              "'kaggle-ben']); one relays run drives one account: start one per account")
+
+
+def test_local_postgres_refuses_a_folder_that_is_not_a_cluster(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    done = subprocess.run([sys.executable, "deploy/local_postgres.py", "start", "--data", str(folder)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.splitlines() == [f"local_postgres: --data {folder}: not empty and not a PostgreSQL cluster;"
+                                        " expected an empty or absent folder"]
+    assert [p.name for p in folder.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.slow
+def test_an_accounts_slots_stand_for_its_relays_sessions(prefect_api):  # noqa: F811
+    from prefect import get_client
+
+    from tasks.account_slots import AccountSlot
+
+    def active() -> int:
+        with get_client(sync_client=True) as client:
+            return client.read_global_concurrency_limit_by_name("kaggle-account-slots-test").active_slots
+
+    first = AccountSlot("slots-test", "relay-a", sessions=2, hold_s=600)
+    second = AccountSlot("slots-test", "relay-b", sessions=2, hold_s=600)
+    third = AccountSlot("slots-test", "relay-c", sessions=2, hold_s=600)
+    try:
+        assert first.take() and second.take() and active() == 2
+        assert not third.take() and active() == 2  # the account's two sessions run: the third relay waits
+        # another flow run of relay-a (the next tick, another worker) finds relay-a's slot: no second one
+        again = AccountSlot("slots-test", "relay-a", sessions=2, hold_s=600)
+        assert again.take() and active() == 2
+        again.keep()
+        again.release()  # relay-a's session handed over, by the run that found it
+        assert active() == 1
+        first.release()  # the run that pushed it has nothing left to give back
+        assert active() == 1
+        assert third.take() and active() == 2
+    finally:
+        for slot in (first, second, third):
+            slot.release()
+    assert active() == 0
