@@ -105,8 +105,8 @@ def _steps(ctx: RelayContext, pace: Pace, slot: Optional[AccountSlot]) -> dict:
 
 
 def _push(ctx: RelayContext, ready: Step, slot: Optional[AccountSlot]) -> Step:
-    """The whole quota is this relay's: the session's budget is the spec's, within what is left of it. A watch
-    pushes only with a slot of its account's session limit."""
+    """The whole quota is this relay's: the session's budget is the spec's, within what is left of it. It
+    pushes only with a slot of its account's session limit (a tick too: the slot outlives the run)."""
     quota = t.read_quota(ctx.backend)
     budget = session_budget(ctx.spec, quota)
     relay_step.plan(ctx, ready.progress, quota)
