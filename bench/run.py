@@ -3,7 +3,7 @@
     python bench/run.py [--only loop,checkpoint,features] [--quick]
 
 Each bench module has `run() -> dict` of figures (bench_loop, bench_checkpoint, bench_features, bench_relay,
-bench_vqa, bench_recsys, bench_byo, bench_live, bench_tick, bench_tracking, bench_divergence).
+bench_vqa, bench_recsys, bench_byo, bench_live, bench_tick, bench_tracking, bench_divergence, bench_scale).
 Timings are of this machine at this moment: the output and the results file name the machine (CPU model, cores,
 torch version, load average; bench/machine.py). Every figure is a ratio against a baseline measured in the same
 run, compared variants alternate, and each is reported as a median with its spread.
@@ -44,6 +44,8 @@ BENCHES = {
     "divergence": ("bench_divergence", {}, {"only": ["legal-tiny", "byo-plain"]}),
     # ~30 s: 7 alternating rounds of ~1.5 CPU s each, tracking on vs off (sized from a step time measured first)
     "tracking": ("bench_tracking", {"repeats": 7, "target_s": 1.5}, {"repeats": 3, "target_s": 0.5}),
+    # ~6 min: 10, then 20 watch relays of 2 toy sessions on one worker and a PostgreSQL-backed server
+    "scale": ("bench_scale", {"counts": (10, 20)}, {"counts": (5,)}),
 }
 
 
@@ -128,6 +130,10 @@ def _lines(name: str, f: dict) -> list[str]:
         import bench_tracking
 
         return bench_tracking.format_lines(f)
+    if name == "scale":
+        import bench_scale
+
+        return bench_scale.format_lines(f)
     return [json.dumps(f)]
 
 
