@@ -21,6 +21,7 @@ from relay.orchestrator.policy import plan_text, session_budget, utc  # noqa: F4
 from relay.front_door import load_spec
 from tasks import relay_step, relay_tasks as t
 from tasks.account_slots import AccountSlot
+from tasks.live_view import follow_sessions
 from tasks.relay_step import RelayContext, RelayFailed, Step  # noqa: F401 - RelayFailed: the flow's API
 
 # A watch waiting for the weekly quota looks at it again this often before the refresh Kaggle announced: the
@@ -34,7 +35,8 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
           max_hours: float = 24 * 14, state_dir: str = "runs", live_seconds: float = 30.0,
           tick_follow_seconds: float = 5.0, step_lock_wait_s: float = 600.0) -> dict:
     """Advance (tick) or run to the end (watch) the relay of `spec`. Returns {"state", "step", ...}.
-    While a session runs its progress is refreshed every `live_seconds`; a tick reads its log for at most
+    While a session runs the flow waits on it in one task run, its progress refreshed every `live_seconds`
+    (tasks/live_view.py: log lines and artifact versions at its events only); a tick reads its log for at most
     `tick_follow_seconds`. Each step waits at most `step_lock_wait_s` for another flow run of this relay on
     this Prefect server (tasks/step_lock.py; 0: no lock); pushes and hand-overs are claimed on Kaggle.
     The Kaggle account: `credentials_block`, else the spec's kaggle.credentials_block, else the worker's
@@ -43,7 +45,7 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
     run_spec = load_spec(spec)
     ctx = RelayContext.open(run_spec, Path(spec).read_text(),
                             relay_step.make_backend(credentials_block or run_spec.kaggle.credentials_block),
-                            state_dir, live_seconds, step_lock_wait_s)
+                            state_dir, step_lock_wait_s)
     get_run_logger().info("relay %s on Kaggle account %s", run_spec.name, ctx.backend.username)
     pace = Pace(mode, poll_seconds, time.monotonic() + max_hours * 3600, live_seconds, tick_follow_seconds)
     slot = AccountSlot(ctx.backend.username, run_spec.name, run_spec.kaggle.account_sessions,
@@ -125,19 +127,19 @@ def _follow(ctx: RelayContext, running: Step, pace: Pace) -> Optional[dict]:
     live = relay_step.show_running(ctx, running)
     if pace.mode == "tick":  # what the stream gives within a bounded time
         live.wait(pace.tick_follow_seconds)
-        ctx.view.refresh(running.progress, running.obs.kernel_state or "starting")
+        ctx.view.refresh(running.progress, running.obs.kernel_state or "starting", catch_up=True)
         return running.summary()
     if time.monotonic() > pace.give_up:
         raise RelayFailed(f"gave up waiting for {running.action.run_id}: the flow's max_hours have passed")
-    # look at Kaggle again at least every 10 min, and once the session's deadline passed (is it wedged?)
-    look = 600.0 if running.deadline is None else min(600.0, running.deadline - time.time() + pace.poll_seconds)
-    waited = time.monotonic() + look
-    state = "starting"
-    while time.monotonic() < waited and state in ("starting", "queued", "running"):
-        state = t.wait_for_kernel(ctx.backend, ctx.names.kernel, running.obs.kernel_version,
-                                  max_seconds=max(0.0, min(pace.live_seconds, waited - time.monotonic())),
-                                  poll_seconds=pace.poll_seconds)
-        ctx.view.refresh(running.progress, state)
+    session = relay_step.following(ctx, running)
+    if session is None:  # not visible to Kaggle's status call yet: look again after one poll
+        time.sleep(pace.poll_seconds)
+        return None
+    # until the session ends, or its deadline passed (is it wedged?): then the flow looks at Kaggle again; with
+    # no deadline ahead (one passed: it is wedged and waited on), at least every 10 min
+    look = 600.0 if running.deadline is None else running.deadline - time.time() + pace.poll_seconds
+    follow_sessions([session], session.run_id, pace.poll_seconds, pace.live_seconds,
+                    min(pace.give_up, time.monotonic() + look))
     return None
 
 

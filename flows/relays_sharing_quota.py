@@ -30,6 +30,7 @@ from relay.shared.errors import InputError
 from relay.shared.spec import load as spec_only  # the spec without its code: to read one field
 from tasks import relay_step, relay_tasks as t
 from tasks import relays_artifacts
+from tasks.live_view import follow_sessions
 from tasks.relay_step import RelayContext, RelayFailed, Step
 
 MAX_ERROR_ROUNDS = 3  # a relay whose round raised this many times in a row (after task retries) is failed
@@ -61,13 +62,12 @@ class Round:
     quota_wait: Optional[datetime] = None  # the refresh every waiting relay waits for
 
 
-def load_relays(specs: List[str], backend, state_dir: str, live_seconds: float = 30.0,
-                step_lock_wait_s: float = 0.0) -> List[Relay]:
+def load_relays(specs: List[str], backend, state_dir: str, step_lock_wait_s: float = 0.0) -> List[Relay]:
     relays = []
     for path in specs:
         relay = Relay(path, Path(path).stem)
         try:
-            relay.ctx = RelayContext.open(load_spec(path), Path(path).read_text(), backend, state_dir, live_seconds,
+            relay.ctx = RelayContext.open(load_spec(path), Path(path).read_text(), backend, state_dir,
                                           step_lock_wait_s)
         except (InputError, OSError) as err:  # one bad spec is that relay's failure, not everyone's
             relay.failed, relay.state = f"bad spec: {err}", "failed"
@@ -237,7 +237,7 @@ def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int 
         raise InputError(f"relays: cap {cap}: at least 1 concurrent session")
     backend = relay_step.make_backend(credentials_block or one_account(specs))
     logger.info("relays on Kaggle account %s", backend.username)
-    all_relays = load_relays(specs, backend, state_dir, live_seconds, step_lock_wait_s)
+    all_relays = load_relays(specs, backend, state_dir, step_lock_wait_s)
     give_up = time.monotonic() + max_hours * 3600
     announced_wait, refused = None, 0
     while True:
@@ -265,7 +265,25 @@ def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int 
         delay = poll_seconds
         if rnd.quota_wait and not rnd.in_flight:  # nothing to hand over meanwhile: sleep to the refresh
             delay = max(poll_seconds, (rnd.quota_wait - now).total_seconds())
-        time.sleep(min(delay, 3600))
+        if not _wait_on_sessions(active, rnd, poll_seconds, live_seconds, give_up):
+            time.sleep(min(delay, 3600))
+
+
+def _wait_on_sessions(active: List[Relay], rnd: Round, poll_seconds: float, live_seconds: float,
+                      give_up: float) -> bool:
+    """When nothing but a session's end can change a relay's state (each active relay runs a session or waits
+    for a slot or the quota), wait in one task run until a session ends (or the quota refreshes), their views
+    current; the next round then follows that event. False: a relay waits on something else (a claim,
+    Kaggle's status lag): the flow polls."""
+    running = [relay_step.following(r.ctx, r.step) for r in active if r.state == "running"]
+    idle = all(r.state in ("running", "waiting for a slot", "waiting for quota") for r in active)
+    if not running or None in running or not idle:
+        return False
+    until = give_up
+    if rnd.quota_wait:
+        until = min(until, time.monotonic() + max(0.0, (rnd.quota_wait - datetime.now(timezone.utc)).total_seconds()))
+    follow_sessions(running, ", ".join(s.run_id for s in running), poll_seconds, live_seconds, until)
+    return True
 
 
 def _rows(relays: List[Relay], plan) -> List[dict]:

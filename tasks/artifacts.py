@@ -20,13 +20,23 @@ def _key(name: str, what: str) -> str:
     return re.sub(r"[^a-z0-9-]", "-", f"{name}-{what}".lower())
 
 
+def show_progress(name: str, step: int, total: int, text: str, artifact_id: Optional[str] = None) -> str:
+    """The relay's progress artifact: `artifact_id` updated in place (no new version), else a new version of the
+    `<name>-progress` key, which is then its latest. Returns the id to update next time."""
+    from prefect.artifacts import update_progress_artifact
+
+    percent = 100.0 * step / max(1, total)
+    if artifact_id:
+        update_progress_artifact(artifact_id, progress=percent, description=text)
+        return artifact_id
+    return str(create_progress_artifact(progress=percent, key=_key(name, "progress"), description=text))
+
+
 @task(name="report", cache_policy=NO_CACHE)
 def publish_report(name: str, progress: dict, local: Path, metrics: Optional[Path] = None, plan_text: str = "",
                    billed_s: Optional[dict] = None, state: str = "") -> dict:
-    """Refresh the relay's artifacts from the latest handed-over progress (and the metrics beside it)."""
-    done, total = progress.get("global_step", 0), max(1, progress.get("total_steps", 1))
-    create_progress_artifact(progress=100.0 * done / total, key=_key(name, "progress"),
-                             description=f"{name}: step {done} of {total}")
+    """The relay's session table and summary from the latest handed-over progress (and the metrics beside it);
+    the progress artifact is the live view's (tasks/live_view.py), updated in place."""
     rows = report.session_table(progress, billed_s=billed_s or {})
     if rows:
         create_table_artifact(table=rows, key=_key(name, "sessions"), description=f"{name}: one row per session")
@@ -64,47 +74,31 @@ def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_te
     return "\n\n".join(md) + "\n"
 
 
-@task(name="live-view", cache_policy=NO_CACHE)
-def publish_live(name: str, progress: Optional[dict], records: list, local: Path, metrics: Optional[Path],
-                 progress_artifact: Optional[str] = None, curves: bool = True, kernel_state: str = "running",
-                 warnings: tuple = ()) -> Optional[str]:
-    """The running session in the UI: the run's progress artifact updated in place (steps of the run and of
-    this session, ETAs) and, when `curves` (every few minutes: each is a new artifact version), the session table
-    with the running row and the summary's loss curve with the running session. Returns the progress
-    artifact's id, to update it next time."""
-    from prefect.artifacts import update_progress_artifact
-
+def publish_running(name: str, progress: dict, records: list, local: Path, metrics: Optional[Path], text: str,
+                    kernel_state: str, plan_text: str = "") -> None:
+    """The running session's table row and the summary with its loss curve: new versions of the `<name>-sessions`
+    and `<name>-summary` keys, so only at the session's events (tasks/live_view.py says which)."""
     from relay.orchestrator import live
 
-    progress = progress or {}
     latest = live.running_row(records, kernel_state)
-    if latest is None:
-        return progress_artifact
-    last = next(r for r in reversed(records) if r.get("kind") in ("train", "end"))
+    last = next((r for r in reversed(records) if r.get("kind") in ("train", "end")), None)
+    if latest is None or last is None:
+        return
     total = max(1, last.get("total_steps") or progress.get("total_steps") or 1)
-    text = (f"{name}: step {last['step']} of {total}; session {last.get('session')} ({last.get('run_id')}):"
-            f" {latest['steps']} steps, {kernel_state}; {live.eta_text(records)}")
-    if progress_artifact:
-        update_progress_artifact(progress_artifact, progress=100.0 * last["step"] / total, description=text)
-    else:
-        progress_artifact = str(create_progress_artifact(progress=100.0 * last["step"] / total,
-                                                         key=_key(name, "progress"), description=text))
-    if not curves:
-        return progress_artifact  # the table and the summary are new artifact versions: not on every refresh
     rows = report.session_table(progress) + [latest]
     create_table_artifact(table=rows, key=_key(name, "sessions"), description=f"{name}: one row per session, the last"
                                                                               f" {kernel_state}")
     previous = report.read_metrics(metrics) if metrics is not None and metrics.is_file() else []
+    images = {}
     if previous or live.as_metrics(records):
         sessions = list(progress.get("sessions", [])) + [{"index": last.get("session"),
                                                           "step_start": records[0].get("step_start")}]
-        images = {"curves": report.plot_curves(previous + live.as_metrics(records), local / "curves-live.png",
-                                               progress={**progress, "sessions": sessions})}
-        md = summary_markdown(name, {**progress, "global_step": last["step"], "total_steps": total}, images,
-                              text + "".join(f"\nwarning: {w}" for w in warnings), f"session {last.get('session')}"
-                              f" {kernel_state}")
-        create_markdown_artifact(markdown=md, key=_key(name, "summary"), description=f"{name}: plan, ETA and curves")
-    return progress_artifact
+        images["curves"] = report.plot_curves(previous + live.as_metrics(records), local / "curves-live.png",
+                                              progress={**progress, "sessions": sessions})
+    md = summary_markdown(name, {**progress, "global_step": last["step"], "total_steps": total}, images,
+                          "\n\n".join(p for p in (text, plan_text) if p.strip()),
+                          f"session {last.get('session')} {kernel_state}")
+    create_markdown_artifact(markdown=md, key=_key(name, "summary"), description=f"{name}: plan, ETA and curves")
 
 
 def publish_stop(name: str, reason: str) -> None:

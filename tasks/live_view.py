@@ -1,57 +1,217 @@
-"""The flow's view of the running session: follows its log (relay.orchestrator.live) and refreshes the artifacts, at most
-every `curve_every_s` for the loss-curve image; early warnings go to the flow's log (and notifications)."""
+"""The flow's view of the running session: follows its log (relay.orchestrator.live) and keeps the relay's artifacts
+current, bounded by the session's events, not by how long it runs:
+- the progress artifact is updated in place (no new version) at every refresh; the flow run creates it once
+  and the hand-over's report updates the same one, so the key's latest version is always the newest state;
+- the session table and the summary (new versions) at the session's events: its first lines, every quarter
+  of its steps, each eval, each early warning, its end;
+- the flow's log says step, loss and ETA at every tenth of the session's steps and at each eval;
+- `follow_sessions` waits on running sessions inside one task run until one ends (not one per poll).
+"""
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
 
-from prefect import get_run_logger
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
 from relay.orchestrator import handoff
-from relay.orchestrator.live import LiveSession, early_warnings
+from relay.orchestrator.kaggle.types import KaggleUnresponsive, KernelState, NotFound
+from relay.orchestrator.live import Eta, LiveSession, early_warnings, estimate, eta_text, session_fraction
 from tasks import artifacts
+
+LOG_EVERY = 10        # log lines per session: one at each tenth of its steps
+SUMMARY_EVERY = 4     # summary and table versions per session: one at each quarter of its steps
 
 
 class LiveView:
-    def __init__(self, backend, names, local: Path, curve_every_s: float = 180.0,
-                 stuck_after_s: float = 1800.0, notify: Callable[[str, str], None] = lambda key, text: None):
+    def __init__(self, backend, names, local: Path, session_max_steps: Optional[int] = None,
+                 stuck_after_s: float = 1800.0, notify: Callable[[str, str], None] = lambda key, text: None,
+                 plan: Callable[[Optional[dict], Optional[Eta]], str] = lambda progress, eta: ""):
         self.backend, self.names, self.local = backend, names, local
-        self.curve_every_s, self.stuck_after_s, self.notify = curve_every_s, stuck_after_s, notify
+        self.session_max_steps, self.stuck_after_s, self.notify, self.plan = session_max_steps, stuck_after_s, notify, plan
         self.live: Optional[LiveSession] = None
-        self._artifact: Optional[str] = None
-        self._curve_at = -float("inf")
+        self.progress_artifact: Optional[str] = None  # this flow run's progress artifact, updated in place
         self._warned: set = set()
+        self._logged = self._summarized = -1  # the tenth logged and the quarter summarized of this session
+        self._seen = 0                          # records of this session read by refresh
 
     def follow(self, run_id: str) -> LiveSession:
         """The follower of `run_id`'s session (a new one for a new run, or when the last stream ended empty:
         right after a push it can still be the previous version's log)."""
         if self.live is None or self.live.run_id != run_id or (self.live.ended and not self.live.records):
             self.live = LiveSession(self.backend, self.names.kernel, run_id).start()
-            self._curve_at = -float("inf")  # a new session: its table row and curve at its first lines
+            self._logged, self._summarized, self._seen = -1, -1, 0  # a new session: its events start again
         return self.live
 
-    def refresh(self, progress: Optional[dict], kernel_state: str) -> None:
+    def show_progress(self, step: int, total: int, text: str) -> None:
+        """The relay's progress artifact: this flow run's, updated in place; created once per flow run (then
+        the key's latest version)."""
+        self.progress_artifact = artifacts.show_progress(self.names.name, step, total, text, self.progress_artifact)
+
+    def refresh(self, progress: Optional[dict], kernel_state: str, catch_up: bool = False) -> None:
+        """The progress artifact at the newest line; a log line and a summary version for each event of the
+        lines read since the last refresh, in their order (so how often this runs changes nothing). `catch_up`:
+        the lines so far are history (a tick reading a session it did not follow from its start): one log line
+        and one summary version for all of them."""
         live, logger = self.live, get_run_logger()
         if live is None:
             return
         records = list(live.records)
-        speeds = [s.get("samples_per_s") for s in (progress or {}).get("sessions", []) if s.get("samples_per_s")]
-        found = early_warnings(records, slow_below=sorted(speeds)[len(speeds) // 2] if speeds else None)
-        if kernel_state == "running" and live.silent_for() > self.stuck_after_s:
-            found.append(("stuck", f"no progress line for {live.silent_for() / 60:.0f} min (a stuck data loader"
-                                   " or collective?)"))
-        for key, text in found:
-            if (live.run_id, key) not in self._warned:
-                self._warned.add((live.run_id, key))
-                logger.warning("early warning, %s: %s", live.run_id, text)
-                self.notify(f"warning-{live.run_id}-{key}", f"{self.names.name} {live.run_id}: {text}")
-        curves = time.monotonic() - self._curve_at >= self.curve_every_s
+        warned = self._warn(records, progress, kernel_state)
+        if self._newest(records) is None:
+            return
+        log_at, summary_at = [], []
+        for i in range(self._seen, len(records)):
+            log, summary = self._events(records[:i + 1])
+            log_at += [i] if log else []
+            summary_at += [i] if summary else []
+        self._seen = len(records)
+        if warned and not summary_at:
+            summary_at.append(len(records) - 1)
+        if catch_up:
+            log_at, summary_at = log_at[-1:], summary_at[-1:]
         try:  # the live view never fails a relay
-            metrics = handoff.published_metrics(self.backend, self.names, self.local, progress) if progress else None
-            self._artifact = artifacts.publish_live(self.names.name, progress, records, self.local, metrics,
-                                                    self._artifact, curves, kernel_state, tuple(t for _, t in found))
+            newest = self._newest(records)
+            self.show_progress(int(newest["step"]), self._total(records, progress),
+                               self._text(records, progress, kernel_state))
+            for i in summary_at:
+                upto = records[:i + 1]
+                metrics = handoff.published_metrics(self.backend, self.names, self.local, progress) if progress else None
+                artifacts.publish_running(self.names.name, progress or {}, upto, self.local, metrics,
+                                          self._text(upto, progress, kernel_state), kernel_state,
+                                          self._plan(progress, estimate(upto, self.session_max_steps)))
         except Exception as err:  # noqa: BLE001
             logger.warning("live view of %s not refreshed: %s", live.run_id, err)
-        if curves and records:
-            self._curve_at = time.monotonic()
+        for i in log_at:
+            self._log(records[:i + 1], progress)
+
+    def _events(self, upto: list) -> tuple:
+        """(log line?, summary version?) for the newest of `upto`: a tenth (for the log) or a quarter (for the
+        summary) of the session's steps passed, an eval, the session's end."""
+        record = upto[-1]
+        if record.get("kind") == "eval":
+            return True, True
+        if record.get("kind") not in ("train", "end"):
+            return False, False
+        fraction = 1.0 if record.get("kind") == "end" else session_fraction(upto, self.session_max_steps)
+        # the first line within each tenth (quarter): as many per session whether it is 10 or 10,000 steps long
+        tenth, quarter = math.ceil(fraction * LOG_EVERY), math.ceil(fraction * SUMMARY_EVERY)
+        log, summary = tenth > self._logged, quarter > self._summarized
+        self._logged, self._summarized = max(self._logged, tenth), max(self._summarized, quarter)
+        return log, summary
+
+    def _log(self, upto: list, progress: Optional[dict]) -> None:
+        newest, record = self._newest(upto), upto[-1]
+        loss = newest.get("loss")
+        said = f", loss {loss:.4g}" if isinstance(loss, (int, float)) else ""
+        if record.get("kind") == "eval":
+            said += f"; eval {_pairs(record)}"
+        get_run_logger().info("%s step %s of %s%s; %s", self.live.run_id, newest["step"],
+                              self._total(upto, progress), said, eta_text(upto, self.session_max_steps))
+
+    def _text(self, upto: list, progress: Optional[dict], kernel_state: str) -> str:
+        newest = self._newest(upto)
+        steps = int(newest["step"]) - int(upto[0].get("step_start") or 0)
+        return (f"{self.names.name}: step {newest['step']} of {self._total(upto, progress)}; session"
+                f" {newest.get('session')} ({self.live.run_id}): {steps} steps, {kernel_state};"
+                f" {eta_text(upto, self.session_max_steps)}; updated {time.strftime('%H:%M:%S UTC', time.gmtime())}")
+
+    @staticmethod
+    def _newest(records: list) -> Optional[dict]:
+        return next((r for r in reversed(records) if r.get("kind") in ("train", "end")), None)
+
+    def _total(self, records: list, progress: Optional[dict]) -> int:
+        newest = self._newest(records) or {}
+        return int(newest.get("total_steps") or (progress or {}).get("total_steps") or newest.get("step") or 1)
+
+    def _warn(self, records: list, progress: Optional[dict], kernel_state: str) -> bool:
+        """Each early warning once per session, to the flow's log and a notification; True if one was new."""
+        new = False
+        for key, text in self._warnings(records, progress, kernel_state):
+            if (self.live.run_id, key) not in self._warned:
+                self._warned.add((self.live.run_id, key))
+                new = True
+                get_run_logger().warning("early warning, %s: %s", self.live.run_id, text)
+                self.notify(f"warning-{self.live.run_id}-{key}", f"{self.names.name} {self.live.run_id}: {text}")
+        return new
+
+    def _warnings(self, records: list, progress: Optional[dict], kernel_state: str) -> list:
+        speeds = [s.get("samples_per_s") for s in (progress or {}).get("sessions", []) if s.get("samples_per_s")]
+        found = early_warnings(records, slow_below=sorted(speeds)[len(speeds) // 2] if speeds else None)
+        if kernel_state == "running" and self.live.silent_for() > self.stuck_after_s:
+            found.append(("stuck", f"no progress line for {self.live.silent_for() / 60:.0f} min (a stuck data loader"
+                                   " or collective?)"))
+        return found
+
+    def _plan(self, progress: Optional[dict], eta: Optional[Eta]) -> str:
+        try:
+            return self.plan(progress, eta)
+        except Exception as err:  # noqa: BLE001 - a plan that cannot be made is said, never fatal
+            return f"(no plan: {err})"
+
+
+def _pairs(record: dict) -> str:
+    """An eval record's metrics as `name value` pairs."""
+    return ", ".join(f"{k[len('eval_'):]} {v:.4g}" if isinstance(v, float) else f"{k[len('eval_'):]} {v}"
+                     for k, v in record.items() if k.startswith("eval_"))
+
+
+@dataclass(frozen=True)
+class Running:
+    """One running session to wait on: its relay's view, run id, kernel version and handed-over progress."""
+
+    view: LiveView
+    run_id: str
+    version: int
+    progress: Optional[dict]
+
+
+@task(name="follow-sessions", cache_policy=NO_CACHE, task_run_name="follow {label}")
+def follow_sessions(sessions: List[Running], label: str, poll_seconds: float, live_seconds: float,
+                    give_up: float, max_status_errors: int = 10) -> Dict[str, str]:
+    """Wait until one of `sessions` finishes, refreshing their views every `live_seconds` and asking Kaggle
+    their states every `poll_seconds`: one task run per session's end, however long it runs. Returns
+    {run_id: kernel state}; stops waiting once `give_up` (time.monotonic()) has passed. A status error is
+    asked again at the next poll; KaggleUnresponsive (the client gave up) goes up to the flow, which looks
+    at Kaggle again later."""
+    states = {s.run_id: "starting" for s in sessions}
+    errors, finished, next_status = 0, False, 0.0
+    while time.monotonic() < give_up:
+        if time.monotonic() >= next_status:
+            next_status = time.monotonic() + poll_seconds
+            try:
+                for s in sessions:
+                    state = _state(s)
+                    states[s.run_id] = state.value if state else "starting"
+                    finished = finished or bool(state and state.finished)
+                errors = 0
+            except KaggleUnresponsive:
+                raise
+            except Exception:  # noqa: BLE001 - transient: the next poll asks again
+                errors += 1
+                if errors >= max_status_errors:
+                    raise
+        for s in sessions:
+            s.view.refresh(s.progress, states[s.run_id])
+        if finished:
+            for s in sessions:  # the stored log's last lines: the session's end in its view
+                if s.view.live is not None and states[s.run_id] in _FINISHED:
+                    s.view.live.wait(60)  # returns at the stream's end: the stored log is served at once
+                    s.view.refresh(s.progress, states[s.run_id])
+            return states
+        time.sleep(min(live_seconds, poll_seconds))
+    return states
+
+
+_FINISHED = {s.value for s in KernelState if s.finished}
+
+
+def _state(s: Running) -> Optional[KernelState]:
+    try:
+        return s.view.backend.kernel_status(s.view.names.kernel, s.version).state
+    except NotFound:  # the new version is not visible to the status call yet
+        return None

@@ -26,7 +26,7 @@ from relay.orchestrator.kaggle.types import KaggleUnresponsive, Quota, Refusal
 from relay.orchestrator.policy import budget_lowered, environment_change, plan_text, session_budget, wedge_notice
 from relay.shared.spec import RunSpec
 from tasks import artifacts, relay_tasks as t
-from tasks.live_view import LiveView
+from tasks.live_view import LiveView, Running
 from tasks.notify import Notifier
 from tasks.step_lock import StepLock
 
@@ -66,13 +66,15 @@ class RelayContext:
 
     @classmethod
     def open(cls, spec: RunSpec, spec_text: str, backend: KaggleBackend, state_dir: str | Path,
-             live_seconds: float = 30.0, step_lock_wait_s: float = 0.0) -> "RelayContext":
+             step_lock_wait_s: float = 0.0) -> "RelayContext":
         names = chain.Names(backend.username, spec.name)
         local = Path(state_dir) / spec.name
         local.mkdir(parents=True, exist_ok=True)
         tell = Notifier(spec.name, spec.notify.block)
-        view = LiveView(backend, names, local, curve_every_s=6 * live_seconds,  # 3 min by default
-                        notify=lambda key, text: tell("warning", key, text))
+        view = LiveView(backend, names, local, session_max_steps=spec.session.max_steps,
+                        notify=lambda key, text: tell("warning", key, text),
+                        plan=lambda progress, eta: plan_text(spec, progress, _quota(backend),
+                                                             datetime.now(timezone.utc), running=eta))
         return cls(spec, spec_text, backend, names, local, tell, StepLock(spec.name, step_lock_wait_s),
                    Lease(backend, spec.name, spec.kaggle.lease), view)
 
@@ -282,6 +284,14 @@ def show_running(ctx: RelayContext, running: Step):
     return live
 
 
+def following(ctx: RelayContext, running: Step) -> Optional[Running]:
+    """The running session to wait on (tasks/live_view.follow_sessions); None while Kaggle does not show its
+    version yet (right after a push)."""
+    if not running.obs.kernel_version:
+        return None
+    return Running(ctx.view, running.action.run_id, running.obs.kernel_version, running.progress)
+
+
 def stopped(ctx: RelayContext, err: RelayFailed) -> None:
     """The relay stopped and needs a person: the summary artifact says why, and a person is told once."""
     artifacts.publish_stop(ctx.spec.name, str(err))
@@ -302,6 +312,13 @@ def _claim(ctx: RelayContext, key: str, obs: chain.Observation, action: chain.Ac
         return Step("waiting", action, obs, obs.published, why=f"could not claim {key} on Kaggle: {err}")
 
 
+def _quota(backend) -> Optional[Quota]:
+    try:
+        return backend.quota()
+    except Exception:  # noqa: BLE001 - the plan falls back to the relay's own ledger
+        return None
+
+
 def _report(ctx: RelayContext, obs: chain.Observation, action: chain.Action) -> None:
     """The session table, curves and plan as artifacts, once per handed-over session."""
     if obs.published and obs.published.get("run_id") != ctx.reported:
@@ -309,4 +326,6 @@ def _report(ctx: RelayContext, obs: chain.Observation, action: chain.Action) -> 
         text = plan_text(ctx.spec, obs.published, t.read_quota(ctx.backend), datetime.now(timezone.utc))
         artifacts.publish_report(ctx.spec.name, obs.published, ctx.local, metrics, plan_text=text,
                                  state=action.do.value)
+        done, total = obs.published.get("global_step", 0), obs.published.get("total_steps") or 1
+        ctx.view.show_progress(done, total, f"{ctx.spec.name}: step {done} of {total}; {action.do.value}")
         ctx.reported = obs.published.get("run_id")

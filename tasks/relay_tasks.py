@@ -1,7 +1,6 @@
 """Kaggle-facing tasks. Each is safe to retry: push and publish are idempotent by run id / content."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -12,7 +11,7 @@ from relay.orchestrator import handoff
 from relay.orchestrator.chain import Action, Names, Observation
 from relay.orchestrator.kaggle.lease import LeaseLost
 from relay.orchestrator.kaggle.selective_output import DiskSpaceError
-from relay.orchestrator.kaggle.types import KaggleUnresponsive, NotFound, PushResult, Quota, SessionKernel
+from relay.orchestrator.kaggle.types import KaggleUnresponsive, PushResult, Quota, SessionKernel
 
 
 def _retry_unless(*final: type):
@@ -95,25 +94,3 @@ def wandb_api_key(spec) -> Optional[str]:
         get_run_logger().warning("W&B: Prefect Secret block %r not loaded (%s); using WANDB_API_KEY or wandb's"
                                  " own login", spec.tracking.wandb.api_key_block, type(err).__name__)
         return os.environ.get("WANDB_API_KEY")
-
-
-@task(name="wait-for-kernel", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=10)
-def wait_for_kernel(backend, kernel: str, version: Optional[int], max_seconds: float, poll_seconds: float) -> str:
-    """Poll until kernel version `version` finishes or `max_seconds` pass (the flow loops, so no single task
-    runs for 12 h); transient status errors are absorbed by the poll itself, with backoff. Asked by version:
-    the unpinned status can show the previous version's final state for a while after a push."""
-    if not version:  # not visible yet: look again after one poll interval
-        time.sleep(poll_seconds)
-        return "starting"
-    deadline = time.monotonic() + max_seconds
-    delay = min(poll_seconds, 2.0)
-    while True:
-        try:
-            state = backend.kernel_status(kernel, version).state
-        except NotFound:  # the new version is not visible to the status call yet
-            time.sleep(poll_seconds)
-            return "starting"
-        if state.finished or time.monotonic() + delay > deadline:
-            return state.value
-        time.sleep(delay)
-        delay = min(poll_seconds, delay * 1.5)

@@ -12,6 +12,7 @@ import math
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 from relay.shared.progress_line import parse
@@ -138,19 +139,81 @@ def as_metrics(records: List[dict]) -> List[dict]:
     return out
 
 
-def eta_text(records: List[dict]) -> str:
-    """This session's and the run's remaining training time at the measured speed."""
-    timed = [r for r in records if r.get("kind") == "train" and r.get("time") is not None]
-    latest = timed[-1] if timed else None
-    if latest is None or len(timed) < 2 or latest["time"] <= timed[0]["time"]:
-        return "ETA: after the next progress lines"
-    steps_per_s = (latest["step"] - timed[0]["step"]) / (latest["time"] - timed[0]["time"])
-    if steps_per_s <= 0:
-        return "ETA: no steps since the first progress line"
+@dataclass(frozen=True)
+class Eta:
+    """The one estimate of the running session: the progress text, the plan and `relay status` all say this."""
+
+    session: Optional[int]
+    step: int
+    step_start: int
+    total_steps: int
+    steps_per_s: float
+    session_end_step: int      # where the session stops: its step cap, its budget or the run's end
+    ends_by: str               # which of the three: "its step cap", "its budget", "the run's end"
+    session_left_s: float
+    run_left_s: float          # training left for the whole run at this speed
+    started_at: float          # unix time of the session's first progress line
+    as_of: float               # unix time of the newest progress line
+
+    @property
+    def session_ends_at(self) -> float:
+        return self.as_of + self.session_left_s
+
+    @property
+    def fraction(self) -> float:
+        """How far the session is, 0..1, by its steps."""
+        span = self.session_end_step - self.step_start
+        return 1.0 if span <= 0 else min(1.0, max(0.0, (self.step - self.step_start) / span))
+
+
+def estimate(records: List[dict], session_max_steps: Optional[int] = None) -> Optional[Eta]:
+    """The running session's end and the run's remaining training at the speed measured since its first
+    progress line; None before two timed lines. A session stops at the first of: its step cap
+    (`session.max_steps`), its budget (the time left its lines report), the run's last step."""
+    timed = [r for r in records if r.get("kind") == "train" and r.get("time") is not None and r.get("step") is not None]
+    if len(timed) < 2 or timed[-1]["time"] <= timed[0]["time"] or timed[-1]["step"] <= timed[0]["step"]:
+        return None
+    first, latest = timed[0], timed[-1]
+    speed = (latest["step"] - first["step"]) / (latest["time"] - first["time"])
+    step, start = int(latest["step"]), int(latest.get("step_start") or 0)
+    total = int(latest.get("total_steps") or step)
+    ends = [(total, "the run's end")]
+    if session_max_steps:
+        ends.append((start + int(session_max_steps), "its step cap"))
     left = latest.get("time_left_s")
-    session = f"session ends in ~{_hm(left)} (its budget)" if left is not None else "session runs to the end"
-    run_left = (latest["total_steps"] - latest["step"]) / steps_per_s
-    return f"{session}; the run needs ~{_hm(run_left)} of training at {steps_per_s:.3g} steps/s"
+    if left is not None and math.isfinite(left):
+        ends.append((step + int(left * speed), "its budget"))
+    end_step, ends_by = min(ends, key=lambda e: e[0])
+    end_step = max(end_step, step)
+    return Eta(latest.get("session"), step, start, total, speed, end_step, ends_by, (end_step - step) / speed,
+               max(0, total - step) / speed, float(first["time"]), float(latest["time"]))
+
+
+def session_fraction(records: List[dict], session_max_steps: Optional[int] = None) -> float:
+    """How far the running session is, 0..1, by its steps: against the estimate's end when there is one, else
+    against its step cap or the run's end (a session bounded only by its budget: 0 until its speed is known)."""
+    eta = estimate(records, session_max_steps)
+    if eta is not None:
+        return eta.fraction
+    latest = next((r for r in reversed(records) if r.get("kind") == "train" and r.get("step") is not None), None)
+    if latest is None:
+        return 0.0
+    start = int(latest.get("step_start") or 0)
+    ends = [e for e in (latest.get("total_steps"), start + session_max_steps if session_max_steps else None) if e]
+    if not ends or latest.get("time_left_s") is not None and not session_max_steps:
+        return 0.0
+    span = min(ends) - start
+    return 1.0 if span <= 0 else min(1.0, max(0.0, (int(latest["step"]) - start) / span))
+
+
+def eta_text(records: List[dict], session_max_steps: Optional[int] = None) -> str:
+    """This session's end and the run's remaining training time at the measured speed."""
+    eta = estimate(records, session_max_steps)
+    if eta is None:
+        return "ETA: after the next progress lines"
+    ends = time.strftime("%H:%M UTC", time.gmtime(eta.session_ends_at))
+    return (f"session ends in ~{_hm(eta.session_left_s)} at step {eta.session_end_step} ({eta.ends_by}, ~{ends});"
+            f" the run needs ~{_hm(eta.run_left_s)} of training at {eta.steps_per_s:.3g} steps/s")
 
 
 def _round(value: Optional[float], digits: int) -> Optional[float]:

@@ -381,7 +381,7 @@ def format_duration(seconds: float) -> str:
     return f"{minutes}m" if minutes else f"{seconds}s"
 
 
-def _when(t: datetime) -> str:
+def when(t: datetime) -> str:
     return t.strftime("%a %Y-%m-%d %H:%M UTC")
 
 
@@ -389,13 +389,13 @@ def format_plan(plan: Plan) -> str:
     q = plan.quota
     quota_line = (f"quota: {q.remaining_s / HOUR:.1f} h of {q.total_allowed_s / HOUR:.1f} h GPU left this week "
                   f"(used {q.used_s / HOUR:.1f} h, reserved {q.reserved_s / HOUR:.1f} h; from {q.source}); "
-                  f"refreshes {_when(q.refresh_at)}")
+                  f"refreshes {when(q.refresh_at)}")
     if plan.done:
         return f"done: no training steps left\n{quota_line}"
     header = ("session", "starts", "budget", "steps", "cum GPU h", "week")
     rows = []
     for s in plan.sessions:
-        starts = _when(s.starts) + (" (quota wait)" if s.waited_for_quota else "")
+        starts = when(s.starts) + (" (quota wait)" if s.waited_for_quota else "")
         steps = f"{s.steps} ({s.step_start}->{s.step_end}"
         steps += f", ep {s.epoch_end:.2f})" if s.epoch_end is not None else ")"
         rows.append((str(s.index), starts, format_duration(s.budget_s), steps,
@@ -409,10 +409,10 @@ def format_plan(plan: Plan) -> str:
     assert finish is not None
     out.append("")
     out.append(f"{len(plan.sessions)} sessions, {plan.remaining_steps} steps at {plan.step_seconds:.3g} s/step, "
-               f"{plan.total_gpu_s / HOUR:.1f} GPU h; finish {_when(finish)} "
+               f"{plan.total_gpu_s / HOUR:.1f} GPU h; finish {when(finish)} "
                f"(in {format_duration((finish - plan.now).total_seconds())})")
     if plan.waiting_until:
-        out.append(f"waiting for quota until {_when(plan.waiting_until)}")
+        out.append(f"waiting for quota until {when(plan.waiting_until)}")
     out.append(quota_line)
     return "\n".join(out)
 

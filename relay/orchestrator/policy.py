@@ -27,8 +27,19 @@ def session_budget(spec, quota) -> float:
     return budget
 
 
-def plan_text(spec, progress: Optional[dict], quota, now: datetime) -> str:
-    """Sessions left, their budgets and the finish date, from what was handed over and the account's quota."""
+def plan_text(spec, progress: Optional[dict], quota, now: datetime, running=None) -> str:
+    """Sessions left, their budgets and the finish date, from what was handed over and the account's quota.
+    `running` (relay.orchestrator.live.Eta): the session that trains now, which keeps its real start and ends
+    where the one estimate says; the sessions after it are planned from its end."""
+    head = ""
+    if running is not None:
+        start, end = (datetime.fromtimestamp(t, timezone.utc) for t in (running.started_at, running.session_ends_at))
+        head = (f"running: session {running.session}, started {planner.when(start)}, ends ~{planner.when(end)}"
+                f" at step {running.session_end_step} ({running.ends_by})\n")
+        progress = {**(progress or {}), "global_step": running.session_end_step,
+                    "total_steps": (progress or {}).get("total_steps") or running.total_steps}
+        if running.session_end_step >= running.total_steps:
+            return head + f"done at the running session's end, ~{planner.when(end)}"
     try:
         q = (planner.quota_from_api({"gpuQuota": {"timeUsed": quota.used_s, "totalTimeAllowed": quota.allowed_s,
                                                   "timeReserved": quota.reserved_s},
@@ -40,12 +51,14 @@ def plan_text(spec, progress: Optional[dict], quota, now: datetime) -> str:
                                        startup_s=spec.kaggle.startup_overhead,
                                        save_s=spec.session.safety_margin + 1, handoff_s=0, min_train_s=0,
                                        max_steps=spec.session.max_steps)
-        p = planner.plan_from_progress(progress or {}, q, now, limits=limits, step_seconds_estimate=None,
+        p = planner.plan_from_progress(progress or {}, q, now, limits=limits,
+                                       step_seconds_estimate=1 / running.steps_per_s if running else None,
                                        total_steps=(progress or {}).get("total_steps"),
-                                       steps_per_epoch=(progress or {}).get("steps_per_epoch"))
-        return planner.format_plan(p) + limit_warning(spec, progress)
+                                       steps_per_epoch=(progress or {}).get("steps_per_epoch"),
+                                       not_before=end if running is not None else None)
+        return head + planner.format_plan(p) + limit_warning(spec, progress)
     except (planner.PlanError, KeyError, TypeError, ValueError) as err:
-        return f"(no plan yet: {err})" + limit_warning(spec, progress)
+        return head + f"(no plan yet: {err})" + limit_warning(spec, progress)
 
 
 def budget_lowered(backend, names: chain.Names, spec) -> bool:

@@ -197,7 +197,12 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 # ---------------------------------------------------------------- plots
 
 def _pyplot():
+    import logging
+
     import matplotlib
+
+    # its font cache, built on a fresh HOME, is announced at INFO: not a line a person running `relay` needs
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
 
     matplotlib.use("Agg")  # files only: no display on a server or inside a kernel
     import matplotlib.pyplot as plt

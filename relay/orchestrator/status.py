@@ -34,7 +34,7 @@ def resolve_name(target: str):
 
 def report(target: str, backend_factory: Callable, out_dir: Path | None = None, emit=print,
            follow_s: float = 5.0) -> int:
-    from relay.orchestrator import chain, handoff, policy, report as rep
+    from relay.orchestrator import chain, handoff, live, policy, report as rep
     from relay.orchestrator.kaggle import KaggleError, NotFound
 
     name, run_spec = resolve_name(target)
@@ -54,15 +54,19 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
     action = chain.decide(name, obs)
     if action.do is chain.Do.WEDGED:  # what the relay does about it, in the `next:` line
         action = chain.on_wedged(action, run_spec.kaggle.on_wedged)
-    emit(f"relay {name} (Kaggle user {names.owner}): {obs.handed_over} session(s) handed over, step"
-         f" {progress.get('global_step', 0)}/{progress.get('total_steps', '?')}")
-    rows, eta = rep.session_table(progress), None
+    records, eta = [], None
     if action.do is chain.Do.WAIT and obs.kernel_state == "running":  # the running session, from its log stream
-        from relay.orchestrator import live
-
         records = live.LiveSession(backend, names.kernel, action.run_id).start().wait(follow_s)
+        eta = live.estimate(records, run_spec.session.max_steps)
+    newest = next((r for r in reversed(records) if r.get("kind") in ("train", "end")), {})
+    emit(f"relay {name} (Kaggle user {names.owner}): {obs.handed_over} session(s) handed over, step"
+         f" {newest.get('step', progress.get('global_step', 0))}/"
+         f"{progress.get('total_steps') or newest.get('total_steps') or '?'}"
+         + (f" (session {newest.get('session')} running)" if newest else ""))
+    rows = rep.session_table(progress)
+    if records:
         row = live.running_row(records)
-        rows, eta = (rows + [row], live.eta_text(records)) if row is not None else (rows, None)
+        rows = rows + [row] if row is not None else rows
     if rows:
         emit(rep.format_table(rows))  # with what each session ran on, and what changed from the one before
     drift = policy.environment_change(progress)
@@ -72,10 +76,10 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
         state = obs.kernel_state or "starting"
         emit(f"kernel: {names.kernel} v{obs.kernel_version or '?'} runs {obs.kernel_run}: {state}"
              + (f" ({obs.failure_message})" if obs.failure_message else ""))
-    if eta:
-        emit(eta)
+    if records:
+        emit(live.eta_text(records, run_spec.session.max_steps))
     emit(f"next: {action.do.value} {action.run_id or ''} ({action.reason})".replace("  ", " "))
-    emit(policy.plan_text(run_spec, progress, quota, datetime.now(timezone.utc)))
+    emit(policy.plan_text(run_spec, progress, quota, datetime.now(timezone.utc), running=eta))
     if progress.get("sessions"):
         try:
             metrics = handoff.published_metrics(backend, names, out / "kaggle", progress)

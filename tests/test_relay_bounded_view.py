@@ -1,0 +1,113 @@
+"""What a relay leaves in Prefect is bounded by its events, not by how long its sessions run: a session three times
+longer than another (by its steps, and slowed per step so it also runs longer) makes the same number of task runs,
+log lines and artifact versions, read from the Prefect API of the real server the flow ran against. And the
+progress key's latest version is the newest state: the second session (after a hand-over wrote the progress)
+is held at a step until the test reads that step there (an event, not a sleep)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import yaml
+
+from kaggle_fixtures import KERNEL_ENV
+
+NAME = "bounded-view"
+# session 1 runs steps 0 -> 30 (its step cap), session 2 30 -> 40 (the run's end): a third as many steps. Session 2
+# is held after its last step: a hold mid-session would rightly be reported as a slow session (an early warning)
+HOLD_AT = 40
+SCRIPT = '''
+import os, time, torch, relay
+session = relay.open_session()
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+session.register(model=model, optimizer=opt)
+session.restore()
+x = torch.ones(8, 4)
+for idx in session.batches(64, 8):
+    loss = model(x).pow(2).mean()  # falls step by step: no early warning that one session has and the other not
+    opt.zero_grad(); loss.backward(); opt.step()
+    time.sleep(0.05)  # longer in wall time too; nothing below depends on it
+    session.step_done(loss=loss.detach())
+    if session.step == %d:  # held here until the test read this step in the progress key's latest version
+        while not os.path.exists(os.path.join(os.environ["KAGGLE_WORKING_DIR"], "release")):
+            time.sleep(0.05)
+session.close()
+''' % HOLD_AT
+
+
+def _read_run(spec: str):
+    """The flow run of `spec`, its task runs, logs and artifacts, from the Prefect server's API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter,
+                                                FlowRunFilterId, LogFilter, LogFilterFlowRunId)
+
+    with get_client(sync_client=True) as client:
+        run = next(r for r in client.read_flow_runs() if r.parameters.get("spec") == spec)
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), limit=200)
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[run.id])))
+    return run, tasks, logs, found
+
+
+def test_a_three_times_longer_session_leaves_as_much_in_prefect_and_the_newest_progress_is_shown(
+        relay_env, monkeypatch):
+    import flows.one_relay as one_relay
+    import tasks.relay_step as relay_step
+    from prefect.artifacts import Artifact
+
+    relay_env.start(kernel_env={**KERNEL_ENV, "RELAY_PROGRESS_EVERY": "0"})  # a progress line every step
+    folder = relay_env.root / "bounded"
+    folder.mkdir()
+    (folder / "train.py").write_text(SCRIPT)
+    spec = folder / "spec.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": NAME, "code": {"folder": ".", "entry": "train.py"},
+        "optim": {"max_steps": 40, "log_every_steps": 1},
+        "session": {"threads": 1, "max_steps": 30, "safety_margin": "0.5s"},
+        "kaggle": {"session_timeout": "10m", "startup_overhead": "1s"}}))
+    relay_env.spec = spec
+    monkeypatch.setattr(relay_step, "make_backend", lambda credentials_block=None: relay_env.backend())
+    result = {}
+    flow = threading.Thread(target=lambda: result.update(one_relay.relay(
+        spec=str(spec), poll_seconds=0.2, live_seconds=0.2, state_dir=str(relay_env.root / "orch"))), daemon=True)
+    flow.start()
+
+    deadline, seen = time.monotonic() + 300, None  # a hang guard: the test proceeds on what it reads
+    while time.monotonic() < deadline and flow.is_alive():
+        seen = Artifact.get(f"{NAME}-progress")
+        if seen is not None and f"step {HOLD_AT} of 40; session 2 ({NAME}-s002-a1)" in (seen.description or ""):
+            break
+        time.sleep(0.2)
+    assert seen is not None and f"step {HOLD_AT} of 40; session 2 ({NAME}-s002-a1): 10 steps, running" \
+        in seen.description, seen
+    assert seen.data == 100.0 * HOLD_AT / 40
+    kernel = relay_env.kernel_runs()[-1]
+    (relay_env.emu.store.kernel_dir(relay_env.kernel, kernel.version) / "working" / "release").write_text("")
+    flow.join(300)
+    assert result.get("state") == "done" and result.get("step") == 40, result
+
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30)  # the flow's logs reach the server in batches
+    run, tasks, logs, found = _read_run(str(spec))
+    pushes = sorted((t for t in tasks if t.name.startswith("push-session")), key=lambda t: t.start_time)
+    hand_overs = sorted((t for t in tasks if t.name.startswith("hand-over")), key=lambda t: t.start_time)
+    assert len(pushes) == len(hand_overs) == 2, [t.name for t in tasks]
+    windows = [(p.start_time, h.end_time) for p, h in zip(pushes, hand_overs)]  # push to hand-over, per session
+
+    task_names = [[t.name for t in tasks if start <= t.start_time <= end] for start, end in windows]
+    assert [len(n) for n in task_names] == [5, 5], task_names  # push, observe, follow, observe, hand-over
+    assert [sum(n.startswith("follow ") for n in names) for names in task_names] == [1, 1], task_names
+    lines = [[log.message for log in logs if start <= log.timestamp <= end] for start, end in windows]
+    assert len(lines[0]) == len(lines[1]), "\n".join(f"session {i + 1}: {m[:80]}" for i, ls in enumerate(lines) for m in ls)
+    steps = [[m for m in session if " step " in m and " of 40" in m] for session in lines]
+    assert len(steps[0]) == len(steps[1]) == 10, steps  # the first line within each tenth of the session
+    assert not any("Finished in state" in m for m in steps[0] + steps[1])
+    versioned = [a for a in found if a.key in (f"{NAME}-summary", f"{NAME}-sessions")]
+    per = [[a.key for a in versioned if start <= a.created <= end] for start, end in windows]
+    assert len(per[0]) == len(per[1]) > 0, per
+    assert [a.key for a in found].count(f"{NAME}-progress") == 1  # one, updated in place through both sessions
+    final = Artifact.get(f"{NAME}-progress")
+    assert "step 40 of 40" in final.description and final.data == 100.0
