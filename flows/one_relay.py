@@ -19,7 +19,7 @@ from prefect import flow, get_run_logger
 from relay.orchestrator.kaggle.types import KaggleUnresponsive
 from relay.orchestrator.policy import plan_text, session_budget, utc  # noqa: F401 - plan_text: part of the flow's API
 from relay.front_door import load_spec
-from tasks import relay_step, relay_tasks as t
+from tasks import relay_step, relay_tasks as t, run_labels
 from tasks.account_slots import AccountSlot
 from tasks.live_view import follow_sessions
 from tasks.relay_step import RelayContext, RelayFailed, Step  # noqa: F401 - RelayFailed: the flow's API
@@ -29,7 +29,7 @@ from tasks.relay_step import RelayContext, RelayFailed, Step  # noqa: F401 - Rel
 QUOTA_RECHECK_S = 15 * 60.0
 
 
-@flow(name="relay", log_prints=True)
+@flow(name="relay", log_prints=True, flow_run_name=run_labels.relay_run_name)
 def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"] = "watch",
           credentials_block: Optional[str] = None, poll_seconds: float = 30.0,
           max_hours: float = 24 * 14, state_dir: str = "runs", live_seconds: float = 30.0,
@@ -47,6 +47,7 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
                             relay_step.make_backend(credentials_block or run_spec.kaggle.credentials_block),
                             state_dir, step_lock_wait_s)
     get_run_logger().info("relay %s on Kaggle account %s", run_spec.name, ctx.backend.username)
+    run_labels.label(add_tags=run_labels.tags(ctx.spec.name, ctx.names.owner))
     pace = Pace(mode, poll_seconds, time.monotonic() + max_hours * 3600, live_seconds, tick_follow_seconds)
     slot = AccountSlot(ctx.backend.username, run_spec.name, run_spec.kaggle.account_sessions,
                        run_spec.kaggle.session_timeout + run_spec.kaggle.startup_overhead)
@@ -131,6 +132,7 @@ def _follow(ctx: RelayContext, running: Step, pace: Pace) -> Optional[dict]:
         return running.summary()
     if time.monotonic() > pace.give_up:
         raise RelayFailed(f"gave up waiting for {running.action.run_id}: the flow's max_hours have passed")
+    run_labels.label(name=f"{ctx.spec.name}: session {running.action.session}")
     session = relay_step.following(ctx, running)
     if session is None:  # not visible to Kaggle's status call yet: look again after one poll
         time.sleep(pace.poll_seconds)

@@ -29,7 +29,7 @@ from relay.front_door import load_spec
 from relay.shared.errors import InputError
 from relay.shared.spec import load as spec_only  # the spec without its code: to read one field
 from tasks import relay_step, relay_tasks as t
-from tasks import relays_artifacts
+from tasks import relays_artifacts, run_labels
 from tasks.live_view import follow_sessions
 from tasks.relay_step import RelayContext, RelayFailed, Step
 
@@ -224,7 +224,7 @@ def one_account(specs: List[str]) -> Optional[str]:
     return named.pop() if named else None
 
 
-@flow(name="relays", log_prints=True)
+@flow(name="relays", log_prints=True, flow_run_name=run_labels.relays_run_name)
 def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int = 2,
            credentials_block: Optional[str] = None, poll_seconds: float = 30.0, max_hours: float = 24 * 28,
            state_dir: str = "runs", live_seconds: float = 30.0, step_lock_wait_s: float = 600.0) -> dict:
@@ -238,6 +238,7 @@ def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int 
     backend = relay_step.make_backend(credentials_block or one_account(specs))
     logger.info("relays on Kaggle account %s", backend.username)
     all_relays = load_relays(specs, backend, state_dir, step_lock_wait_s)
+    run_labels.label(add_tags=[tag for r in all_relays if r.ctx for tag in run_labels.tags(r.name, r.ctx.names.owner)])
     give_up = time.monotonic() + max_hours * 3600
     announced_wait, refused = None, 0
     while True:

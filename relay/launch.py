@@ -66,10 +66,10 @@ def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: 
     if submit:  # a worker of the server runs it: its environment says emulator or Kaggle, and how often to poll
         from relay.orchestrator.submit import stop_reason, submit as submit_run
 
-        state, message = submit_run(path, folder, tick, poll_seconds, credentials_block, emit)
+        state, message, account = submit_run(path, folder, tick, poll_seconds, credentials_block, emit)
         if state != "Completed":
             return _stopped(emit, f"the flow run ended {state}: {stop_reason(message)}")
-        _outputs(emit, run_spec.name, local, None)
+        _outputs(emit, run_spec.name, local, None, account)
         return 0
 
     if poll_seconds is None:  # the emulator answers at once; Kaggle is polled gently
@@ -139,7 +139,7 @@ def _stopped(emit, reason: str) -> int:
     return 1
 
 
-def _outputs(emit, name: str, local: Path, summary: Optional[dict]) -> None:
+def _outputs(emit, name: str, local: Path, summary: Optional[dict], account: Optional[str] = None) -> None:
     """The outcome and what the run left under `local` (with --submit, when the worker shares this disk)."""
     from relay.orchestrator import report
 
@@ -157,15 +157,17 @@ def _outputs(emit, name: str, local: Path, summary: Optional[dict]) -> None:
         if (local / png).is_file():
             emit(f"{png.split('.')[0]}: {local / png}")
     if (summary["state"] if summary is not None else (progress or {}).get("status")) == "done":
-        emit(f"the final model: Kaggle dataset {_model_dataset(name)} (`kaggle datasets download`)")
+        emit(f"the final model: Kaggle dataset {_model_dataset(name, account)} (`kaggle datasets download`)")
 
 
-def _model_dataset(name: str) -> str:
-    """The final model's dataset, under the user's Kaggle name when this machine has their credentials (with
-    --submit the worker may hold them in a block instead)."""
+def _model_dataset(name: str, account: Optional[str] = None) -> str:
+    """The final model's dataset, under the Kaggle account the worker's flow run named (--submit: its tags), else
+    this machine's credentials'."""
     from relay.orchestrator import chain
     from relay.orchestrator.kaggle import credentials
 
+    if account:
+        return chain.Names(account, name).model_dataset
     try:
         return chain.Names(credentials.resolve().username, name).model_dataset
     except InputError:

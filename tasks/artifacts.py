@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import re
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
@@ -14,6 +15,8 @@ from relay.orchestrator import report
 
 
 _TITLES = {"curves": "Loss curves", "timeline": "Sessions timeline"}
+_CAPTIONS = {"curves": "Training loss (and eval metrics) by global step; each session shaded, the running one included",
+             "timeline": "Each session: when it ran, for how long, and how it ended"}
 
 
 def _key(name: str, what: str) -> str:
@@ -34,7 +37,7 @@ def show_progress(name: str, step: int, total: int, text: str, artifact_id: Opti
 
 @task(name="report", cache_policy=NO_CACHE)
 def publish_report(name: str, progress: dict, local: Path, metrics: Optional[Path] = None, plan_text: str = "",
-                   billed_s: Optional[dict] = None, state: str = "") -> dict:
+                   billed_s: Optional[dict] = None, state: str = "", links: str = "") -> dict:
     """The relay's session table and summary from the latest handed-over progress (and the metrics beside it);
     the progress artifact is the live view's (tasks/live_view.py), updated in place."""
     rows = report.session_table(progress, billed_s=billed_s or {})
@@ -45,37 +48,43 @@ def publish_report(name: str, progress: dict, local: Path, metrics: Optional[Pat
         images["curves"] = report.plot_curves(metrics, local / "curves.png", progress=progress) or local / "curves.png"
     if progress.get("sessions"):
         images["timeline"] = report.plot_timeline(progress["sessions"], local / "timeline.png") or local / "timeline.png"
-    create_markdown_artifact(markdown=summary_markdown(name, progress, images, plan_text, state),
+    create_markdown_artifact(markdown=summary_markdown(name, progress, images, plan_text, state, links),
                              key=_key(name, "summary"), description=f"{name}: plan, ETA and curves")
     return {k: str(v) for k, v in images.items()}
 
 
-def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_text: str = "", state: str = "") -> str:
+def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_text: str = "", state: str = "",
+                     links: str = "") -> str:
     """The summary as CommonMark the Prefect UI renders: blocks separated by blank lines, the plan in a
     closed fence, each PNG an image node (a data URI: the UI cannot reach files on the worker)."""
     done, total = progress.get("global_step", 0), max(1, progress.get("total_steps", 1))
     best = progress.get("best") or {}
     sessions = len(progress.get("sessions", []))
-    last_eval = {k: round(v, 4) for k, v in (progress.get("metrics") or {}).items()}
+    evals = progress.get("metrics") or {}
+    last_eval = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in evals.items())
     md = [f"# {name}: {state or progress.get('status', '')}",
           f"step **{done} / {total}** (epoch {progress.get('epoch', 0) + 1}), "
-          f"{sessions} session{'' if sessions == 1 else 's'},"
-          f" {progress.get('total_seconds', 0) / 3600:.2f} h of sessions",
-          f"last eval: `{last_eval}`"]
+          f"{sessions} session{'' if sessions == 1 else 's'} handed over,"
+          f" {progress.get('total_seconds', 0) / 3600:.2f} h of sessions; updated"
+          f" {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+          f"last eval: {last_eval or 'none yet'}"]
     if best:
         md.append(f"best {best.get('metric', '')}: {best.get('value', float('nan')):.4g}"
                   f" at step {best.get('step', '-')}")
+    if links:
+        md.append(links)
     if plan_text.strip():
         fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", plan_text)), default=0))
         md.append(f"## Plan and ETA\n\n{fence}text\n{plan_text.strip(chr(10))}\n{fence}")
     for label, png in images.items():
         data = base64.b64encode(Path(png).read_bytes()).decode()
-        md.append(f"## {_TITLES.get(label, label)}\n\n![{label}](data:image/png;base64,{data})\n\n`{png}`")
+        md.append(f"## {_TITLES.get(label, label)}\n\n![{label}](data:image/png;base64,{data})\n\n"
+                  f"*{_CAPTIONS.get(label, label)}*")
     return "\n\n".join(md) + "\n"
 
 
 def publish_running(name: str, progress: dict, records: list, local: Path, metrics: Optional[Path], text: str,
-                    kernel_state: str, plan_text: str = "") -> None:
+                    kernel_state: str, plan_text: str = "", links: str = "") -> None:
     """The running session's table row and the summary with its loss curve: new versions of the `<name>-sessions`
     and `<name>-summary` keys, so only at the session's events (tasks/live_view.py says which)."""
     from relay.orchestrator import live
@@ -97,7 +106,7 @@ def publish_running(name: str, progress: dict, records: list, local: Path, metri
                                               progress={**progress, "sessions": sessions})
     md = summary_markdown(name, {**progress, "global_step": last["step"], "total_steps": total}, images,
                           "\n\n".join(p for p in (text, plan_text) if p.strip()),
-                          f"session {last.get('session')} {kernel_state}")
+                          f"session {last.get('session')} {kernel_state}", links)
     create_markdown_artifact(markdown=md, key=_key(name, "summary"), description=f"{name}: plan, ETA and curves")
 
 

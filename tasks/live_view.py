@@ -22,6 +22,7 @@ from relay.orchestrator import handoff
 from relay.orchestrator.kaggle.types import KaggleUnresponsive, KernelState, NotFound
 from relay.orchestrator.live import Eta, LiveSession, early_warnings, estimate, eta_text, session_fraction
 from tasks import artifacts
+from tasks.run_labels import kaggle_links
 
 LOG_EVERY = 10        # log lines per session: one at each tenth of its steps
 SUMMARY_EVERY = 4     # summary and table versions per session: one at each quarter of its steps
@@ -83,7 +84,9 @@ class LiveView:
                 metrics = handoff.published_metrics(self.backend, self.names, self.local, progress) if progress else None
                 artifacts.publish_running(self.names.name, progress or {}, upto, self.local, metrics,
                                           self._text(upto, progress, kernel_state), kernel_state,
-                                          self._plan(progress, estimate(upto, self.session_max_steps)))
+                                          self._plan(progress, estimate(upto, self.session_max_steps)),
+                                          kaggle_links(self.names.owner, self.names.name,
+                                                       getattr(self.backend, "endpoint", None)))
         except Exception as err:  # noqa: BLE001
             logger.warning("live view of %s not refreshed: %s", live.run_id, err)
         for i in log_at:

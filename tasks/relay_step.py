@@ -28,6 +28,7 @@ from relay.shared.spec import RunSpec
 from tasks import artifacts, relay_tasks as t
 from tasks.live_view import LiveView, Running
 from tasks.notify import Notifier
+from tasks.run_labels import kaggle_links
 from tasks.step_lock import StepLock
 
 
@@ -325,7 +326,8 @@ def _report(ctx: RelayContext, obs: chain.Observation, action: chain.Action) -> 
         metrics = handoff.published_metrics(ctx.backend, ctx.names, ctx.local, obs.published)
         text = plan_text(ctx.spec, obs.published, t.read_quota(ctx.backend), datetime.now(timezone.utc))
         artifacts.publish_report(ctx.spec.name, obs.published, ctx.local, metrics, plan_text=text,
-                                 state=action.do.value)
+                                 state=action.do.value, links=kaggle_links(ctx.names.owner, ctx.spec.name,
+                                                                    getattr(ctx.backend, "endpoint", None)))
         done, total = obs.published.get("global_step", 0), obs.published.get("total_steps") or 1
         ctx.view.show_progress(done, total, f"{ctx.spec.name}: step {done} of {total}; {action.do.value}")
         ctx.reported = obs.published.get("run_id")

@@ -53,3 +53,34 @@ def test_early_warnings_name_a_blow_up_a_non_finite_loss_a_memory_back_off_and_a
         == "the loss is nan at step 6"
     assert "under half the 300 the plan assumed" in dict(early_warnings(train, slow_below=300))["slow"]
     assert json.dumps(early_warnings([]))  # plain data: goes into logs and notifications as is
+
+
+def test_one_eta_a_step_capped_session_ends_at_its_cap_and_the_plan_keeps_its_real_start():
+    """The issue's case: a session with ~12 h of budget left but a step cap 90 s away ends at its cap; the plan's
+    running session starts when it really started, whenever the plan is made."""
+    from datetime import datetime, timezone
+    from types import SimpleNamespace
+
+    from relay.orchestrator.live import estimate, eta_text
+    from relay.orchestrator.policy import plan_text
+    from relay.shared import spec as spec_mod
+
+    t0 = 1_800_000_000.0
+    records = [{"kind": "train", "session": 2, "run_id": "r-s002-a1", "step_start": 150, "total_steps": 1000,
+                "step": 150 + s, "time": t0 + s, "time_left_s": 43000.0 - s, "loss": 1.0} for s in range(1, 61)]
+    eta = estimate(records, session_max_steps=150)
+    assert (eta.session_end_step, eta.ends_by) == (300, "its step cap")
+    assert eta.session_left_s == 90.0 and eta.run_left_s == 790.0 and eta.started_at == t0 + 1
+    assert "session ends in ~1m30s at step 300 (its step cap" in eta_text(records, 150)
+    assert estimate(records).ends_by == "the run's end" and estimate(records).session_end_step == 1000
+    budgeted = [{**r, "time_left_s": 30.0} for r in records]  # a budget nearer than the cap: the budget ends it
+    assert (estimate(budgeted, 150).session_end_step, estimate(budgeted, 150).ends_by) == (240, "its budget")
+
+    spec = SimpleNamespace(kaggle=spec_mod.KaggleConfig(), session=spec_mod.SessionConfig(max_steps=150))
+    started = datetime.fromtimestamp(t0 + 1, timezone.utc).strftime("%a %Y-%m-%d %H:%M")
+    for later in (0, 600):  # the same running session, planned now and 10 minutes later
+        now = datetime.fromtimestamp(t0 + 60 + later, timezone.utc)
+        text = plan_text(spec, {"total_steps": 1000, "global_step": 150}, None, now, running=eta)
+        assert text.startswith(f"running: session 2, started {started} UTC,") and "at step 300 (its step cap)" \
+            in text, text
+        assert "(no plan yet" not in text and "150 (300->450" in text, text

@@ -122,7 +122,7 @@ def running_row(records: List[dict], kernel_state: str = "running") -> Optional[
     return {"session": latest.get("session"), "run_id": latest.get("run_id"), "start": None, "duration_s": None,
             "billed_gpu_s": None, "steps": int(latest["step"]) - int(first.get("step_start", 0)),
             "world_size": None, "samples_per_s": _round(latest.get("samples_per_s"), 1),
-            "peak_mem_mb": latest.get("gpu_peak_mb"), "loss_end": losses[-1] if losses else None,
+            "peak_mem_mb": latest.get("gpu_peak_mb"), "loss_end": _round(losses[-1], 5) if losses else None,
             "stop_reason": kernel_state if latest.get("kind") != "end" else latest.get("stop_reason"),
             "gpus": None}
 

@@ -427,7 +427,8 @@ def plot_timeline(sessions: Iterable[Mapping[str, Any]], out_png: str | Path, *,
     ax.grid(axis="x", alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     order = sorted(range(len(labels)), key=lambda i: labels[i] in ("waiting for quota", "between sessions", "now"))
-    ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper center", fontsize=9,
-              bbox_to_anchor=(0.5, -0.12 - 0.5 / len(bars)), ncol=7, frameon=False)
+    # beside the axes, not under them: below, a one-session figure (a short axis) had it over the axis label
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="center left", fontsize=9,
+              bbox_to_anchor=(1.01, 0.5), ncol=1, frameon=False)
     ax.set_title(title, fontsize=13)
     return _save(plt, fig, out_png)

@@ -20,8 +20,9 @@ DEPLOY_HINT = "prefect deploy --name run --no-prompt --prefect-file deploy/prefe
 
 
 def submit(spec_path: Path, out: Path, tick: bool, poll_seconds: Optional[float], credentials_block: Optional[str],
-           emit: Callable[[str], None] = print, follow_every_s: float = 2.0) -> tuple[str, str]:
-    """Create the flow run and follow it; returns (final state name, its message)."""
+           emit: Callable[[str], None] = print, follow_every_s: float = 2.0) -> tuple[str, str, Optional[str]]:
+    """Create the flow run and follow it; returns (final state name, its message, the Kaggle account the run's
+    tags name: the worker's, None if it never said)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
@@ -50,7 +51,8 @@ def submit(spec_path: Path, out: Path, tick: bool, poll_seconds: Optional[float]
         seen = 0
         log_filter = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id]))
         while True:
-            state = client.read_flow_run(run.id).state
+            current = client.read_flow_run(run.id)
+            state = current.state
             while True:  # every log line so far, in order, each once
                 logs = client.read_logs(log_filter=log_filter, offset=seen, limit=200, sort=LogSort.TIMESTAMP_ASC)
                 for log in logs:
@@ -59,8 +61,16 @@ def submit(spec_path: Path, out: Path, tick: bool, poll_seconds: Optional[float]
                 if len(logs) < 200:
                     break
             if state is not None and state.is_final():
-                return state.name, state.message or ""
+                return state.name, state.message or "", account_of(current.tags or [])
             time.sleep(follow_every_s)
+
+
+ACCOUNT_TAG = "kaggle:"  # a relay's flow run is tagged with the Kaggle account it runs as (tasks/run_labels.py)
+
+
+def account_of(run_tags) -> Optional[str]:
+    """The Kaggle account a flow run's tags name, None if none does."""
+    return next((t[len(ACCOUNT_TAG):] for t in run_tags if t.startswith(ACCOUNT_TAG)), None)
 
 
 def _level(number: int) -> str:

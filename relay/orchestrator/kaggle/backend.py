@@ -70,6 +70,11 @@ class ClientBackend:
         self.client = KaggleClient(creds, endpoint, policy)
         self.publisher = DatasetPublisher(self.client, wait_s=dataset_wait_s, poll_s=dataset_poll_s)
 
+    @property
+    def endpoint(self) -> Optional[str]:
+        """The emulator's URL this backend talks to; None for kaggle.com."""
+        return self.client.endpoint
+
     # -- kernels ---------------------------------------------------------------------------------
     def push_session(self, session: SessionKernel) -> PushResult:
         owner, slug = split_ref(session.kernel, "kernel")

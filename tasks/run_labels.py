@@ -1,0 +1,74 @@
+"""What the Prefect UI's runs list says of a relay's flow run: its name (`<relay>: session 3`, `<relay>: tick`), its
+tags (the relay's name, the Kaggle account), and where the relay lives on Kaggle (links in the summary artifact)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, List, Optional
+
+from relay.orchestrator.submit import ACCOUNT_TAG  # what `relay run --submit` reads back
+
+RELAY_TAG = "relay:"
+
+
+def spec_name(path: str) -> str:
+    """The relay's name from its spec file, read before the flow validates it (a run name only: the file's stem
+    if it cannot be read)."""
+    try:
+        import yaml
+
+        name = (yaml.safe_load(Path(path).read_text()) or {}).get("name")
+        return str(name) if name else Path(path).stem
+    except Exception:  # noqa: BLE001 - the flow itself says what is wrong with the spec
+        return Path(path).stem
+
+
+def relay_run_name() -> str:
+    """The `relay` flow's run name at its start (flow_run_name): `<relay>: tick` or `<relay>: watch`; a watch
+    renames its run `<relay>: session N` as it follows session N (`label`)."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters
+    return f"{spec_name(params.get('spec', 'relay'))}: {params.get('mode', 'watch')}"
+
+
+def relays_run_name() -> str:
+    """The `relays` flow's run name: `relays <a>, <b>: tick` or `... watch`."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters
+    return f"relays {', '.join(spec_name(p) for p in params.get('specs') or [])}: {params.get('mode', 'watch')}"
+
+
+def tags(relay: str, account: str) -> List[str]:
+    return [f"{RELAY_TAG}{relay}", f"{ACCOUNT_TAG}{account}"]
+
+
+def label(name: Optional[str] = None, add_tags: Iterable[str] = ()) -> None:
+    """Rename the current flow run and/or add tags to it (its own tags, a deployment's, kept). Never fails a
+    relay: a label is for people."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return
+    run = context.flow_run
+    new_tags = sorted(set(run.tags or []) | set(add_tags))
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(run.id, name=name or None, tags=new_tags if add_tags else None)
+        run.tags = new_tags
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def kaggle_links(owner: str, relay: str, emulator: Optional[str] = None) -> str:
+    """Markdown links to where the relay lives on Kaggle: the session kernel and its log, the checkpoint and the
+    final model datasets; against an emulator (its URL) a note of where they are instead."""
+    kernel, ckpt, model = f"{owner}/{relay}-session", f"{owner}/{relay}-ckpt", f"{owner}/{relay}-model"
+    if emulator:
+        return (f"on the local Kaggle emulator at {emulator} (not kaggle.com): kernel `{kernel}`, checkpoints"
+                f" `{ckpt}`, final model `{model}`")
+    code, data = "https://www.kaggle.com/code", "https://www.kaggle.com/datasets"
+    return (f"on Kaggle: [session kernel]({code}/{kernel}), [its log]({code}/{kernel}/log),"
+            f" [checkpoints]({data}/{ckpt}), [final model]({data}/{model})")
