@@ -84,7 +84,8 @@ class LiveView:
                 metrics = handoff.published_metrics(self.backend, self.names, self.local, progress) if progress else None
                 artifacts.publish_running(self.names.name, progress or {}, upto, self.local, metrics,
                                           self._text(upto, progress, kernel_state), kernel_state,
-                                          self._plan(progress, estimate(upto, self.session_max_steps)),
+                                          self._plan({**(progress or {}), "total_steps": self._total(upto, progress)},
+                                                     estimate(upto, self.session_max_steps)),
                                           kaggle_links(self.names.owner, self.names.name,
                                                        getattr(self.backend, "endpoint", None)))
         except Exception as err:  # noqa: BLE001

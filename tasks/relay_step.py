@@ -329,5 +329,7 @@ def _report(ctx: RelayContext, obs: chain.Observation, action: chain.Action) -> 
                                  state=action.do.value, links=kaggle_links(ctx.names.owner, ctx.spec.name,
                                                                     getattr(ctx.backend, "endpoint", None)))
         done, total = obs.published.get("global_step", 0), obs.published.get("total_steps") or 1
-        ctx.view.show_progress(done, total, f"{ctx.spec.name}: step {done} of {total}; {action.do.value}")
+        ctx.view.show_progress(done, total, f"{ctx.spec.name}: step {done} of {total},"
+                               f" {len(obs.published.get('sessions') or [])} session(s) handed over; next:"
+                               f" {action.do.value}; updated {datetime.now(timezone.utc):%H:%M:%S} UTC")
         ctx.reported = obs.published.get("run_id")

@@ -70,6 +70,9 @@ def test_the_running_session_shows_in_prefect_while_it_trains(relay_env, monkeyp
     status.report("live-relay", relay_env.backend, relay_env.root / "status", emit=lines.append, follow_s=2)
     out = "\n".join(lines)
     assert "live-relay-s001-a1" in out and "running" in out and "kernel: alice/live-relay-session v1" in out, out
+    # from the first session's progress lines (none handed over yet): its step and the run's total
+    assert f"0 session(s) handed over, step {HOLD_AT}/40 (session 1 running)" in out, out
+    assert "total_steps: unknown" not in out, out
 
     kernel = relay_env.kernel_runs()[-1]
     (relay_env.emu.store.kernel_dir(relay_env.kernel, kernel.version) / "working" / "release").write_text("")

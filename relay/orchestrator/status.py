@@ -79,6 +79,8 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
     if records:
         emit(live.eta_text(records, run_spec.session.max_steps))
     emit(f"next: {action.do.value} {action.run_id or ''} ({action.reason})".replace("  ", " "))
+    if newest.get("total_steps") and not progress.get("total_steps"):  # the first session: its lines say it
+        progress = {**progress, "total_steps": newest["total_steps"]}
     emit(policy.plan_text(run_spec, progress, quota, datetime.now(timezone.utc), running=eta))
     if progress.get("sessions"):
         try:
