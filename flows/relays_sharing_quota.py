@@ -273,14 +273,18 @@ def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int 
 def _wait_on_sessions(active: List[Relay], rnd: Round, poll_seconds: float, live_seconds: float,
                       give_up: float) -> bool:
     """When nothing but a session's end can change a relay's state (each active relay runs a session or waits
-    for a slot or the quota), wait in one task run until a session ends (or the quota refreshes), their views
-    current; the next round then follows that event. False: a relay waits on something else (a claim,
-    Kaggle's status lag): the flow polls."""
+    for a slot or the quota), wait in one task run until a session ends (or the quota refreshes, or a session's
+    deadline passes), their views current; the next round then follows that event. False: a relay waits on
+    something else (a claim, Kaggle's status lag): the flow polls."""
     running = [relay_step.following(r.ctx, r.step) for r in active if r.state == "running"]
     idle = all(r.state in ("running", "waiting for a slot", "waiting for quota") for r in active)
     if not running or None in running or not idle:
         return False
     until = give_up
+    for r in active:  # a session past its deadline may be wedged: the next round looks at Kaggle then
+        if r.state == "running":
+            look = 600.0 if r.step.deadline is None else r.step.deadline - time.time() + poll_seconds
+            until = min(until, time.monotonic() + look)
     if rnd.quota_wait:
         until = min(until, time.monotonic() + max(0.0, (rnd.quota_wait - datetime.now(timezone.utc)).total_seconds()))
     follow_sessions(running, ", ".join(s.run_id for s in running), poll_seconds, live_seconds, until)

@@ -33,7 +33,8 @@ class LiveView:
                  stuck_after_s: float = 1800.0, notify: Callable[[str, str], None] = lambda key, text: None,
                  plan: Callable[[Optional[dict], Optional[Eta]], str] = lambda progress, eta: ""):
         self.backend, self.names, self.local = backend, names, local
-        self.session_max_steps, self.stuck_after_s, self.notify, self.plan = session_max_steps, stuck_after_s, notify, plan
+        self.session_max_steps, self.stuck_after_s = session_max_steps, stuck_after_s
+        self.notify, self.plan = notify, plan
         self.live: Optional[LiveSession] = None
         self.progress_artifact: Optional[str] = None  # this flow run's progress artifact, updated in place
         self._warned: set = set()
@@ -81,7 +82,8 @@ class LiveView:
                                self._text(records, progress, kernel_state))
             for i in summary_at:
                 upto = records[:i + 1]
-                metrics = handoff.published_metrics(self.backend, self.names, self.local, progress) if progress else None
+                metrics = (handoff.published_metrics(self.backend, self.names, self.local, progress)
+                           if progress else None)
                 artifacts.publish_running(self.names.name, progress or {}, upto, self.local, metrics,
                                           self._text(upto, progress, kernel_state), kernel_state,
                                           self._plan({**(progress or {}), "total_steps": self._total(upto, progress)},

@@ -101,7 +101,8 @@ def test_a_three_times_longer_session_leaves_as_much_in_prefect_and_the_newest_p
     assert [len(n) for n in task_names] == [5, 5], task_names  # push, observe, follow, observe, hand-over
     assert [sum(n.startswith("follow ") for n in names) for names in task_names] == [1, 1], task_names
     lines = [[log.message for log in logs if start <= log.timestamp <= end] for start, end in windows]
-    assert len(lines[0]) == len(lines[1]), "\n".join(f"session {i + 1}: {m[:80]}" for i, ls in enumerate(lines) for m in ls)
+    assert len(lines[0]) == len(lines[1]), "\n".join(f"session {i + 1}: {m[:80]}"
+                                                  for i, ls in enumerate(lines) for m in ls)
     steps = [[m for m in session if " step " in m and " of 40" in m] for session in lines]
     assert len(steps[0]) == len(steps[1]) == 10, steps  # the first line within each tenth of the session
     assert not any("Finished in state" in m for m in steps[0] + steps[1])
