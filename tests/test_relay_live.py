@@ -71,7 +71,7 @@ def test_the_running_session_shows_in_prefect_while_it_trains(relay_env, monkeyp
     out = "\n".join(lines)
     assert "live-relay-s001-a1" in out and "running" in out and "kernel: alice/live-relay-session v1" in out, out
     # from the first session's progress lines (none handed over yet): its step and the run's total
-    assert f"0 session(s) handed over, step {HOLD_AT}/40 (session 1 running)" in out, out
+    assert f"0 session(s) handed over, step 0/40; session 1 running at step {HOLD_AT}" in out, out
     assert "total_steps: unknown" not in out, out
 
     kernel = relay_env.kernel_runs()[-1]

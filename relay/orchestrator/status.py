@@ -60,9 +60,8 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
         eta = live.estimate(records, run_spec.session.max_steps)
     newest = next((r for r in reversed(records) if r.get("kind") in ("train", "end")), {})
     emit(f"relay {name} (Kaggle user {names.owner}): {obs.handed_over} session(s) handed over, step"
-         f" {newest.get('step', progress.get('global_step', 0))}/"
-         f"{progress.get('total_steps') or newest.get('total_steps') or '?'}"
-         + (f" (session {newest.get('session')} running)" if newest else ""))
+         f" {progress.get('global_step', 0)}/{progress.get('total_steps') or newest.get('total_steps') or '?'}"
+         + (f"; session {newest.get('session')} running at step {newest.get('step')}" if newest else ""))
     rows = rep.session_table(progress)
     if records:
         row = live.running_row(records)
