@@ -2,8 +2,8 @@
 current, bounded by the session's events, not by how long it runs:
 - the progress artifact is updated in place (no new version) at every refresh; the flow run creates it once
   and the hand-over's report updates the same one, so the key's latest version is always the newest state;
-- the session table and the summary (new versions) at the session's events: its first lines, every quarter
-  of its steps, each eval, each early warning, its end;
+- the session table and the summary (new versions) at the session's events: the first line within each
+  quarter of its steps (its start, ..., its end), each eval, each early warning;
 - the flow's log says step, loss and ETA at every tenth of the session's steps and at each eval;
 - `follow_sessions` waits on running sessions inside one task run until one ends (not one per poll).
 """
