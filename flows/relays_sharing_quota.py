@@ -217,7 +217,12 @@ def joint_eta(relays: List[Relay], quota, cap: int, now: datetime) -> Optional[j
 
 def one_account(specs: List[str]) -> Optional[str]:
     """The credentials block the specs name (kaggle.credentials_block): the cap and the quota are one account's."""
-    named = {spec_only(path).kaggle.credentials_block for path in specs}
+    named = set()
+    for path in specs:
+        try:
+            named.add(spec_only(path).kaggle.credentials_block)
+        except (InputError, OSError):
+            continue  # a bad spec is that relay's failure (load_relays), not everyone's
     if len(named) > 1:
         raise InputError(f"relays: the specs name different kaggle.credentials_block ({sorted(map(str, named))});"
                          " one relays run drives one account: start one per account")
