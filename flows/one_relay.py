@@ -138,6 +138,8 @@ def _follow(ctx: RelayContext, running: Step, pace: Pace) -> Optional[dict]:
         state = t.wait_for_kernel(ctx.backend, ctx.names.kernel, running.obs.kernel_version,
                                   max_seconds=max(0.0, min(pace.live_seconds, waited - time.monotonic())),
                                   poll_seconds=pace.poll_seconds)
+        if state == "starting" and running.obs.kernel_state in ("queued", "running"):
+            return None  # its version was seen and is gone now (deleted: `relay stop --now`): look again
         ctx.view.refresh(running.progress, state)
     return None
 
