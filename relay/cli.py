@@ -22,16 +22,24 @@ def _budget(value: str) -> Optional[float]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _positive(value: str, expected: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"expected {expected} (got {value!r})")
+    return number
+
+
 def _steps(value: str) -> Optional[int]:
     if value.strip().lower() == "none":
         return None
-    try:
-        steps = int(value)
-    except ValueError:
-        steps = 0
-    if steps <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of steps or 'none' (got {value!r})")
-    return steps
+    return _positive(value, "a positive number of steps or 'none'")
+
+
+def _session_number(value: str) -> int:
+    return _positive(value, "a session number, 1 or more")
 
 
 def _deadline(value: str) -> float:
@@ -202,16 +210,6 @@ def cmd_logs(args: argparse.Namespace) -> int:
         print(line, flush=True)
 
     return logs.logs(args.target, from_env, session=args.session, follow=args.follow, write=write)
-
-
-def _session_number(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"expected a session number, 1 or more (got {value!r})")
-    return number
 
 
 def cmd_verify_resume(args: argparse.Namespace) -> int:

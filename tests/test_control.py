@@ -20,7 +20,7 @@ from kaggle_fixtures import KERNEL_ENV, USER, isolated_env, make_emulator  # noq
 from relay.orchestrator import chain
 from relay.orchestrator.chain import Do, Observation
 from relay.shared import progress_line
-from relay_fixtures import reference, wait_for  # noqa: F401
+from relay_fixtures import both_flows, prefect_api, reference, relay_env, wait_for  # noqa: F401
 
 NAME = "byo-plain"
 KERNEL = f"{USER}/{NAME}-session"
@@ -218,3 +218,20 @@ def test_control_commands_refuse_a_relay_kaggle_does_not_hold(make_emulator, tmp
         line = ran.stderr.strip()
         assert line.startswith(f"relay: error: relay {command[0]}") and "\n" not in line, line
     assert not emulator.store.datasets  # nothing recorded for a wrong name
+
+
+def test_both_flows_push_nothing_while_the_relay_is_stopped(relay_env, both_flows, monkeypatch):
+    """The per-relay step both flows take (tasks/relay_step.py) obeys a stop recorded on Kaggle before any push."""
+    from relay.orchestrator.kaggle import control_record
+
+    relay_env.start()
+    relay_env.write_spec()
+    control_record.write(relay_env.backend(), USER, relay_env.name, control_record.STOPPED, "before it began")
+    for mode in ("tick", "watch"):
+        summary = relay_env.run_flow(monkeypatch, mode=mode)
+        assert summary["state"] == "stopped", summary
+        assert summary["why"].startswith("stopped by the user (relay stop) at step 0, by alice@"), summary
+        assert "before it began" in summary["why"]
+    assert relay_env.kernel_runs() == []
+    control_record.write(relay_env.backend(), USER, relay_env.name, control_record.RESUMED)
+    assert relay_env.run_flow(monkeypatch, mode="tick")["state"] == "pushed"
