@@ -167,6 +167,11 @@ def test_stop_hands_the_session_over_every_orchestrator_obeys_and_resume_ends_id
     assert _runs(emulator) == [f"{NAME}-s001-a1", f"{NAME}-s002-a1", f"{NAME}-s003-a1"]
     assert _published(emulator)["weights_sha256"] == reference.weights(project / "spec.yaml")
 
+    for args, version in ((["--session", "1"], 1), ([], 3)):  # an earlier session's stored log; the last one's
+        out = _ok(relay_in_shell(tmp_path, emulator, project, "logs", NAME, *args))
+        stored = json.loads((emulator.store.kernel_dir(KERNEL, version) / "log.json").read_text())
+        assert out.splitlines() == [e["data"].rstrip("\n") for e in stored], args
+
 
 def test_stop_now_deletes_the_kernel_after_asking_and_resume_goes_on_from_the_published_checkpoint(
         make_emulator, tmp_path, reference, spawns_processes):  # noqa: F811
