@@ -92,6 +92,8 @@ def _steps(ctx: RelayContext, pace: Pace, slot: Optional[AccountSlot]) -> dict:
             slot.release()  # no session of this relay runs: the account's slot is another relay's to take
         if step.state == "ready":
             step = _push(ctx, step, slot)
+        if slot is not None and step.state == "stopped":
+            slot.release()  # by the user: nothing is pushed until `relay resume`
         if step.state in ("done", "stopped") or (pace.mode == "tick" and step.state in ("handed-over", "restored",
                                                                                        "pushed")):
             return step.summary()
