@@ -95,7 +95,10 @@ def _steps(ctx: RelayContext, pace: Pace, slot: Optional[AccountSlot]) -> dict:
             slot.release()  # no session of this relay runs: the account's slot is another relay's to take
         if step.state == "ready":
             step = _push(ctx, step, slot)
-        if step.state == "done" or (pace.mode == "tick" and step.state in ("handed-over", "restored", "pushed")):
+        if slot is not None and step.state == "stopped":
+            slot.release()  # by the user: nothing is pushed until `relay resume`
+        if step.state in ("done", "stopped") or (pace.mode == "tick" and step.state in ("handed-over", "restored",
+                                                                                       "pushed")):
             return step.summary()
         if step.state == "running":
             summary = _follow(ctx, step, pace)

@@ -83,7 +83,7 @@ def load_relays(specs: List[str], backend, state_dir: str, step_lock_wait_s: flo
 
 
 STATES = {"ready": "ready", "running": "running", "pushed": "pushed", "done": "done", "waiting": "waiting",
-          "handed-over": "handed over", "restored": "restored"}
+          "handed-over": "handed over", "restored": "restored", "stopped": "stopped"}
 
 
 def _advance(relay: Relay, rnd: Round) -> None:
@@ -157,7 +157,7 @@ def _fill_slots(backend, relays: List[Relay], cap: int, rnd: Round, logger) -> N
     if not ready or free <= 0:
         return
     quota = t.read_quota(backend)
-    unfinished = [r for r in relays if not r.failed and r.state != "done"]
+    unfinished = [r for r in relays if not r.failed and r.state not in ("done", "stopped")]
     ready.sort(key=lambda r: (r.step.obs.handed_over, r.last_end, r.name))
     for relay in ready[:free]:
         budget = session_budget(relay.ctx.spec, quota)
@@ -173,6 +173,9 @@ def _fill_slots(backend, relays: List[Relay], cap: int, rnd: Round, logger) -> N
             if step.refusal is Refusal.QUOTA and quota is not None:
                 rnd.quota_wait = utc(quota.refresh_time)
             break  # the cap (or the quota) is reached on Kaggle's side: the rest wait their turn
+        if step.state == "stopped":  # by the user (`relay stop`) since its step observed
+            relay.step, relay.state = step, "stopped"
+            continue
         if step.state == "waiting":  # claimed by another orchestrator, or the claim failed: it tries again
             logger.info("relay %s: %s", relay.name, step.why)
             relay.state = "claimed by another orchestrator"
@@ -260,7 +263,7 @@ def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int 
         relays_artifacts.publish_relays_report(_rows(all_relays, plan), _sessions(all_relays),
                                                Path(state_dir), plan)
         summary = _summary(all_relays, rnd, plan, refused)
-        active = [r for r in all_relays if not r.failed and r.state != "done"]
+        active = [r for r in all_relays if not r.failed and r.state not in ("done", "stopped")]
         if mode == "tick" or not active:
             failed = [r for r in all_relays if r.failed]
             if mode == "watch" and failed:
@@ -321,6 +324,7 @@ def _summary(relays: List[Relay], rnd: Round, plan, refused: int) -> dict:
     states = {r.name: ("failed" if r.failed else r.state) for r in relays}
     overall = ("done" if all(s == "done" for s in states.values()) else
                "failed" if all(s in ("done", "failed") for s in states.values()) else
+               "stopped" if all(s in ("done", "failed", "stopped") for s in states.values()) else
                "waiting" if rnd.quota_wait and not rnd.in_flight and not rnd.handed_over else "running")
     return {"state": overall, "refused": refused, "pushed": rnd.pushed, "handed_over": rnd.handed_over,
             "in_flight": rnd.in_flight, "quota_wait": rnd.quota_wait.isoformat() if rnd.quota_wait else None,
@@ -328,7 +332,8 @@ def _summary(relays: List[Relay], rnd: Round, plan, refused: int) -> dict:
             "relays": {r.name: {"state": states[r.name], "error": r.failed,
                                 "step": (r.progress or {}).get("global_step", 0),
                                 "sessions": len((r.progress or {}).get("sessions") or []),
-                                "weights_sha256": (r.progress or {}).get("weights_sha256")} for r in relays}}
+                                "weights_sha256": (r.progress or {}).get("weights_sha256"),
+                                "why": r.step.why if r.step and r.state == "stopped" else ""} for r in relays}}
 
 
 if __name__ == "__main__":

@@ -22,16 +22,24 @@ def _budget(value: str) -> Optional[float]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _positive(value: str, expected: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"expected {expected} (got {value!r})")
+    return number
+
+
 def _steps(value: str) -> Optional[int]:
     if value.strip().lower() == "none":
         return None
-    try:
-        steps = int(value)
-    except ValueError:
-        steps = 0
-    if steps <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of steps or 'none' (got {value!r})")
-    return steps
+    return _positive(value, "a positive number of steps or 'none'")
+
+
+def _session_number(value: str) -> int:
+    return _positive(value, "a session number, 1 or more")
 
 
 def _deadline(value: str) -> float:
@@ -180,6 +188,30 @@ def _load_progress(path: str) -> dict:
         raise InputError(f"{err}; expected a workdir or harvested outputs with a progress.json") from None
 
 
+def cmd_stop(args: argparse.Namespace) -> int:
+    from relay.orchestrator import control
+    from relay.orchestrator.kaggle import from_env
+
+    return control.stop(args.target, from_env, now=args.now, yes=args.yes, why=args.why)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from relay.orchestrator import control
+    from relay.orchestrator.kaggle import from_env
+
+    return control.resume(args.target, from_env)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from relay.orchestrator import logs
+    from relay.orchestrator.kaggle import from_env
+
+    def write(line: str) -> None:
+        print(line, flush=True)
+
+    return logs.logs(args.target, from_env, session=args.session, follow=args.follow, write=write)
+
+
 def cmd_verify_resume(args: argparse.Namespace) -> int:
     from relay.kernel.verify import verify_resume
 
@@ -254,6 +286,28 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--out", metavar="DIR", help="where the PNGs go for NAME|SPEC (default: relay-runs/NAME)")
     st.add_argument("--credentials-block", metavar="NAME", help=CREDENTIALS_BLOCK_HELP)
     st.set_defaults(func=cmd_status)
+
+    sp = sub.add_parser("stop", help="stop a relay: its running session is handed over as usual, then nothing more"
+                                     " is pushed, by any orchestrator (the stop is recorded on Kaggle)")
+    sp.add_argument("target", metavar="NAME|SPEC", help="a relay name or its spec")
+    sp.add_argument("--now", action="store_true", help="also end the running session now by deleting its kernel (Kaggle"
+                                                      " has no cancel): its progress since the last published"
+                                                      " checkpoint is lost; says how much and asks first")
+    sp.add_argument("--yes", action="store_true", help="with --now: do not ask")
+    sp.add_argument("--why", default="", help="a note kept with the stop (shown by relay status)")
+    sp.set_defaults(func=cmd_stop)
+
+    rs = sub.add_parser("resume", help="resume a stopped relay: the next `relay run` or tick goes on from its last"
+                                       " published checkpoint")
+    rs.add_argument("target", metavar="NAME|SPEC", help="a relay name or its spec")
+    rs.set_defaults(func=cmd_resume)
+
+    lg = sub.add_parser("logs", help="a session's log from Kaggle (the running one by default), each line once")
+    lg.add_argument("target", metavar="NAME|SPEC", help="a relay name or its spec")
+    lg.add_argument("--session", type=_session_number, metavar="N", help="session N's log (default: the kernel's"
+                                                                          " current session)")
+    lg.add_argument("--follow", action="store_true", help="follow the running session's log until it ends")
+    lg.set_defaults(func=cmd_logs)
 
     v = sub.add_parser("verify-resume", help="N steps straight vs the same N split into sessions with a SIGKILL"
                                               " mid-save: 'identical', or the first tensor that differs")

@@ -32,13 +32,16 @@ def outputs_dir(spec_path: Path, out: Optional[str]) -> Path:
 
 def _still_running(run_spec, local: Path) -> Optional[str]:
     """The cheap tick: one look at Kaggle (the same observe and decide the flow makes, a few calls); the
-    reason when the only step is to wait for a queued or running session, else None (the flow acts)."""
+    reason when the only step is to wait for a queued or running session, or none at all (stopped by the user),
+    else None (the flow acts)."""
     from relay.orchestrator import chain, handoff
     from relay.orchestrator.kaggle import from_env
 
     backend = from_env()
     names = chain.Names(backend.username, run_spec.name)
     action = chain.decide(run_spec.name, handoff.observe(backend, names, local, run_spec.kaggle.startup_overhead))
+    if action.do is chain.Do.STOPPED:
+        return action.reason
     if action.do is not chain.Do.WAIT:
         return None
     return f"session {action.session} ({action.run_id}) {action.reason.removeprefix('kernel ')}"
@@ -148,6 +151,8 @@ def _outputs(emit, name: str, local: Path, summary: Optional[dict], account: Opt
     if summary is not None:
         emit(f"{summary['state']}: step {summary['step']}/{summary.get('total_steps') or '?'},"
              f" {summary['sessions']} session(s) handed over")
+        if summary["state"] == "stopped":
+            emit(summary["why"])
     elif progress is not None:
         emit(f"{progress.get('status')}: step {progress.get('global_step')}/{progress.get('total_steps') or '?'},"
              f" {len(progress.get('sessions') or [])} session(s) handed over")

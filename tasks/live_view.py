@@ -185,6 +185,7 @@ def follow_sessions(sessions: List[Running], label: str, poll_seconds: float, li
     asked again at the next poll; KaggleUnresponsive (the client gave up) goes up to the flow, which looks
     at Kaggle again later."""
     states = {s.run_id: "starting" for s in sessions}
+    seen: set = set()  # sessions Kaggle's status call has shown
     errors, finished, next_status = 0, False, 0.0
     while time.monotonic() < give_up:
         if time.monotonic() >= next_status:
@@ -194,6 +195,10 @@ def follow_sessions(sessions: List[Running], label: str, poll_seconds: float, li
                     state = _state(s)
                     states[s.run_id] = state.value if state else "starting"
                     finished = finished or bool(state and state.finished)
+                    if state is not None:
+                        seen.add(s.run_id)
+                    elif s.run_id in seen:  # seen, then gone: its kernel was deleted (`relay stop --now`)
+                        finished = True
                 errors = 0
             except KaggleUnresponsive:
                 raise

@@ -93,7 +93,8 @@ class RelayContext:
 class Step:
     """What one step found or did, the one outcome both flows act on.
     state: "ready" (to push, given a slot and a budget), "running", "handed-over", "restored", "pushed",
-    "waiting" (Kaggle's status lag, another orchestrator's claim, a refused push, the quota), "done"."""
+    "waiting" (Kaggle's status lag, another orchestrator's claim, a refused push, the quota), "done", "stopped"
+    (by the user: `relay stop`; why says so)."""
 
     state: str
     action: chain.Action
@@ -109,7 +110,7 @@ class Step:
         p = self.progress or {}
         return {"state": self.state, "run_id": self.action.run_id, "step": p.get("global_step", 0),
                 "total_steps": p.get("total_steps"), "sessions": len(p.get("sessions", [])),
-                "metrics": p.get("metrics", {}), "weights_sha256": p.get("weights_sha256")}
+                "metrics": p.get("metrics", {}), "weights_sha256": p.get("weights_sha256"), "why": self.why}
 
 
 def advance(ctx: RelayContext) -> Step:
@@ -126,7 +127,10 @@ def advance(ctx: RelayContext) -> Step:
         step = _wedged(ctx, obs, action) if action.do is Do.WEDGED else _hand_over(ctx, obs, action)
         if step.state != "ready":
             return step
-        action = step.action
+        action = chain.unless_stopped(ctx.spec.name, obs, step.action)  # a retry is a push too
+    if action.do is Do.STOPPED:
+        logger.warning("%s", action.reason)
+        return Step("stopped", action, obs, obs.published, why=action.reason)
     if action.do is Do.DONE:
         done = obs.published or {}
         ctx.tell("finished", "finished", f"{ctx.spec.name} finished at step {done.get('global_step')}, last eval"
@@ -247,8 +251,9 @@ def _restore(ctx: RelayContext, obs: chain.Observation, action: chain.Action, co
 
 
 def push(ctx: RelayContext, ready: Step, budget_s: float, quota: Optional[Quota]) -> Step:
-    """Push the ready relay's next session with `budget_s` of training, under a claim on Kaggle: "pushed", or
-    "waiting" (claimed by another orchestrator; refused by Kaggle, with the refusal)."""
+    """Push the ready relay's next session with `budget_s` of training, under a claim on Kaggle: "pushed",
+    "waiting" (claimed by another orchestrator; refused by Kaggle, with the refusal), or "stopped" (by the user
+    since the step observed)."""
     action, obs = ready.action, ready.obs
     session = handoff.session_kernel(ctx.spec, ctx.spec_text, ctx.names, action, budget_s, obs.features_published,
                                      has_checkpoint=obs.published is not None)
@@ -256,6 +261,10 @@ def push(ctx: RelayContext, ready: Step, budget_s: float, quota: Optional[Quota]
     held = _claim(ctx, key, obs, action)  # its act, SaveKernel, follows within seconds
     if isinstance(held, Step):
         return held
+    stop = t.user_stop(ctx.backend, ctx.names)  # a `relay stop` since this step observed: nothing is pushed
+    if stop:
+        stopped = chain.unless_stopped(ctx.spec.name, replace(obs, stopped_by_user=stop), action)
+        return Step("stopped", stopped, obs, obs.published, why=stopped.reason)
     pushed = t.push_session(ctx.backend, session)
     if pushed.refusal is not None:
         until = quota.refresh_time if (pushed.refusal is Refusal.QUOTA and quota) else None

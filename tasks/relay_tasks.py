@@ -9,6 +9,7 @@ from prefect.cache_policies import NO_CACHE
 
 from relay.orchestrator import handoff
 from relay.orchestrator.chain import Action, Names, Observation
+from relay.orchestrator.kaggle import control_record
 from relay.orchestrator.kaggle.lease import LeaseLost
 from relay.orchestrator.kaggle.selective_output import DiskSpaceError
 from relay.orchestrator.kaggle.types import KaggleUnresponsive, PushResult, Quota, SessionKernel
@@ -43,6 +44,12 @@ def observe(backend, names: Names, local: Path, grace_s: Optional[float] = None)
 def delete_kernel(backend, kernel: str) -> bool:
     """Delete a wedged session's kernel: the only way Kaggle offers to stop it (False: it was gone already)."""
     return backend.delete_kernel(kernel)
+
+
+@task(name="user-stop", **RETRY)
+def user_stop(backend, names: Names) -> str:
+    """Who stopped the relay (`relay stop`), read right before a push; "" while it is not stopped."""
+    return control_record.stop_line(control_record.read(backend, names.owner, names.name))
 
 
 @task(name="quota", **RETRY)

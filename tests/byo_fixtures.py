@@ -96,9 +96,16 @@ RELAYED = {"optim.max_steps": 90, "session.max_steps": 30, "session.save_every":
            "session.safety_margin": "0.5s", "kaggle.session_timeout": "5m", "kaggle.startup_overhead": "1s"}
 
 
-def relay_in_shell(tmp_path, emulator, cwd, *args, timeout=900, python_code=None, env_extra=None):
+def relay_in_shell(tmp_path, emulator, cwd, *args, timeout=900, python_code=None, env_extra=None, input=None):
     """`python -m relay ARGS` (or `python -c PYTHON_CODE ARGS`) in cwd, with only what a user's shell has
-    (and `env_extra`)."""
+    (and `env_extra`); `input`: what the user types."""
+    command = [sys.executable, "-m", "relay"] if python_code is None else [sys.executable, "-c", python_code]
+    return subprocess.run([*command, *args], cwd=cwd, env=shell_env(tmp_path, emulator, env_extra),
+                          capture_output=True, text=True, timeout=timeout, input=input)
+
+
+def shell_env(tmp_path, emulator, env_extra=None) -> dict:
+    """What a user's shell has for the README's commands against the emulator (HOME and TMPDIR under tmp_path)."""
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home"), "TMPDIR": str(tmp_path / "tmp"),
            "PYTHONPATH": str(REPO), "KAGGLE_USERNAME": USER, "KAGGLE_KEY": FAKE_KEY,
            "RELAY_KAGGLE_ENDPOINT": emulator.url, "PREFECT_HOME": str(tmp_path / "prefect"), "DO_NOT_TRACK": "1",
@@ -107,6 +114,4 @@ def relay_in_shell(tmp_path, emulator, cwd, *args, timeout=900, python_code=None
     env.update(env_extra or {})
     for d in ("home", "tmp"):
         (tmp_path / d).mkdir(exist_ok=True)
-    command = [sys.executable, "-m", "relay"] if python_code is None else [sys.executable, "-c", python_code]
-    return subprocess.run([*command, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return env

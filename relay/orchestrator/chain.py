@@ -60,6 +60,10 @@ class Observation:
     kernel_state: Optional[str]    # "queued" | "running" | "complete" | "error" | "cancelled" | None
     failure_message: str = ""
     features_published: bool = False
+    # the user's say (relay/orchestrator/kaggle/control_record.py): who stopped the relay with `relay stop`, when and
+    # why ("" while it is not stopped); the session whose kernel `relay stop --now` deleted (its run id), if any
+    stopped_by_user: str = ""
+    ended_by_user: Optional[str] = None
     # the kernel version that carries kernel_run: the state and the output are read for this version only
     # (versionLabel "v<N>"), never for "the latest", which lags a push; None: not known yet ("starting")
     kernel_version: Optional[int] = None
@@ -87,6 +91,7 @@ class Do(str, enum.Enum):
     # corrupt mounted checkpoint version, make the newest valid one current again (relay/orchestrator/restore.py)
     HANDED_OVER = "handed-over"
     RESTORE = "restore"
+    STOPPED = "stopped"    # `relay stop`: nothing more is pushed until `relay resume` (unless_stopped)
 
 
 @dataclass(frozen=True)
@@ -100,13 +105,35 @@ class Action:
 
 
 def decide(name: str, obs: Observation) -> Action:
-    """The one next step of the relay."""
+    """The one next step of the relay; no push while the user has it stopped (unless_stopped)."""
+    return unless_stopped(name, obs, _next_step(name, obs))
+
+
+def unless_stopped(name: str, obs: Observation, action: Action) -> Action:
+    """STOPPED instead of a push while the relay is stopped by the user (`relay stop`); a running session is still
+    waited for and handed over as usual."""
+    if action.do is not Do.PUSH or not obs.stopped_by_user:
+        return action
+    step = (obs.published or {}).get("global_step", 0)
+    return Action(Do.STOPPED, session=action.session, attempt=action.attempt,
+                  reason=f"stopped by the user (relay stop) at step {step}, {obs.stopped_by_user}; `relay resume"
+                         f" {name}` to go on")
+
+
+def _next_step(name: str, obs: Observation) -> Action:
     if (obs.published or {}).get("status") == "done":
         return Action(Do.DONE, reason="the published checkpoint says the work is done")
     next_session = obs.handed_over + 1
     parsed = parse_run_id(obs.kernel_run)
     if parsed is None or parsed[0] < next_session:
         # Nothing pushed yet, or the kernel's run is already handed over: start the next session.
+        ended = parse_run_id(obs.ended_by_user) if obs.kernel_run is None else None
+        if ended is not None and ended[0] == next_session:
+            # `relay stop --now` deleted this session's kernel: a new attempt from the last published checkpoint
+            # (a new run id: the deleted one's claims on Kaggle stand until they expire)
+            attempt = ended[1] + 1
+            return Action(Do.PUSH, run_id(name, next_session, attempt), next_session, attempt,
+                          f"{obs.ended_by_user} was ended by the user (relay stop --now)")
         return Action(Do.PUSH, run_id(name, next_session, 1), next_session, 1, "next session")
     session, attempt = parsed
     restored = (obs.published or {}).get("restored") or {}

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from relay.orchestrator import tracking_handoff
 from relay.orchestrator.chain import Action, Names, Observation, hit_session_limit
+from relay.orchestrator.kaggle import control_record
 from relay.orchestrator.kaggle.backend import KaggleBackend
 from relay.orchestrator.kaggle.types import NotFound, SessionKernel
 from relay.shared.spec import RunSpec
@@ -32,7 +33,9 @@ def observe(backend: KaggleBackend, names: Names, local: Path, grace_s: Optional
     label: for about a minute after a push Kaggle's "latest" status and output still show the previous
     version's final state, which would read as "finished" before the new run has even started. A version
     whose status is not available yet (no number, not found) is "starting" (None), never finished.
-    Given `grace_s` (kaggle.startup_overhead), a running kernel's deadline too (running_deadline)."""
+    Given `grace_s` (kaggle.startup_overhead), a running kernel's deadline too (running_deadline). The user's
+    `relay stop` / `relay resume` is read with it (relay/orchestrator/kaggle/control_record.py)."""
+    user = control_record.read(backend, names.owner, names.name) or {}
     published = read_published_progress(backend, names.checkpoint_dataset, local / "published")
     current = backend.current_run(names.kernel)
     run, version = current if current is not None else (None, None)
@@ -45,7 +48,8 @@ def observe(backend: KaggleBackend, names: Names, local: Path, grace_s: Optional
             log.info("kernel %s v%s: no status yet (starting)", names.kernel, version)
     deadline = running_deadline(backend, names, run, grace_s) if state == "running" and grace_s is not None else None
     return Observation(published, run, state, failure, features_published=_exists(backend, names.features_dataset),
-                       kernel_version=version or None, deadline=deadline, observed_at=time.time())
+                       kernel_version=version or None, deadline=deadline, observed_at=time.time(),
+                       stopped_by_user=control_record.stop_line(user), ended_by_user=user.get("ended_run"))
 
 
 def running_deadline(backend: KaggleBackend, names: Names, run_id: Optional[str], grace_s: float) -> Optional[float]:

@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 
 class LiveSession:
     def __init__(self, backend, kernel: str, run_id: str, max_reconnects: int = 30,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, on_event: Optional[Callable[[dict], None]] = None):
         self.backend, self.kernel, self.run_id = backend, kernel, run_id
+        self.on_event = on_event  # given every log event once, in order (`relay logs`)
         self.records: List[dict] = []
         self.reconnects = 0
         self.ended = False           # the stream said END_OF_LOG, or served the stored log
@@ -45,6 +46,8 @@ class LiveSession:
                     if index < self._seen:
                         continue  # a replay after a reconnect
                     self._seen += 1
+                    if self.on_event is not None:
+                        self.on_event(event)
                     self._take(event)
                 self.ended = True
             except Exception as err:  # noqa: BLE001 - a dropped stream is reconnected, never fatal
@@ -73,6 +76,11 @@ class LiveSession:
                     break
                 self._new.wait(left)
             return list(self.records)
+
+    @property
+    def finished(self) -> bool:
+        """The stream ended, or its reader gave up after too many drops."""
+        return self.ended or not self._thread.is_alive()
 
     @property
     def latest(self) -> Optional[dict]:

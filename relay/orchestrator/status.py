@@ -17,7 +17,7 @@ from relay.shared.errors import InputError
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{2,49}$")
 
 
-def resolve_name(target: str):
+def resolve_name(target: str, command: str = "relay status"):
     """(name, spec or None) from a spec file or a relay name."""
     from relay.shared import spec as spec_mod
 
@@ -26,30 +26,46 @@ def resolve_name(target: str):
         run_spec = spec_mod.load(path)
         return run_spec.name, run_spec
     if not _NAME.match(target):
-        raise InputError(f"relay status: {target!r} is neither a folder, a spec file nor a relay name"
+        raise InputError(f"{command}: {target!r} is neither a folder, a spec file nor a relay name"
                          " ([a-z0-9-], 3-50 characters)")
     # no spec: the plan uses Kaggle's defaults (12 h sessions, 30 h a week)
     return target, SimpleNamespace(kaggle=spec_mod.KaggleConfig(), session=spec_mod.SessionConfig())
 
 
-def report(target: str, backend_factory: Callable, out_dir: Path | None = None, emit=print,
-           follow_s: float = 5.0) -> int:
-    from relay.orchestrator import chain, handoff, live, policy, report as rep
-    from relay.orchestrator.kaggle import KaggleError, NotFound
+FOLLOW_S = 5.0  # how long a command reads the running session's log stream for its newest progress
 
-    name, run_spec = resolve_name(target)
+
+def find_relay(target: str, backend_factory: Callable, command: str = "relay status"):
+    """(name, spec, backend, names, observation) of the relay that NAME|SPEC `target` names, read from Kaggle;
+    InputError when Kaggle holds no such relay or does not answer."""
+    from relay.orchestrator import chain, handoff
+    from relay.orchestrator.kaggle import KaggleError
+
+    name, run_spec = resolve_name(target, command)
     backend = backend_factory()
     names = chain.Names(backend.username, name)
-    out = Path(out_dir or Path("relay-runs") / name)
     try:
         with tempfile.TemporaryDirectory(prefix="relay-status-") as scratch:  # nothing written for a wrong name
             obs = handoff.observe(backend, names, Path(scratch), run_spec.kaggle.startup_overhead)
+    except KaggleError as err:
+        raise InputError(f"{command} {name}: {err}") from None
+    if obs.published is None and obs.kernel_run is None:
+        raise InputError(f"{command}: no relay named {name} for Kaggle user {names.owner}"
+                         f" (no dataset {names.checkpoint_dataset}, no kernel {names.kernel})")
+    return name, run_spec, backend, names, obs
+
+
+def report(target: str, backend_factory: Callable, out_dir: Path | None = None, emit=print,
+           follow_s: float = FOLLOW_S) -> int:
+    from relay.orchestrator import chain, handoff, live, policy, report as rep
+    from relay.orchestrator.kaggle import KaggleError, NotFound
+
+    name, run_spec, backend, names, obs = find_relay(target, backend_factory)
+    out = Path(out_dir or Path("relay-runs") / name)
+    try:
         quota = backend.quota()
     except KaggleError as err:
         raise InputError(f"relay status {name}: {err}") from None
-    if obs.published is None and obs.kernel_run is None:
-        raise InputError(f"relay status: no relay named {name} for Kaggle user {names.owner}"
-                         f" (no dataset {names.checkpoint_dataset}, no kernel {names.kernel})")
     progress = obs.published or {}
     action = chain.decide(name, obs)
     if action.do is chain.Do.WEDGED:  # what the relay does about it, in the `next:` line
@@ -77,6 +93,9 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
              + (f" ({obs.failure_message})" if obs.failure_message else ""))
     if records:
         emit(live.eta_text(records, run_spec.session.max_steps))
+    if obs.stopped_by_user and action.do is not chain.Do.STOPPED:
+        emit(f"stopped by the user (relay stop) {obs.stopped_by_user}: the running session is handed over, then"
+             f" nothing more is pushed until `relay resume {name}`")
     emit(f"next: {action.do.value} {action.run_id or ''} ({action.reason})".replace("  ", " "))
     if newest.get("total_steps") and not progress.get("total_steps"):  # the first session: its lines say it
         progress = {**progress, "total_steps": newest["total_steps"]}

@@ -33,6 +33,8 @@ class KaggleBackend(Protocol):
     def kernel_status(self, kernel: str, version: Optional[int] = None) -> KernelStatus: ...
     def log_stream(self, kernel: str) -> Iterator[dict]: ...
     def delete_kernel(self, kernel: str) -> bool: ...
+    def version_run(self, kernel: str, version: int) -> Optional[str]: ...
+    def version_log(self, kernel: str, version: int) -> List[dict]: ...
     def download_output(self, kernel: str, dest: Path, run_id: str, workdir_name: str = "relay",
                         version: Optional[int] = None) -> SessionOutput: ...
     def open_handoff_output(self, kernel: str, root: Path, workdir_name: str = "relay",
@@ -169,13 +171,14 @@ class ClientBackend:
             return None
         return response.metadata.current_version_number if response.metadata else None
 
-    def _get_kernel(self, owner: str, slug: str) -> Any:
-        """GetKernel's response (metadata + the pushed source), None when the kernel does not exist."""
+    def _get_kernel(self, owner: str, slug: str, version: Optional[int] = None) -> Any:
+        """GetKernel's response (metadata + the pushed source; of version `version` as `kaggle kernels pull
+        owner/slug/N` asks), None when the kernel (or that version) does not exist."""
         def get(kaggle: Any) -> Any:
             from kagglesdk.kernels.types.kernels_api_service import ApiGetKernelRequest
 
             request = ApiGetKernelRequest()
-            request.user_name, request.kernel_slug = owner, slug
+            request.user_name, request.kernel_slug = owner, f"{slug}/{version}" if version else slug
             return kaggle.kernels.kernels_api_client.get_kernel(request)
 
         try:
@@ -200,6 +203,21 @@ class ClientBackend:
         if found is None:
             return None
         return found, (response.metadata.current_version_number if response.metadata else None)
+
+    def version_run(self, kernel: str, version: int) -> Optional[str]:
+        """The run id pushed as version `version` of the kernel (read back from its source), None for none."""
+        owner, slug = split_ref(kernel, "kernel")
+        response = self._get_kernel(owner, slug, version)
+        return kernel_source.find_run_id((response.blob.source if response and response.blob else "") or "")
+
+    def version_log(self, kernel: str, version: int) -> List[dict]:
+        """The stored log of a finished kernel version: its events ({"data": ...}) as the log stream gives them."""
+        owner, slug = split_ref(kernel, "kernel")
+        text = output.list_output(self.client, owner, slug, version)[1]
+        try:
+            return [entry for entry in json.loads(text or "[]") if isinstance(entry, dict)]
+        except ValueError:
+            return [{"data": line + "\n"} for line in text.splitlines()]
 
     def current_plan(self, kernel: str) -> Optional[dict]:
         """The plan (run id, training budget, mounts) embedded in the kernel's current source."""

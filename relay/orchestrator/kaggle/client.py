@@ -77,8 +77,9 @@ def kaggle_api_class() -> type:
                 os.environ["KAGGLE_CONFIG_DIR"] = scratch
                 # the import-time authenticate finds nothing and prints help; keep that off our stdout, and
                 # out of a Prefect flow's log too (log_prints replaces builtins.print): a false alarm there
+                # and it ends with exit(), which closes sys.stdin: give it a stand-in (`relay stop --now` asks)
                 sink = io.StringIO()
-                with contextlib.redirect_stdout(sink), \
+                with contextlib.redirect_stdout(sink), unittest.mock.patch("sys.stdin", io.StringIO()), \
                         unittest.mock.patch("builtins.print", lambda *a, **k: _PRINT(*a, **{**k, "file": sink})):
                     import kaggle  # noqa: F401
             finally:
