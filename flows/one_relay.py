@@ -52,7 +52,10 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
     slot = AccountSlot(ctx.backend.username, run_spec.name, run_spec.kaggle.account_sessions,
                        run_spec.kaggle.session_timeout + run_spec.kaggle.startup_overhead)
     try:
-        return drive(ctx, pace, slot)
+        summary = drive(ctx, pace, slot)
+        if mode == "watch":  # the runs list says how the watch ended, not the last session it followed
+            run_labels.label(name=f"{ctx.spec.name}: {summary.get('state')} at step {summary.get('step')}")
+        return summary
     except RelayFailed as err:
         slot.release()  # the relay stopped after its session ended: it pushes nothing until a person acts
         relay_step.stopped(ctx, err)

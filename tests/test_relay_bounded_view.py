@@ -110,7 +110,7 @@ def test_a_three_times_longer_session_leaves_as_much_in_prefect_and_the_newest_p
     per = [[a.key for a in versioned if start <= a.created <= end] for start, end in windows]
     assert len(per[0]) == len(per[1]) > 0, per
     assert [a.key for a in found].count(f"{NAME}-progress") == 1  # one, updated in place through both sessions
-    assert run.name == f"{NAME}: session 2" and {f"relay:{NAME}", "kaggle:alice"} <= set(run.tags), run
+    assert run.name == f"{NAME}: done at step 40" and {f"relay:{NAME}", "kaggle:alice"} <= set(run.tags), run
     summary = Artifact.get(f"{NAME}-summary").data
     assert f"on the local Kaggle emulator at {relay_env.emu.url}" in summary and f"`alice/{NAME}-model`" in summary
     final = Artifact.get(f"{NAME}-progress")

@@ -53,12 +53,20 @@ def plan_text(spec, progress: Optional[dict], quota, now: datetime, running=None
                                        max_steps=spec.session.max_steps)
         p = planner.plan_from_progress(progress or {}, q, now, limits=limits,
                                        step_seconds_estimate=1 / running.steps_per_s if running else None,
-                                       total_steps=(progress or {}).get("total_steps"),
+                                       total_steps=(progress or {}).get("total_steps") or _spec_steps(spec),
                                        steps_per_epoch=(progress or {}).get("steps_per_epoch"),
                                        not_before=end if running is not None else None)
         return head + planner.format_plan(p) + limit_warning(spec, progress)
     except (planner.PlanError, KeyError, TypeError, ValueError) as err:
+        if running is None and not (progress or {}).get("sessions"):  # nothing measured a step yet
+            err = ("the first session's progress lines bring its step time"
+                   " (`relay plan SPEC --step-seconds S` plans from your estimate)")
         return head + f"(no plan yet: {err})" + limit_warning(spec, progress)
+
+
+def _spec_steps(spec) -> Optional[int]:
+    """The run's length where the spec states it (optim.max_steps); a recipe's epochs are known to its sessions."""
+    return getattr(getattr(spec, "optim", None), "max_steps", None)
 
 
 def budget_lowered(backend, names: chain.Names, spec) -> bool:
