@@ -282,11 +282,12 @@ def _validate(remaining_steps: int, step_seconds: float, limits: SessionLimits, 
 def plan_sessions(
     remaining_steps: int, step_seconds: float, quota: QuotaState, now: datetime, *,
     limits: SessionLimits = SessionLimits(), done_steps: int = 0,
-    steps_per_epoch: int | None = None, not_before: datetime | None = None,
+    steps_per_epoch: int | None = None, not_before: datetime | None = None, first_index: int = 1,
 ) -> Plan:
     """Split `remaining_steps` into sessions that fit the per-session cap and the weekly quota.
 
-    `done_steps` numbers the planned steps (global step of the first one); `not_before` delays the first
+    `done_steps` numbers the planned steps (global step of the first one), `first_index` the planned sessions
+    (the run's session number of the first one); `not_before` delays the first
     session (a session still running, a handoff in progress). Sessions end mid-epoch when an epoch is
     longer than a session: the runtime resumes at the exact step."""
     now = as_utc(now, "now")
@@ -335,7 +336,7 @@ def plan_sessions(
         carried_to_next += budget - before_refresh
         cumulative += budget
         sessions.append(PlannedSession(
-            index=len(sessions) + 1, starts=t, budget_s=budget, train_s=budget - overhead, steps=steps,
+            index=first_index + len(sessions), starts=t, budget_s=budget, train_s=budget - overhead, steps=steps,
             step_start=step_at, step_end=step_at + steps, cumulative_gpu_s=cumulative, week=week,
             waited_for_quota=waited,
             epoch_end=(step_at + steps) / steps_per_epoch if steps_per_epoch else None))
@@ -350,12 +351,13 @@ def plan_sessions(
 def plan_from_progress(
     progress: Mapping[str, Any], quota: QuotaState, now: datetime, *, limits: SessionLimits = SessionLimits(),
     step_seconds_estimate: float | None = None, total_steps: int | None = None,
-    steps_per_epoch: int | None = None, not_before: datetime | None = None,
+    steps_per_epoch: int | None = None, not_before: datetime | None = None, sessions_before: int = 0,
 ) -> Plan:
     """Plan the rest of a run from its progress.json (a parsed dict; `{}` before the first session).
 
     The measured step time wins over the estimate; `total_steps` is needed only before the first
-    session has written progress.json."""
+    session has written progress.json. Planned sessions are numbered after the run's sessions so far and
+    `sessions_before` more (a session still running)."""
     total = progress.get("total_steps") or total_steps
     if not total:
         raise PlanError("total_steps: unknown (no progress.json yet): pass the run's total steps")
@@ -364,7 +366,8 @@ def plan_from_progress(
     if step_seconds is None:
         raise PlanError("step_seconds_estimate: no session has measured a step yet: pass an estimate")
     return plan_sessions(max(0, int(total) - done), step_seconds, quota, now, limits=limits, done_steps=done,
-                         steps_per_epoch=steps_per_epoch, not_before=not_before)
+                         steps_per_epoch=steps_per_epoch, not_before=not_before,
+                         first_index=len(progress.get("sessions") or []) + sessions_before + 1)
 
 
 # ---------------------------------------------------------------- presentation

@@ -55,7 +55,8 @@ def plan_text(spec, progress: Optional[dict], quota, now: datetime, running=None
                                        step_seconds_estimate=1 / running.steps_per_s if running else None,
                                        total_steps=(progress or {}).get("total_steps") or _spec_steps(spec),
                                        steps_per_epoch=(progress or {}).get("steps_per_epoch"),
-                                       not_before=end if running is not None else None)
+                                       not_before=end if running is not None else None,
+                                       sessions_before=1 if running is not None else 0)
         return head + planner.format_plan(p) + limit_warning(spec, progress)
     except (planner.PlanError, KeyError, TypeError, ValueError) as err:
         if running is None and not (progress or {}).get("sessions"):  # nothing measured a step yet
