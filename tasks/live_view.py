@@ -92,8 +92,11 @@ class LiveView:
                                                        getattr(self.backend, "endpoint", None)))
         except Exception as err:  # noqa: BLE001
             logger.warning("live view of %s not refreshed: %s", live.run_id, err)
-        for i in log_at:
-            self._log(records[:i + 1], progress)
+        try:
+            for i in log_at:
+                self._log(records[:i + 1], progress)
+        except Exception as err:  # noqa: BLE001 - a view never fails a relay
+            logger.warning("progress of %s not logged: %s", live.run_id, err)
 
     def _events(self, upto: list) -> tuple:
         """(log line?, summary version?) for the newest of `upto`: a tenth (for the log) or a quarter (for the
@@ -111,7 +114,8 @@ class LiveView:
         return log, summary
 
     def _log(self, upto: list, progress: Optional[dict]) -> None:
-        newest, record = self._newest(upto), upto[-1]
+        record = upto[-1]
+        newest = self._newest(upto) or record  # an eval before the session's first train line
         loss = newest.get("loss")
         said = f", loss {loss:.4g}" if isinstance(loss, (int, float)) else ""
         if record.get("kind") == "eval":
@@ -120,7 +124,7 @@ class LiveView:
                               self._total(upto, progress), said, eta_text(upto, self.session_max_steps))
 
     def _text(self, upto: list, progress: Optional[dict], kernel_state: str) -> str:
-        newest = self._newest(upto)
+        newest = self._newest(upto) or upto[-1]
         steps = int(newest["step"]) - int(upto[0].get("step_start") or 0)
         return (f"{self.names.name}: step {newest['step']} of {self._total(upto, progress)}; session"
                 f" {newest.get('session')} ({self.live.run_id}): {steps} steps, {kernel_state};"

@@ -91,7 +91,14 @@ def test_a_three_times_longer_session_leaves_as_much_in_prefect_and_the_newest_p
     from prefect.logging.handlers import APILogWorker
 
     APILogWorker.drain_all(timeout=30)  # the flow's logs reach the server in batches
-    run, tasks, logs, found = _read_run(str(spec))
+    # task runs reach the server as events, recorded in the background: read until the last hand-over's is there
+    deadline = time.monotonic() + 120  # a hang guard, not a speed bound
+    while True:
+        run, tasks, logs, found = _read_run(str(spec))
+        if sum(t.name.startswith("hand-over") and t.end_time is not None for t in tasks) >= 2 \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     pushes = sorted((t for t in tasks if t.name.startswith("push-session")), key=lambda t: t.start_time)
     hand_overs = sorted((t for t in tasks if t.name.startswith("hand-over")), key=lambda t: t.start_time)
     assert len(pushes) == len(hand_overs) == 2, [t.name for t in tasks]
