@@ -223,6 +223,26 @@ class RelayEnv:
 
         return one_relay.relay(spec=str(self.spec), **args)
 
+    def flow_thread(self, monkeypatch, folder: str, script: str, spec: dict, poll_seconds: float,
+                    live_seconds: float):
+        """The `relay` flow (watch) on a user script (`folder`/train.py with `spec`) in a thread of this process,
+        so the test can look at Prefect while it runs; returns (the thread, the dict its summary lands in)."""
+        import flows.one_relay as one_relay
+        import tasks.relay_step as relay_step
+
+        code = self.root / folder
+        code.mkdir()
+        (code / "train.py").write_text(script)
+        self.spec = code / "spec.yaml"
+        self.spec.write_text(yaml.safe_dump({"code": {"folder": ".", "entry": "train.py"}, **spec}))
+        monkeypatch.setattr(relay_step, "make_backend", lambda credentials_block=None: self.backend())
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.update(one_relay.relay(
+            spec=str(self.spec), poll_seconds=poll_seconds, live_seconds=live_seconds,
+            state_dir=str(self.root / "orch"))), daemon=True)
+        thread.start()
+        return thread, result
+
     def flow_process(self, mode: str = "watch", state_dir: str = "orchestrator", seed: int = 0,
                      log_name: str = "flow.log", step_lock: bool = False,
                      flow: Optional[str] = None) -> subprocess.Popen:

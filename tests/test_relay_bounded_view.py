@@ -5,10 +5,7 @@ progress key's latest version is the newest state: the second session (after a h
 is held at a step until the test reads that step there (an event, not a sleep)."""
 from __future__ import annotations
 
-import threading
 import time
-
-import yaml
 
 from kaggle_fixtures import KERNEL_ENV
 
@@ -53,26 +50,14 @@ def _read_run(spec: str):
 
 def test_a_three_times_longer_session_leaves_as_much_in_prefect_and_the_newest_progress_is_shown(
         relay_env, monkeypatch):
-    import flows.one_relay as one_relay
-    import tasks.relay_step as relay_step
     from prefect.artifacts import Artifact
 
     relay_env.start(kernel_env={**KERNEL_ENV, "RELAY_PROGRESS_EVERY": "0"})  # a progress line every step
-    folder = relay_env.root / "bounded"
-    folder.mkdir()
-    (folder / "train.py").write_text(SCRIPT)
-    spec = folder / "spec.yaml"
-    spec.write_text(yaml.safe_dump({
-        "name": NAME, "code": {"folder": ".", "entry": "train.py"},
-        "optim": {"max_steps": 40, "log_every_steps": 1},
+    flow, result = relay_env.flow_thread(monkeypatch, "bounded", SCRIPT, {
+        "name": NAME, "optim": {"max_steps": 40, "log_every_steps": 1},
         "session": {"threads": 1, "max_steps": 30, "safety_margin": "0.5s"},
-        "kaggle": {"session_timeout": "10m", "startup_overhead": "1s"}}))
-    relay_env.spec = spec
-    monkeypatch.setattr(relay_step, "make_backend", lambda credentials_block=None: relay_env.backend())
-    result = {}
-    flow = threading.Thread(target=lambda: result.update(one_relay.relay(
-        spec=str(spec), poll_seconds=0.2, live_seconds=0.2, state_dir=str(relay_env.root / "orch"))), daemon=True)
-    flow.start()
+        "kaggle": {"session_timeout": "10m", "startup_overhead": "1s"}}, poll_seconds=0.2, live_seconds=0.2)
+    spec = relay_env.spec
 
     deadline, seen = time.monotonic() + 300, None  # a hang guard: the test proceeds on what it reads
     while time.monotonic() < deadline and flow.is_alive():

@@ -4,10 +4,7 @@ session is held at a step by the user's own script until the test has seen it (a
 from __future__ import annotations
 
 import json
-import threading
 import time
-
-import yaml
 
 from byo_fixtures import tiny_session_script
 from kaggle_fixtures import KERNEL_ENV
@@ -26,25 +23,12 @@ def _artifact(key: str):
 
 
 def test_the_running_session_shows_in_prefect_while_it_trains(relay_env, monkeypatch):
-    import flows.one_relay as one_relay
-    import tasks.relay_step as relay_step
 
     relay_env.start(kernel_env={**KERNEL_ENV, "RELAY_PROGRESS_EVERY": "0"})
-    folder = relay_env.root / "live"
-    folder.mkdir()
-    (folder / "train.py").write_text(SCRIPT)
-    spec = folder / "spec.yaml"
-    spec.write_text(yaml.safe_dump({
-        "name": "live-relay", "code": {"folder": ".", "entry": "train.py"},
-        "optim": {"max_steps": 40, "log_every_steps": 5},
+    flow, result = relay_env.flow_thread(monkeypatch, "live", SCRIPT, {
+        "name": "live-relay", "optim": {"max_steps": 40, "log_every_steps": 5},
         "session": {"threads": 1, "max_steps": 20, "safety_margin": "0.5s"},
-        "kaggle": {"session_timeout": "5m", "startup_overhead": "1s"}}))
-    relay_env.spec = spec
-    monkeypatch.setattr(relay_step, "make_backend", lambda credentials_block=None: relay_env.backend())
-    result = {}
-    flow = threading.Thread(target=lambda: result.update(one_relay.relay(
-        spec=str(spec), poll_seconds=0.3, live_seconds=0.5, state_dir=str(relay_env.root / "orch"))), daemon=True)
-    flow.start()
+        "kaggle": {"session_timeout": "5m", "startup_overhead": "1s"}}, poll_seconds=0.3, live_seconds=0.5)
 
     deadline = time.monotonic() + 300  # a hang guard: the test proceeds on what it sees
     progress = table = None
