@@ -289,7 +289,9 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
                                              gridspec_kw={"height_ratios": [3, 2]})
     steps, losses = _series(records, "train", "loss")
     if losses:
-        ax_loss.plot(steps, losses, color="#9ecae1", lw=0.8, label="train loss")
+        # with few points (a session's first progress lines) each is marked: one point is no line
+        ax_loss.plot(steps, losses, "o-" if len(losses) < 20 else "-", color="#9ecae1", lw=0.8, ms=4,
+                     label="train loss")
         if len(losses) >= 20:
             ax_loss.plot(steps, _smooth(losses, max(5, len(losses) // 40)), color="#08519c", lw=1.8,
                          label="train loss (smoothed)")
@@ -330,7 +332,14 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
     ax_metric.set_xlabel("global step")
     n_sessions = len({r.get("session") for r in records if r.get("session") is not None})
     dotted = ", dotted = stage changes" if stage_changes(records) else ""
-    fig.suptitle(f"{title} ({n_sessions} sessions, dashed lines = session starts{dotted})", fontsize=13)
+    from matplotlib.ticker import MaxNLocator
+
+    ax_metric.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole, also with one point
+    drawn = [r["step"] for r in records if isinstance(r.get("step"), (int, float))]
+    if drawn and max(drawn) - min(drawn) < 4:  # a session's first lines: a few steps wide, not fractions of one
+        ax_metric.set_xlim(min(drawn) - 2, max(drawn) + 2)
+    fig.suptitle(f"{title} ({n_sessions} session{'s' if n_sessions != 1 else ''}, dashed lines = session starts"
+                 f"{dotted})", fontsize=13)
     return _save(plt, fig, out_png)
 
 
