@@ -318,6 +318,22 @@ def relay_env(tmp_path, isolated_env, make_emulator, prefect_api):  # noqa: F811
     env.root.mkdir()
     yield env
     env.stop()
+    forget_account_slots()
+
+
+def forget_account_slots() -> None:
+    """Every test's relays run on an emulator of their own, but the tests of one worker share its Prefect server:
+    the account slots a killed or stopped relay still holds (tasks/account_slots.py: a lease as long as its
+    session may run) would make the next test's relays of the same account wait for them."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        for limit in client.read_global_concurrency_limits(limit=200, offset=0):
+            if limit.name.startswith("kaggle-account-"):
+                client.delete_global_concurrency_limit_by_name(limit.name)
+        for variable in client.read_variables(limit=500):
+            if variable.name.startswith("kaggle-slot-"):
+                client.delete_variable_by_name(variable.name)
 
 
 @pytest.fixture(params=["relay", "relays"])
