@@ -331,7 +331,7 @@ def forget_account_slots() -> None:
         for limit in client.read_global_concurrency_limits(limit=200, offset=0):
             if limit.name.startswith("kaggle-account-"):
                 client.delete_global_concurrency_limit_by_name(limit.name)
-        for variable in client.read_variables(limit=500):
+        for variable in client.read_variables(limit=200):
             if variable.name.startswith("kaggle-slot-"):
                 client.delete_variable_by_name(variable.name)
 
