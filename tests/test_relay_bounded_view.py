@@ -5,6 +5,8 @@ progress key's latest version is the newest state: the second session (after a h
 is held at a step until the test reads that step there (an event, not a sleep)."""
 from __future__ import annotations
 
+import pytest
+
 import time
 
 from kaggle_fixtures import KERNEL_ENV
@@ -48,6 +50,7 @@ def _read_run(spec: str):
     return run, tasks, logs, found
 
 
+@pytest.mark.own_prefect
 def test_a_three_times_longer_session_leaves_as_much_in_prefect_and_the_newest_progress_is_shown(
         relay_env, monkeypatch):
     from prefect.artifacts import Artifact
