@@ -9,9 +9,10 @@ from relay.shared import spec as spec_mod
 from relay.shared.errors import InputError
 
 
-def test_the_defaults_are_the_specs_own():
-    spec = spec_mod.validate({"name": "settings-test", "code": {"folder": ".", "entry": "train.py"}, "optim": {"max_steps": 9}},
-                             source="test")
+def test_the_defaults_are_the_specs_own(tmp_path):
+    (tmp_path / "train.py").write_text("")  # the folder is the test's own: the checkout's size must not matter
+    spec = spec_mod.validate({"name": "settings-test", "code": {"folder": str(tmp_path), "entry": "train.py"},
+                              "optim": {"max_steps": 9}}, source="test")
     relayed = SessionSettings.from_spec(spec, "w", budget=None, deadline=None, max_steps=None, resume_from=[],
                                         data_dir=None, feature_dirs=[], run_id=None)
     by_hand = SessionSettings(total_steps=9)
