@@ -45,7 +45,7 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
     run_spec = load_spec(spec)
     ctx = RelayContext.open(run_spec, Path(spec).read_text(),
                             relay_step.make_backend(credentials_block or run_spec.kaggle.credentials_block),
-                            state_dir, step_lock_wait_s)
+                            state_dir, step_lock_wait_s, tick=mode == "tick")
     get_run_logger().info("relay %s on Kaggle account %s", run_spec.name, ctx.backend.username)
     run_labels.label(add_tags=run_labels.tags(ctx.spec.name, ctx.names.owner))
     pace = Pace(mode, poll_seconds, time.monotonic() + max_hours * 3600, live_seconds, tick_follow_seconds)

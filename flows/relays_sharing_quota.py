@@ -62,13 +62,14 @@ class Round:
     quota_wait: Optional[datetime] = None  # the refresh every waiting relay waits for
 
 
-def load_relays(specs: List[str], backend, state_dir: str, step_lock_wait_s: float = 0.0) -> List[Relay]:
+def load_relays(specs: List[str], backend, state_dir: str, step_lock_wait_s: float = 0.0,
+                tick: bool = False) -> List[Relay]:
     relays = []
     for path in specs:
         relay = Relay(path, Path(path).stem)
         try:
             relay.ctx = RelayContext.open(load_spec(path), Path(path).read_text(), backend, state_dir,
-                                          step_lock_wait_s)
+                                          step_lock_wait_s, tick=tick)
         except (InputError, OSError) as err:  # one bad spec is that relay's failure, not everyone's
             relay.failed, relay.state = f"bad spec: {err}", "failed"
             relays.append(relay)
@@ -245,7 +246,7 @@ def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int 
         raise InputError(f"relays: cap {cap}: at least 1 concurrent session")
     backend = relay_step.make_backend(credentials_block or one_account(specs))
     logger.info("relays on Kaggle account %s", backend.username)
-    all_relays = load_relays(specs, backend, state_dir, step_lock_wait_s)
+    all_relays = load_relays(specs, backend, state_dir, step_lock_wait_s, tick=mode == "tick")
     run_labels.label(add_tags=[tag for r in all_relays if r.ctx for tag in run_labels.tags(r.name, r.ctx.names.owner)])
     give_up = time.monotonic() + max_hours * 3600
     announced_wait, refused = None, 0

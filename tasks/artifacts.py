@@ -28,10 +28,16 @@ def show_progress(name: str, step: int, total: int, text: str, artifact_id: Opti
     `<name>-progress` key, which is then its latest. Returns the id to update next time."""
     from prefect.artifacts import update_progress_artifact
 
+    import httpx
+
     percent = 100.0 * step / max(1, total)
     if artifact_id:
-        update_progress_artifact(artifact_id, progress=percent, description=text)
-        return artifact_id
+        try:
+            update_progress_artifact(artifact_id, progress=percent, description=text)
+            return artifact_id
+        except httpx.HTTPStatusError as err:  # 404: deleted with its flow run (the server's retention)
+            if err.response.status_code != 404:
+                raise
     return str(create_progress_artifact(progress=percent, key=_key(name, "progress"), description=text))
 
 

@@ -5,10 +5,13 @@ current, bounded by the session's events, not by how long it runs:
 - the session table and the summary (new versions) at the session's events: the first line within each
   quarter of its steps (its start, ..., its end), each eval, each early warning;
 - the flow's log says step, loss and ETA at every tenth of the session's steps and at each eval;
-- `follow_sessions` waits on running sessions inside one task run until one ends (not one per poll).
+- `follow_sessions` waits on running sessions inside one task run until one ends (not one per poll);
+- ticks (each a flow run of its own) share what they showed through `TickMarks`, so a relay ticked every few
+  minutes for days adds what a watch would: the same log lines and summary versions, one progress artifact.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -31,8 +34,10 @@ SUMMARY_EVERY = 4     # summary and table versions per session: one at each quar
 class LiveView:
     def __init__(self, backend, names, local: Path, session_max_steps: Optional[int] = None,
                  stuck_after_s: float = 1800.0, notify: Callable[[str, str], None] = lambda key, text: None,
-                 plan: Callable[[Optional[dict], Optional[Eta]], str] = lambda progress, eta: ""):
+                 plan: Callable[[Optional[dict], Optional[Eta]], str] = lambda progress, eta: "",
+                 marks: Optional["TickMarks"] = None):
         self.backend, self.names, self.local = backend, names, local
+        self.marks = marks  # a tick's: what the earlier ticks showed
         self.session_max_steps, self.stuck_after_s = session_max_steps, stuck_after_s
         self.notify, self.plan = notify, plan
         self.live: Optional[LiveSession] = None
@@ -47,12 +52,19 @@ class LiveView:
         if self.live is None or self.live.run_id != run_id or (self.live.ended and not self.live.records):
             self.live = LiveSession(self.backend, self.names.kernel, run_id).start()
             self._logged, self._summarized, self._seen = -1, -1, 0  # a new session: its events start again
+            if self.marks is not None:
+                self._logged, self._summarized, warned, self.progress_artifact = self.marks.recall(run_id)
+                self._warned |= {(run_id, key) for key in warned}
         return self.live
 
     def show_progress(self, step: int, total: int, text: str) -> None:
         """The relay's progress artifact: this flow run's, updated in place; created once per flow run (then
-        the key's latest version)."""
+        the key's latest version), or once for all the ticks of a relay."""
+        if self.progress_artifact is None and self.marks is not None:  # a tick: the one the earlier ticks made
+            self.progress_artifact = self.marks.recall()[3]
         self.progress_artifact = artifacts.show_progress(self.names.name, step, total, text, self.progress_artifact)
+        if self.marks is not None:
+            self.marks.keep(progress_artifact=self.progress_artifact)
 
     def refresh(self, progress: Optional[dict], kernel_state: str, catch_up: bool = False) -> None:
         """The progress artifact at the newest line; a log line and a summary version for each event of the
@@ -62,6 +74,7 @@ class LiveView:
         live, logger = self.live, get_run_logger()
         if live is None:
             return
+        catch_up = catch_up or self.marks is not None  # a tick reads history: what the earlier ticks did not show
         records = list(live.records)
         warned = self._warn(records, progress, kernel_state)
         if self._newest(records) is None:
@@ -97,6 +110,9 @@ class LiveView:
                 self._log(records[:i + 1], progress)
         except Exception as err:  # noqa: BLE001 - a view never fails a relay
             logger.warning("progress of %s not logged: %s", live.run_id, err)
+        if self.marks is not None:
+            self.marks.keep(run_id=live.run_id, logged=self._logged, summarized=self._summarized,
+                            warned=sorted(key for run_id, key in self._warned if run_id == live.run_id))
 
     def _events(self, upto: list) -> tuple:
         """(log line?, summary version?) for the newest of `upto`: a tenth (for the log) or a quarter (for the
@@ -162,6 +178,45 @@ class LiveView:
             return self.plan(progress, eta)
         except Exception as err:  # noqa: BLE001 - a plan that cannot be made is said, never fatal
             return f"(no plan: {err})"
+
+
+class TickMarks:
+    """What the ticks of a relay showed of its running session (the tenth logged, the quarter summarized, the
+    early warnings given, the progress artifact), kept in the Prefect Variable `relay-view-<name>`: a tick is a flow run of its own, and
+    without them every tick would add a log line, a summary version and a progress version. Written only when
+    they change, so at most once per tenth of a session. A lost or unreadable mark costs one extra line."""
+
+    def __init__(self, relay_name: str):
+        self.variable = f"relay-view-{relay_name}"
+        self._kept: Optional[dict] = None  # as last read or written
+
+    def recall(self, run_id: Optional[str] = None) -> tuple:
+        """(tenth logged, quarter summarized, warnings given) of `run_id`'s session and the progress artifact's
+        id, as the last tick left them."""
+        if self._kept is None:
+            from prefect.variables import Variable
+
+            try:
+                self._kept = json.loads(Variable.get(self.variable, default="{}"))
+            except Exception:  # noqa: BLE001 - a view never fails a relay
+                self._kept = {}
+        same = run_id is not None and self._kept.get("run_id") == run_id
+        return (self._kept.get("logged", -1) if same else -1, self._kept.get("summarized", -1) if same else -1,
+                self._kept.get("warned", []) if same else [], self._kept.get("progress_artifact"))
+
+    def keep(self, **changes) -> None:
+        """Write the marks with `changes` (run_id, logged, summarized, warned, progress_artifact), if any."""
+        from prefect.variables import Variable
+
+        self.recall()
+        marks = {**self._kept, **changes}
+        if marks == self._kept:
+            return
+        try:
+            Variable.set(self.variable, json.dumps(marks), overwrite=True)
+            self._kept = marks
+        except Exception as err:  # noqa: BLE001
+            get_run_logger().warning("the view's marks of %s not kept: %s", self.variable, err)
 
 
 def _pairs(record: dict) -> str:

@@ -26,7 +26,7 @@ from relay.orchestrator.kaggle.types import KaggleUnresponsive, Quota, Refusal
 from relay.orchestrator.policy import budget_lowered, environment_change, plan_text, session_budget, wedge_notice
 from relay.shared.spec import RunSpec
 from tasks import artifacts, relay_tasks as t
-from tasks.live_view import LiveView, Running
+from tasks.live_view import LiveView, Running, TickMarks
 from tasks.notify import Notifier
 from tasks.run_labels import kaggle_links
 from tasks.step_lock import StepLock
@@ -67,7 +67,7 @@ class RelayContext:
 
     @classmethod
     def open(cls, spec: RunSpec, spec_text: str, backend: KaggleBackend, state_dir: str | Path,
-             step_lock_wait_s: float = 0.0) -> "RelayContext":
+             step_lock_wait_s: float = 0.0, tick: bool = False) -> "RelayContext":
         names = chain.Names(backend.username, spec.name)
         local = Path(state_dir) / spec.name
         local.mkdir(parents=True, exist_ok=True)
@@ -75,7 +75,8 @@ class RelayContext:
         view = LiveView(backend, names, local, session_max_steps=spec.session.max_steps,
                         notify=lambda key, text: tell("warning", key, text),
                         plan=lambda progress, eta: plan_text(spec, progress, _quota(backend),
-                                                             datetime.now(timezone.utc), running=eta))
+                                                             datetime.now(timezone.utc), running=eta),
+                        marks=TickMarks(spec.name) if tick else None)
         return cls(spec, spec_text, backend, names, local, tell, StepLock(spec.name, step_lock_wait_s),
                    Lease(backend, spec.name, spec.kaggle.lease), view)
 

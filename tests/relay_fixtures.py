@@ -332,7 +332,7 @@ def forget_account_slots() -> None:
             if limit.name.startswith("kaggle-account-"):
                 client.delete_global_concurrency_limit_by_name(limit.name)
         for variable in client.read_variables(limit=200):
-            if variable.name.startswith("kaggle-slot-"):
+            if variable.name.startswith(("kaggle-slot-", "relay-view-")):  # and what ticks showed
                 client.delete_variable_by_name(variable.name)
 
 

@@ -5,9 +5,10 @@ progress key's latest version is the newest state: the second session (after a h
 is held at a step until the test reads that step there (an event, not a sleep)."""
 from __future__ import annotations
 
-import pytest
-
 import time
+
+import pytest
+import yaml
 
 from kaggle_fixtures import KERNEL_ENV
 
@@ -15,7 +16,7 @@ NAME = "bounded-view"
 # session 1 runs steps 0 -> 30 (its step cap), session 2 30 -> 40 (the run's end): a third as many steps. Session 2
 # is held after its last step: a hold mid-session would rightly be reported as a slow session (an early warning)
 HOLD_AT = 40
-SCRIPT = '''
+TEMPLATE = '''
 import os, time, torch, relay
 session = relay.open_session()
 model = torch.nn.Linear(4, 1)
@@ -32,7 +33,8 @@ for idx in session.batches(64, 8):
         while not os.path.exists(os.path.join(os.environ["KAGGLE_WORKING_DIR"], "release")):
             time.sleep(0.05)
 session.close()
-''' % HOLD_AT
+'''
+SCRIPT = TEMPLATE % HOLD_AT
 
 
 def _read_run(spec: str):
@@ -110,3 +112,72 @@ def test_a_three_times_longer_session_leaves_as_much_in_prefect_and_the_newest_p
     assert f"on the local Kaggle emulator at {relay_env.emu.url}" in summary and f"`alice/{NAME}-model`" in summary
     final = Artifact.get(f"{NAME}-progress")
     assert "step 40 of 40" in final.description and final.data == 100.0
+
+
+@pytest.mark.own_prefect
+def test_ticks_that_find_a_session_as_it_was_add_nothing_and_share_one_progress_artifact(relay_env, monkeypatch):
+    """A schedule ticks a relay every few minutes for days: each tick is a flow run of its own, and a tick that
+    finds the running session where the last tick left it adds no log line, no summary or table version and no
+    progress version (the progress artifact is the first tick's, updated in place)."""
+    import flows.one_relay as one_relay
+    import tasks.relay_step as relay_step
+    from prefect.artifacts import Artifact
+
+    name, hold_at = "ticked-view", 20  # one session of 40 steps, held at step 20 until the test lets it go
+    relay_env.start(kernel_env={**KERNEL_ENV, "RELAY_PROGRESS_EVERY": "0"})
+    code = relay_env.root / "ticked"
+    code.mkdir()
+    (code / "train.py").write_text(TEMPLATE % hold_at)
+    spec = relay_env.spec = code / "spec.yaml"
+    spec.write_text(yaml.safe_dump({"name": name, "code": {"folder": ".", "entry": "train.py"},
+                                    "optim": {"max_steps": 40, "log_every_steps": 1},
+                                    "session": {"threads": 1, "safety_margin": "0.5s"},
+                                    "kaggle": {"session_timeout": "10m", "startup_overhead": "1s"}}))
+    monkeypatch.setattr(relay_step, "make_backend", lambda credentials_block=None: relay_env.backend())
+
+    def tick() -> dict:
+        return one_relay.relay(spec=str(spec), mode="tick", poll_seconds=0.2, tick_follow_seconds=0.5,
+                               state_dir=str(relay_env.root / "orch"), step_lock_wait_s=0)
+
+    deadline, states = time.monotonic() + 300, []  # a hang guard: the ticks go on until the hold is shown
+    while time.monotonic() < deadline:
+        states.append(tick()["state"])
+        seen = Artifact.get(f"{name}-progress")
+        if seen is not None and f"step {hold_at} of 40" in (seen.description or ""):
+            break
+    assert seen is not None and f"step {hold_at} of 40" in seen.description, (states, seen)
+    before = _left_by(name)
+    for _ in range(3):  # three ticks that find the session held where the last one left it
+        assert tick()["state"] == "running"
+    assert _left_by(name) == before, (before, _left_by(name))
+
+    (relay_env.emu.store.kernel_dir(relay_env.kernel, 1) / "working" / "release").write_text("")
+    while time.monotonic() < deadline:
+        summary = tick()
+        if summary["state"] == "done":
+            break
+    assert summary["state"] == "done" and summary["step"] == 40, summary
+    after = _left_by(name)
+    assert after["progress"] == 1, after  # the first tick's, through every tick and the hand-over
+    assert 1 <= after["step lines"] <= 10 and after["summary"] <= 4 + 1, after  # as a watch would: a tenth, a
+    final = Artifact.get(f"{name}-progress")                                   # quarter, and the hand-over's
+    assert "step 40 of 40" in final.description and final.data == 100.0
+
+
+def _left_by(name: str) -> dict:
+    """What the relay's flow runs left on the server: versions per artifact key, and the flow log's step lines."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterTags,
+                                                LogFilter, LogFilterFlowRunId)
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30)  # the flow's logs reach the server in batches
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
+            any_=[f"{name}-{what}" for what in ("progress", "summary", "sessions")])))
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"relay:{name}"])))
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[r.id for r in runs])),
+                                limit=200)
+    counts = {what: sum(a.key == f"{name}-{what}" for a in found) for what in ("progress", "summary", "sessions")}
+    counts["step lines"] = sum(" step " in log.message and " of 40" in log.message for log in logs)
+    return counts
