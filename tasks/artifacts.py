@@ -48,7 +48,8 @@ def publish_report(name: str, progress: dict, local: Path, metrics: Optional[Pat
     the progress artifact is the live view's (tasks/live_view.py), updated in place."""
     rows = report.session_table(progress, billed_s=billed_s or {})
     if rows:
-        create_table_artifact(table=rows, key=_key(name, "sessions"), description=f"{name}: one row per session")
+        create_table_artifact(table=report.ui_rows(rows), key=_key(name, "sessions"),
+                              description=f"{name}: one row per session")
     images = {}
     if metrics is not None and metrics.is_file():
         images["curves"] = report.plot_curves(metrics, local / "curves.png", progress=progress) or local / "curves.png"
@@ -101,8 +102,8 @@ def publish_running(name: str, progress: dict, records: list, local: Path, metri
         return
     total = max(1, last.get("total_steps") or progress.get("total_steps") or 1)
     rows = report.session_table(progress) + [latest]
-    create_table_artifact(table=rows, key=_key(name, "sessions"), description=f"{name}: one row per session, the last"
-                                                                              f" {kernel_state}")
+    create_table_artifact(table=report.ui_rows(rows), key=_key(name, "sessions"),
+                          description=f"{name}: one row per session, the last {kernel_state}")
     previous = report.read_metrics(metrics) if metrics is not None and metrics.is_file() else []
     images = {}
     if previous or live.as_metrics(records):

@@ -10,7 +10,7 @@ import pytest
 
 from relay.orchestrator.plan import HOUR, QuotaState, plan_sessions
 from relay.orchestrator.report import (dedupe_metrics, format_table, load_progress, plot_curves, plot_timeline, read_metrics,
-                          session_table)
+                          session_table, ui_rows)
 
 T0 = datetime(2026, 11, 21, 8, 0, tzinfo=timezone.utc).timestamp()
 SESSIONS = [
@@ -75,6 +75,19 @@ def test_format_table_is_aligned_with_placeholders_and_totals():
     assert " - " in lines[3] and "sigterm" in lines[3]
     assert lines[-1] == "3 sessions, 4h40m wall, 1020 steps, 2.1 GPU h billed"
     assert format_table([]) == "no sessions yet"
+
+
+def test_the_ui_table_is_ten_short_columns_with_the_machine_in_one():
+    rows = session_table({"sessions": [{**SESSIONS[0], "world_size": 2, "gpus": {"count": 2, "names": ["Tesla T4"] * 2}},
+                                       *SESSIONS[1:]]}, billed_s={1: 7500})
+    shown = ui_rows(rows)
+    assert list(shown[0]) == ["session", "run id", "start (UTC)", "ran", "billed", "steps", "samples/s", "loss",
+                              "ended", "machine"]
+    assert shown[0]["start (UTC)"] == "11-21 08:00" and shown[0]["ran"] == "2h00m" and shown[0]["steps"] == 400
+    assert shown[0]["machine"] == "2 x Tesla T4 · 2 procs · 5.0 GB" and shown[0]["loss"] == "0.8428"
+    assert shown[1]["billed"] == "-" and shown[1]["machine"] == "-"
+    # every cell is short: the table fits a 1600-pixel-wide page (checked in Chromium, docs/prefect.md)
+    assert all(len(str(value)) <= 32 for row in shown for value in row.values()), shown
 
 
 def test_duplicate_steps_keep_the_last_record(tmp_path):

@@ -173,6 +173,29 @@ def _cell(key: str, value: Any) -> str:
     return str(value)
 
 
+def ui_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """The session table as the Prefect UI shows it (a table artifact: its keys are the headings): the cells
+    of the terminal's table, with what the machine was (GPUs, processes, peak memory) in one column, so that
+    it fits a 1600-pixel-wide page; the optional columns only when a session has them."""
+    out = []
+    for row in rows:
+        machine = [_cell(k, row.get(k)) for k in ("gpus", "peak_mem_mb") if row.get(k) is not None]
+        if (row.get("world_size") or 1) > 1:
+            machine.insert(1, f"{row['world_size']} procs")
+        start = row.get("start")
+        shown = {"session": row.get("session"), "run id": row.get("run_id"),
+                 "start (UTC)": start[5:16] if isinstance(start, str) else "-",  # 2026-11-25 14:03:07 -> 11-25 14:03
+                 "ran": _cell("duration_s", row.get("duration_s")), "billed": _cell("billed_gpu_s", row.get("billed_gpu_s")),
+                 "steps": row.get("steps"), "samples/s": _cell("samples_per_s", row.get("samples_per_s")),
+                 "loss": _cell("loss_end", row.get("loss_end")), "ended": _cell("stop_reason", row.get("stop_reason")),
+                 "machine": " · ".join(machine) or "-"}
+        for key, heading in COLUMNS:
+            if key in OPTIONAL_COLUMNS and any(r.get(key) for r in rows):
+                shown[heading] = _cell(key, row.get(key))
+        out.append(shown)
+    return out
+
+
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The session table for a terminal: aligned columns, '-' where unknown, a totals line."""
     if not rows:
