@@ -10,6 +10,7 @@
 # Several workers on PostgreSQL: RELAY_SERVE_DB=postgres (a local PostgreSQL from the `server` extra's wheel in
 # runs/serve-postgres on RELAY_POSTGRES_PORT, 5433; or the database PREFECT_API_DATABASE_CONNECTION_URL names,
 # when set), RELAY_SERVE_WORKERS=N process workers in the one pool (1). See docs/prefect.md.
+# RELAY_SERVE_RETENTION_DAYS (30): finished flow runs older than this are deleted by Prefect's vacuum.
 set -euo pipefail
 set -m  # each background job in its own process group: SIGINT/SIGTERM reach them, and we can stop a whole group
 
@@ -32,6 +33,11 @@ LOGS="$STATE/logs"
 export PREFECT_HOME="${PREFECT_HOME:-$ROOT/.prefect}"
 export PREFECT_API_URL="http://127.0.0.1:$PORT/api"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 PREFECT_CLI_PROMPT=false
+[[ "${RELAY_SERVE_RETENTION_DAYS:-30}" =~ ^[1-9][0-9]*$ ]] || { echo "serve: RELAY_SERVE_RETENTION_DAYS=$RELAY_SERVE_RETENTION_DAYS: expected a whole number of days >= 1" >&2; exit 2; }
+# A relay ticked by a schedule is a flow run per tick: Prefect's own vacuum deletes finished flow runs (their
+# logs, artifacts) older than RELAY_SERVE_RETENTION_DAYS (30), so the database and the runs list stay bounded.
+export PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED="${PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED:-events,flow_runs}"
+export PREFECT_SERVER_SERVICES_DB_VACUUM_RETENTION_PERIOD="${PREFECT_SERVER_SERVICES_DB_VACUUM_RETENTION_PERIOD:-$(( ${RELAY_SERVE_RETENTION_DAYS:-30} * 86400 ))}"
 unset PREFECT_API_KEY PREFECT_API_AUTH_STRING
 
 for p in "$PORT" "$EMU_PORT" $([ "$DB" = postgres ] && [ -z "${PREFECT_API_DATABASE_CONNECTION_URL:-}" ] && echo "$PG_PORT"); do
