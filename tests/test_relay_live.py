@@ -42,7 +42,7 @@ def test_the_running_session_shows_in_prefect_while_it_trains(relay_env, monkeyp
     assert progress is not None and f"step {HOLD_AT} of 40; session 1 (live-relay-s001-a1): {HOLD_AT} steps, running" \
         in progress.description, progress
     assert progress.data == 100.0 * HOLD_AT / 40
-    assert rows[-1]["run id"] == "live-relay-s001-a1" and rows[-1]["ended"] == "running"
+    assert rows[-1]["session"] == "1 (s001-a1)" and rows[-1]["ended"] == "running"
     assert rows[-1]["steps"] == HOLD_AT
     summary = _artifact("live-relay-summary")
     assert "session 1 running" in summary.data and "data:image/png;base64," in summary.data

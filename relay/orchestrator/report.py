@@ -182,17 +182,19 @@ def ui_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
         machine = [_cell(k, row.get(k)) for k in ("gpus", "peak_mem_mb") if row.get(k) is not None]
         if (row.get("world_size") or 1) > 1:
             machine.insert(1, f"{row['world_size']} procs")
-        start = row.get("start")
-        shown = {"session": row.get("session"), "run id": row.get("run_id"),
-                 "start (UTC)": start[5:16] if isinstance(start, str) else "-",  # 2026-11-25 14:03:07 -> 11-25 14:03
+        start, run_id = row.get("start"), str(row.get("run_id") or "")
+        attempt = "-".join(run_id.split("-")[-2:])  # <relay>-s002-a1 -> s002-a1: the relay's name is the page's
+        shown = {"session": f"{row.get('session')} ({attempt})" if attempt else row.get("session"),
+                 "start (UTC)": start[5:16] if isinstance(start, str) else None,  # 2026-11-25 14:03:07 -> 11-25 14:03
                  "ran": _cell("duration_s", row.get("duration_s")), "billed": _cell("billed_gpu_s", row.get("billed_gpu_s")),
                  "steps": row.get("steps"), "samples/s": _cell("samples_per_s", row.get("samples_per_s")),
                  "loss": _cell("loss_end", row.get("loss_end")), "ended": _cell("stop_reason", row.get("stop_reason")),
-                 "machine": " · ".join(machine) or "-"}
+                 "machine": " · ".join(machine)}
         for key, heading in COLUMNS:
             if key in OPTIONAL_COLUMNS and any(r.get(key) for r in rows):
                 shown[heading] = _cell(key, row.get(key))
-        out.append(shown)
+        # an unknown cell is left empty: the UI renders cells as markdown, where "-" is a list bullet
+        out.append({k: ("" if v in (None, "-") else v) for k, v in shown.items()})
     return out
 
 
