@@ -28,11 +28,8 @@ demo: $(STAMP)
 # In parallel: the relay tests mostly wait on processes (kernels, Prefect, the emulator), so more workers than
 # cores pay; each worker takes one test at a time, the longest first (tests/conftest.py).
 TEST_WORKERS ?= 4
-# Tests marked own_prefect read what a relay left on the Prefect server (variables, task runs) and are run
-# apart, on servers of their own: beside other tests on a worker's shared server they saw none of it.
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 --durations=15 -m "not own_prefect"
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 -m own_prefect
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 --durations=15
 
 # Everything that starts no process (no Prefect server, no relay, no subprocess session): CPU-bound, so one
 # worker per core.

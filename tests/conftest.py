@@ -62,7 +62,6 @@ SLOW_FIXTURES = {"relay_cli", "prefect_api", "make_emulator", "relay_env", "refe
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts processes (Prefect server, emulator kernels, subprocesses)")
-    config.addinivalue_line("markers", "own_prefect: reads a relay's Prefect state; `make test` runs these apart")
 
 
 # The order in which xdist workers are handed tests: a whole relay (Prefect + emulator + kernels, 0.5-3 min)

@@ -92,8 +92,15 @@ def clean_env(**extra: str) -> dict:
 
 
 # -- Prefect ----------------------------------------------------------------------------------------------
+_HARNESS_STARTED = []  # a second harness would switch this process's Prefect away from the first one's URL
+
+
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory):
+    if _HARNESS_STARTED:  # a module that imports a fixture gets a copy of its own, set up a second time
+        raise RuntimeError("prefect_api set up a second time in one session: a test module imported it (or "
+                           "`reference`, `relay_env`) from relay_fixtures; use fixtures by name only")
+    _HARNESS_STARTED.append(True)
     home = tmp_path_factory.mktemp("prefect-home")
     mp = pytest.MonkeyPatch()
     mp.setenv("PREFECT_HOME", str(home))
@@ -114,15 +121,32 @@ def prefect_api(tmp_path_factory):
 
 # -- uninterrupted reference runs -------------------------------------------------------------------------
 class References:
-    """`relay train SPEC --budget none` in the background, once per distinct spec text."""
+    """`relay train SPEC --budget none --max-steps none` in the background, once per distinct training: specs
+    that differ only in what cannot change the weights (the relay's name, its Kaggle and notification settings,
+    the session budget and step cap, which the run's flags override) share one run. A test whose weights differed
+    from its reference's would fail, so sharing cannot hide a difference."""
 
     def __init__(self, root: Path):
         self.root = root
         self.runs: Dict[str, tuple] = {}
         self.lock = threading.Lock()
 
+    @staticmethod
+    def training(spec: Path) -> str:
+        """What of the spec decides the weights, as a key."""
+        data = yaml.safe_load(Path(spec).read_text())
+        for key in ("name", "kaggle", "notify"):
+            data.pop(key, None)
+        for key in ("budget", "max_steps"):
+            (data.get("session") or {}).pop(key, None)
+        code = data.get("code") or {}
+        entry = Path(spec).parent / str(code.get("folder", ".")) / str(code.get("entry", ""))
+        if code and entry.is_file():  # a user's script: its text decides too
+            data["code-text"] = entry.read_text()
+        return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
     def start(self, spec: Path) -> str:
-        key = hashlib.sha256(Path(spec).read_bytes()).hexdigest()[:12]
+        key = self.training(spec)
         with self.lock:
             if key not in self.runs:
                 workdir = self.root / key

@@ -12,7 +12,7 @@ import yaml
 
 from relay.shared.errors import InputError
 from relay.shared.spec import SpecError, load
-from relay_fixtures import prefect_api, spec_dict  # noqa: F401
+from relay_fixtures import spec_dict
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ from kaggle_fixtures import KERNEL_ENV, USER, isolated_env, make_emulator  # noq
 from relay.orchestrator import chain
 from relay.orchestrator.chain import Do, Observation
 from relay.shared import progress_line
-from relay_fixtures import both_flows, prefect_api, reference, relay_env, wait_for  # noqa: F401
+from relay_fixtures import wait_for
 
 NAME = "byo-plain"
 KERNEL = f"{USER}/{NAME}-session"

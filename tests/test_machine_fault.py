@@ -48,7 +48,6 @@ def test_the_machine_fault_rejects_bad_settings_in_one_line(bad):
         FaultPlan({"machine": bad})
 
 
-@pytest.mark.own_prefect
 def test_a_session_on_another_accelerator_stops_and_is_pushed_again(relay_env, reference):
     emu = relay_env.start(faults={"machine": {"pushes": [2], "gpus": [P100]}})
     spec = relay_env.write_spec(**{"name": "other-gpu", "kaggle.on_other_accelerator": "stop"})

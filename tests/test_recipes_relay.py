@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from relay.kernel.recipes import legal_data, recsys_data, temporal_data
-from relay_fixtures import USER, prefect_api, relay_env  # noqa: F401
+from relay_fixtures import USER
 from split_sessions import progress
 
 REPO = Path(__file__).resolve().parents[1]

@@ -52,7 +52,6 @@ def _read_run(spec: str):
     return run, tasks, logs, found
 
 
-@pytest.mark.own_prefect
 def test_a_three_times_longer_session_leaves_as_much_in_prefect_and_the_newest_progress_is_shown(
         relay_env, monkeypatch):
     from prefect.artifacts import Artifact
@@ -114,7 +113,6 @@ def test_a_three_times_longer_session_leaves_as_much_in_prefect_and_the_newest_p
     assert "step 40 of 40" in final.description and final.data == 100.0
 
 
-@pytest.mark.own_prefect
 def test_ticks_that_find_a_session_as_it_was_add_nothing_and_share_one_progress_artifact(relay_env, monkeypatch):
     """A schedule ticks a relay every few minutes for days: each tick is a flow run of its own, and a tick that
     finds the running session where the last tick left it adds no log line, no summary or table version and no

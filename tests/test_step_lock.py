@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from relay_fixtures import PYTHON, REPO, clean_env, prefect_api  # noqa: F401
+from relay_fixtures import PYTHON, REPO, clean_env
 
 LEASE_S = 2.0  # how long after the holder's last renewal its slot is taken back (production: 60 s)
 HOLDER = """
