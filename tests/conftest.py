@@ -74,7 +74,19 @@ def _expected_length(item) -> int:
     return next((rank for rank, fixtures in enumerate(LONGEST_FIRST) if names & fixtures), len(LONGEST_FIRST))
 
 
+# Session fixtures of the relay_fixtures plugin: a module that imports one gets a copy of its own, set up a second
+# time (a second Prefect server that takes this process's Prefect settings from the first; a second set of
+# reference runs).
+PLUGIN_SESSION_FIXTURES = ("prefect_api", "reference")
+
+
 def pytest_collection_modifyitems(config, items):
+    plugin = sys.modules["relay_fixtures"]
+    for module in {item.module for item in items if getattr(item, "module", None) is not None}:
+        imported = [name for name in PLUGIN_SESSION_FIXTURES if vars(module).get(name) is getattr(plugin, name)]
+        if imported:
+            raise pytest.UsageError(f"{module.__file__}: imports the session fixture(s) {imported} from "
+                                    "relay_fixtures; request them by name only")
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import json
 
-from relay_fixtures import (STEPS_PER_SESSION, USER, backend_for, isolated_env, make_emulator,  # noqa: F401
-                            prefect_api, reference, relay_env)
+from relay_fixtures import STEPS_PER_SESSION, USER, backend_for  # noqa: F401
 
 WINDOWS = {"version_refused": {"calls": 2}, "version_404": {"calls": 3}}
 MAX_STEPS = 2 * STEPS_PER_SESSION  # two sessions: the second checkpoint version meets both windows

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from kaggle_fixtures import KERNEL_ENV, isolated_env, make_emulator  # noqa: F401
-from relay_fixtures import DatasetProcessing, reference, spec_dict, wait_for  # noqa: F401
+from relay_fixtures import DatasetProcessing, spec_dict, wait_for  # noqa: F401
 from test_deployment import PREFECT, REPO, Processes, api_post, free_port, run_cli, wait_healthy
 
 pytestmark = pytest.mark.slow
