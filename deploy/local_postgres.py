@@ -53,14 +53,14 @@ def _run(args: list, what: str) -> str:
 
 
 def start(data: Path, port: int) -> str:
-    bin_dir = binaries()
     data = data.resolve()
     if not data.parent.is_dir():
         sys.exit(f"local_postgres: --data {data}: its parent folder does not exist")
+    if not (data / "PG_VERSION").exists() and data.exists() and any(data.iterdir()):
+        sys.exit(f"local_postgres: --data {data}: not empty and not a PostgreSQL cluster; expected an empty"
+                 " or absent folder")
+    bin_dir = binaries()
     if not (data / "PG_VERSION").exists():
-        if data.exists() and any(data.iterdir()):
-            sys.exit(f"local_postgres: --data {data}: not empty and not a PostgreSQL cluster; expected an empty"
-                     " or absent folder")
         if os.geteuid() == 0:
             _check_reachable_by_owner(data)
         data.mkdir(mode=0o700, exist_ok=True)

@@ -57,7 +57,8 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
             run_labels.label(name=f"{ctx.spec.name}: {summary.get('state')} at step {summary.get('step')}")
         return summary
     except RelayFailed as err:
-        slot.release()  # the relay stopped after its session ended: it pushes nothing until a person acts
+        if not ctx.session_running:  # it pushes nothing until a person acts; a running session keeps its slot
+            slot.release()           # until its lease ends (max_hours passed, a kernel that runs another session)
         relay_step.stopped(ctx, err)
         raise
     finally:
@@ -98,6 +99,7 @@ def _steps(ctx: RelayContext, pace: Pace, slot: Optional[AccountSlot]) -> dict:
             slot.release()  # no session of this relay runs: the account's slot is another relay's to take
         if step.state == "ready":
             step = _push(ctx, step, slot)
+        ctx.session_running = step.state in ("running", "pushed")
         if slot is not None and step.state == "stopped":
             slot.release()  # by the user: nothing is pushed until `relay resume`
         if step.state in ("done", "stopped") or (pace.mode == "tick" and step.state in ("handed-over", "restored",
@@ -146,8 +148,15 @@ def _follow(ctx: RelayContext, running: Step, pace: Pace) -> Optional[dict]:
     # until the session ends, or its deadline passed (is it wedged?): then the flow looks at Kaggle again; with
     # no deadline ahead (one passed: it is wedged and waited on), at least every 10 min
     look = 600.0 if running.deadline is None else running.deadline - time.time() + pace.poll_seconds
-    follow_sessions([session], session.run_id, pace.poll_seconds, pace.live_seconds,
-                    min(pace.give_up, time.monotonic() + look))
+    try:
+        follow_sessions([session], session.run_id, pace.poll_seconds, pace.live_seconds,
+                        min(pace.give_up, time.monotonic() + look))
+    except KaggleUnresponsive:
+        raise  # drive() waits it out
+    except Exception as err:  # noqa: BLE001 - status errors: the next step looks at Kaggle again
+        get_run_logger().warning("following %s stopped: %s; looking again in %.0f s", session.run_id, err,
+                                 pace.poll_seconds)
+        time.sleep(pace.poll_seconds)
     return None
 
 

@@ -275,7 +275,12 @@ def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int 
         delay = poll_seconds
         if rnd.quota_wait and not rnd.in_flight:  # nothing to hand over meanwhile: sleep to the refresh
             delay = max(poll_seconds, (rnd.quota_wait - now).total_seconds())
-        if not _wait_on_sessions(active, rnd, poll_seconds, live_seconds, give_up):
+        try:
+            waited = _wait_on_sessions(active, rnd, poll_seconds, live_seconds, give_up)
+        except Exception as err:  # noqa: BLE001 - Kaggle unanswered, status errors: the next round looks again
+            logger.warning("following the running sessions stopped: %s; looking again in %.0f s", err, poll_seconds)
+            waited = False
+        if not waited:
             time.sleep(min(delay, 3600))
 
 
@@ -287,7 +292,7 @@ def _wait_on_sessions(active: List[Relay], rnd: Round, poll_seconds: float, live
     something else (a claim, Kaggle's status lag): the flow polls."""
     running = [relay_step.following(r.ctx, r.step) for r in active if r.state == "running"]
     idle = all(r.state in ("running", "waiting for a slot", "waiting for quota") for r in active)
-    if not running or None in running or not idle:
+    if not running or None in running or not idle or rnd.refused:  # refused: a session not ours fills the cap
         return False
     until = give_up
     for r in active:  # a session past its deadline may be wedged: the next round looks at Kaggle then

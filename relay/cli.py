@@ -188,28 +188,35 @@ def _load_progress(path: str) -> dict:
         raise InputError(f"{err}; expected a workdir or harvested outputs with a progress.json") from None
 
 
+def _relay_backend(args: argparse.Namespace):
+    """The backend factory for the relay that NAME|SPEC names: --credentials-block, else the spec's
+    kaggle.credentials_block, else the environment or ~/.kaggle (the account `relay run` used)."""
+    from relay.orchestrator import status
+
+    _, run_spec = status.resolve_name(args.target, f"relay {args.command}")
+    block = args.credentials_block or run_spec.kaggle.credentials_block
+    return lambda: _backend(block)
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
     from relay.orchestrator import control
-    from relay.orchestrator.kaggle import from_env
 
-    return control.stop(args.target, from_env, now=args.now, yes=args.yes, why=args.why)
+    return control.stop(args.target, _relay_backend(args), now=args.now, yes=args.yes, why=args.why)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from relay.orchestrator import control
-    from relay.orchestrator.kaggle import from_env
 
-    return control.resume(args.target, from_env)
+    return control.resume(args.target, _relay_backend(args))
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
     from relay.orchestrator import logs
-    from relay.orchestrator.kaggle import from_env
 
     def write(line: str) -> None:
         print(line, flush=True)
 
-    return logs.logs(args.target, from_env, session=args.session, follow=args.follow, write=write)
+    return logs.logs(args.target, _relay_backend(args), session=args.session, follow=args.follow, write=write)
 
 
 def cmd_verify_resume(args: argparse.Namespace) -> int:
@@ -295,11 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                       " checkpoint is lost; says how much and asks first")
     sp.add_argument("--yes", action="store_true", help="with --now: do not ask")
     sp.add_argument("--why", default="", help="a note kept with the stop (shown by relay status)")
+    sp.add_argument("--credentials-block", metavar="NAME", help=CREDENTIALS_BLOCK_HELP)
     sp.set_defaults(func=cmd_stop)
 
     rs = sub.add_parser("resume", help="resume a stopped relay: the next `relay run` or tick goes on from its last"
                                        " published checkpoint")
     rs.add_argument("target", metavar="NAME|SPEC", help="a relay name or its spec")
+    rs.add_argument("--credentials-block", metavar="NAME", help=CREDENTIALS_BLOCK_HELP)
     rs.set_defaults(func=cmd_resume)
 
     lg = sub.add_parser("logs", help="a session's log from Kaggle (the running one by default), each line once")
@@ -307,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--session", type=_session_number, metavar="N", help="session N's log (default: the kernel's"
                                                                           " current session)")
     lg.add_argument("--follow", action="store_true", help="follow the running session's log until it ends")
+    lg.add_argument("--credentials-block", metavar="NAME", help=CREDENTIALS_BLOCK_HELP)
     lg.set_defaults(func=cmd_logs)
 
     v = sub.add_parser("verify-resume", help="N steps straight vs the same N split into sessions with a SIGKILL"

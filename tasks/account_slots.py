@@ -47,7 +47,13 @@ class AccountSlot:
                 lease = take_slot(client, self.limit, self.hold_s)
                 if lease is None:
                     return False
-                write_record(client, self.record, {"lease_id": lease})
+                try:
+                    write_record(client, self.record, {"lease_id": lease})
+                except Exception:  # a lease no record names could not be given back: give it back now
+                    from uuid import UUID
+
+                    client.release_concurrency_slots_with_lease(UUID(lease))
+                    raise
                 return True
         except Exception as err:  # noqa: BLE001 - no server, old server: Kaggle's refusal still guards the cap
             log.warning("account limit %s unavailable (%s); pushing, guarded by Kaggle's cap", self.limit,
@@ -90,9 +96,19 @@ class AccountSlot:
         try:
             client.renew_concurrency_lease(UUID(record["lease_id"]), self.hold_s)
             return True
-        except Exception:  # noqa: BLE001 - ended (the session outlived hold_s, or a server without it): a new one
-            delete_record(client, self.record)
+        except Exception as err:  # noqa: BLE001
+            if not _not_found(err):  # a server error: the lease may still run; the record stays with it
+                raise
+            delete_record(client, self.record)  # ended (the session outlived hold_s): a new one
             return False
+
+
+def _not_found(err: Exception) -> bool:
+    """The lease is gone: 410 from the server's renew (404 from older servers, or a server without leases)."""
+    from prefect.exceptions import ObjectNotFound
+
+    response = getattr(err, "response", None)
+    return isinstance(err, ObjectNotFound) or getattr(response, "status_code", None) in (404, 405, 410)
 
 
 class _client:

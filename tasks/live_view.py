@@ -76,7 +76,11 @@ class LiveView:
             return
         catch_up = catch_up or self.marks is not None  # a tick reads history: what the earlier ticks did not show
         records = list(live.records)
-        warned = self._warn(records, progress, kernel_state)
+        try:
+            warned = self._warn(records, progress, kernel_state)
+        except Exception as err:  # noqa: BLE001 - a notification that failed never fails a relay
+            logger.warning("early warnings of %s not given: %s", live.run_id, err)
+            warned = False
         if self._newest(records) is None:
             return
         log_at, summary_at = [], []

@@ -64,6 +64,7 @@ class RelayContext:
     lease: Lease           # claims on Kaggle, seen by every orchestrator
     view: LiveView
     reported: Optional[str] = None  # the handed-over run the artifacts show
+    session_running: bool = False   # as the last step found: a session of this relay is queued or running
 
     @classmethod
     def open(cls, spec: RunSpec, spec_text: str, backend: KaggleBackend, state_dir: str | Path,

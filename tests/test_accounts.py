@@ -48,7 +48,7 @@ def test_one_relays_run_drives_one_account(tmp_path):
                               "'kaggle-ben']); one relays run drives one account: start one per account")
 
 
-def test_local_postgres_refuses_a_folder_that_is_not_a_cluster(tmp_path):
+def test_local_postgres_refuses_a_folder_that_is_not_a_cluster(tmp_path, spawns_processes):
     folder = tmp_path / "data"
     folder.mkdir()
     (folder / "notes.txt").write_text("mine")

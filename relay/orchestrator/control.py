@@ -22,7 +22,8 @@ def stop(target: str, backend_factory: Callable, now: bool = False, yes: bool = 
         emit(f"relay {name} is done: nothing to stop")
         return 0
     running = chain.decide(name, obs)
-    running = running if running.do is chain.Do.WAIT else None  # a session queued or training on Kaggle
+    # a session queued or training on Kaggle, or one Kaggle still reports running past its end (wedged)
+    running = running if running.do in (chain.Do.WAIT, chain.Do.WEDGED) else None
     if obs.stopped_by_user and not (now and running):
         emit(f"relay {name} is stopped already ({obs.stopped_by_user}); `relay resume {name}` to go on")
         return 0
