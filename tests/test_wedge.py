@@ -18,7 +18,7 @@ from kaggle_fixtures import USER, backend_for, isolated_env, make_emulator, push
 from relay_fixtures import wait_for
 from relay.emulator.faults import FaultPlan
 from relay.orchestrator.kaggle.kernel_source import find_run_id
-from relay.orchestrator import chain
+from relay.orchestrator import chain, handoff
 from relay.orchestrator.chain import Do, Observation
 from relay.orchestrator.kaggle import KernelState, NotFound
 from relay.shared.errors import InputError
@@ -247,3 +247,17 @@ def test_on_wedged_wait_tells_and_waits_for_kaggle_and_relay_status_says_so(rela
 def _log(env, name: str = "flow.log") -> str:
     path = env.root / name
     return path.read_text() if path.exists() else "(no log)"
+
+
+def test_a_session_queued_longer_than_the_grace_is_judged_by_its_own_lines():
+    """The deadline counts from the push, plus startup_overhead for the queue; a session that waited longer in
+    Kaggle's queue says in its lines when its clock started (a line's time + time left - its budget), and is
+    wedged only past that start + the timeout it asked for + the grace. One that printed its end is done,
+    whatever Kaggle reports; one with no timed line cannot say."""
+    plan = {"budget": 3600.0, "timeout_s": 3700.0}
+    started = 10_000.0  # queued 20 min after a push at 8_800
+    lines = [{"kind": "train", "step": 5, "time": started + 600, "time_left_s": 3000.0}]
+    assert handoff.deadline_from_lines(lines, plan, grace_s=120) == started + 3700 + 120
+    assert handoff.deadline_from_lines(lines + [{"kind": "end", "step": 9, "time": started + 3590}], plan, 120) is None
+    assert handoff.deadline_from_lines([{"kind": "train", "step": 5}], plan, 120) is None
+    assert handoff.deadline_from_lines(lines, {"timeout_s": 3700.0}, 120) is None

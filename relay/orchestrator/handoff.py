@@ -63,6 +63,21 @@ def running_deadline(backend: KaggleBackend, names: Names, run_id: Optional[str]
     return float(plan["pushed_at"]) + float(plan["timeout_s"]) + grace_s
 
 
+def deadline_from_lines(records: list, plan: dict, grace_s: float) -> Optional[float]:
+    """The deadline again, from the session's own progress lines (the kernel's clock and the budget they say is
+    left), for a session queued longer than `grace_s`, whose clock started later than the push allows for: its
+    start is a line's time + time left - its budget. None when its lines cannot say (none, no budget in the plan)
+    or when it already ended (an `end` line: the process is done, whatever Kaggle reports)."""
+    if any(r.get("kind") == "end" for r in records) or plan.get("budget") is None or plan.get("timeout_s") is None:
+        return None
+    newest = next((r for r in reversed(records) if r.get("time") is not None and r.get("time_left_s") is not None),
+                  None)
+    if newest is None:
+        return None
+    started = float(newest["time"]) + float(newest["time_left_s"]) - float(plan["budget"])
+    return started + float(plan["timeout_s"]) + grace_s
+
+
 def read_published_progress(backend: KaggleBackend, dataset: str, dest: Path) -> Optional[dict]:
     try:
         path = backend.download_dataset_file(dataset, "progress.json", dest)
