@@ -136,7 +136,7 @@ def _follow(ctx: RelayContext, running: Step, pace: Pace) -> Optional[dict]:
     live = relay_step.show_running(ctx, running)
     if pace.mode == "tick":  # what the stream gives within a bounded time
         live.wait(pace.tick_follow_seconds)
-        ctx.view.refresh(running.progress, running.obs.kernel_state or "starting", catch_up=True)
+        ctx.view.refresh(running.progress, running.obs.kernel_state or "starting")  # a tick's view: catches up
         return running.summary()
     if time.monotonic() > pace.give_up:
         raise RelayFailed(f"gave up waiting for {running.action.run_id}: the flow's max_hours have passed")

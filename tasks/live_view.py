@@ -66,15 +66,15 @@ class LiveView:
         if self.marks is not None:
             self.marks.keep(progress_artifact=self.progress_artifact)
 
-    def refresh(self, progress: Optional[dict], kernel_state: str, catch_up: bool = False) -> None:
+    def refresh(self, progress: Optional[dict], kernel_state: str) -> None:
         """The progress artifact at the newest line; a log line and a summary version for each event of the
-        lines read since the last refresh, in their order (so how often this runs changes nothing). `catch_up`:
-        the lines so far are history (a tick reading a session it did not follow from its start): one log line
-        and one summary version for all of them."""
+        lines read since the last refresh, in their order (so how often this runs changes nothing). A tick's view
+        (one with marks) reads history, a session it did not follow from its start: one log line and one summary
+        version for all of it that the earlier ticks did not show."""
         live, logger = self.live, get_run_logger()
         if live is None:
             return
-        catch_up = catch_up or self.marks is not None  # a tick reads history: what the earlier ticks did not show
+        catch_up = self.marks is not None
         records = list(live.records)
         try:
             warned = self._warn(records, progress, kernel_state)

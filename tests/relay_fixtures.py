@@ -92,15 +92,10 @@ def clean_env(**extra: str) -> dict:
 
 
 # -- Prefect ----------------------------------------------------------------------------------------------
-_HARNESS_STARTED = []  # a second harness would switch this process's Prefect away from the first one's URL
-
-
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory):
-    if _HARNESS_STARTED:  # a module that imports a fixture gets a copy of its own, set up a second time
-        raise RuntimeError("prefect_api set up a second time in one session: a test module imported it (or "
-                           "`reference`, `relay_env`) from relay_fixtures; use fixtures by name only")
-    _HARNESS_STARTED.append(True)
+    # one per session: tests/conftest.py refuses a module that imports it (a copy of its own would start a second
+    # server that takes this process's Prefect settings away from the first one's URL)
     home = tmp_path_factory.mktemp("prefect-home")
     mp = pytest.MonkeyPatch()
     mp.setenv("PREFECT_HOME", str(home))
