@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -151,35 +150,10 @@ def advance(ctx: RelayContext) -> Step:
     return Step("running", action, obs, obs.published, deadline=ahead)
 
 
-def _deadline_from_its_log(ctx: RelayContext, wedged: chain.Action) -> Optional[float]:
-    """The deadline from the session's own progress lines (handoff.deadline_from_lines), read from its log for at
-    most WEDGE_LOG_S; None when they cannot say (no lines, an `end` line, a stream that does not answer)."""
-    from relay.orchestrator.live import LiveSession
-
-    try:
-        live = ctx.view.live  # the one the flow follows the session with, else a new reader for this look
-        if live is None or live.run_id != wedged.run_id:
-            live = LiveSession(ctx.backend, ctx.names.kernel, wedged.run_id).start()
-        records = live.wait(WEDGE_LOG_S, until=lambda seen: any(r.get("kind") == "end" for r in seen))
-        return handoff.deadline_from_lines(records, ctx.backend.current_plan(ctx.names.kernel) or {},
-                                           ctx.spec.kaggle.startup_overhead)
-    except Exception as err:  # noqa: BLE001 - the deadline from the push stands
-        get_run_logger().info("the log of %s was not read (%s)", wedged.run_id, err)
-        return None
-
-
-WEDGE_LOG_S = 5.0  # how long a wedge check reads the session's log for its newest progress line
-
-
 def _wedged(ctx: RelayContext, obs: chain.Observation, wedged: chain.Action) -> Step:
     """A session Kaggle still reports running past its deadline: tell a person, then per kaggle.on_wedged wait
     for Kaggle, or hand over what its output holds (if anything), delete its kernel so its quota stops, and go on
     from the last published checkpoint (chain.after_wedge)."""
-    later = _deadline_from_its_log(ctx, wedged)
-    if later is not None and later > time.time():  # queued long, then started: it still trains within its limit
-        get_run_logger().info("%s runs past the deadline counted from its push, but its log says it started later:"
-                              " looking again at %s", wedged.run_id, time.strftime("%H:%M:%S UTC", time.gmtime(later)))
-        return Step("running", chain.on_wedged(wedged, "wait"), obs, obs.published, deadline=later)
     then = chain.on_wedged(wedged, ctx.spec.kaggle.on_wedged)
     notice = wedge_notice(ctx.spec.name, then, (obs.published or {}).get("global_step", 0))
     told = ctx.tell("session.wedged", f"wedged-{wedged.run_id}", notice)

@@ -261,3 +261,42 @@ def test_a_session_queued_longer_than_the_grace_is_judged_by_its_own_lines():
     assert handoff.deadline_from_lines(lines + [{"kind": "end", "step": 9, "time": started + 3590}], plan, 120) is None
     assert handoff.deadline_from_lines([{"kind": "train", "step": 5}], plan, 120) is None
     assert handoff.deadline_from_lines(lines, {"timeout_s": 3700.0}, 120) is None
+
+
+def _queued_source(run_id: str, line: dict | None) -> str:
+    """A relay-like kernel pushed 10 000 s ago (its plan says so) that asked Kaggle for 3700 s: past the deadline
+    from its push. It prints `line` (a progress line, if any) and stays running."""
+    plan = {"run_id": run_id, "pushed_at": time.time() - 10_000, "timeout_s": 3700.0, "budget": 3600.0}
+    printed = "" if line is None else (
+        f"line = {json.dumps(line)}\nline.update(time=time.time())\n"
+        "print('relay-progress ' + json.dumps(line), flush=True)\n"
+        "for i in range(20):\n    print('.' * 100, flush=True)  # past the stream reader's buffer\n")
+    return (f"# relay-run-id: {run_id}\nPLAN = {json.dumps(plan)!r}\nimport json, time\n{printed}"
+            "open('started.txt', 'w').write('yes')\ntime.sleep(120)\n")
+
+
+@pytest.mark.parametrize("queued", [True, False], ids=["its-lines-say-it-started-late", "no-timed-line"])
+def test_observe_judges_a_long_queued_session_by_its_lines_for_the_flow_status_and_stop_alike(make_emulator,
+                                                                                               tmp_path, queued):
+    """handoff.observe itself reads the lines (the flow, `relay status` and `relay stop --now` all observe): a
+    session whose lines say its clock started late is running until that start + its timeout + the grace; one
+    that cannot say is wedged at the deadline from its push."""
+    emu = make_emulator()
+    backend = backend_for(emu)
+    names = chain.Names(USER, "queued")
+    run_id = "queued-s001-a1"
+    line = {"run_id": run_id, "kind": "train", "session": 1, "step": 5, "time_left_s": 3500.0}
+    push_script(backend, names.kernel, _queued_source(run_id, line if queued else None), gpu=False, timeout_s=3700)
+    try:
+        working = emu.store.kernel_dir(names.kernel, 1) / "working"
+        _until(lambda: (working / "started.txt").is_file(), 60, "the kernel's start")
+        obs = handoff.observe(backend, names, tmp_path, grace_s=1.0)
+        assert obs.kernel_state == "running" and obs.kernel_run == run_id
+        action = chain.decide("queued", obs)
+        if queued:  # started ~100 s before its line (3600 budget - 3500 left): wedged only an hour from now
+            assert 3400 < obs.deadline - time.time() < 3700, obs.deadline - time.time()
+            assert action.do is Do.WAIT, action
+        else:
+            assert obs.deadline < time.time() and action.do is Do.WEDGED, (obs, action)
+    finally:
+        backend.delete_kernel(names.kernel)

@@ -33,8 +33,10 @@ def observe(backend: KaggleBackend, names: Names, local: Path, grace_s: Optional
     label: for about a minute after a push Kaggle's "latest" status and output still show the previous
     version's final state, which would read as "finished" before the new run has even started. A version
     whose status is not available yet (no number, not found) is "starting" (None), never finished.
-    Given `grace_s` (kaggle.startup_overhead), a running kernel's deadline too (running_deadline). The user's
-    `relay stop` / `relay resume` is read with it (relay/orchestrator/kaggle/control_record.py)."""
+    Given `grace_s` (kaggle.startup_overhead), a running kernel's deadline too (running_deadline; past it, the
+    one its own lines give, for a session queued longer than the grace): the flow, `relay status` and `relay stop
+    --now` judge a wedge alike. The user's `relay stop` / `relay resume` is read with it
+    (relay/orchestrator/kaggle/control_record.py)."""
     user = control_record.read(backend, names.owner, names.name) or {}
     published = read_published_progress(backend, names.checkpoint_dataset, local / "published")
     current = backend.current_run(names.kernel)
@@ -46,7 +48,11 @@ def observe(backend: KaggleBackend, names: Names, local: Path, grace_s: Optional
             state, failure = status.state.value, status.failure_message
         except NotFound:
             log.info("kernel %s v%s: no status yet (starting)", names.kernel, version)
-    deadline = running_deadline(backend, names, run, grace_s) if state == "running" and grace_s is not None else None
+    deadline = None
+    if state == "running" and grace_s is not None:
+        deadline = running_deadline(backend, names, run, grace_s)
+        if deadline is not None and deadline < time.time():  # wedged, or queued longer than the grace?
+            deadline = max(deadline, deadline_from_log(backend, names, run, grace_s) or deadline)
     return Observation(published, run, state, failure, features_published=_exists(backend, names.features_dataset),
                        kernel_version=version or None, deadline=deadline, observed_at=time.time(),
                        stopped_by_user=control_record.stop_line(user), ended_by_user=user.get("ended_run"))
@@ -76,6 +82,26 @@ def deadline_from_lines(records: list, plan: dict, grace_s: float) -> Optional[f
         return None
     started = float(newest["time"]) + float(newest["time_left_s"]) - float(plan["budget"])
     return started + float(plan["timeout_s"]) + grace_s
+
+
+WEDGE_LOG_S = 5.0  # how long a wedge check reads the session's log for its newest progress line
+
+
+def deadline_from_log(backend: KaggleBackend, names: Names, run_id: str, grace_s: float,
+                      wait_s: float = WEDGE_LOG_S) -> Optional[float]:
+    """deadline_from_lines of the session's log, read for at most `wait_s`; None when it cannot say (no timed
+    line, an `end` line, a stream that does not answer)."""
+    from relay.orchestrator.live import LiveSession
+
+    live = LiveSession(backend, names.kernel, run_id).start()
+    try:
+        records = live.wait(wait_s, until=lambda seen: any(r.get("kind") == "end" for r in seen))
+        return deadline_from_lines(records, backend.current_plan(names.kernel) or {}, grace_s)
+    except Exception as err:  # noqa: BLE001 - the deadline from the push stands
+        log.info("the log of %s was not read (%s)", run_id, err)
+        return None
+    finally:
+        live.close()
 
 
 def read_published_progress(backend: KaggleBackend, dataset: str, dest: Path) -> Optional[dict]:

@@ -32,6 +32,7 @@ class LiveSession:
         self.started_at = time.monotonic()
         self._seen = 0
         self._max_reconnects, self._sleep = max_reconnects, sleep
+        self._closed = False
         self._new = threading.Condition()
         self._thread = threading.Thread(target=self._follow, name=f"live-{run_id}", daemon=True)
 
@@ -39,10 +40,16 @@ class LiveSession:
         self._thread.start()
         return self
 
+    def close(self) -> None:
+        """Stop following: the reader ends at the stream's next event or read timeout (a daemon thread)."""
+        self._closed = True
+
     def _follow(self) -> None:
-        while not self.ended and self.reconnects <= self._max_reconnects:
+        while not self.ended and not self._closed and self.reconnects <= self._max_reconnects:
             try:
                 for index, event in enumerate(self.backend.log_stream(self.kernel)):
+                    if self._closed:
+                        return
                     if index < self._seen:
                         continue  # a replay after a reconnect
                     self._seen += 1

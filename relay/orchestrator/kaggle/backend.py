@@ -291,7 +291,7 @@ class ClientBackend:
     def log_stream(self, kernel: str) -> Iterator[dict]:
         """The kernel's log as events ({"data": ...}) through the client's kernels_logs_stream: live server-sent
         events while the session runs, the stored log once it is done; replayed from the start on every call."""
-        with self.client.bound() as api:  # the SDK reads the endpoint while it connects: hold it until then
+        with self.client.bound() as api:  # the SDK reads this client's endpoint while it connects
             events = api.kernels_logs_stream(kernel)
             first = next(events, None)
         if first is not None:

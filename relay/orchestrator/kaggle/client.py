@@ -27,11 +27,31 @@ from relay.orchestrator.kaggle.retry import RetryPolicy, call, request_timeout
 
 _IMPORT_LOCK = threading.Lock()
 _PRINT = print
-# The SDK reads the LOCAL endpoint from a module-level dict each time it builds a client; calls against
-# different local endpoints in one process take turns under this lock.
-_ENDPOINT_LOCK = threading.RLock()
-_in_call = threading.local()  # depth of KaggleClient.bound() on this thread: its requests get a timeout
+# depth of KaggleClient.bound() on this thread (its requests get a timeout) and the endpoint of its client
+_in_call = threading.local()
 _TRANSPORT_LOCK = threading.Lock()
+
+
+class _EndpointPerThread(dict):
+    """kagglesdk's table of endpoints (kaggle_env._env_to_endpoint, read each time it builds a client), whose
+    LOCAL entry is, on a thread inside KaggleClient.bound, that client's endpoint: clients of different endpoints
+    in one process run side by side, and a call that waits (a silent session's log stream) holds up no other."""
+
+    def __init__(self, table: dict, local: Any):
+        super().__init__(table)
+        self.local = local
+
+    def __getitem__(self, env: Any) -> Any:
+        endpoint = getattr(_in_call, "endpoint", None)
+        return endpoint if endpoint is not None and env == self.local else super().__getitem__(env)
+
+
+def _endpoints_per_thread() -> None:
+    from kagglesdk import kaggle_env
+
+    with _TRANSPORT_LOCK:
+        if not isinstance(kaggle_env._env_to_endpoint, _EndpointPerThread):
+            kaggle_env._env_to_endpoint = _EndpointPerThread(kaggle_env._env_to_endpoint, kaggle_env.KaggleEnv.LOCAL)
 
 
 def _tighter(given: Any, bound: tuple) -> tuple:
@@ -154,22 +174,16 @@ class KaggleClient:
     def bound(self) -> Iterator[Any]:
         """The KaggleApi, with the SDK pointed at this client's endpoint and every request bounded (see the
         module's docstring) for the duration."""
+        if self.endpoint:
+            _endpoints_per_thread()
+        outer = getattr(_in_call, "endpoint", None)
         _in_call.depth = getattr(_in_call, "depth", 0) + 1
+        _in_call.endpoint = self.endpoint
         try:
-            if not self.endpoint:
-                yield self.api
-                return
-            from kagglesdk.kaggle_env import KaggleEnv, _env_to_endpoint
-
-            with _ENDPOINT_LOCK:
-                previous = _env_to_endpoint[KaggleEnv.LOCAL]
-                _env_to_endpoint[KaggleEnv.LOCAL] = self.endpoint
-                try:
-                    yield self.api
-                finally:
-                    _env_to_endpoint[KaggleEnv.LOCAL] = previous
+            yield self.api
         finally:
             _in_call.depth -= 1
+            _in_call.endpoint = outer
 
     def run(self, what: str, fn: Callable[[Any], Any], on_retry: Optional[Callable] = None) -> Any:
         """fn(api) with retries on transient failures."""
