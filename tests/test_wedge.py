@@ -270,7 +270,7 @@ def _queued_source(run_id: str, line: dict | None) -> str:
     printed = "" if line is None else (
         f"line = {json.dumps(line)}\nline.update(time=time.time())\n"
         "print('relay-progress ' + json.dumps(line), flush=True)\n"
-        "for i in range(20):\n    print('.' * 100, flush=True)  # past the stream reader's buffer\n")
+        "for i in range(20):\n    print('.' * 100, flush=True)  # the reader's 512-byte chunk full: the line is read at once\n")
     return (f"# relay-run-id: {run_id}\nPLAN = {json.dumps(plan)!r}\nimport json, time\n{printed}"
             "open('started.txt', 'w').write('yes')\ntime.sleep(120)\n")
 
