@@ -18,6 +18,7 @@ import time
 HZ = os.sysconf("SC_CLK_TCK")
 KINDS = (  # the first pattern a command line holds names its kind
     (" -m relay train", "relay train (a session, a reference or split run)"),
+    ("warm_zygote.py", "warm session processes (the emulator's zygote and its forks: launchers, relay train)"),
     ("source.py", "kernel launcher (the emulator's kernels)"),
     ("prefect.server.api.server:create_app", "Prefect server (test harness, ephemeral)"),
     ("prefect server start", "Prefect server (deployment tests)"),

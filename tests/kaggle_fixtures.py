@@ -24,6 +24,9 @@ USER = "alice"
 FAKE_KEY = "f4k3k3y-0123456789abcdef-LEAKCHECK"
 VENV_BIN = Path(sys.executable).parent
 KERNEL_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# Sessions are forked from a process that imported these once (relay/emulator/warm_zygote.py): ~3 CPU s less each.
+# RELAY_TEST_WARM=0 runs every session in a fresh interpreter instead.
+WARM_MODULES = ["torch", "torch._dynamo"] if os.environ.get("RELAY_TEST_WARM", "1") != "0" else []
 
 
 @pytest.fixture
@@ -49,6 +52,7 @@ def make_emulator(isolated_env) -> Callable[..., Emulator]:
     def make(state_dir: Path = None, **settings) -> Emulator:
         settings.setdefault("users", {USER: FAKE_KEY})
         settings.setdefault("kernel_env", dict(KERNEL_ENV))
+        settings.setdefault("warm_modules", list(WARM_MODULES))
         settings.setdefault("sigterm_grace", 2.0)
         settings.setdefault("retry_after", "0")
         emulator = Emulator(state_dir or isolated_env / f"state{len(started)}", EmulatorConfig(**settings))

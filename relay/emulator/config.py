@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from relay.shared.errors import InputError
 
@@ -34,6 +34,8 @@ class EmulatorConfig:
     users: Dict[str, str] = field(default_factory=dict)       # username -> key (held only in memory)
     tokens: Dict[str, str] = field(default_factory=dict)      # access token -> username
     faults: Optional[dict] = None                 # see faults.py
+    # modules imported once in a zygote that forks each session (warm_zygote.py); empty: a fresh interpreter each
+    warm_modules: List[str] = field(default_factory=list)
 
     def wall(self, kaggle_seconds: float) -> float:
         return kaggle_seconds / self.time_scale

@@ -26,11 +26,13 @@ from relay.emulator.config import EmulatorConfig
 from relay.emulator.faults import FaultPlan
 from relay.emulator.protocol import tree_size
 from relay.emulator.store import Store, write_json
+from relay.emulator.warm_start import WarmStarter
 
 log = logging.getLogger(__name__)
 NO_INTERNET_PROXY = "http://127.0.0.1:9"  # a closed port: well-behaved HTTP clients fail fast, as offline
 # What Kaggle shows for a batch run stopped at the session limit: status CANCEL_ACKNOWLEDGED and this message
 SESSION_LIMIT_STATUS = "CANCEL_ACKNOWLEDGED"
+IMPORT_TIME_VARIABLES = ("OMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "CUDA_")
 SESSION_LIMIT_MESSAGE = "Your notebook was stopped because it exceeded the max allowed execution duration"
 
 
@@ -102,9 +104,7 @@ class KernelRunner:
             self.store.save()
         started = version["started"]
         entries = self.logs[f"{ref}/v{number}"]
-        proc = subprocess.Popen([sys.executable, "-u", str(base / "source.py")], cwd=working,
-                                env=self._env(version, base), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = self._launch(["-u", str(base / "source.py")], working, self._env(version, base))
         readers = [threading.Thread(target=self._collect, args=(stream, name, started, entries), daemon=True)
                    for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
         for reader in readers:
@@ -124,7 +124,7 @@ class KernelRunner:
         message = reason or f"Kernel exited with code {rc}"
         return self._finish(ref, number, "ERROR", message, rc, entries, wedged)
 
-    def _supervise(self, proc: subprocess.Popen, ref: str, number: int, started: float,
+    def _supervise(self, proc, ref: str, number: int, started: float,
                    timeout_s: float, working: Path) -> Optional[str]:
         deadline = started + self.config.wall(timeout_s)
         kill_at = self.faults.kill_at(ref, number)
@@ -157,7 +157,7 @@ class KernelRunner:
             return f"Output exceeds the {self.config.output_cap_bytes / 1e9:g} GB limit of the working folder."
         return None
 
-    def _terminate(self, proc: subprocess.Popen, grace: Optional[float] = None) -> None:
+    def _terminate(self, proc, grace: Optional[float] = None) -> None:
         _signal_group(proc, signal.SIGTERM)
         try:
             proc.wait(self.config.sigterm_grace if grace is None else grace)
@@ -201,6 +201,18 @@ class KernelRunner:
             self.store.charge(self.store.kernels[ref]["owner"], ref, version["number"], version["started"], ended,
                               self.config.time_scale)
 
+    def _launch(self, args: List[str], cwd: Path, env: dict):
+        """`python ARGS` in a process group of its own: a fresh interpreter, or forked warm (warm_zygote.py)."""
+        if not self.config.warm_modules:
+            return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
+        # What the warm modules read when imported (threads, devices) must be set when the zygote imports them.
+        at_import = {k: v for k, v in self.config.kernel_env.items() if k.startswith(IMPORT_TIME_VARIABLES)}
+        zygote_env = {"PATH": env["PATH"], "LANG": "C.UTF-8", **at_import}
+        if "TMPDIR" in os.environ:
+            zygote_env["TMPDIR"] = os.environ["TMPDIR"]
+        return WarmStarter.shared(self.config.warm_modules, zygote_env).start(args, cwd, env)
+
     # -- environment -----------------------------------------------------------------------------
     def _mount(self, version: dict, inputs: Path) -> None:
         for source in version["sources"]:
@@ -240,7 +252,7 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _signal_group(proc, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):

@@ -1,0 +1,314 @@
+"""The zygote of warm kernel starts: a process that imported torch once and forks each session's processes.
+
+A toy session's `relay train` spends ~3.5 CPU s before its first step: `import torch` (1.5 s) and, at its first
+optimizer, `torch._dynamo` (1.6 s); the tests and the demo start hundreds of them on 2 cores. A process forked
+from here has them imported already, and is otherwise made what `python ARGS` would have made it (`become`):
+its own stdio, working folder, environment, signal dispositions, `sys.argv`, `sys.path` and a fresh `__main__`;
+at its end threads are joined, atexit handlers run and stdio flushed, as at an interpreter's exit.
+
+Run as a script (`python warm_zygote.py FD MODULE...`), never imported: this file imports only the standard
+library, so every module not named is imported by the forked program itself (a kernel imports the relay from
+its own bundle, as on Kaggle). Two ways in, both answered by a fork:
+- the emulator's runner (warm_start.py) asks on socket FD for a session's launcher, `python -u source.py`. It is
+  forked here into a session and process group of its own, as subprocess.Popen(start_new_session=True) would.
+- inside that session, `sys.executable` is the shim warm_python.py. When the launcher (or anything below it)
+  runs `python -m relay ...`, the shim asks the launcher's own process (a listener thread started in `become`),
+  which forks it from itself. So the new process is in the session's process group, dies with it and is
+  signalled with it, as the real child would be; the shim stands for it (its pid, its signals, its exit code).
+  Any other command line (pip, a multiprocessing spawn that inherits descriptors) runs the real interpreter.
+"""
+from __future__ import annotations
+
+import atexit
+import io
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import struct
+import sys
+import tempfile
+import threading
+import traceback
+import types
+
+SOCKET_VARIABLE = "RELAY_WARM_SOCKET"  # a process's way to the listener of its session (abstract unix socket)
+MAX_MESSAGE = 1 << 22
+BASE_PATH: list[str] = []              # sys.path of an interpreter started with no PYTHONPATH (set by main)
+SHIM = ""                              # the `python` a warm process names as sys.executable (set by main)
+
+
+# -- what `python ARGS` would be --------------------------------------------------------------------------
+def parse(args: list[str], modules: tuple[str, ...] = ()) -> dict | None:
+    """The command `python ARGS` runs, as {"flags", "kind": script|module|code, "target", "rest"}; None for a
+    command line this does not emulate, or (with `modules`) a module outside those packages."""
+    flags, i = set(), 0
+    while i < len(args) and args[i].startswith("-") and args[i] not in ("-m", "-c", "-"):
+        if not set(args[i][1:]) <= {"u", "B"}:
+            return None
+        flags |= set(args[i][1:])
+        i += 1
+    if i >= len(args) or args[i] == "-":
+        return None
+    if args[i] in ("-m", "-c"):
+        if i + 1 >= len(args):
+            return None
+        kind, target, rest = ("module" if args[i] == "-m" else "code"), args[i + 1], args[i + 2:]
+    else:
+        kind, target, rest = "script", args[i], args[i + 1:]
+    if modules and not (kind == "module" and target.split(".")[0] in modules):
+        return None
+    return {"flags": sorted(flags), "kind": kind, "target": target, "rest": rest}
+
+
+def become(command: dict, cwd: str, env: dict, fds: list[int], new_session: bool, group: int = 0,
+           listen: bool = False):
+    """In a child just forked: turn into `python ARGS` and run it; never returns."""
+    try:
+        if new_session:
+            os.setsid()
+        elif group:
+            os.setpgid(0, group)
+        signal.set_wakeup_fd(-1)
+        _default_signals()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        os.closerange(3, 1 << 16)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        unbuffered = "u" in command["flags"] or bool(env.get("PYTHONUNBUFFERED"))
+        sys.dont_write_bytecode = "B" in command["flags"] or bool(env.get("PYTHONDONTWRITEBYTECODE"))
+        _fresh_stdio(unbuffered)
+        sys.executable = SHIM
+        extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        first = {"script": os.path.dirname(os.path.realpath(command["target"])), "module": os.getcwd(),
+                 "code": ""}[command["kind"]]
+        sys.path[:] = [first, *extra, *BASE_PATH]
+        sys.path_importer_cache.clear()
+        if "numpy.random" in sys.modules:  # a fresh interpreter seeds numpy's global generator from the OS
+            sys.modules["numpy.random"].seed()
+        if listen:
+            _listen()
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+    except BaseException:  # noqa: BLE001 - the child must not return into the zygote's loop
+        traceback.print_exc()
+        os._exit(1)
+    _exit(_run(command, main))
+
+
+def _run(command: dict, main: types.ModuleType) -> int:
+    try:
+        if command["kind"] == "module":
+            sys.argv = [command["target"], *command["rest"]]  # runpy puts the module's file in argv[0]
+            runpy._run_module_as_main(command["target"], alter_argv=True)  # what `python -m` calls
+        else:
+            target = command["target"]
+            if command["kind"] == "script":
+                with open(target, "rb") as f:
+                    code = compile(f.read(), target, "exec")
+                main.__file__ = target
+            else:
+                code = compile(target, "<string>", "exec")
+            sys.argv = [target if command["kind"] == "script" else "-c", *command["rest"]]
+            main.__dict__.update(__builtins__=__builtins__, __spec__=None, __package__=None)
+            exec(code, main.__dict__)
+        return 0
+    except SystemExit as stop:
+        return _status(stop.code)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        return -signal.SIGINT
+    except BaseException:  # noqa: BLE001 - as the interpreter: print the traceback, exit 1
+        sys.excepthook(*sys.exc_info())
+        return 1
+
+
+def _status(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _exit(code: int):
+    """An interpreter's exit: join non-daemon threads, run atexit handlers, flush stdio; then leave at once (the
+    zygote's own state must not be torn down a second time)."""
+    for step in (threading._shutdown, atexit._run_exitfuncs, sys.stdout.flush, sys.stderr.flush):
+        try:
+            step()
+        except BaseException:  # noqa: BLE001
+            pass
+    if code < 0:  # died of a signal, as the interpreter does for an uncaught KeyboardInterrupt
+        signal.signal(-code, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [-code])
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
+def _default_signals() -> None:
+    for sig in signal.valid_signals():
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            try:
+                signal.signal(sig, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python sets them up
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def _fresh_stdio(unbuffered: bool) -> None:
+    def writer(fd: int, errors: str, line: bool):
+        raw = io.FileIO(fd, "w", closefd=False)
+        binary = raw if unbuffered else io.BufferedWriter(raw)
+        return io.TextIOWrapper(binary, encoding="utf-8", errors=errors, line_buffering=line,
+                                write_through=unbuffered)
+
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)),
+                                                 encoding="utf-8")
+    sys.stdout = sys.__stdout__ = writer(1, "strict", os.isatty(1))
+    sys.stderr = sys.__stderr__ = writer(2, "backslashreplace", True)
+
+
+# -- the listener of a session: forks `python -m relay ...` for the shim -----------------------------------
+def _listen() -> None:
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    address = f"relay-warm-{os.getpid()}-{os.urandom(4).hex()}"
+    server.bind("\0" + address)
+    server.listen(16)
+    os.environ[SOCKET_VARIABLE] = address
+    threading.Thread(target=_accept, args=(server,), name="warm-start listener", daemon=True).start()
+
+
+def _accept(server: socket.socket) -> None:
+    while True:
+        conn, _ = server.accept()
+        threading.Thread(target=_serve, args=(conn,), name="warm start", daemon=True).start()
+
+
+def _serve(conn: socket.socket) -> None:
+    """One shim: fork the process it stands for into the shim's process group; tell it the pid and the exit
+    code; a shim that dies takes its process with it, as one process would."""
+    fds: list[int] = []
+    with conn:
+        try:
+            request, fds = _receive(conn)
+            pid_of_shim = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            command = parse(request["argv"], modules=("relay",))
+            if command is None or len(fds) != 3 or os.getsid(pid_of_shim) != os.getsid(0):
+                conn.sendall(b'{"refuse": true}\n')
+                return
+            group = os.getpgid(pid_of_shim)
+            pid = os.fork()
+            if pid == 0:
+                become(command, request["cwd"], request["env"], fds, new_session=False, group=group)
+        except OSError:
+            return
+        finally:
+            for fd in fds:
+                os.close(fd)
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+
+        def shim_gone():
+            while conn.recv(4096):
+                pass
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        threading.Thread(target=shim_gone, daemon=True).start()
+        _, status = os.waitpid(pid, 0)
+        try:
+            conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+        except OSError:
+            pass
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 8)
+    while not data.endswith(b"\n"):
+        more = conn.recv(MAX_MESSAGE)
+        if not more:
+            raise OSError("the request ended early")
+        data += more
+    return json.loads(data), fds
+
+
+# -- the zygote: forks sessions' launchers for the emulator's runner ---------------------------------------
+def main() -> None:
+    global SHIM
+    fd, modules = int(sys.argv[1]), sys.argv[2:]
+    BASE_PATH[:] = sys.path[1:]  # not this file's folder: a kernel must not import the emulator's modules
+    sys.path[:] = BASE_PATH
+    for name in modules:
+        __import__(name)
+    folder = tempfile.mkdtemp(prefix="relay-warm-")
+    SHIM = os.path.join(folder, "python")
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_python.py")) as f:
+        text = f"#!{sys.executable} -SE\n" + f.read()
+    with open(SHIM, "w") as f:
+        f.write(text)
+    os.chmod(SHIM, 0o755)
+    runner = socket.socket(fileno=fd)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C in the emulator's terminal is the emulator's to handle
+    selector = selectors.DefaultSelector()
+    selector.register(runner, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    try:
+        while True:
+            for key, _ in selector.select():
+                if key.fileobj is runner:
+                    try:
+                        request, fds = _receive(runner)
+                    except (OSError, ValueError):
+                        return  # the runner is gone
+                    _fork_launcher(runner, request, fds)
+                else:
+                    os.read(wake_r, 4096)
+            _reap(runner)
+    finally:
+        os.unlink(SHIM)
+        os.rmdir(folder)
+
+
+def _fork_launcher(runner: socket.socket, request: dict, fds: list[int]) -> None:
+    command = parse(request["argv"])
+    if command is None or len(fds) != 2:
+        for fd in fds:
+            os.close(fd)
+        return runner.sendall(json.dumps({"id": request["id"], "error": "not a command line to start warm"}).encode()
+                              + b"\n")
+    pid = os.fork()
+    if pid == 0:
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        become(command, request["cwd"], request["env"], [stdin, *fds], new_session=True, listen=True)
+    for fd in fds:
+        os.close(fd)
+    runner.sendall(json.dumps({"id": request["id"], "pid": pid}).encode() + b"\n")
+
+
+def _reap(runner: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        runner.sendall(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Warm session starts (relay/emulator/warm_zygote.py): a forked process is what `python ARGS` would have been,
+and a kernel's `python -m relay ...` is forked into the session's process group, so the runner's signals and
+kills reach it as they reach a real child."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from relay.emulator.warm_start import WarmStarter
+
+pytestmark = pytest.mark.usefixtures("spawns_processes")
+
+LAUNCHER = textwrap.dedent("""
+    import json, os, signal, subprocess, sys
+    child = subprocess.Popen([sys.executable, "-m", "relay.probe", *sys.argv[1:]], env={**os.environ, "PROBE": "1"})
+    signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
+    code = child.wait()
+    real = subprocess.run([sys.executable, "-c", "import sys; print(sys.executable)"], capture_output=True, text=True)
+    print(json.dumps({"pid": os.getpid(), "group": os.getpgid(0), "session": os.getsid(0), "child_code": code,
+                      "executable": sys.executable, "real": real.stdout.strip(), "argv": sys.argv,
+                      "torch_imported": "torch" in sys.modules, "relay_imported": "relay" in sys.modules}), flush=True)
+    sys.exit(7)
+""")
+
+PROBE = textwrap.dedent("""
+    import json, os, signal, sys, time
+    print(json.dumps({"pid": os.getpid(), "parent": os.getppid(), "group": os.getpgid(0), "argv": sys.argv,
+                      "cwd": os.getcwd(), "probe": os.environ.get("PROBE"), "name": __name__,
+                      "path0": sys.path[0], "file": __file__}), flush=True)
+    mode = sys.argv[1]
+    if mode == "raise":
+        raise RuntimeError("a bug in the user's code")
+    if mode in ("sleep", "term"):
+        if mode == "term":
+            signal.signal(signal.SIGTERM, lambda *_: (print("saved on SIGTERM", flush=True), sys.exit(0)))
+        open(os.path.join(os.getcwd(), "ready"), "w").close()
+        time.sleep(120)
+    sys.exit(5)
+""")
+
+
+@pytest.fixture(scope="module")
+def starter():
+    return WarmStarter.shared(["json"], {"PATH": os.environ["PATH"], "LANG": "C.UTF-8"})
+
+
+def _session(tmp_path: Path, starter: WarmStarter, mode: str):
+    bundle = tmp_path / "bundle" / "relay"
+    bundle.mkdir(parents=True)
+    (bundle / "__init__.py").write_text("")
+    (bundle / "probe.py").write_text(PROBE)
+    (tmp_path / "source.py").write_text(LAUNCHER)
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(tmp_path / "bundle"), "PYTHONUNBUFFERED": "1"}
+    return starter.start(["-u", str(tmp_path / "source.py"), mode], tmp_path, env)
+
+
+def _lines(stream) -> list[dict]:
+    return [json.loads(line) for line in stream.read().decode().splitlines() if line.startswith("{")]
+
+
+def test_a_warm_process_is_what_python_would_be_and_its_relay_child_is_forked_into_its_group(tmp_path, starter):
+    proc = _session(tmp_path, starter, "exit")
+    assert proc.wait(60) == 7
+    probe, launcher = _lines(proc.stdout)
+    assert launcher["group"] == launcher["session"] == launcher["pid"] == proc.pid  # its own session and group
+    assert launcher["argv"] == [str(tmp_path / "source.py"), "exit"]
+    assert launcher["relay_imported"] is False  # the zygote imports nothing of the relay: kernels bring theirs
+    assert launcher["child_code"] == 5
+    assert launcher["executable"] != sys.executable and launcher["real"] == sys.executable  # -c: the real one
+    assert probe["parent"] == launcher["pid"] and probe["group"] == launcher["group"]
+    assert probe["file"] == str(tmp_path / "bundle" / "relay" / "probe.py")  # from PYTHONPATH, as `python -m`
+    assert probe["name"] == "__main__" and probe["argv"] == [probe["file"], "exit"]
+    assert probe["path0"] == str(tmp_path) == probe["cwd"] and probe["probe"] == "1"
+
+
+def test_an_uncaught_exception_exits_1_with_its_traceback(tmp_path, starter):
+    proc = _session(tmp_path, starter, "raise")
+    assert proc.wait(60) == 7
+    assert _lines(proc.stdout)[-1]["child_code"] == 1
+    assert "RuntimeError: a bug in the user's code" in proc.stderr.read().decode()
+
+
+def test_sigterm_reaches_the_forked_child_through_its_stand_in(tmp_path, starter):
+    proc = _session(tmp_path, starter, "term")
+    _wait_for(tmp_path / "ready")
+    os.kill(proc.pid, signal.SIGTERM)  # the launcher forwards it to its child, the shim, which forwards it on
+    assert proc.wait(60) == 7
+    out = proc.stdout.read().decode().splitlines()
+    assert "saved on SIGTERM" in out and json.loads(out[-1])["child_code"] == 0
+
+
+def test_killing_the_session_group_kills_the_forked_child(tmp_path, starter):
+    proc = _session(tmp_path, starter, "sleep")
+    _wait_for(tmp_path / "ready")
+    probe = json.loads(proc.stdout.readline())
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(60) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while _alive(probe["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(probe["pid"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_for(path: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
