@@ -187,7 +187,10 @@ class RelayCLI:
         return args + [str(e) for e in extra]
 
     def run(self, *args: str, timeout: float = 180, preimport: Sequence[str] = ()) -> subprocess.CompletedProcess:
-        return subprocess.run(self.argv(*args, preimport=preimport), env=self.env, cwd=self.cwd,
+        from kaggle_fixtures import warm_python
+
+        python, env = warm_python(self.env)
+        return subprocess.run([python, *self.argv(*args, preimport=preimport)[1:]], env=env, cwd=self.cwd,
                               capture_output=True, text=True, timeout=timeout)
 
     def popen(self, *args: str, preimport: Sequence[str] = (), **kwargs) -> subprocess.Popen:

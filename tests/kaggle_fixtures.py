@@ -7,17 +7,21 @@ teardown, and a fast bounded retry policy.
 """
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import random
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable, List
 
 import pytest
 
 from relay.emulator import Emulator, EmulatorConfig
+from relay.emulator.warm_start import ZYGOTE
 from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
 
 USER = "alice"
@@ -27,6 +31,26 @@ KERNEL_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": 
 # Sessions are forked from a process that imported these once (relay/emulator/warm_zygote.py): ~3 CPU s less each.
 # RELAY_TEST_WARM=0 runs every session in a fresh interpreter instead.
 WARM_MODULES = ["torch", "torch._dynamo"] if os.environ.get("RELAY_TEST_WARM", "1") != "0" else []
+_WARM_LISTENER: dict = {}
+_WARM_LOCK = threading.Lock()
+
+
+def warm_python(env: dict) -> tuple[str, dict]:
+    """(python, env) to run `python -m relay ...` forked warm by a listener of this worker, in the caller's process
+    group (relay/emulator/warm_zygote.py --listen; a process started in a session of its own, or any other command
+    line, runs the real interpreter). The returned pid is the shim's, which stands for the process: tests that
+    read a process's own state (/proc, its children) run the real interpreter."""
+    if not WARM_MODULES:
+        return sys.executable, env
+    with _WARM_LOCK:
+        if not _WARM_LISTENER:
+            zygote_env = {"PATH": os.environ["PATH"], "LANG": "C.UTF-8", "TMPDIR": tempfile.gettempdir(),
+                          **{k: v for k, v in KERNEL_ENV.items() if k.endswith("_NUM_THREADS")}}
+            listener = subprocess.Popen([sys.executable, str(ZYGOTE), "--listen", *WARM_MODULES], cwd="/",
+                                        env=zygote_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            _WARM_LISTENER.update(json.loads(listener.stdout.readline()), process=listener)
+            atexit.register(listener.stdin.close)  # it ends with this process
+    return _WARM_LISTENER["python"], {**env, "RELAY_WARM_SOCKET": _WARM_LISTENER["socket"]}
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional
 import pytest
 import yaml
 
-from kaggle_fixtures import FAKE_KEY, KERNEL_ENV, USER, backend_for, isolated_env, make_emulator  # noqa: F401
+from kaggle_fixtures import FAKE_KEY, KERNEL_ENV, USER, backend_for, isolated_env, make_emulator, warm_python  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -148,9 +148,10 @@ class References:
                 workdir.mkdir(parents=True)
                 (workdir / "spec.yaml").write_bytes(Path(spec).read_bytes())
                 log = open(workdir / "train.log", "w")
+                python, env = warm_python(clean_env(HOME=str(workdir), TMPDIR=str(workdir)))
                 proc = subprocess.Popen(
-                    [PYTHON, "-m", "relay", "train", str(workdir / "spec.yaml"), "--workdir", str(workdir / "run"),
-                     "--budget", "none", "--max-steps", "none"], cwd=workdir, env=clean_env(HOME=str(workdir), TMPDIR=str(workdir)),
+                    [python, "-m", "relay", "train", str(workdir / "spec.yaml"), "--workdir", str(workdir / "run"),
+                     "--budget", "none", "--max-steps", "none"], cwd=workdir, env=env,
                     stdout=log, stderr=subprocess.STDOUT)
                 self.runs[key] = (proc, workdir)
         return key

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from relay_fixtures import (PYTHON, STEPS_PER_SESSION, DatasetProcessing, clean_env, wait_for,  # noqa: E402
+from relay_fixtures import (STEPS_PER_SESSION, DatasetProcessing, clean_env, wait_for, warm_python,  # noqa: E402
                             write_spec)
 
 SESSIONS = 3
@@ -34,9 +34,9 @@ def truncate(path: Path) -> None:
 
 
 def _train(tmp_path: Path, spec: Path, workdir: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "relay", "train", str(spec), "--workdir", str(workdir), *extra],
-                          env=clean_env(HOME=str(tmp_path), TMPDIR=str(tmp_path)), capture_output=True,
-                          text=True, timeout=300)
+    python, env = warm_python(clean_env(HOME=str(tmp_path), TMPDIR=str(tmp_path)))
+    return subprocess.run([python, "-m", "relay", "train", str(spec), "--workdir", str(workdir), *extra],
+                          env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("damage, why", [(flip_bytes, "state.pt crc32 mismatch"),

@@ -209,8 +209,6 @@ class KernelRunner:
         # What the warm modules read when imported (threads, devices) must be set when the zygote imports them.
         at_import = {k: v for k, v in self.config.kernel_env.items() if k.startswith(IMPORT_TIME_VARIABLES)}
         zygote_env = {"PATH": env["PATH"], "LANG": "C.UTF-8", **at_import}
-        if "TMPDIR" in os.environ:
-            zygote_env["TMPDIR"] = os.environ["TMPDIR"]
         return WarmStarter.shared(self.config.warm_modules, zygote_env).start(args, cwd, env)
 
     # -- environment -----------------------------------------------------------------------------

@@ -38,6 +38,7 @@ SOCKET_VARIABLE = "RELAY_WARM_SOCKET"  # a process's way to the listener of its 
 MAX_MESSAGE = 1 << 22
 BASE_PATH: list[str] = []              # sys.path of an interpreter started with no PYTHONPATH (set by main)
 SHIM = ""                              # the `python` a warm process names as sys.executable (set by main)
+_INHERITED_STDIO: list = []
 
 
 # -- what `python ARGS` would be --------------------------------------------------------------------------
@@ -171,6 +172,9 @@ def _fresh_stdio(unbuffered: bool) -> None:
         return io.TextIOWrapper(binary, encoding="utf-8", errors=errors, line_buffering=line,
                                 write_through=unbuffered)
 
+    # The inherited streams are kept, never closed or collected: another thread of the parent may have held their
+    # locks at the fork, and what they buffered is the parent's output, not this process's.
+    _INHERITED_STDIO.append((sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__))
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)),
                                                  encoding="utf-8")
     sys.stdout = sys.__stdout__ = writer(1, "strict", os.isatty(1))
@@ -214,15 +218,18 @@ def _serve(conn: socket.socket) -> None:
         finally:
             for fd in fds:
                 os.close(fd)
+        process = os.pidfd_open(pid)  # signals through it never reach another process that reuses the pid
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
 
         def shim_gone():
             while conn.recv(4096):
                 pass
             try:
-                os.kill(pid, signal.SIGKILL)
+                signal.pidfd_send_signal(process, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            finally:
+                os.close(process)
 
         threading.Thread(target=shim_gone, daemon=True).start()
         _, status = os.waitpid(pid, 0)
@@ -243,9 +250,9 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 # -- the zygote: forks sessions' launchers for the emulator's runner ---------------------------------------
-def main() -> None:
+def _prepare(modules: list[str]) -> str:
+    """Import `modules` and write the shim; returns the shim's folder."""
     global SHIM
-    fd, modules = int(sys.argv[1]), sys.argv[2:]
     BASE_PATH[:] = sys.path[1:]  # not this file's folder: a kernel must not import the emulator's modules
     sys.path[:] = BASE_PATH
     for name in modules:
@@ -257,6 +264,29 @@ def main() -> None:
     with open(SHIM, "w") as f:
         f.write(text)
     os.chmod(SHIM, 0o755)
+    return folder
+
+
+def serve_shims(modules: list[str]) -> None:
+    """`python warm_zygote.py --listen MODULE...`: only the listener, for the processes of this one's session
+    (a test worker's `python -m relay ...` runs); says {"python": shim, "socket": address} on stdout, and ends
+    when its stdin does."""
+    folder = _prepare(modules)
+    _listen()
+    print(json.dumps({"python": SHIM, "socket": os.environ[SOCKET_VARIABLE]}), flush=True)
+    try:
+        while os.read(0, 4096):  # not sys.stdin: a child forked meanwhile would inherit its lock held
+            pass
+    finally:
+        os.unlink(SHIM)
+        os.rmdir(folder)
+
+
+def main() -> None:
+    if sys.argv[1] == "--listen":
+        return serve_shims(sys.argv[2:])
+    fd, modules = int(sys.argv[1]), sys.argv[2:]
+    folder = _prepare(modules)
     runner = socket.socket(fileno=fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
