@@ -19,6 +19,7 @@ make_emulator, which give every test its own HOME/TMPDIR and stop the emulators 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -211,8 +212,8 @@ class RelayEnv:
         return self.spec
 
     @property
-    def name(self) -> str:
-        return yaml.safe_load(self.spec.read_text())["name"]
+    def name(self) -> str:  # read often by the polls of wait_for: each text parsed once
+        return _spec_name(self.spec.read_text())
 
     @property
     def kernel(self) -> str:
@@ -324,12 +325,17 @@ class DatasetProcessing(threading.Thread):
         self.emu, self.held, self.done = emu, set(), threading.Event()
 
     def run(self) -> None:
-        while not self.done.wait(0.02):
+        while not self.done.wait(0.05):
             with self.emu.store.lock:
                 for ref, dataset in self.emu.store.datasets.items():
                     for version in dataset["versions"]:
                         if (ref, version["number"]) not in self.held and version["ready_at"] > time.time():
                             version["ready_at"] = time.time()
+
+
+@functools.lru_cache(maxsize=64)
+def _spec_name(text: str) -> str:
+    return yaml.safe_load(text)["name"]
 
 
 @pytest.fixture
