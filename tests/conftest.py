@@ -187,8 +187,10 @@ class RelayCLI:
         return args + [str(e) for e in extra]
 
     def run(self, *args: str, timeout: float = 180, preimport: Sequence[str] = ()) -> subprocess.CompletedProcess:
-        from kaggle_fixtures import warm_python
+        from kaggle_fixtures import WARM_MODULES, warm_python
 
+        if set(preimport) <= set(WARM_MODULES):  # forked warm, they are imported already: `-m relay` as it is
+            preimport = ()
         python, env = warm_python(self.env)
         return subprocess.run([python, *self.argv(*args, preimport=preimport)[1:]], env=env, cwd=self.cwd,
                               capture_output=True, text=True, timeout=timeout)
