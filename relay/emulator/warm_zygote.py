@@ -8,7 +8,7 @@ at its end threads are joined, atexit handlers run and stdio flushed, as at an i
 
 Run as a script (`python warm_zygote.py FD MODULE...`), never imported: this file imports only the standard
 library, so every module not named is imported by the forked program itself (a kernel imports the relay from
-its own bundle, as on Kaggle). Two ways in, both answered by a fork:
+its own bundle, as on Kaggle). The ways in, each answered by a fork:
 - the emulator's runner (warm_start.py) asks on socket FD for a session's launcher, `python -u source.py`. It is
   forked here into a session and process group of its own, as subprocess.Popen(start_new_session=True) would.
 - inside that session, `sys.executable` is the shim warm_python.py. When the launcher (or anything below it)
@@ -16,6 +16,8 @@ its own bundle, as on Kaggle). Two ways in, both answered by a fork:
   which forks it from itself. So the new process is in the session's process group, dies with it and is
   signalled with it, as the real child would be; the shim stands for it (its pid, its signals, its exit code).
   Any other command line (pip, a multiprocessing spawn that inherits descriptors) runs the real interpreter.
+- `python warm_zygote.py --listen MODULE...` is only that listener, for the processes of its own session: the
+  tests' `python -m relay ...` runs (tests/kaggle_fixtures.py `warm_python`).
 """
 from __future__ import annotations
 
