@@ -1,7 +1,7 @@
 """Runs pushed kernels as local processes, the way a Kaggle session would.
 
-Each version runs `sys.executable source.py` (so it gets this venv) in its own process group, cwd = its working
-folder, with mounted inputs under input/<slug> named by KAGGLE_INPUT_DIR and the working folder by
+Each version runs `sys.executable source.py` (so it gets this venv; with `warm_modules`, forked warm instead:
+warm_zygote.py) in its own process group, cwd = its working folder, with mounted inputs under input/<slug> named by KAGGLE_INPUT_DIR and the working folder by
 KAGGLE_WORKING_DIR; the environment is built from scratch, so no credential of the emulator's host process
 reaches a kernel. Enforced: the session timeout (SIGTERM to the group, grace, SIGKILL; the output is what the
 working folder holds then), the output cap, injected kills; GPU wall time is charged to the quota ledger. A
