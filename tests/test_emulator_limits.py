@@ -109,12 +109,14 @@ def test_concurrent_gpu_sessions_refused(make_emulator, tmp_path):
 
 
 def test_output_cap_and_injected_kill(make_emulator):
-    emu = make_emulator(output_cap_bytes=200_000, faults={"kill_kernel": {"probability": 1, "min_s": 0.5, "max_s": 0.8},
-                                                            "seed": 5})
-    backend = backend_for(emu)
-    push_script(backend, f"{USER}/big-output", "open('big.bin','wb').write(b'x'*500_000)\nimport time; time.sleep(0.3)\n")
-    status = wait_state(backend, f"{USER}/big-output")
+    # two emulators: on one, a kill injected at 0.5-0.8 s would race the output check of a kernel that is slow to
+    # start on a loaded machine; the big kernel waits to be stopped, so only the cap can end it
+    capped = backend_for(make_emulator(output_cap_bytes=200_000))
+    push_script(capped, f"{USER}/big-output", "open('big.bin','wb').write(b'x'*500_000)\nimport time; time.sleep(300)\n")
+    status = wait_state(capped, f"{USER}/big-output")
     assert status.state is KernelState.ERROR and "Output exceeds" in status.failure_message
+    emu = make_emulator(faults={"kill_kernel": {"probability": 1, "min_s": 0.5, "max_s": 0.8}, "seed": 5})
+    backend = backend_for(emu)
     started = time.time()
     push_script(backend, f"{USER}/killed", "import time\nopen('a.txt','w').write('1')\ntime.sleep(30)\n", gpu=False)
     status = wait_state(backend, f"{USER}/killed")

@@ -99,12 +99,13 @@ class KernelRunner:
         for folder in (working, inputs, base / "home", base / "tmp"):
             folder.mkdir(parents=True, exist_ok=True)
         self._mount(version, inputs)
+        starter = self._warm_starter()  # ready before the session's clock starts
         with self.store.lock:
             version.update(status="RUNNING", started=time.time())
             self.store.save()
         started = version["started"]
         entries = self.logs[f"{ref}/v{number}"]
-        proc = self._launch(["-u", str(base / "source.py")], working, self._env(version, base))
+        proc = self._launch(starter, ["-u", str(base / "source.py")], working, self._env(version, base))
         readers = [threading.Thread(target=self._collect, args=(stream, name, started, entries), daemon=True)
                    for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
         for reader in readers:
@@ -201,15 +202,22 @@ class KernelRunner:
             self.store.charge(self.store.kernels[ref]["owner"], ref, version["number"], version["started"], ended,
                               self.config.time_scale)
 
-    def _launch(self, args: List[str], cwd: Path, env: dict):
-        """`python ARGS` in a process group of its own: a fresh interpreter, or forked warm (warm_zygote.py)."""
+    def _warm_starter(self) -> Optional[WarmStarter]:
+        """The zygote sessions are forked from (warm_zygote.py), None without `warm_modules`."""
         if not self.config.warm_modules:
-            return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
+            return None
         # What the warm modules read when imported (threads, devices) must be set when the zygote imports them.
         at_import = {k: v for k, v in self.config.kernel_env.items() if k.startswith(IMPORT_TIME_VARIABLES)}
-        zygote_env = {"PATH": env["PATH"], "LANG": "C.UTF-8", **at_import}
-        return WarmStarter.shared(self.config.warm_modules, zygote_env).start(args, cwd, env)
+        zygote_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", **at_import}
+        return WarmStarter.shared(self.config.warm_modules, zygote_env)
+
+    @staticmethod
+    def _launch(starter: Optional[WarmStarter], args: List[str], cwd: Path, env: dict):
+        """`python ARGS` in a process group of its own: a fresh interpreter, or forked warm."""
+        if starter is None:
+            return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
+        return starter.start(args, cwd, env)
 
     # -- environment -----------------------------------------------------------------------------
     def _mount(self, version: dict, inputs: Path) -> None:

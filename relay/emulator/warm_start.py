@@ -3,7 +3,8 @@
 `EmulatorConfig.warm_modules` (off by default: a fresh interpreter per session) names the modules imported once
 in a zygote; `WarmStarter.shared` keeps one zygote per set of modules and startup environment in this process
 (every emulator of a test worker shares it), and `start` returns a `WarmProcess`, the part of subprocess.Popen
-the runner uses. Protocol, JSON lines on a socket pair: the runner sends {"id", "argv", "cwd", "env"} with the
+the runner uses. Protocol, JSON lines on a socket pair: the zygote says {"ready"} once it imported the modules;
+the runner sends {"id", "argv", "cwd", "env"} with the
 child's stdout and stderr write ends as passed descriptors; the zygote answers {"id", "pid"} once forked, and
 {"exit": pid, "code"} when that child ends (the code as Popen's: negative for a signal).
 """
@@ -46,6 +47,9 @@ class WarmStarter:
             starter = _SHARED.get(key)
             if starter is None or starter.zygote.poll() is not None:
                 starter = _SHARED[key] = cls(modules, env)
+        with starter.changed:  # its imports take seconds: not inside a session's clock
+            if not starter.changed.wait_for(lambda: starter.ready or starter._gone(), timeout=300):
+                raise RuntimeError("warm start: the zygote did not import its modules within 300 s")
         return starter
 
     def start(self, args: Sequence[str], cwd: Path, env: Dict[str, str]) -> "WarmProcess":
@@ -94,7 +98,9 @@ class WarmStarter:
         for line in self.sock.makefile("rb"):
             message = json.loads(line)
             with self.changed:
-                if "exit" in message:
+                if "ready" in message:
+                    self.ready = True
+                elif "exit" in message:
                     self.codes[message["exit"]] = message["code"]
                 elif "id" in message:
                     self.pids[message["id"]] = message

@@ -298,6 +298,7 @@ def main() -> None:
     selector = selectors.DefaultSelector()
     selector.register(runner, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
+    runner.sendall(b'{"ready": true}\n')  # the modules are imported: a session's clock may start
     try:
         while True:
             for key, _ in selector.select():
