@@ -21,6 +21,7 @@ from typing import Callable, List
 import pytest
 
 from relay.emulator import Emulator, EmulatorConfig
+from relay.emulator.runner import IMPORT_TIME_VARIABLES
 from relay.emulator.warm_start import ZYGOTE
 from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
 
@@ -45,7 +46,7 @@ def warm_python(env: dict) -> tuple[str, dict]:
     with _WARM_LOCK:
         if not _WARM_LISTENER:
             zygote_env = {"PATH": os.environ["PATH"], "LANG": "C.UTF-8", "TMPDIR": tempfile.gettempdir(),
-                          **{k: v for k, v in KERNEL_ENV.items() if k.endswith("_NUM_THREADS")}}
+                          **{k: v for k, v in KERNEL_ENV.items() if k.startswith(IMPORT_TIME_VARIABLES)}}
             listener = subprocess.Popen([sys.executable, str(ZYGOTE), "--listen", *WARM_MODULES], cwd="/",
                                         env=zygote_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             _WARM_LISTENER.update(json.loads(listener.stdout.readline()), process=listener)
