@@ -249,7 +249,7 @@ def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int 
     all_relays = load_relays(specs, backend, state_dir, step_lock_wait_s, tick=mode == "tick")
     run_labels.label(add_tags=[tag for r in all_relays if r.ctx for tag in run_labels.tags(r.name, r.ctx.names.owner)])
     give_up = time.monotonic() + max_hours * 3600
-    announced_wait, refused = None, 0
+    announced_wait, refused, last_shown = None, 0, None
     while True:
         rnd = run_round(backend, all_relays, cap, logger)
         refused += rnd.refused
@@ -261,8 +261,12 @@ def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int 
         quota = t.read_quota(backend) if any(r.progress for r in all_relays) else None
         now = datetime.now(timezone.utc)
         plan = joint_eta(all_relays, quota, cap, now)
-        relays_artifacts.publish_relays_report(_rows(all_relays, plan), _sessions(all_relays),
-                                               Path(state_dir), plan)
+        rows, sessions = _rows(all_relays, plan), _sessions(all_relays)
+        etas = [f"{when:%Y-%m-%d %H:%M}" for when in (plan.eta_all, *plan.quota_waits) if when] if plan else None
+        shown = (rows, sessions, etas)
+        if shown != last_shown:  # a new version only when it shows something new (ETAs to the minute, as shown)
+            relays_artifacts.publish_relays_report(rows, sessions, Path(state_dir), plan)
+            last_shown = shown
         summary = _summary(all_relays, rnd, plan, refused)
         active = [r for r in all_relays if not r.failed and r.state not in ("done", "stopped")]
         if mode == "tick" or not active:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 
+from tasks.prefect_writes import soon
 from tasks.step_lock import SERVER_LEASE_S, delete_record, ensure_limit, read_record, take_slot, write_record
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class AccountSlot:
                 except Exception:  # a lease no record names could not be given back: give it back now
                     from uuid import UUID
 
-                    client.release_concurrency_slots_with_lease(UUID(lease))
+                    soon(lambda: client.release_concurrency_slots_with_lease(UUID(lease)))
                     raise
                 return True
         except Exception as err:  # noqa: BLE001 - no server, old server: Kaggle's refusal still guards the cap
@@ -80,7 +81,7 @@ class AccountSlot:
                     return
                 delete_record(client, self.record)
                 try:
-                    client.release_concurrency_slots_with_lease(UUID(record["lease_id"]))
+                    soon(lambda: client.release_concurrency_slots_with_lease(UUID(record["lease_id"])))
                 except Exception:  # noqa: BLE001 - its lease ended already (the repossessor gave it back)
                     pass
         except Exception as err:  # noqa: BLE001 - the lease ends on its own
@@ -94,7 +95,7 @@ class AccountSlot:
         if record is None:
             return False
         try:
-            client.renew_concurrency_lease(UUID(record["lease_id"]), self.hold_s)
+            soon(lambda: client.renew_concurrency_lease(UUID(record["lease_id"]), self.hold_s))
             return True
         except Exception as err:  # noqa: BLE001
             if not _not_found(err):  # a server error: the lease may still run; the record stays with it

@@ -25,6 +25,7 @@ from relay.orchestrator import handoff
 from relay.orchestrator.kaggle.types import KaggleUnresponsive, KernelState, NotFound
 from relay.orchestrator.live import Eta, LiveSession, early_warnings, estimate, eta_text, session_fraction
 from tasks import artifacts
+from tasks.prefect_writes import soon
 from tasks.run_labels import kaggle_links
 
 LOG_EVERY = 10        # log lines per session: one at each tenth of its steps
@@ -217,7 +218,7 @@ class TickMarks:
         if marks == self._kept:
             return
         try:
-            Variable.set(self.variable, json.dumps(marks), overwrite=True)
+            soon(lambda: Variable.set(self.variable, json.dumps(marks), overwrite=True))
             self._kept = marks
         except Exception as err:  # noqa: BLE001
             get_run_logger().warning("the view's marks of %s not kept: %s", self.variable, err)

@@ -10,6 +10,8 @@ from typing import Optional
 
 from prefect import get_run_logger
 
+from tasks.prefect_writes import soon
+
 _KEEP = 500  # the newest keys told, per relay
 
 
@@ -37,5 +39,5 @@ class Notifier:
             except Exception as err:  # noqa: BLE001 - a notification never fails the relay
                 get_run_logger().warning("notify.block %s: %s", self.block, err)
                 return False
-        Variable.set(self._variable, json.dumps((told + [key])[-_KEEP:]), overwrite=True)
+        soon(lambda: Variable.set(self._variable, json.dumps((told + [key])[-_KEEP:]), overwrite=True))
         return True

@@ -28,6 +28,8 @@ import time
 import uuid
 from typing import Optional
 
+from tasks.prefect_writes import soon
+
 log = logging.getLogger(__name__)
 SERVER_LEASE_S = 60.0  # the shortest lease Prefect's server accepts
 POLL_S = 2.0           # how often a waiter asks for the slot again
@@ -100,10 +102,10 @@ class StepLock:
                     _who(record), time.time() - record["until"] + self.lease_s)
         delete_record(client, self.record_name)
         if record.get("own_server"):
-            client.release_concurrency_slots(names=[self.limit], slots=1,
-                                             occupancy_seconds=max(0.0, time.time() - record.get("since", 0)))
+            soon(lambda: client.release_concurrency_slots(
+                names=[self.limit], slots=1, occupancy_seconds=max(0.0, time.time() - record.get("since", 0))))
         else:
-            client.release_concurrency_slots_with_lease(UUID(record["lease_id"]))
+            soon(lambda: client.release_concurrency_slots_with_lease(UUID(record["lease_id"])))
 
     def _ensure_limit(self, client) -> None:
         if not self._ready:
@@ -116,8 +118,8 @@ def take_slot(client, limit: str, lease_s: float) -> Optional[str]:
     import httpx
 
     try:
-        response = client.increment_concurrency_slots_with_lease(
-            names=[limit], slots=1, mode="concurrency", lease_duration=max(SERVER_LEASE_S, lease_s))
+        response = soon(lambda: client.increment_concurrency_slots_with_lease(
+            names=[limit], slots=1, mode="concurrency", lease_duration=max(SERVER_LEASE_S, lease_s)))
     except httpx.HTTPStatusError as err:
         if err.response.status_code == 423:
             return None
@@ -160,7 +162,7 @@ class _Holding:
         from prefect import get_client
 
         with get_client(sync_client=True) as client:
-            client.renew_concurrency_lease(UUID(self.lease_id), max(SERVER_LEASE_S, self.lock.lease_s))
+            soon(lambda: client.renew_concurrency_lease(UUID(self.lease_id), max(SERVER_LEASE_S, self.lock.lease_s)))
             self.record["until"] = time.time() + self.lock.lease_s
             write_record(client, self.lock.record_name, self.record)
 
@@ -181,7 +183,7 @@ class _Holding:
         try:
             with get_client(sync_client=True) as client:
                 delete_record(client, self.lock.record_name)
-                client.release_concurrency_slots_with_lease(UUID(self.lease_id))
+                soon(lambda: client.release_concurrency_slots_with_lease(UUID(self.lease_id)))
         except Exception as err:  # noqa: BLE001 - the lease lapses on its own
             log.warning("step lock %s: release failed (%s)", self.lock.limit, err)
 
@@ -200,18 +202,18 @@ def write_record(client, name: str, value: dict) -> None:
     from prefect.exceptions import ObjectAlreadyExists
 
     if client.read_variable_by_name(name) is not None:
-        client.update_variable(VariableUpdate(name=name, value=value))
+        soon(lambda: client.update_variable(VariableUpdate(name=name, value=value)))
         return
     try:
-        client.create_variable(VariableCreate(name=name, value=value))
+        soon(lambda: client.create_variable(VariableCreate(name=name, value=value)))
     except ObjectAlreadyExists:  # a lapsed holder's record appeared meanwhile: ours wins, we hold the slot
-        client.update_variable(VariableUpdate(name=name, value=value))
+        soon(lambda: client.update_variable(VariableUpdate(name=name, value=value)))
 
 
 def delete_record(client, name: str) -> None:
     from prefect.exceptions import ObjectNotFound
 
     try:
-        client.delete_variable_by_name(name)
+        soon(lambda: client.delete_variable_by_name(name))
     except ObjectNotFound:
         pass

@@ -237,7 +237,7 @@ def load_toy_spec(*layers: dict, **overrides):
 
 
 # RELAY_TEST_CPU_LOG=FILE: each test's CPU seconds (this process and the processes it waited for: kernels,
-# subprocesses, flow processes) appended as "seconds nodeid" lines, to find what makes the suite long on any
+# subprocesses, flow processes) appended as "seconds nodeid worker start end" lines, to find what makes the suite long on any
 # machine (wall time depends on the machine's load; CPU time much less).
 _CPU_LOG = os.environ.get("RELAY_TEST_CPU_LOG")
 if _CPU_LOG:
@@ -249,7 +249,10 @@ if _CPU_LOG:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
-        start = _cpu_seconds()
+        import time
+
+        start, began = _cpu_seconds(), time.time()
         yield
-        with open(_CPU_LOG, "a") as log:
-            log.write(f"{_cpu_seconds() - start:.1f} {item.nodeid}\n")
+        with open(_CPU_LOG, "a") as log:  # CPU s, node id, then (for the schedule) worker, start and end (epoch s)
+            log.write(f"{_cpu_seconds() - start:.1f} {item.nodeid} {os.environ.get('PYTEST_XDIST_WORKER', '-')}"
+                      f" {began:.1f} {time.time():.1f}\n")
