@@ -35,7 +35,8 @@ from typing import Callable, Dict, List, Optional
 import pytest
 import yaml
 
-from kaggle_fixtures import FAKE_KEY, KERNEL_ENV, USER, backend_for, isolated_env, make_emulator, warm_python  # noqa: F401
+from kaggle_fixtures import (FAKE_KEY, KERNEL_ENV, USER, WARM_MODULES, backend_for, isolated_env,  # noqa: F401
+                             make_emulator, warm_python)
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -281,10 +282,9 @@ class RelayEnv:
                         RELAY_TEST_STEP_LOCK_WAIT=str(STEP_LOCK_WAIT_S if step_lock else 0))
         for d in ("flow-home", "flow-tmp"):
             (self.root / d).mkdir(exist_ok=True)
-        log = open(self.root / log_name, "a")
-        proc = subprocess.Popen([PYTHON, str(driver), str(self.spec), mode, str(self.root / state_dir), str(seed),
-                                 flow or self.flow],
-                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(self.root / log_name, "a") as log:
+            proc = start_flow_process([str(driver), str(self.spec), mode, str(self.root / state_dir), str(seed),
+                                       flow or self.flow], env, log)
         self.processes.append(proc)
         return proc
 
@@ -314,6 +314,27 @@ class RelayEnv:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+# A flow process is forked from a process of this worker that imported Prefect, the relay's flows, the kaggle
+# client and pyplot once (tests/flow_preimports.py; relay/emulator/warm_zygote.py): in a session of its own, as
+# Popen(start_new_session=True) would start it, so os.killpg(proc.pid) is the kill it stands for. Prefect reads
+# its settings when imported, so that process gets every PREFECT_* variable a flow process gets (the same for
+# all tests of a worker: its server, its home).
+def start_flow_process(args: List[str], env: dict, log):
+    """`python ARGS` with `env` in a session of its own, its output into the file `log`: Popen-like (pid, poll,
+    wait). Forked warm unless RELAY_TEST_WARM=0."""
+    if not WARM_MODULES:
+        return subprocess.Popen([PYTHON, *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    from relay.emulator.warm_start import WarmStarter
+
+    own = Path(env["PREFECT_HOME"]) / "flow-zygote"  # its HOME and TMPDIR: the worker's, not a test's
+    own.mkdir(parents=True, exist_ok=True)
+    zygote_env = {k: v for k, v in env.items() if k.startswith("PREFECT_") or k in ("PATH", "LANG", "DO_NOT_TRACK")}
+    zygote_env.update(HOME=str(own), TMPDIR=str(own), PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    starter = WarmStarter.shared(["flow_preimports"], zygote_env)
+    return starter.start(args, REPO, env, output=log.fileno())
 
 
 class DatasetProcessing(threading.Thread):

@@ -120,3 +120,22 @@ def _wait_for(path: Path, timeout: float = 60) -> None:
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.02)
+
+
+def test_a_warm_process_writes_where_it_is_told_and_has_its_own_tmpdir_and_random_state(tmp_path, starter):
+    """The zygote made a temporary folder (gettempdir() is cached) and its random generator has a state: a fork
+    must read TMPDIR and seed from the OS as a fresh interpreter does. `output`: stdout and stderr into one file
+    (the tests' flow processes write their logs so)."""
+    code = ("import json, random, sys, tempfile; print(json.dumps({'tmp': tempfile.gettempdir(),"
+            " 'draw': random.random()})); print('to stderr', file=sys.stderr)")
+    seen = []
+    for run in ("a", "b"):
+        (tmp_path / run).mkdir()
+        with open(tmp_path / run / "log", "w") as log:
+            proc = starter.start(["-c", code], tmp_path, {"PATH": os.environ["PATH"], "TMPDIR": str(tmp_path / run)},
+                                 output=log.fileno())
+        assert proc.stdout is None and proc.wait(60) == 0
+        lines = (tmp_path / run / "log").read_text().splitlines()
+        seen += [json.loads(line) for line in lines if line.startswith("{")]
+        assert seen[-1]["tmp"] == str(tmp_path / run) and "to stderr" in lines
+    assert seen[0]["draw"] != seen[1]["draw"]

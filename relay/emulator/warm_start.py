@@ -52,10 +52,15 @@ class WarmStarter:
                 raise RuntimeError("warm start: the zygote did not import its modules within 300 s")
         return starter
 
-    def start(self, args: Sequence[str], cwd: Path, env: Dict[str, str]) -> "WarmProcess":
-        """`python ARGS` in a session and process group of its own, cwd, env, stdout and stderr piped."""
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+    def start(self, args: Sequence[str], cwd: Path, env: Dict[str, str], output: Optional[int] = None
+              ) -> "WarmProcess":
+        """`python ARGS` in a session and process group of its own, cwd, env, stdout and stderr piped (or both
+        written to the descriptor `output`: WarmProcess.stdout and .stderr are None then)."""
+        if output is not None:
+            out_r, out_w, err_r, err_w = None, os.dup(output), None, os.dup(output)
+        else:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
         request_id = next(self.ids)
         request = {"id": request_id, "argv": list(args), "cwd": str(cwd), "env": env}
         try:
@@ -66,18 +71,16 @@ class WarmStarter:
                     raise RuntimeError("warm start: the zygote did not answer within 120 s")
                 answer = self.pids.pop(request_id, None)
         except BaseException:
-            os.close(out_r)
-            os.close(err_r)
+            _close(out_r, err_r)
             raise
         finally:
-            os.close(out_w)
-            os.close(err_w)
+            _close(out_w, err_w)
         if answer is None or "pid" not in answer:
-            os.close(out_r)
-            os.close(err_r)
+            _close(out_r, err_r)
             raise RuntimeError(f"warm start: {answer.get('error') if answer else 'the zygote exited'}"
                                f" (zygote exit code {self.zygote.poll()})")
-        return WarmProcess(self, answer["pid"], os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+        stdout, stderr = (None, None) if output is not None else (os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+        return WarmProcess(self, answer["pid"], stdout, stderr)
 
     def stop(self) -> None:
         try:  # the zygote leaves on end of file (shutdown: the reader thread's file keeps the socket open)
@@ -107,6 +110,12 @@ class WarmStarter:
                 self.changed.notify_all()
         with self.changed:
             self.changed.notify_all()
+
+
+def _close(*fds: Optional[int]) -> None:
+    for fd in fds:
+        if fd is not None:
+            os.close(fd)
 
 
 class WarmProcess:

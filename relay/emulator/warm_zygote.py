@@ -25,6 +25,7 @@ import atexit
 import io
 import json
 import os
+import random
 import runpy
 import selectors
 import signal
@@ -91,7 +92,9 @@ def become(command: dict, cwd: str, env: dict, fds: list[int], new_session: bool
                  "code": ""}[command["kind"]]
         sys.path[:] = [first, *extra, *BASE_PATH]
         sys.path_importer_cache.clear()
-        if "numpy.random" in sys.modules:  # a fresh interpreter seeds numpy's global generator from the OS
+        tempfile.tempdir = None  # gettempdir() is cached: this process's TMPDIR, not the zygote's
+        random.seed()  # a fresh interpreter seeds the global generators from the OS
+        if "numpy.random" in sys.modules:
             sys.modules["numpy.random"].seed()
         if listen:
             _listen()
@@ -255,8 +258,11 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 def _prepare(modules: list[str]) -> str:
     """Import `modules` and write the shim; returns the shim's folder."""
     global SHIM
-    BASE_PATH[:] = sys.path[1:]  # not this file's folder: a kernel must not import the emulator's modules
-    sys.path[:] = BASE_PATH
+    own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # not this file's folder (a kernel must not import the emulator's modules), nor the zygote's own PYTHONPATH:
+    # a fork's sys.path is its own PYTHONPATH and these
+    BASE_PATH[:] = [p for p in sys.path[1:] if p not in own]
+    sys.path[:] = [*own, *BASE_PATH]
     for name in modules:
         __import__(name)
     folder = tempfile.mkdtemp(prefix="relay-warm-")
