@@ -142,3 +142,24 @@ def test_a_released_claim_is_free_at_once_and_a_step_that_took_effect_keeps_its_
     assert (second.acquire("push-r1").generation, second.acquire("push-r1").holder) == (2, "second")
     with pytest.raises(LeaseBusy):
         second.acquire("handover-r1")
+
+
+def test_a_forked_process_is_another_holder(spawns_processes):
+    """A process forked from one that imported the lease module (a fork server: the tests' flow processes) is
+    another orchestrator: its claims are not its parent's. (A holder made once at import was both's.)"""
+    import os
+
+    from relay.orchestrator.kaggle.lease import this_process
+
+    parent = this_process()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write, this_process().encode())
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, 200).decode()
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert child != parent and child.split(":")[1] == str(pid)
+    assert this_process() == parent and parent.split(":")[1] == str(os.getpid())

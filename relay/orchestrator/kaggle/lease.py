@@ -39,8 +39,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 PREFIX = "relay-lease:"
 RELEASED = "relay-lease-released"  # in a claim's later version notes: its holder is done without effect
-# one holder per process: a retried tick job or a second flow process is another orchestrator
-HOLDER = f"{socket.gethostname()[:24]}:{os.getpid()}:{secrets.token_hex(3)}"
+_HOLDER: Dict[str, object] = {}    # this process's holder name, and the pid it was made in
+
+
+def this_process() -> str:
+    """The holder this process is: a retried tick job, a second flow process, a process forked from another (a
+    fork server's child shares its parent's imported modules) are each another orchestrator."""
+    pid = os.getpid()
+    if _HOLDER.get("pid") != pid:
+        _HOLDER.update(pid=pid, name=f"{socket.gethostname()[:24]}:{pid}:{secrets.token_hex(3)}")
+    return str(_HOLDER["name"])
 
 
 @dataclass(frozen=True)
@@ -72,10 +80,10 @@ class NotALease(KaggleError):
 
 
 class Lease:
-    def __init__(self, backend: "KaggleBackend", relay_name: str, ttl_s: float, holder: str = HOLDER,
+    def __init__(self, backend: "KaggleBackend", relay_name: str, ttl_s: float, holder: Optional[str] = None,
                  sleep: Callable[[float], None] = time.sleep):
         self.backend, self.owner = backend, backend.username
-        self.name, self.ttl_s, self.holder, self.sleep = relay_name, float(ttl_s), holder, sleep
+        self.name, self.ttl_s, self.holder, self.sleep = relay_name, float(ttl_s), holder or this_process(), sleep
         self._newest: Dict[str, int] = {}  # key -> newest generation seen (probing starts there)
         self._open: Dict[str, Claim] = {}   # claims taken whose step has not taken effect (yet)
 
