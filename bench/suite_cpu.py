@@ -34,6 +34,9 @@ KINDS = (  # the first pattern a command line holds names its kind
 )
 
 
+TOP = 25  # the costliest single processes are listed too: what "other" holds, which server worked hardest
+
+
 def kind(cmdline: str) -> str:
     return next((name for pattern, name in KINDS if pattern in cmdline), "other")
 
@@ -88,10 +91,15 @@ def main(argv: list | None = None) -> int:
           f"({100 * total / max(wall, 1e-9):.0f} % of one core; {os.cpu_count()} cores)")
     for name, cpu in by_kind.most_common():
         print(f"{cpu / 60:7.2f} CPU min {100 * cpu / max(total, 1e-9):5.1f} %  {count[name]:5d} processes  {name}")
+    costliest = sorted(seen.values(), key=lambda seen_one: -seen_one[1])[:TOP]
+    print(f"the {TOP} costliest processes:")
+    for cmdline, cpu in costliest:
+        print(f"{cpu:7.1f} CPU s  {kind(cmdline)[:40]:40}  {cmdline[:110]}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"wall_s": wall, "cpu_s": total, "kinds": {k: {"cpu_s": v, "processes": count[k]}
-                                                                 for k, v in by_kind.items()}}, out, indent=1)
+                                                                 for k, v in by_kind.items()},
+                       "costliest": [{"cpu_s": cpu, "command": cmdline} for cmdline, cpu in costliest]}, out, indent=1)
     return rc
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+import prefect_template
 from kaggle_fixtures import FAKE_KEY, KERNEL_ENV, USER
 from process_fixtures import run_flow_with_a_kill_mid_save
 
@@ -96,16 +97,19 @@ RELAYED = {"optim.max_steps": 90, "session.max_steps": 30, "session.save_every":
            "session.safety_margin": "0.5s", "kaggle.session_timeout": "5m", "kaggle.startup_overhead": "1s"}
 
 
-def relay_in_shell(tmp_path, emulator, cwd, *args, timeout=900, python_code=None, env_extra=None, input=None):
+def relay_in_shell(tmp_path, emulator, cwd, *args, timeout=900, python_code=None, env_extra=None, input=None,
+                   fresh_prefect=False):
     """`python -m relay ARGS` (or `python -c PYTHON_CODE ARGS`) in cwd, with only what a user's shell has
-    (and `env_extra`); `input`: what the user types."""
+    (and `env_extra`); `input`: what the user types. fresh_prefect: see shell_env."""
     command = [sys.executable, "-m", "relay"] if python_code is None else [sys.executable, "-c", python_code]
-    return subprocess.run([*command, *args], cwd=cwd, env=shell_env(tmp_path, emulator, env_extra),
+    return subprocess.run([*command, *args], cwd=cwd, env=shell_env(tmp_path, emulator, env_extra, fresh_prefect),
                           capture_output=True, text=True, timeout=timeout, input=input)
 
 
-def shell_env(tmp_path, emulator, env_extra=None) -> dict:
-    """What a user's shell has for the README's commands against the emulator (HOME and TMPDIR under tmp_path)."""
+def shell_env(tmp_path, emulator, env_extra=None, fresh_prefect=False) -> dict:
+    """What a user's shell has for the README's commands against the emulator (HOME and TMPDIR under tmp_path).
+    Its PREFECT_HOME holds a migrated database (tests/prefect_template.py: a user who has run Prefect before);
+    fresh_prefect=True leaves it empty, a machine's first run."""
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home"), "TMPDIR": str(tmp_path / "tmp"),
            "PYTHONPATH": str(REPO), "KAGGLE_USERNAME": USER, "KAGGLE_KEY": FAKE_KEY,
            "RELAY_KAGGLE_ENDPOINT": emulator.url, "PREFECT_HOME": str(tmp_path / "prefect"), "DO_NOT_TRACK": "1",
@@ -114,4 +118,6 @@ def shell_env(tmp_path, emulator, env_extra=None) -> dict:
     env.update(env_extra or {})
     for d in ("home", "tmp"):
         (tmp_path / d).mkdir(exist_ok=True)
+    if not fresh_prefect:
+        prefect_template.migrated(Path(env["PREFECT_HOME"]))
     return env

@@ -94,6 +94,16 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=_expected_length)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _prefect_template_root(tmp_path_factory):
+    """Where tests/prefect_template.py keeps the run's migrated Prefect database: the run's temporary folder,
+    shared by the xdist workers (each worker's is a folder in it)."""
+    import prefect_template
+
+    base = tmp_path_factory.getbasetemp()
+    prefect_template.ROOT = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture
 def spawns_processes():
     """Request this in a test that starts processes by itself (subprocess, torch.multiprocessing): it marks

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import prefect_template
 from byo_fixtures import copy_example
 from kaggle_fixtures import KERNEL_ENV, isolated_env, make_emulator  # noqa: F401
 from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials
@@ -153,10 +154,11 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
                PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1", PREFECT_CLI_PROMPT="false",
                HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = Processes(tmp_path / "logs")
+    prefect_template.migrated(tmp_path / "prefect")  # a server that has run before: its database migrated
     try:
         server = procs.start("server", [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                              env)
-        # While the server migrates its fresh database: the emulator and the data a user would upload.
+        # While the server starts: the emulator and the data a user would upload.
         emulator = make_emulator(users={USER: key}, kernel_env=dict(KERNEL_ENV))
         backend = ClientBackend(KaggleCredentials(USER, key=key), emulator.url, dataset_poll_s=0.1)
         published = seed_emulator.seed(backend, tmp_path / "data")

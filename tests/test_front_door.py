@@ -11,25 +11,30 @@ from conftest import REPO
 from kaggle_fixtures import KERNEL_ENV, USER, isolated_env, make_emulator  # noqa: F401
 from byo_fixtures import RELAYED, copy_example, relay_in_shell
 
+FRESH = {"fresh_prefect": True}  # a fresh machine: `relay run`'s Prefect migrates an empty database
+
+
 def test_a_newcomer_relays_their_script_with_the_readme_commands(make_emulator, tmp_path, spawns_processes):
     emulator = make_emulator(kernel_env=dict(KERNEL_ENV))
     project = tmp_path / "my-project"
     copy_example("byo-plain", project, **RELAYED)
 
-    doctor = relay_in_shell(tmp_path, emulator, project, "doctor", "spec.yaml", "--poll", "0.2")
+    doctor = relay_in_shell(tmp_path, emulator, project, "doctor", "spec.yaml", "--poll", "0.2", **FRESH)
     assert doctor.returncode == 0 and "all checks passed" in doctor.stdout, doctor.stdout + doctor.stderr[-2000:]
-    verify = relay_in_shell(tmp_path, emulator, project, "verify-resume", "spec.yaml", "--steps", "24", "--workdir", "verify")
+    verify = relay_in_shell(tmp_path, emulator, project, "verify-resume", "spec.yaml", "--steps", "24", "--workdir",
+                            "verify", **FRESH)
     assert verify.returncode == 0 and verify.stdout.startswith("identical"), verify.stdout + verify.stderr[-2000:]
-    run = relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3")
+    run = relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3", **FRESH)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "done: step 90/90, 3 session(s) handed over" in run.stdout, run.stdout
     assert f"the final model: Kaggle dataset {USER}/byo-plain-model" in run.stdout, run.stdout
     outputs = project / "relay-runs" / "byo-plain"
     assert (outputs / "curves.png").is_file() and (outputs / "timeline.png").is_file()
-    status = relay_in_shell(tmp_path, emulator, project, "status", "byo-plain", "--out", "status")
+    status = relay_in_shell(tmp_path, emulator, project, "status", "byo-plain", "--out", "status", **FRESH)
     assert status.returncode == 0 and "3 session(s) handed over" in status.stdout and "next: done" in status.stdout
 
-    straight = relay_in_shell(tmp_path, emulator, project, "train", "spec.yaml", "--workdir", "straight", "--max-steps", "none")
+    straight = relay_in_shell(tmp_path, emulator, project, "train", "spec.yaml", "--workdir", "straight",
+                              "--max-steps", "none", **FRESH)
     assert straight.returncode == 0, straight.stderr[-2000:]
     published = json.loads((outputs / "published" / "progress.json").read_text())
     assert published["weights_sha256"] == json.loads((project / "straight" / "progress.json").read_text())["weights_sha256"]

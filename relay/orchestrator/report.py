@@ -235,11 +235,25 @@ def _pyplot():
     return plt
 
 
-def _save(plt, fig, out_png: str | Path) -> Path:
-    fig.tight_layout()
+DPI = 110  # the figures are made at the dpi they are saved at: their text is measured once, for both
+# The curves figure's margins in inches, fixed: its size is, and its text (tick labels of a few characters, the
+# axis labels, one title line) fits in them. tight_layout, which measures every text first, was 35 % of drawing it.
+CURVES_MARGINS_IN = {"left": 0.95, "right": 0.2, "top": 0.55, "bottom": 0.6}
+
+
+def _fixed_margins(fig, hspace: float) -> None:
+    width, height = fig.get_size_inches()
+    m = CURVES_MARGINS_IN
+    fig.subplots_adjust(left=m["left"] / width, right=1 - m["right"] / width, top=1 - m["top"] / height,
+                        bottom=m["bottom"] / height, hspace=hspace)
+
+
+def _save(plt, fig, out_png: str | Path, measure_layout: bool = True) -> Path:
+    if measure_layout:
+        fig.tight_layout()
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
+    fig.savefig(out_png, dpi=DPI)
     plt.close(fig)
     return out_png
 
@@ -310,7 +324,7 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
     if metric is None and best.get("metric"):  # the recipe's watched metric and its direction (e.g. f1, max)
         metric, metric_mode = best["metric"], best.get("mode", metric_mode)
     metric = _eval_metric(evals, metric)
-    fig, (ax_loss, ax_metric) = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True,
+    fig, (ax_loss, ax_metric) = plt.subplots(2, 1, figsize=(11, 7.5), dpi=DPI, sharex=True,
                                              gridspec_kw={"height_ratios": [3, 2]})
     steps, losses = _series(records, "train", "loss")
     if losses:
@@ -365,7 +379,8 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
         ax_metric.set_xlim(min(drawn) - 2, max(drawn) + 2)
     fig.suptitle(f"{title} ({n_sessions} session{'s' if n_sessions != 1 else ''}, dashed lines = session starts"
                  f"{dotted})", fontsize=13)
-    return _save(plt, fig, out_png)
+    _fixed_margins(fig, hspace=0.08)
+    return _save(plt, fig, out_png, measure_layout=False)
 
 
 OUTCOME_COLORS = {  # stop reason or status -> (legend label, color)
@@ -415,7 +430,7 @@ def plot_timeline(sessions: Iterable[Mapping[str, Any]], out_png: str | Path, *,
             bars.append((f"S{done_count + p.index} (plan)", p.starts, p.ends, "planned", p.waited_for_quota))
     if not bars:
         raise ValueError("plot_timeline: no sessions with a start time")
-    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.45 * len(bars)))
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.45 * len(bars)), dpi=DPI)
     span_s = max((max(b[2] for b in bars) - min(b[1] for b in bars)).total_seconds(), 1.0)
     seen = set()
     for row, (label, start, end, outcome, _) in enumerate(bars):
