@@ -347,8 +347,12 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
         if m_values:
             pick = max if metric_mode == "max" else min
             best = pick(range(len(m_values)), key=m_values.__getitem__)
+            # toward the middle of the axis: a label centred on the last (often the best) point left the figure
+            xs = [r["step"] for r in records if isinstance(r.get("step"), (int, float))]
+            where = (m_steps[best] - min(xs)) / ((max(xs) - min(xs)) or 1)
+            align = "right" if where > 0.85 else "left" if where < 0.15 and max(xs) > min(xs) else "center"
             ax_metric.annotate(f"best {m_values[best]:.4g} @ step {m_steps[best]}", (m_steps[best], m_values[best]),
-                               xytext=(0, 12), textcoords="offset points", ha="center", fontsize=9,
+                               xytext=(0, 12), textcoords="offset points", ha=align, fontsize=9,
                                arrowprops={"arrowstyle": "-", "color": "0.4"})
         ax_metric.set_ylabel(f"eval {metric}")
         ax_metric.legend(loc="upper right", frameon=False)
