@@ -324,6 +324,7 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
     if metric is None and best.get("metric"):  # the recipe's watched metric and its direction (e.g. f1, max)
         metric, metric_mode = best["metric"], best.get("mode", metric_mode)
     metric = _eval_metric(evals, metric)
+    drawn = [r["step"] for r in records if isinstance(r.get("step"), (int, float))]  # the x axis's steps
     fig, (ax_loss, ax_metric) = plt.subplots(2, 1, figsize=(11, 7.5), dpi=DPI, sharex=True,
                                              gridspec_kw={"height_ratios": [3, 2]})
     steps, losses = _series(records, "train", "loss")
@@ -348,9 +349,8 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
             pick = max if metric_mode == "max" else min
             best = pick(range(len(m_values)), key=m_values.__getitem__)
             # toward the middle of the axis: a label centred on the last (often the best) point left the figure
-            xs = [r["step"] for r in records if isinstance(r.get("step"), (int, float))]
-            where = (m_steps[best] - min(xs)) / ((max(xs) - min(xs)) or 1)
-            align = "right" if where > 0.85 else "left" if where < 0.15 and max(xs) > min(xs) else "center"
+            where = (m_steps[best] - min(drawn)) / ((max(drawn) - min(drawn)) or 1)
+            align = "right" if where > 0.85 else "left" if where < 0.15 and max(drawn) > min(drawn) else "center"
             ax_metric.annotate(f"best {m_values[best]:.4g} @ step {m_steps[best]}", (m_steps[best], m_values[best]),
                                xytext=(0, 12), textcoords="offset points", ha=align, fontsize=9,
                                arrowprops={"arrowstyle": "-", "color": "0.4"})
@@ -378,7 +378,6 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
     from matplotlib.ticker import MaxNLocator
 
     ax_metric.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole, also with one point
-    drawn = [r["step"] for r in records if isinstance(r.get("step"), (int, float))]
     if drawn and max(drawn) - min(drawn) < 4:  # a session's first lines: a few steps wide, not fractions of one
         ax_metric.set_xlim(min(drawn) - 2, max(drawn) + 2)
     fig.suptitle(f"{title} ({n_sessions} session{'s' if n_sessions != 1 else ''}, dashed lines = session starts"
