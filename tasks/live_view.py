@@ -243,14 +243,14 @@ class Running:
 @task(name="follow-sessions", cache_policy=NO_CACHE, task_run_name="follow {label}")
 def follow_sessions(sessions: List[Running], label: str, poll_seconds: float, live_seconds: float,
                     give_up: float, max_status_errors: int = 10) -> Dict[str, str]:
-    """Wait until one of `sessions` finishes, refreshing their views every `live_seconds` and asking Kaggle
-    their states every `poll_seconds`: one task run per session's end, however long it runs. Returns
+    """Wait until one of `sessions` finishes, refreshing their views every `live_seconds` (and at the end) and
+    asking Kaggle their states every `poll_seconds`: one task run per session's end, however long it runs. Returns
     {run_id: kernel state}; stops waiting once `give_up` (time.monotonic()) has passed. A status error is
     asked again at the next poll; KaggleUnresponsive (the client gave up) goes up to the flow, which looks
     at Kaggle again later."""
     states = {s.run_id: "starting" for s in sessions}
     seen: set = set()  # sessions Kaggle's status call has shown
-    errors, finished, next_status = 0, False, 0.0
+    errors, finished, next_status, next_view = 0, False, 0.0, 0.0
     while time.monotonic() < give_up:
         if time.monotonic() >= next_status:
             next_status = time.monotonic() + poll_seconds
@@ -270,15 +270,19 @@ def follow_sessions(sessions: List[Running], label: str, poll_seconds: float, li
                 errors += 1
                 if errors >= max_status_errors:
                     raise
-        for s in sessions:
-            s.view.refresh(s.progress, states[s.run_id])
         if finished:
             for s in sessions:  # the stored log's last lines: the session's end in its view
                 if s.view.live is not None and states[s.run_id] in _FINISHED:
                     s.view.live.wait(60)  # returns at the stream's end: the stored log is served at once
-                    s.view.refresh(s.progress, states[s.run_id])
+                s.view.refresh(s.progress, states[s.run_id])
             return states
-        time.sleep(min(live_seconds, poll_seconds))
+        if time.monotonic() >= next_view:  # a refresh shows the lines read since the last one, in their order
+            next_view = time.monotonic() + live_seconds
+            for s in sessions:
+                s.view.refresh(s.progress, states[s.run_id])
+        time.sleep(max(0.0, min(next_status, next_view, give_up) - time.monotonic()))
+    for s in sessions:  # what was read until now, before the flow looks at Kaggle again
+        s.view.refresh(s.progress, states[s.run_id])
     return states
 
 
