@@ -30,7 +30,7 @@ KINDS = (  # the first pattern a command line holds names its kind
     ("_workspace_supervisor", "Prefect worker's flow supervisor"),
     ("prefect worker", "Prefect worker"),
     ("postgres", "PostgreSQL"),
-    ("multiprocessing", "spawned processes (DDP ranks, data loaders)"),
+    ("multiprocessing", "DDP ranks and their forkserver (multiprocessing)"),
 )
 
 

@@ -15,15 +15,17 @@ from relay.orchestrator.chain import parse_run_id
 
 
 def ranks(proc) -> list[psutil.Process]:
-    """The spawned rank processes of a `relay train` process, rank 0 first (started in rank order)."""
+    """The rank processes of a `relay train` process, rank 0 first (started in rank order): the children of its
+    forkserver (relay/kernel/session/distributed.py)."""
     kids = []
-    for p in psutil.Process(proc.pid).children():
+    for server in psutil.Process(proc.pid).children():
         try:
-            if "spawn_main" in " ".join(p.cmdline()):
-                kids.append((p.create_time(), p))
+            if "forkserver" not in " ".join(server.cmdline()):
+                continue
+            kids += [(p.create_time(), p) for p in server.children()]
         except psutil.Error:  # a helper process that came and went while we looked
             continue
-    return [p for _, p in sorted(kids, key=lambda kid: kid[0])]
+    return [p for _, p in sorted(kids, key=lambda kid: (kid[0], kid[1].pid))]
 
 
 class MidSaveKiller(threading.Thread):

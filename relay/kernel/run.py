@@ -57,7 +57,7 @@ def run_session(
 
 
 def _rank_main(rank: int, world_size: int, port: int, errors, started: float, spec: RunSpec, *args) -> None:
-    """One rank of a data-parallel session (a spawned process)."""
+    """One rank of a data-parallel session (a process of its own)."""
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
     world = distributed.init(rank, world_size, port, pick_device().type)

@@ -164,7 +164,7 @@ def _child() -> None:
         from relay.kernel.session import distributed
 
         _arm_kill_hook(marker)
-        real_launch = distributed.launch  # with session.devices: N, rank 0 of the spawned ranks saves
+        real_launch = distributed.launch  # with session.devices: N, rank 0 of the launched ranks saves
 
         def launch(worker, world_size, args):
             return real_launch(_armed_rank, world_size, (worker, *args))
@@ -195,7 +195,7 @@ def _arm_kill_hook(marker: str) -> None:
 
 
 def _armed_rank(rank: int, world_size: int, port: int, errors, worker, *args) -> None:
-    """A spawned rank of an armed session: the kill hook in this process too, then the rank's own work."""
+    """A rank of an armed session: the kill hook in this process too, then the rank's own work."""
     _arm_kill_hook(SessionEnvironment.read().kill_marker)
     worker(rank, world_size, port, errors, *args)
 
