@@ -18,6 +18,7 @@ import time
 HZ = os.sysconf("SC_CLK_TCK")
 KINDS = (  # the first pattern a command line holds names its kind
     (" -m relay train", "relay train (a session, a reference or split run)"),
+    ("flow_preimports", "relay flows forked warm (tests: the processes they SIGKILL) and their zygote"),
     ("warm_zygote.py", "warm session processes (the emulator's zygote and its forks: launchers, relay train)"),
     ("source.py", "kernel launcher (the emulator's kernels)"),
     ("prefect.server.api.server:create_app", "Prefect server (test harness, ephemeral)"),
