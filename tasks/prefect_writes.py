@@ -16,11 +16,10 @@ def soon(call):
     """`call()`, one write to Prefect's server, tried again within milliseconds while the server answers 503;
     after the quick tries, or on any other failure, with the client's own retries."""
     import httpx
-    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
     for pause in QUICK_RETRIES_S:
         try:
-            with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}):
+            with _without_client_retries():
                 return call()
         except httpx.HTTPStatusError as err:
             code = err.response.status_code
@@ -32,3 +31,22 @@ def soon(call):
             break
         time.sleep(pause)
     return call()
+
+
+_NO_RETRIES: dict = {}  # id(settings in force) -> (them, a copy with the client's retries off)
+
+
+def _without_client_retries():
+    """What `temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0})` enters, with the copy of the settings made once
+    per settings in force: making it validates every setting again (~27 ms a write)."""
+    import prefect.context
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES
+
+    context = prefect.context.get_settings_context()
+    kept = _NO_RETRIES.get(id(context.settings))
+    if kept is None or kept[0] is not context.settings:
+        if len(_NO_RETRIES) > 8:  # a process that saw many (tests, each with its server): the newest only
+            _NO_RETRIES.clear()
+        kept = (context.settings, context.settings.copy_with_update(updates={PREFECT_CLIENT_MAX_RETRIES: 0}))
+        _NO_RETRIES[id(context.settings)] = kept
+    return prefect.context.SettingsContext(profile=context.profile, settings=kept[1])
