@@ -1,6 +1,7 @@
 """The flow's view of the running session: follows its log (relay.orchestrator.live) and keeps the relay's artifacts
 current, bounded by the session's events, not by how long it runs:
-- the progress artifact is updated in place (no new version) at every refresh; the flow run creates it once
+- the progress artifact is updated in place (no new version) every `live_seconds` and with each summary version
+  (each update is a write that Prefect's server handles: not at every status poll); the flow run creates it once
   and the hand-over's report updates the same one, so the key's latest version is always the newest state;
 - the session table and the summary (new versions) at the session's events: the first line within each
   quarter of its steps (its start, ..., its end), each eval, each early warning;
@@ -67,9 +68,10 @@ class LiveView:
         if self.marks is not None:
             self.marks.keep(progress_artifact=self.progress_artifact)
 
-    def refresh(self, progress: Optional[dict], kernel_state: str) -> None:
-        """The progress artifact at the newest line; a log line and a summary version for each event of the
-        lines read since the last refresh, in their order (so how often this runs changes nothing). A tick's view
+    def refresh(self, progress: Optional[dict], kernel_state: str, show_progress: bool = True) -> None:
+        """A log line and a summary version for each event of the lines read since the last refresh, in their
+        order (so how often this runs changes nothing); the progress artifact at the newest line if
+        `show_progress` or with a summary version (each update is a write to Prefect's server). A tick's view
         (one with marks) reads history, a session it did not follow from its start: one log line and one summary
         version for all of it that the earlier ticks did not show."""
         live, logger = self.live, get_run_logger()
@@ -96,8 +98,9 @@ class LiveView:
             log_at, summary_at = log_at[-1:], summary_at[-1:]
         try:  # the live view never fails a relay
             newest = self._newest(records)
-            self.show_progress(int(newest["step"]), self._total(records, progress),
-                               self._text(records, progress, kernel_state))
+            if show_progress or summary_at:
+                self.show_progress(int(newest["step"]), self._total(records, progress),
+                                   self._text(records, progress, kernel_state))
             for i in summary_at:
                 upto = records[:i + 1]
                 metrics = (handoff.published_metrics(self.backend, self.names, self.local, progress)
@@ -243,8 +246,9 @@ class Running:
 @task(name="follow-sessions", cache_policy=NO_CACHE, task_run_name="follow {label}")
 def follow_sessions(sessions: List[Running], label: str, poll_seconds: float, live_seconds: float,
                     give_up: float, max_status_errors: int = 10) -> Dict[str, str]:
-    """Wait until one of `sessions` finishes, refreshing their views every `live_seconds` (and at the end) and
-    asking Kaggle their states every `poll_seconds`: one task run per session's end, however long it runs. Returns
+    """Wait until one of `sessions` finishes, asking Kaggle their states every `poll_seconds` and refreshing
+    their views as often (the lines read since, in order); their progress artifacts every `live_seconds` and with
+    each summary version: one task run per session's end, however long it runs. Returns
     {run_id: kernel state}; stops waiting once `give_up` (time.monotonic()) has passed. A status error is
     asked again at the next poll; KaggleUnresponsive (the client gave up) goes up to the flow, which looks
     at Kaggle again later."""
@@ -270,19 +274,17 @@ def follow_sessions(sessions: List[Running], label: str, poll_seconds: float, li
                 errors += 1
                 if errors >= max_status_errors:
                     raise
+        show = time.monotonic() >= next_view  # the progress artifact: every live_seconds (and with a summary)
+        next_view = time.monotonic() + live_seconds if show else next_view
+        for s in sessions:
+            s.view.refresh(s.progress, states[s.run_id], show_progress=show)
         if finished:
             for s in sessions:  # the stored log's last lines: the session's end in its view
                 if s.view.live is not None and states[s.run_id] in _FINISHED:
                     s.view.live.wait(60)  # returns at the stream's end: the stored log is served at once
-                s.view.refresh(s.progress, states[s.run_id])
+                    s.view.refresh(s.progress, states[s.run_id])
             return states
-        if time.monotonic() >= next_view:  # a refresh shows the lines read since the last one, in their order
-            next_view = time.monotonic() + live_seconds
-            for s in sessions:
-                s.view.refresh(s.progress, states[s.run_id])
-        time.sleep(max(0.0, min(next_status, next_view, give_up) - time.monotonic()))
-    for s in sessions:  # what was read until now, before the flow looks at Kaggle again
-        s.view.refresh(s.progress, states[s.run_id])
+        time.sleep(min(live_seconds, poll_seconds))
     return states
 
 
