@@ -15,7 +15,7 @@ its own bundle, as on Kaggle). The ways in, each answered by a fork:
   runs `python -m relay ...`, the shim asks the launcher's own process (a listener thread started in `become`),
   which forks it from itself. So the new process is in the session's process group, dies with it and is
   signalled with it, as the real child would be; the shim stands for it (its pid, its signals, its exit code).
-  Any other command line (pip, a multiprocessing spawn that inherits descriptors) runs the real interpreter.
+  Any other command line (pip, a multiprocessing forkserver that inherits descriptors) runs the real interpreter.
 - `python warm_zygote.py --listen MODULE...` is only that listener, for the processes of its own session: the
   tests' `python -m relay ...` runs (tests/kaggle_fixtures.py `warm_python`).
 """
