@@ -275,7 +275,8 @@ def follow_sessions(sessions: List[Running], label: str, poll_seconds: float, li
                 if errors >= max_status_errors:
                     raise
         show = time.monotonic() >= next_view  # the progress artifact: every live_seconds (and with a summary)
-        next_view = time.monotonic() + live_seconds if show else next_view
+        if show:
+            next_view = time.monotonic() + live_seconds
         for s in sessions:
             s.view.refresh(s.progress, states[s.run_id], show_progress=show)
         if finished:

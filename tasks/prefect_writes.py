@@ -33,7 +33,7 @@ def soon(call):
     return call()
 
 
-_NO_RETRIES: dict = {}  # id(settings in force) -> (them, a copy with the client's retries off)
+_NO_RETRIES: list = [None, None]  # the settings last in force, and their copy with the client's retries off
 
 
 def _without_client_retries():
@@ -43,10 +43,7 @@ def _without_client_retries():
     from prefect.settings import PREFECT_CLIENT_MAX_RETRIES
 
     context = prefect.context.get_settings_context()
-    kept = _NO_RETRIES.get(id(context.settings))
-    if kept is None or kept[0] is not context.settings:
-        if len(_NO_RETRIES) > 8:  # a process that saw many (tests, each with its server): the newest only
-            _NO_RETRIES.clear()
-        kept = (context.settings, context.settings.copy_with_update(updates={PREFECT_CLIENT_MAX_RETRIES: 0}))
-        _NO_RETRIES[id(context.settings)] = kept
-    return prefect.context.SettingsContext(profile=context.profile, settings=kept[1])
+    if _NO_RETRIES[0] is not context.settings:
+        _NO_RETRIES[:] = [context.settings,
+                          context.settings.copy_with_update(updates={PREFECT_CLIENT_MAX_RETRIES: 0})]
+    return prefect.context.SettingsContext(profile=context.profile, settings=_NO_RETRIES[1])
