@@ -37,6 +37,12 @@ PROBE = textwrap.dedent("""
     mode = sys.argv[1]
     if mode == "raise":
         raise RuntimeError("a bug in the user's code")
+    if mode == "exit-hooks":
+        import atexit, weakref
+        class Kept: pass
+        kept = Kept()
+        atexit.register(print, "atexit handler ran", flush=True)
+        weakref.finalize(kept, print, "finalizer ran", flush=True)
     if mode in ("sleep", "term"):
         if mode == "term":
             signal.signal(signal.SIGTERM, lambda *_: (print("saved on SIGTERM", flush=True), sys.exit(0)))
@@ -85,6 +91,15 @@ def test_an_uncaught_exception_exits_1_with_its_traceback(tmp_path, starter):
     assert proc.wait(60) == 7
     assert _lines(proc.stdout)[-1]["child_code"] == 1
     assert "RuntimeError: a bug in the user's code" in proc.stderr.read().decode()
+
+
+def test_a_warm_process_runs_its_own_atexit_handlers_and_finalizers_at_its_exit(tmp_path, starter):
+    """As an interpreter's exit does; only the finalizers of the modules the zygote preloaded are left out."""
+    proc = _session(tmp_path, starter, "exit-hooks")
+    assert proc.wait(60) == 7
+    out = proc.stdout.read().decode()
+    assert "atexit handler ran" in out and "finalizer ran" in out
+    assert json.loads(out.splitlines()[-1])["child_code"] == 5
 
 
 def test_sigterm_reaches_the_forked_child_through_its_stand_in(tmp_path, starter):
