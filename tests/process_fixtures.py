@@ -47,7 +47,7 @@ class MidSaveKiller(threading.Thread):
                 for run in self.env.kernel_runs():
                     if run.status == "RUNNING":
                         self._check(run)
-                time.sleep(0.02)
+                time.sleep(0.05)
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             self.error = exc
 

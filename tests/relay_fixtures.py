@@ -5,7 +5,8 @@ Import into a test module with `from relay_fixtures import *` (it re-exports kag
 make_emulator, which give every test its own HOME/TMPDIR and stop the emulators at teardown).
 
 - `prefect_api` (session): one ephemeral Prefect server for the whole run (prefect_test_harness costs 14-18 s
-  per entry); PREFECT_HOME in a temporary folder, analytics off. Yields its API URL, which flow processes
+  per entry), its database a copy of the run's migrated one (tests/prefect_template.py); PREFECT_HOME in a
+  temporary folder, analytics off. Yields its API URL, which flow processes
   started by a test (`FlowProcess`) use too.
 - `relay_env`: an emulator + the spec + helpers for one test (see RelayEnv).
 - `both_flows`: a test that takes it runs twice, its relay driven once by the `relay` flow (one relay) and once
@@ -23,6 +24,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,8 +109,19 @@ def prefect_api(tmp_path_factory):
     mp.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "600")
     mp.setenv("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     from prefect.settings import PREFECT_API_URL
+    from prefect.testing import utilities
     from prefect.testing.utilities import prefect_test_harness
 
+    import prefect_template
+
+    def migrated_temp_dir() -> str:
+        """The harness's database folder (its `mkdtemp()`), holding a copy of the run's migrated database under
+        the harness's name: its server starts without running every migration (tests/prefect_template.py)."""
+        folder = tmp_path_factory.mktemp("prefect-harness-db")
+        shutil.copyfile(prefect_template.template(), folder / "prefect-test.db")
+        return str(folder)
+
+    mp.setattr(utilities, "mkdtemp", migrated_temp_dir)
     try:
         with prefect_test_harness(server_startup_timeout=600):
             yield PREFECT_API_URL.value()
