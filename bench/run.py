@@ -3,7 +3,7 @@
     python bench/run.py [--only loop,checkpoint,features] [--quick]
 
 Each bench module has `run() -> dict` of figures (bench_loop, bench_checkpoint, bench_features, bench_relay,
-bench_vqa, bench_recsys, bench_byo, bench_live, bench_tick, bench_tracking, bench_divergence, bench_scale).
+bench_vqa, bench_recsys, bench_byo, bench_live, bench_tick, bench_tracking, bench_divergence, bench_scale, bench_prefect_writes).
 Timings are of this machine at this moment: the output and the results file name the machine (CPU model, cores,
 torch version, load average; bench/machine.py). Every figure is a ratio against a baseline measured in the same
 run, compared variants alternate, and each is reported as a median with its spread.
@@ -46,6 +46,8 @@ BENCHES = {
     "tracking": ("bench_tracking", {"repeats": 7, "target_s": 1.5}, {"repeats": 3, "target_s": 0.5}),
     # ~6 min: 10, then 20 watch relays of 2 toy sessions on one worker and a PostgreSQL-backed server
     "scale": ("bench_scale", {"counts": (10, 20)}, {"counts": (5,)}),
+    # ~2 min: batches of task runs and artifact writes against a test-harness server, its idle CPU subtracted
+    "prefect": ("bench_prefect_writes", {"n": 40, "rounds": 3}, {"n": 10, "rounds": 1}),
 }
 
 
@@ -134,6 +136,10 @@ def _lines(name: str, f: dict) -> list[str]:
         import bench_scale
 
         return bench_scale.format_lines(f)
+    if name == "prefect":
+        import bench_prefect_writes
+
+        return bench_prefect_writes.format_lines(f)
     return [json.dumps(f)]
 
 
