@@ -11,13 +11,11 @@ the time), over each batch's own wall time, subtracted from the batch's server C
 is idle again (its CPU over 1 s back at the idle rate): the events it records after the last call count too.
 Figures: CPU ms per write, flow process and server, medians over rounds; and each kind against a task run.
 
-    python bench/bench_prefect_writes.py [--n 40 --rounds 3]   (or bench/run.py --only prefect)
+    python bench/bench_prefect_writes.py   (or bench/run.py --only prefect, which also writes bench/results.json)
 """
 from __future__ import annotations
 
-import argparse
 import base64
-import json
 import os
 import statistics
 import sys
@@ -54,7 +52,7 @@ def _settle(proc, idle_per_s: float) -> None:
             return
 
 
-def run(n: int = 40, rounds: int = 3) -> dict:
+def run(n: int = 30, rounds: int = 3) -> dict:
     os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="bench-prefect-"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
@@ -135,10 +133,4 @@ def format_lines(f: dict) -> list[str]:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=40)
-    ap.add_argument("--rounds", type=int, default=3)
-    a = ap.parse_args()
-    result = run(a.n, a.rounds)
-    print("\n".join(format_lines(result)))
-    print(json.dumps(result, indent=1))
+    print("\n".join(format_lines(run())))

@@ -47,7 +47,7 @@ BENCHES = {
     # ~6 min: 10, then 20 watch relays of 2 toy sessions on one worker and a PostgreSQL-backed server
     "scale": ("bench_scale", {"counts": (10, 20)}, {"counts": (5,)}),
     # ~2 min: batches of task runs and artifact writes against a test-harness server, its idle CPU subtracted
-    "prefect": ("bench_prefect_writes", {"n": 40, "rounds": 3}, {"n": 10, "rounds": 1}),
+    "prefect": ("bench_prefect_writes", {"n": 30, "rounds": 3}, {"n": 10, "rounds": 1}),
 }
 
 
