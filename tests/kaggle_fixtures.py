@@ -30,8 +30,8 @@ FAKE_KEY = "f4k3k3y-0123456789abcdef-LEAKCHECK"
 VENV_BIN = Path(sys.executable).parent
 KERNEL_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 # Sessions are forked from a process that imported these once (relay/emulator/warm_zygote.py): ~3 CPU s less each
-# for torch, ~0.13 s more for the libraries every `relay train` imports next (all installed on Kaggle's images; the
-# relay itself is imported from the kernel's own bundle, as on Kaggle). RELAY_TEST_WARM=0 runs every session in a
+# for torch, ~0.06 s more for the libraries every `relay train` imports next (0.39-0.44 -> 0.32-0.37 CPU s a toy
+# session; all installed on Kaggle's images; the relay itself comes from the kernel's own bundle, as on Kaggle). RELAY_TEST_WARM=0 runs every session in a
 # fresh interpreter instead.
 WARM_MODULES = (["torch", "torch._dynamo", "yaml", "pydantic.main", "psutil", "safetensors.torch", "tqdm.auto"]
                 if os.environ.get("RELAY_TEST_WARM", "1") != "0" else [])
