@@ -26,6 +26,7 @@ from tasks.relay_step import RelayContext, RelayFailed, Step  # noqa: F401 - Rel
 
 # A watch waiting for the weekly quota looks at it again this often before the refresh Kaggle announced: the
 # announced time is when the oldest charged session leaves the 7-day window, and quota freed sooner is used.
+# A watch waiting for a slot of its account's limit takes a whole step (Kaggle looked at again) at least as often.
 QUOTA_RECHECK_S = 15 * 60.0
 
 
@@ -108,7 +109,7 @@ def _steps(ctx: RelayContext, pace: Pace, slot: Optional[AccountSlot]) -> dict:
         if step.state == "running":
             summary = _follow(ctx, step, pace)
         elif step.state == "waiting":
-            summary = _wait(ctx, step, pace)
+            summary = _wait(ctx, step, pace, slot)
         else:
             continue  # handed over, restored or pushed: look again
         if summary is not None:
@@ -124,7 +125,7 @@ def _push(ctx: RelayContext, ready: Step, slot: Optional[AccountSlot]) -> Step:
     if budget <= ctx.spec.session.safety_margin:
         return relay_step.quota_spent(ctx, ready, quota)
     if slot is not None and not slot.take():
-        return replace(ready, state="waiting", why=f"account {ctx.backend.username}: its"
+        return replace(ready, state="waiting", slot_full=True, why=f"account {ctx.backend.username}: its"
                        f" {slot.sessions} GPU sessions run (Prefect limit {slot.limit}); waiting for a slot")
     # a push that did not land (a refusal, another orchestrator's claim) keeps the slot for the relay's retry
     return relay_step.push(ctx, ready, budget, quota)
@@ -160,15 +161,19 @@ def _follow(ctx: RelayContext, running: Step, pace: Pace) -> Optional[dict]:
     return None
 
 
-def _wait(ctx: RelayContext, waiting: Step, pace: Pace) -> Optional[dict]:
+def _wait(ctx: RelayContext, waiting: Step, pace: Pace, slot: Optional[AccountSlot] = None) -> Optional[dict]:
     """In tick mode, end with "waiting"; in watch mode, sleep (until the quota refresh, if known; at most until
-    another orchestrator's claim ends) and return None: look again."""
+    another orchestrator's claim ends; for a slot of the account's limit, until one is free) and return None:
+    look again."""
     ctx.pause()
     get_run_logger().warning(waiting.why)
     if pace.mode == "tick":
         return waiting.summary()
     if time.monotonic() > pace.give_up:
         raise RelayFailed(f"gave up: {waiting.why}")
+    if waiting.slot_full and slot is not None:  # another relay's session may run for hours: no step per poll
+        slot.wait_free(min(pace.give_up, time.monotonic() + QUOTA_RECHECK_S), pace.poll_seconds)
+        return None
     delay = pace.poll_seconds
     if waiting.until is not None:  # the refresh Kaggle announces; looked at again meanwhile, in case it moves
         delay = max(pace.poll_seconds, min(QUOTA_RECHECK_S,

@@ -17,6 +17,7 @@ stay the guarantee. Slots are taken only with a Prefect server to count on (PREF
 from __future__ import annotations
 
 import logging
+import time
 
 from tasks.prefect_writes import soon
 from tasks.step_lock import SERVER_LEASE_S, delete_record, ensure_limit, read_record, take_slot, write_record
@@ -60,6 +61,25 @@ class AccountSlot:
             log.warning("account limit %s unavailable (%s); pushing, guarded by Kaggle's cap", self.limit,
                         str(err).splitlines()[0] if str(err) else type(err).__name__)
             return True
+
+    def wait_free(self, until: float, poll_seconds: float) -> bool:
+        """Wait, looking at the account's limit every `poll_seconds`, until one of its slots is free (True) or
+        `until` (time.monotonic()) has passed (False). One read a look and nothing written: a relay waiting hours
+        for a slot adds no task run or log line per look. True also when there is no server or it cannot answer:
+        the next step tries to take the slot and says why."""
+        while True:
+            try:
+                with _client() as client:
+                    if client is None:
+                        return True
+                    found = client.read_global_concurrency_limit_by_name(self.limit)
+                    if found.active_slots < found.limit:
+                        return True
+            except Exception:  # noqa: BLE001 - the step that follows takes the slot or says what failed
+                return True
+            if time.monotonic() + poll_seconds > until:
+                return False
+            time.sleep(poll_seconds)
 
     def keep(self) -> None:
         """While the relay's session is queued or running: its slot lasts another `hold_s`."""

@@ -107,6 +107,7 @@ class Step:
     lease_end: Optional[float] = None      # when the claim it waits for ends (unix time)
     refusal: Optional[Refusal] = None      # Kaggle refused the push
     deadline: Optional[float] = None       # running: when it is wedged if still running (look again then)
+    slot_full: bool = False                # waiting: for a slot of the account's session limit
 
     def summary(self) -> dict:
         p = self.progress or {}

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,28 @@ def test_an_accounts_slots_stand_for_its_relays_sessions(prefect_api):  # noqa: 
         for slot in (first, second, third):
             slot.release()
     assert active() == 0
+
+
+@pytest.mark.slow
+def test_a_relay_waits_for_a_free_slot_by_reading_the_limit_only(prefect_api):  # noqa: F811
+    """A watch waiting for its account's slot looks at the limit (one read, nothing written) until a slot is
+    free, not a whole step (task runs, a log line) per poll: the wait ends at the release, an event."""
+    import threading
+
+    from tasks.account_slots import AccountSlot
+
+    holder = AccountSlot("wait-test", "relay-a", sessions=1, hold_s=600)
+    waiter = AccountSlot("wait-test", "relay-b", sessions=1, hold_s=600)
+    try:
+        assert holder.take() and not waiter.take()
+        assert waiter.wait_free(until=time.monotonic(), poll_seconds=0.05) is False  # one look: still full
+        freed: list = []
+        looking = threading.Thread(target=lambda: freed.append(waiter.wait_free(time.monotonic() + 600, 0.05)))
+        looking.start()
+        holder.release()
+        looking.join(120)
+        assert freed == [True] and waiter.take()
+    finally:
+        for slot in (holder, waiter):
+            slot.release()
+
