@@ -330,7 +330,7 @@ class RelayEnv:
 
 
 # A flow process is forked from a process of this worker that imported Prefect, the relay's flows, the kaggle
-# client and pyplot once (tests/flow_preimports.py; relay/emulator/warm_zygote.py): in a session of its own, as
+# client and matplotlib once (tests/flow_preimports.py; relay/emulator/warm_zygote.py): in a session of its own, as
 # Popen(start_new_session=True) would start it, so os.killpg(proc.pid) is the kill it stands for. Prefect reads
 # its settings when imported, so that process gets every PREFECT_* variable a flow process gets (the same for
 # all tests of a worker: its server, its home).

@@ -145,3 +145,32 @@ def test_plot_timeline_with_plan_and_running_session(tmp_path):
     assert width >= 800 and height >= 300 and out.stat().st_size > 15_000
     with pytest.raises(ValueError, match="no sessions"):
         plot_timeline([], tmp_path / "none.png")
+
+
+def test_a_reused_figure_draws_the_pixels_of_a_new_one(tmp_path):
+    """The flow draws its figures again and again in one process: reused (relay/orchestrator/canvas.py, its tick
+    objects kept), each must be pixel for pixel what a new figure draws, whatever the drawing before it set (a log
+    scale, no eval panel, stage lines, a plan, more or fewer sessions)."""
+    from relay.orchestrator import canvas
+
+    records = metrics_records()
+    train_only = [r for r in records if r["kind"] == "train"]
+    blow_up = [dict(r, loss=r["loss"] * (1000 if r["step"] < 50 else 1)) for r in train_only]  # a log scale
+    staged = records + [{"step": 1, "kind": "stage", "stage": "A"}, {"step": 500, "kind": "stage", "stage": "B"}]
+    few = [r for r in records if r["step"] <= 20]
+    curves = [lambda out: plot_curves(records, out, progress={"sessions": SESSIONS}),
+              lambda out: plot_curves(blow_up, out), lambda out: plot_curves(staged, out, metric="smape"),
+              lambda out: plot_curves(few, out), lambda out: plot_curves(train_only, out),
+              lambda out: plot_curves(records, out, progress={"sessions": SESSIONS})]
+    now = datetime.fromtimestamp(SESSIONS[-1]["ended"], tz=timezone.utc) + timedelta(hours=2)
+    quota = QuotaState(total_allowed_s=30 * HOUR, used_s=29 * HOUR, reserved_s=0,
+                       refresh_at=datetime(2026, 11, 28, tzinfo=timezone.utc), observed_at=now)
+    timelines = [lambda out: plot_timeline(SESSIONS, out, plan=plan_sessions(10_000, 10.0, quota, now), now=now),
+                 lambda out: plot_timeline(SESSIONS[:1], out), lambda out: plot_timeline(SESSIONS, out),
+                 lambda out: plot_timeline(SESSIONS[:2], out, title="Relays timeline")]
+    for i, draw in enumerate(curves + timelines):
+        reused = draw(tmp_path / f"reused-{i}.png")
+        vars(canvas._HELD).clear()  # noqa: SLF001 - the next drawing on a new figure
+        new = draw(tmp_path / f"new-{i}.png")
+        assert reused.read_bytes() == new.read_bytes(), f"drawing {i}: a reused figure drew other pixels"
+        draw(tmp_path / "keep.png")  # the figure the next drawing reuses is this drawing's

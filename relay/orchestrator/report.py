@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from relay.orchestrator import canvas
 from relay.orchestrator.plan import Plan, as_utc, format_duration
 from relay.shared import accelerators, runtime
 
@@ -221,18 +222,11 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 # ---------------------------------------------------------------- plots
 
-def _pyplot():
+def _matplotlib() -> None:
     import logging
-
-    import matplotlib
 
     # its font cache, built on a fresh HOME, is announced at INFO: not a line a person running `relay` needs
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
-
-    matplotlib.use("Agg")  # files only: no display on a server or inside a kernel
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 DPI = 110  # the figures are made at the dpi they are saved at: their text is measured once, for both
@@ -248,13 +242,12 @@ def _fixed_margins(fig, hspace: float) -> None:
                         bottom=m["bottom"] / height, hspace=hspace)
 
 
-def _save(plt, fig, out_png: str | Path, measure_layout: bool = True) -> Path:
+def _save(fig, out_png: str | Path, measure_layout: bool = True) -> Path:
     if measure_layout:
         fig.tight_layout()
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=DPI)
-    plt.close(fig)
     return out_png
 
 
@@ -315,7 +308,7 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
                 title: str = "Training across sessions") -> Path:
     """Training loss (top) and the eval metric (bottom) against the global step, one PNG, with
     vertical lines where each session started. `metrics`: metrics.jsonl path(s), a folder or records."""
-    plt = _pyplot()
+    _matplotlib()
     records = dedupe_metrics(_coerce_records(metrics))
     if not records:
         raise ValueError("plot_curves: no metrics records to draw")
@@ -325,8 +318,8 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
         metric, metric_mode = best["metric"], best.get("mode", metric_mode)
     metric = _eval_metric(evals, metric)
     drawn = [r["step"] for r in records if isinstance(r.get("step"), (int, float))]  # the x axis's steps
-    fig, (ax_loss, ax_metric) = plt.subplots(2, 1, figsize=(11, 7.5), dpi=DPI, sharex=True,
-                                             gridspec_kw={"height_ratios": [3, 2]})
+    fig, (ax_loss, ax_metric) = canvas.figure("curves", (11, 7.5), DPI, lambda new: new.subplots(
+        2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]}))
     steps, losses = _series(records, "train", "loss")
     if losses:
         # with few points (a session's first progress lines) each is marked: one point is no line
@@ -383,7 +376,7 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
     fig.suptitle(f"{title} ({n_sessions} session{'s' if n_sessions != 1 else ''}, dashed lines = session starts"
                  f"{dotted})", fontsize=13)
     _fixed_margins(fig, hspace=0.08)
-    return _save(plt, fig, out_png, measure_layout=False)
+    return _save(fig, out_png, measure_layout=False)
 
 
 OUTCOME_COLORS = {  # stop reason or status -> (legend label, color)
@@ -415,7 +408,7 @@ def plot_timeline(sessions: Iterable[Mapping[str, Any]], out_png: str | Path, *,
     """Sessions as bars over wall time, colored by outcome; gaps between them (quota waits, handoffs)
     are shaded and labelled. With `plan`, its future sessions are drawn as grey planned bars and the
     quota refreshes as dotted lines. A session without "ended" is running and drawn up to `now`."""
-    plt = _pyplot()
+    _matplotlib()
     import matplotlib.dates as mdates
 
     bars = []  # (label, start, end, outcome, waited_for_quota)
@@ -433,7 +426,7 @@ def plot_timeline(sessions: Iterable[Mapping[str, Any]], out_png: str | Path, *,
             bars.append((f"S{done_count + p.index} (plan)", p.starts, p.ends, "planned", p.waited_for_quota))
     if not bars:
         raise ValueError("plot_timeline: no sessions with a start time")
-    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.45 * len(bars)), dpi=DPI)
+    fig, (ax,) = canvas.figure("timeline", (12, 1.6 + 0.45 * len(bars)), DPI, lambda new: [new.subplots()])
     span_s = max((max(b[2] for b in bars) - min(b[1] for b in bars)).total_seconds(), 1.0)
     seen = set()
     for row, (label, start, end, outcome, _) in enumerate(bars):
@@ -483,4 +476,4 @@ def plot_timeline(sessions: Iterable[Mapping[str, Any]], out_png: str | Path, *,
     ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="center left", fontsize=9,
               bbox_to_anchor=(1.01, 0.5), ncol=1, frameon=False)
     ax.set_title(title, fontsize=13)
-    return _save(plt, fig, out_png)
+    return _save(fig, out_png)
