@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -369,6 +370,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except InputError as err:
         print(f"relay: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `relay status NAME | head`: the reader took what it wanted and closed the pipe
+        try:  # the interpreter's last flush at exit then writes nowhere, not a second traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 141  # as a shell reports a command ended by SIGPIPE (128 + 13)
     except ModuleNotFoundError as err:
         if err.name not in TRAINING_STACK:
             raise

@@ -379,3 +379,19 @@ def test_yaml_merge_keys_may_be_overridden(case_root):
 
     data = load_yaml(text)
     assert data["optim"]["lr"] == 0.003 and data["optim"]["micro_batch"] == 8
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(monkeypatch, capsys):
+    """`relay plan SPEC | head -1`: once the reader has closed the pipe, the command ends with a shell's SIGPIPE
+    status and no traceback (it used to end in BrokenPipeError's)."""
+    import io
+    import sys
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    example = Path(__file__).resolve().parents[1] / "examples/recsys-t4.yaml"
+    assert relay_main(["plan", str(example), "--step-seconds", "60"]) == 141
+    assert "Traceback" not in capsys.readouterr().err
