@@ -67,19 +67,18 @@ class AccountSlot:
         `until` (time.monotonic()) has passed (False). One read a look and nothing written: a relay waiting hours
         for a slot adds no task run or log line per look. True also when there is no server or it cannot answer:
         the next step tries to take the slot and says why."""
-        while True:
-            try:
-                with _client() as client:
-                    if client is None:
-                        return True
+        try:
+            with _client() as client:  # one client for the whole wait (each new one builds its TLS context)
+                while client is not None:
                     found = client.read_global_concurrency_limit_by_name(self.limit)
                     if found.active_slots < found.limit:
-                        return True
-            except Exception:  # noqa: BLE001 - the step that follows takes the slot or says what failed
-                return True
-            if time.monotonic() + poll_seconds > until:
-                return False
-            time.sleep(poll_seconds)
+                        break
+                    if time.monotonic() + poll_seconds > until:
+                        return False
+                    time.sleep(poll_seconds)
+        except Exception:  # noqa: BLE001 - the step that follows takes the slot or says what failed
+            pass
+        return True
 
     def keep(self) -> None:
         """While the relay's session is queued or running: its slot lasts another `hold_s`."""
