@@ -73,8 +73,9 @@ def example_spec(relay_env, example: str, **overrides) -> Path:
 
 
 def relay_example_with_a_kill_mid_save(example: str, lengths: dict, relay_env, reference, monkeypatch) -> None:
-    """Relay an example folder on the emulator in >= 3 step-bounded sessions, the kernel of session 2 SIGKILLed
-    inside a save (MidSaveKiller); the final weights equal an uninterrupted `relay train` of the same spec."""
+    """Relay an example folder on the emulator in step-bounded sessions, the kernel of session 2 SIGKILLed inside a
+    save (MidSaveKiller); the final weights equal an uninterrupted `relay train` of the same spec. Two sessions of
+    steps are enough: one handed over before the fault, and the fault's own, done again from what it committed."""
     per_session = lengths["session.max_steps"]
     # the kernel of session 2 stops itself inside a save half-way through it (a seam of relay.kernel.session.checkpoint)
     relay_env.start(kernel_env={**KERNEL_ENV, "RELAY_TEST_STOP_MID_SAVE": str(per_session + per_session // 2)})
@@ -87,7 +88,7 @@ def relay_example_with_a_kill_mid_save(example: str, lengths: dict, relay_env, r
     assert [r.version for r in killed] == [killer.killed["version"]] and "-9" in killed[0].failure
     progress = relay_env.published_progress()
     steps_per_session = lengths["session.max_steps"]
-    assert len(progress["sessions"]) >= 3 and all(
+    assert len(progress["sessions"]) >= 2 and all(
         s["step_end"] - s["step_start"] <= steps_per_session for s in progress["sessions"])
     assert summary["weights_sha256"] == progress["weights_sha256"] == reference.weights(spec)
 

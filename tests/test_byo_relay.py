@@ -10,9 +10,9 @@ import yaml
 
 from byo_fixtures import CRASHING, relay_example_with_a_kill_mid_save, tiny_session_script
 
-EXAMPLES = {  # optim.max_steps, session.max_steps: 3 sessions each
-    "byo-plain": {"optim.max_steps": 450, "session.max_steps": 150},
-    "byo-recipe": {"optim.max_steps": 240, "session.max_steps": 80},
+EXAMPLES = {  # optim.max_steps, session.max_steps: 2 sessions each, the one before the fault and the fault's own
+    "byo-plain": {"optim.max_steps": 300, "session.max_steps": 150},
+    "byo-recipe": {"optim.max_steps": 160, "session.max_steps": 80},
 }
 
 

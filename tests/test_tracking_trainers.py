@@ -1,6 +1,6 @@
 """The Hugging Face Trainer and Lightning examples relayed on the emulator like the plain loop and the user
 recipe (tests/test_byo_relay.py), with their tracker flags on (`--report-to tensorboard,wandb`, `--logger
-tensorboard,wandb`): >= 3 step-bounded sessions, one kernel SIGKILLed mid-save, the weights of one
+tensorboard,wandb`): 2 step-bounded sessions, the kernel of the second SIGKILLed mid-save, the weights of one
 uninterrupted run; the final HF model dataset loads with from_pretrained; the trainers' own TensorBoard writers
 land in the relay's one log (each step once), and their W&B loggers in the relay's one W&B run (offline; what
 `wandb sync` is handed is recorded by a local stand-in, no W&B server being reachable). One relay per trainer
@@ -22,13 +22,13 @@ from tracking_fixtures import raw_steps, scalars  # noqa: E402
 
 TRACKING = {"tensorboard": True, "wandb": {"project": "relay-test", "mode": "offline"}}
 TRAINERS = {  # the example's flags, its own tag, the steps TensorBoard and W&B show it at
-    "byo-hf": ({"optim.max_steps": 90, "session.max_steps": 30, "code.entry": "train.py --report-to tensorboard,wandb"},
-               "train/loss", list(range(10, 91, 10)), list(range(10, 91, 10))),
+    "byo-hf": ({"optim.max_steps": 60, "session.max_steps": 30, "code.entry": "train.py --report-to tensorboard,wandb"},
+               "train/loss", list(range(10, 61, 10)), list(range(10, 61, 10))),
     # RelayLightningCallback makes Lightning's loggers record the relay's step (10, 20, ...; Lightning alone: 9, 19),
     # and the relay pins its WandbLogger's calls (which carry no step) to the same
-    "byo-lightning": ({"optim.max_steps": 240, "session.max_steps": 80,
-                       "code.entry": "train.py --logger tensorboard,wandb"}, "train_mse", list(range(10, 241, 10)),
-                      list(range(10, 241, 10))),
+    "byo-lightning": ({"optim.max_steps": 160, "session.max_steps": 80,
+                       "code.entry": "train.py --logger tensorboard,wandb"}, "train_mse", list(range(10, 161, 10)),
+                      list(range(10, 161, 10))),
 }
 
 
