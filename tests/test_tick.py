@@ -33,7 +33,7 @@ def test_ticks_run_a_relay_without_the_training_stack_and_a_waiting_tick_without
         make_emulator, tmp_path, spawns_processes):
     emulator = make_emulator(kernel_env=dict(KERNEL_ENV))
     project = tmp_path / "my-project"
-    copy_example("byo-plain", project, **{**RELAYED, "optim.max_steps": 60})
+    copy_example("byo-plain", project, **RELAYED)
     gate = tmp_path / "gate"
     script = project / "train.py"
     # session 1 stops at step 15 until the test opens the gate: the kernel is "running" for as long as needed
