@@ -64,6 +64,21 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts processes (Prefect server, emulator kernels, subprocesses)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist starts the workers
+def pytest_sessionstart(session):
+    config = session.config
+    if (getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER")
+            and "not slow" not in (config.option.markexpr or "")):
+        # The xdist controller, idle otherwise: it makes the run's migrated Prefect database (~10 CPU s) while the
+        # workers import torch and Prefect, instead of every worker's first relay test waiting on one that makes it.
+        import threading
+
+        import prefect_template
+
+        prefect_template.ROOT = config._tmp_path_factory.getbasetemp()  # the workers' basetemps are in it
+        threading.Thread(target=prefect_template.template, name="prefect-template", daemon=True).start()
+
+
 # The order in which xdist workers are handed tests: a whole relay (Prefect + emulator + kernels, 0.5-3 min)
 # first, then what starts a server or the emulator, then other processes, then the tests that start none.
 LONGEST_FIRST = ({"relay_env"}, {"prefect_api", "make_emulator", "reference"}, SLOW_FIXTURES)

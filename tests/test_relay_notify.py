@@ -46,7 +46,7 @@ def _relay(relay_env, name: str, script: str, block: str) -> object:
     (folder / "train.py").write_text(script)
     spec = folder / "spec.yaml"
     spec.write_text(yaml.safe_dump({
-        "name": name, "code": {"folder": ".", "entry": "train.py"}, "optim": {"max_steps": 90},
+        "name": name, "code": {"folder": ".", "entry": "train.py"}, "optim": {"max_steps": 60},
         "session": {"threads": 1, "max_steps": 30, "safety_margin": "0.5s"}, "notify": {"block": block},
         "kaggle": {"session_timeout": "5m", "startup_overhead": "1s", "max_failed_sessions": 2}}))
     relay_env.spec = spec
@@ -88,4 +88,4 @@ def test_a_finished_relay_tells_once_with_where_the_model_is(relay_env, both_flo
     assert relay_env.run_flow(monkeypatch)["state"] == "done"
     assert relay_env.run_flow(monkeypatch)["state"] == "done"  # run again: nothing new to tell
     assert [m["subject"] for m in receiver.received] == [f"relay {name}: finished"], receiver.received
-    assert "finished at step 90" in receiver.received[0]["body"] and f"{name}-model" in receiver.received[0]["body"]
+    assert "finished at step 60" in receiver.received[0]["body"] and f"{name}-model" in receiver.received[0]["body"]
