@@ -1,9 +1,10 @@
 """The relay flow: train a run spec to the end across as many Kaggle sessions as it takes.
 
 Each iteration observes Kaggle, decides one step (relay.orchestrator.chain.decide) and does it. `mode="watch"` loops
-until the work is done (a laptop, a self-hosted worker); `mode="tick"` does at most one step and returns
-(a 15-minute schedule in Prefect or GitHub Actions: nothing waits 12 h). Both rebuild everything from
-Kaggle, so killing the flow anywhere and starting it again continues the relay.
+until the work is done (a laptop, a self-hosted worker); `mode="tick"` does what needs no waiting and returns (a
+15-minute schedule in Prefect or GitHub Actions: nothing waits 12 h): a hand-over, then the next session's push,
+as the `relays` flow's round does, so no session waits a whole tick after the one before it ended. Both rebuild
+everything from Kaggle, so killing the flow anywhere and starting it again continues the relay.
 """
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
 
 @dataclass(frozen=True)
 class Pace:
-    """How the flow waits: tick (one step, then return) or watch (until the work is done or `give_up`)."""
+    """How the flow waits: tick (what needs no waiting, then return) or watch (until the work is done or
+    `give_up`)."""
 
     mode: str
     poll_seconds: float
@@ -78,8 +80,9 @@ class Pace:
 
 
 def drive(ctx: RelayContext, pace: Pace, slot: Optional[AccountSlot] = None) -> dict:
-    """The relay's loop: one step (tasks/relay_step.py), then wait or return; in tick mode at most one step. A
-    watch outlives a Kaggle that stops answering (every step is rebuilt from Kaggle); a tick reports it."""
+    """The relay's loop: one step (tasks/relay_step.py), then wait or return; in tick mode it returns at the first
+    wait or push. A watch outlives a Kaggle that stops answering (every step is rebuilt from Kaggle); a tick
+    reports it."""
     while True:
         try:
             return _steps(ctx, pace, slot)
@@ -103,8 +106,7 @@ def _steps(ctx: RelayContext, pace: Pace, slot: Optional[AccountSlot]) -> dict:
         ctx.session_running = step.state in ("running", "pushed")
         if slot is not None and step.state == "stopped":
             slot.release()  # by the user: nothing is pushed until `relay resume`
-        if step.state in ("done", "stopped") or (pace.mode == "tick" and step.state in ("handed-over", "restored",
-                                                                                       "pushed")):
+        if step.state in ("done", "stopped") or (pace.mode == "tick" and step.state == "pushed"):
             return step.summary()
         if step.state == "running":
             summary = _follow(ctx, step, pace)

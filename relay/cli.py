@@ -328,12 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--workdir", help="where both runs go (default: a new temporary folder)")
     v.set_defaults(func=cmd_verify_resume)
 
-    r = sub.add_parser("run", help="run the relay of a spec on Kaggle to the end (or one step with --tick), on an"
+    r = sub.add_parser("run", help="run the relay of a spec on Kaggle to the end (or one tick with --tick), on an"
                                     " embedded Prefect; stop it anywhere and run it again to continue")
     r.add_argument("spec", help="run spec YAML, relative to the current folder (paths inside it: to its folder)")
     r.add_argument("--out", metavar="DIR", help="where the session table, PNGs and Kaggle facts go (default:"
                                                 " relay-runs/ beside the spec)")
-    r.add_argument("--tick", action="store_true", help="do at most one step and return (cron, GitHub Actions)")
+    r.add_argument("--tick", action="store_true", help="do what needs no waiting (a hand-over, the next push) and return (cron, GitHub Actions)")
     r.add_argument("--poll", type=float, metavar="SECONDS",
                    help="seconds between status checks (default 30; 2 against the emulator)")
     r.add_argument("--submit", action="store_true",

@@ -1,4 +1,4 @@
-"""`relay run SPEC`: the relay of a spec, run to the end (or one step with --tick) from the user's own folder.
+"""`relay run SPEC`: the relay of a spec, run to the end (or one tick with --tick) from the user's own folder.
 
 The `relay` Prefect flow runs in this process on an embedded, ephemeral Prefect (none to set up; with
 PREFECT_API_URL set it reports to that server instead). Paths: SPEC is relative to the current folder, paths
@@ -96,7 +96,7 @@ def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: 
     signal.signal(signal.SIGTERM, _interrupt)
     from flows.one_relay import RelayFailed, relay
 
-    emit(f"relay {run_spec.name}: {'one step' if tick else 'to the end'}; outputs in {local}")
+    emit(f"relay {run_spec.name}: {'one tick' if tick else 'to the end'}; outputs in {local}")
     try:
         summary = relay(spec=str(path.resolve()), mode="tick" if tick else "watch", poll_seconds=poll_seconds,
                         state_dir=str(folder), credentials_block=credentials_block)

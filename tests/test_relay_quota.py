@@ -30,20 +30,20 @@ def test_quota_exhaustion_waits_for_the_refresh_and_continues(relay_env, referen
     spec = relay_env.write_spec(**{"optim.max_steps": 2 * STEPS_PER_SESSION, "kaggle.session_timeout": "1h"})
     reference.start(spec)
 
-    # tick until the first session is handed over; then the account's quota is spent (by another notebook),
-    # and the next tick finds it spent and reports "waiting"
+    # tick until the first session is pushed; then the account's quota is spent (by another notebook) while it
+    # runs, and the tick that hands it over finds the quota spent for the next push and reports "waiting"
     states, deadline = [], time.monotonic() + HANG_GUARD_S
     while time.monotonic() < deadline:
         ticked = relay_env.run_flow(monkeypatch, mode="tick")
         states.append(ticked["state"])
-        if ticked["state"] == "handed-over":
-            assert relay_env.backend().quota().remaining_s > 0  # session 1 alone did not spend it
+        if ticked["state"] == "pushed":
+            assert relay_env.backend().quota().remaining_s > 0  # the push found quota left
             spend_the_rest_of_the_quota(emu, USER)
-        elif ticked["state"] not in ("pushed", "running"):
+        elif ticked["state"] != "running":
             break
         time.sleep(0.3 if ticked["state"] == "running" else 0)  # a poll interval
-    assert states[-1] == "waiting" and states.count("handed-over") == 1, states
-    assert ticked["step"] == STEPS_PER_SESSION
+    assert states[-1] == "waiting" and states.count("pushed") == 1, states
+    assert ticked["step"] == STEPS_PER_SESSION and len(relay_env.published_progress()["sessions"]) == 1
     assert relay_env.backend().quota().remaining_s == 0
     assert [r.run_id for r in relay_env.kernel_runs()] == ["toy-relay-s001-a1"]
     # waiting is idempotent: another tick neither pushes nor fails

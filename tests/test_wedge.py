@@ -180,7 +180,7 @@ def test_a_wedged_session_is_deleted_told_and_redone_from_the_last_checkpoint(re
 
 
 def test_ticks_notice_a_wedged_session_too(relay_env, reference):
-    """A schedule's ticks, back to back, each at most one step: a tick that observes the wedge takes it."""
+    """A schedule's ticks, back to back, none waiting: a tick that observes the wedge takes it."""
     _wedged_relay_is_deleted_and_redone(relay_env, reference, "wedge-ticks", "tick-loop")
 
 
