@@ -174,11 +174,13 @@ def _summary(log: str) -> dict:
     return json.loads(log.split("RELAY-SUMMARY ", 1)[1].splitlines()[0])
 
 
+@pytest.mark.deadline  # the wedged session reads running until its deadline, a minute away
 def test_a_wedged_session_is_deleted_told_and_redone_from_the_last_checkpoint(relay_env, both_flows, reference):
     # what was told is kept per relay name on the (shared) Prefect server
     _wedged_relay_is_deleted_and_redone(relay_env, reference, f"wedge-{both_flows}", "watch")
 
 
+@pytest.mark.deadline  # the wedged session reads running until its deadline, a minute away
 def test_ticks_notice_a_wedged_session_too(relay_env, reference):
     """A schedule's ticks, back to back, none waiting: a tick that observes the wedge takes it."""
     _wedged_relay_is_deleted_and_redone(relay_env, reference, "wedge-ticks", "tick-loop")
@@ -217,6 +219,7 @@ def _wedged_relay_is_deleted_and_redone(relay_env, reference, name: str, mode: s
     assert summary["weights_sha256"] == progress["weights_sha256"] == reference.weights(spec)
 
 
+@pytest.mark.deadline  # the wedged session reads running until its deadline, a minute away
 def test_on_wedged_wait_tells_and_waits_for_kaggle_and_relay_status_says_so(relay_env, reference):
     from relay.orchestrator import status
 
