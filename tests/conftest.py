@@ -92,7 +92,7 @@ def _expected_length(item) -> int:
 
 def _spread_deadline_tests(items: list) -> None:
     """The tests marked `deadline` spread evenly through the others of their rank (items sorted by rank): handed
-    out side by side, the four wedge tests left the two cores ~40 % idle for ~50 s of a run."""
+    out side by side, the four wedge tests left the two cores up to 60 % idle for ~90 s of a run."""
     for rank in sorted({_expected_length(item) for item in items if item.get_closest_marker("deadline")}):
         group = [item for item in items if _expected_length(item) == rank]
         waiting = [item for item in group if item.get_closest_marker("deadline")]

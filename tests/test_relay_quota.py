@@ -44,6 +44,8 @@ def test_quota_exhaustion_waits_for_the_refresh_and_continues(relay_env, referen
         time.sleep(0.3 if ticked["state"] == "running" else 0)  # a poll interval
     assert states[-1] == "waiting" and states.count("pushed") == 1, states
     assert ticked["step"] == STEPS_PER_SESSION and len(relay_env.published_progress()["sessions"]) == 1
+    (session_1,) = [e for e in emu.store.data["quota"] if e["kernel"] == relay_env.kernel]
+    assert session_1["kaggle_seconds"] < GPU_QUOTA_S  # session 1 alone would not have spent it: the other notebook did
     assert relay_env.backend().quota().remaining_s == 0
     assert [r.run_id for r in relay_env.kernel_runs()] == ["toy-relay-s001-a1"]
     # waiting is idempotent: another tick neither pushes nor fails
