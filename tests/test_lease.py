@@ -17,10 +17,18 @@ from kaggle_fixtures import USER, backend_for, isolated_env, make_emulator, push
 LATENCY = {"seed": 4, "latency": {"min_s": 0.005, "max_s": 0.05}}
 
 
-def _until(moment: float) -> None:
-    """Wait until the wall clock passes `moment` (a lease's expiry): the outcome, not the duration, is tested."""
-    while time.time() <= moment:
-        time.sleep(0.02)
+class Clock:
+    """The holders' shared clock, moved only by the test: a lease's expiry is an event here, not a wait, so a slow
+    machine's requests (seconds of them, under load) cannot eat a lease that the test meant to be live."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 def test_of_two_orchestrators_claiming_one_step_at_once_exactly_one_gets_it(make_emulator):
@@ -47,12 +55,13 @@ def test_of_two_orchestrators_claiming_one_step_at_once_exactly_one_gets_it(make
 
 def test_an_expired_claim_is_taken_over_and_its_old_holder_stops_before_acting(make_emulator):
     emu = make_emulator(faults=LATENCY)
-    dead = Lease(backend_for(emu), "toy-relay", 1.0, holder="dead")
-    taker = Lease(backend_for(emu), "toy-relay", 30, holder="taker")
+    clock = Clock()
+    dead = Lease(backend_for(emu), "toy-relay", 30, holder="dead", clock=clock)
+    taker = Lease(backend_for(emu), "toy-relay", 30, holder="taker", clock=clock)
     claim = dead.acquire("handover-r1")
     with pytest.raises(LeaseBusy):
         taker.acquire("handover-r1")
-    _until(claim.expires)
+    clock.advance(claim.expires - clock() + 0.001)  # the dead holder's claim has just expired
     taken = taker.acquire("handover-r1")
     assert (taken.generation, taken.holder) == (2, "taker")
     with pytest.raises(LeaseLost, match="taken over"):
@@ -62,10 +71,11 @@ def test_an_expired_claim_is_taken_over_and_its_old_holder_stops_before_acting(m
 
 def test_a_claim_near_its_end_is_renewed_as_the_next_generation(make_emulator):
     emu = make_emulator()
-    lease = Lease(backend_for(emu), "toy-relay", 1.0, holder="me", sleep=lambda s: _until(time.time() + s))
+    clock = Clock()
+    lease = Lease(backend_for(emu), "toy-relay", 30, holder="me", sleep=clock.advance, clock=clock)
     claim = lease.acquire("push-r1")
-    _until(claim.expires - 0.4)  # less than half the lease left
-    renewed = lease.confirm(claim)
+    clock.advance(claim.expires - clock() - 12)  # less than half the lease left
+    renewed = lease.confirm(claim)  # waits (on the clock) for it to expire, then takes the next generation
     assert (renewed.generation, renewed.holder) == (2, "me")
 
 

@@ -81,9 +81,10 @@ class NotALease(KaggleError):
 
 class Lease:
     def __init__(self, backend: "KaggleBackend", relay_name: str, ttl_s: float, holder: Optional[str] = None,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.time):
         self.backend, self.owner = backend, backend.username
-        self.name, self.ttl_s, self.holder, self.sleep = relay_name, float(ttl_s), holder or this_process(), sleep
+        self.name, self.ttl_s, self.holder = relay_name, float(ttl_s), holder or this_process()
+        self.sleep, self.clock = sleep, clock  # the wall clock: expiries are unix times, shared by all holders
         self._newest: Dict[str, int] = {}  # key -> newest generation seen (probing starts there)
         self._open: Dict[str, Claim] = {}   # claims taken whose step has not taken effect (yet)
 
@@ -106,7 +107,7 @@ class Lease:
                 generation += 1  # taken over already: look at the newer one
                 continue
             self._newest[key] = generation
-            left = claim.expires - time.time()
+            left = claim.expires - self.clock()
             if claim.holder == self.holder and left >= self.ttl_s / 2:
                 self._open[key] = claim
                 return claim
@@ -119,7 +120,7 @@ class Lease:
         our own claim is renewed the only safe way: let it expire, then take the next generation."""
         if self._read(claim.key, claim.generation + 1) is not None:
             raise LeaseLost(f"{claim.key}: taken over by another orchestrator (generation {claim.generation + 1})")
-        left = claim.expires - time.time()
+        left = claim.expires - self.clock()
         if left >= self.ttl_s / 2:
             return claim
         if left > 0:
@@ -176,7 +177,7 @@ class Lease:
 
     def _create(self, key: str, generation: int) -> bool:
         """CreateDataset of the claim: True when it was created, False when the slug was taken (by anyone)."""
-        data = {"key": key, "holder": self.holder, "expires": round(time.time() + self.ttl_s, 3), "relay": self.name}
+        data = {"key": key, "holder": self.holder, "expires": round(self.clock() + self.ttl_s, 3), "relay": self.name}
         description = (f"A claim of kaggle-relay {self.name} (see docs/kaggle.md). {PREFIX}"
                        f"{json.dumps(data, sort_keys=True)}")
         return self.backend.create_dataset_if_absent(f"{self.owner}/{self.slug(key, generation)}",
