@@ -279,23 +279,6 @@ def load_toy_spec(*layers: dict, **overrides):
     return spec.validate(toy_spec_dict(*layers, **overrides), source="test-spec")
 
 
-# RELAY_TEST_CPU_LOG=FILE: each test's CPU seconds (this process and the processes it waited for: kernels,
-# subprocesses, flow processes) appended as "seconds nodeid worker start end" lines, to find what makes the suite long on any
-# machine (wall time depends on the machine's load; CPU time much less).
-_CPU_LOG = os.environ.get("RELAY_TEST_CPU_LOG")
-if _CPU_LOG:
-    import resource
-
-    def _cpu_seconds() -> float:
-        own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
-
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_protocol(item, nextitem):
-        import time
-
-        start, began = _cpu_seconds(), time.time()
-        yield
-        with open(_CPU_LOG, "a") as log:  # CPU s, node id, then (for the schedule) worker, start and end (epoch s)
-            log.write(f"{_cpu_seconds() - start:.1f} {item.nodeid} {os.environ.get('PYTEST_XDIST_WORKER', '-')}"
-                      f" {began:.1f} {time.time():.1f}\n")
+# RELAY_TEST_CPU_LOG=FILE: each test's CPU seconds, its processes' included (tests/cpu_log.py)
+if os.environ.get("RELAY_TEST_CPU_LOG"):
+    from cpu_log import pytest_runtest_protocol  # noqa: F401 (a hook: pytest finds it by name)
