@@ -111,6 +111,28 @@ def test_sigterm_reaches_the_forked_child_through_its_stand_in(tmp_path, starter
     assert "saved on SIGTERM" in out and json.loads(out[-1])["child_code"] == 0
 
 
+def test_signals_sent_to_a_warm_process_go_to_its_main_thread_not_the_listeners(tmp_path, starter):
+    """A real `python` launcher has one thread; a warm one also has the listener's (which forked its child). A
+    SIGTERM one of those caught would wait for the main thread's next bytecode, never coming while it blocks in
+    `child.wait()`: the launcher would not forward it (seen once on one core). The listener's threads block the
+    signals a process is sent, so the kernel gives them to the main thread (the mask is what decides)."""
+    proc = _session(tmp_path, starter, "sleep")
+    _wait_for(tmp_path / "ready")
+    try:
+        blocked = {}
+        for task in Path(f"/proc/{proc.pid}/task").iterdir():
+            status = (task / "status").read_text()
+            mask = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+            blocked[int(task.name)] = {sig for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+                                       if mask & (1 << (sig - 1))}
+        assert blocked.pop(proc.pid) == set()  # the program's own thread takes them
+        assert len(blocked) >= 2 and all(sigs == {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+                                         for sigs in blocked.values()), blocked  # the listener, the child's server
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(60)
+
+
 def test_killing_the_session_group_kills_the_forked_child(tmp_path, starter):
     proc = _session(tmp_path, starter, "sleep")
     _wait_for(tmp_path / "ready")

@@ -193,13 +193,26 @@ def _fresh_stdio(unbuffered: bool) -> None:
 
 
 # -- the listener of a session: forks `python -m relay ...` for the shim -----------------------------------
+PROCESS_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+                   signal.SIGALRM, signal.SIGCHLD, signal.SIGWINCH}  # sent to a process, not raised by a thread
+
+
 def _listen() -> None:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     address = f"relay-warm-{os.getpid()}-{os.urandom(4).hex()}"
     server.bind("\0" + address)
     server.listen(16)
     os.environ[SOCKET_VARIABLE] = address
-    threading.Thread(target=_accept, args=(server,), name="warm-start listener", daemon=True).start()
+    # A real `python` has one thread, which gets every signal sent to the process; the listener's threads are the
+    # warm start's, not the program's. One of them catching the runner's SIGTERM would leave the program's
+    # handler waiting for its main thread's next bytecode: never, while that thread blocks in a wait (seen on one
+    # core: a launcher that never forwarded SIGTERM). So they block those signals (a thread inherits the mask of
+    # the thread that starts it), and the kernel gives them to the main thread.
+    program_mask = signal.pthread_sigmask(signal.SIG_BLOCK, PROCESS_SIGNALS)
+    try:
+        threading.Thread(target=_accept, args=(server,), name="warm-start listener", daemon=True).start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, program_mask)
 
 
 def _accept(server: socket.socket) -> None:
