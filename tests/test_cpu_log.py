@@ -23,7 +23,7 @@ def test_in_process():
 def test_a_child_waited_for():
     subprocess.run([sys.executable, "-c", {burn_child!r}], check=True)
 
-def test_starts_a_child_that_outlives_it(tmp_path_factory):
+def test_starts_a_child_that_outlives_it():
     flag = Path({flag!r})
     held.append(subprocess.Popen([sys.executable, "-c", CHILD, str(flag)]))
     while not flag.exists():
