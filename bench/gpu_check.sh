@@ -4,6 +4,13 @@
 # Run from the repo root: `bash bench/gpu_check.sh OUT_DIR`. Each run's progress.json summary and wall time
 # are printed; logs go to OUT_DIR. On a CPU-only machine the same commands take the CPU paths.
 set -uo pipefail
+# The lent GPU image lacks pydantic: carry its wheels (`.whl/`, ignored by git; fetched with `pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl pydantic==2.14.4
+# pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5`) and install them first:
+if [ -d .whl ] && ! python3 -c 'import pydantic' 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 out=${1:-/tmp/gpu-check}
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1

@@ -7,7 +7,7 @@ own pacing (dataset processing, queueing, SIGTERM grace) are wall-clock seconds.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -63,9 +63,3 @@ class EmulatorConfig:
         if unknown:
             raise InputError(f"emulator config {path}: unknown settings {sorted(unknown)}")
         return cls(**data).validate()
-
-    def public_dict(self) -> dict:
-        """The settings without credentials, for logs and state files."""
-        data = asdict(self)
-        data.pop("users"), data.pop("tokens")
-        return data

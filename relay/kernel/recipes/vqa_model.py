@@ -127,8 +127,9 @@ def _decoder(p, tokenizer, pretrained: Optional[str]) -> nn.Module:
         model = T5ForConditionalGeneration.from_pretrained(pretrained)
     else:
         # No encoder blocks: the vision and question encoders feed `encoder_outputs`, T5's own encoder never
-        # runs (it was 85M of the real size's 447.5M parameters, 340 MB in every checkpoint). transformers 5.23's
-        # generate() works with it, cached or not, beams or not (the cache pitfall in torch-offline.md is gone).
+        # runs (it was 85M of the real size's 447.5M parameters, 340 MB in every checkpoint). generate() works with
+        # it, cached or not, beams or not (older transformers raised IndexError in the cache when
+        # num_decoder_layers > num_layers; the VQA recipe's tests generate with it).
         model = T5ForConditionalGeneration(T5Config(
             vocab_size=len(tokenizer), d_model=p.d_model, d_kv=p.d_kv, d_ff=p.d_ff, num_layers=0,
             num_decoder_layers=p.decoder_layers, num_heads=p.decoder_heads, dropout_rate=p.dropout,

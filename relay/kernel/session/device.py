@@ -19,7 +19,7 @@ def configure_backends(spec: RunSpec, device: torch.device) -> None:
     if spec.session.threads:
         torch.set_num_threads(spec.session.threads)
     if device.type == "cuda":
-        # One TF32 API only: mixing it with fp32_precision makes later reads raise (torch-offline.md).
+        # One TF32 API only: after a write through torch's newer fp32_precision API, reads of allow_tf32 raise.
         torch.backends.cuda.matmul.allow_tf32 = spec.optim.tf32
         torch.backends.cudnn.allow_tf32 = spec.optim.tf32
         torch.backends.cudnn.benchmark = True

@@ -264,7 +264,3 @@ class _Hasher:
         sha = self.sha.hexdigest()
         return sha, (f"{self.crc:08x}" if self.algo == "crc32" else sha)
 
-
-def split_kernel(kernel: str) -> Tuple[str, str]:
-    owner, _, slug = kernel.partition("/")
-    return owner, slug
