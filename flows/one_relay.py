@@ -18,7 +18,7 @@ from typing import Literal, Optional
 from prefect import flow, get_run_logger
 
 from relay.orchestrator.kaggle.types import KaggleUnresponsive
-from relay.orchestrator.policy import plan_text, session_budget, utc  # noqa: F401 - plan_text: part of the flow's API
+from relay.orchestrator.policy import plan_text, push_budget, session_budget, utc  # noqa: F401 - plan_text: part of the flow's API
 from relay.front_door import load_spec
 from tasks import relay_step, relay_tasks as t, run_labels
 from tasks.account_slots import AccountSlot
@@ -122,7 +122,7 @@ def _push(ctx: RelayContext, ready: Step, slot: Optional[AccountSlot]) -> Step:
     """The whole quota is this relay's: the session's budget is the spec's, within what is left of it. It
     pushes only with a slot of its account's session limit (a tick too: the slot outlives the run)."""
     quota = t.read_quota(ctx.backend)
-    budget = session_budget(ctx.spec, quota)
+    budget = push_budget(ctx.spec, quota, ready.progress)  # no longer than the session needs
     relay_step.plan(ctx, ready.progress, quota)
     if budget <= ctx.spec.session.safety_margin:
         return relay_step.quota_spent(ctx, ready, quota)

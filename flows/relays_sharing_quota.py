@@ -24,7 +24,7 @@ from prefect import flow, get_run_logger
 
 from relay.orchestrator import joint_plan, plan as planner
 from relay.orchestrator.kaggle.types import Refusal
-from relay.orchestrator.policy import session_budget, utc
+from relay.orchestrator.policy import push_budget, utc
 from relay.front_door import load_spec
 from relay.shared.errors import InputError
 from relay.shared.spec import load as spec_only  # the spec without its code: to read one field
@@ -161,7 +161,7 @@ def _fill_slots(backend, relays: List[Relay], cap: int, rnd: Round, logger) -> N
     unfinished = [r for r in relays if not r.failed and r.state not in ("done", "stopped")]
     ready.sort(key=lambda r: (r.step.obs.handed_over, r.last_end, r.name))
     for relay in ready[:free]:
-        budget = session_budget(relay.ctx.spec, quota)
+        budget = push_budget(relay.ctx.spec, quota, relay.step.progress)  # no longer than it needs
         if quota is not None and quota.allowed_s > 0:
             budget = min(budget, quota.remaining_s / max(1, len(unfinished)))  # equal shares of what is left
         if budget <= relay.ctx.spec.session.safety_margin or rnd.quota_wait:

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Optional
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact
+from prefect.artifacts import create_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from relay.orchestrator import report
+from relay.orchestrator import goodput, report
 
 
 _TITLES = {"curves": "Loss curves", "timeline": "Sessions timeline"}
@@ -21,6 +21,47 @@ _CAPTIONS = {"curves": "Training loss (and eval metrics) by global step; each se
 
 def _key(name: str, what: str) -> str:
     return re.sub(r"[^a-z0-9-]", "-", f"{name}-{what}".lower())
+
+
+_IN_PLACE: dict = {}  # (flow run id, key) -> the artifact of that key updated in place for the rest of the flow run
+
+
+def _put(artifact, key: str) -> None:
+    """One artifact per key and flow run, updated in place: the summary and the session table change at every
+    session event, and a new version each time made a 4-session run 35 artifact cards (issue 47). A new flow run
+    (the next tick) makes its own, then the key's latest."""
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactUpdate
+    from prefect.runtime import flow_run
+
+    artifact.key = key
+    run = flow_run.id
+    known = _IN_PLACE.get((run, key)) if run else None
+    if known is not None:
+        try:
+            with get_client(sync_client=True) as client:
+                client.update_artifact(known, ArtifactUpdate(data=artifact.format(_sync=True),
+                                                             description=artifact.description))
+            return
+        except httpx.HTTPStatusError as err:  # 404: deleted with its flow run (the server's retention)
+            if err.response.status_code != 404:
+                raise
+    created = artifact.create(_sync=True)
+    if run:
+        _IN_PLACE[(run, key)] = created.id
+
+
+def _table(rows: list, key: str, description: str) -> None:
+    from prefect.artifacts import TableArtifact
+
+    _put(TableArtifact(table=rows, description=description), key)
+
+
+def _markdown(markdown: str, key: str, description: str) -> None:
+    from prefect.artifacts import MarkdownArtifact
+
+    _put(MarkdownArtifact(markdown=markdown, description=description), key)
 
 
 def show_progress(name: str, step: int, total: int, text: str, artifact_id: Optional[str] = None) -> str:
@@ -43,25 +84,25 @@ def show_progress(name: str, step: int, total: int, text: str, artifact_id: Opti
 
 @task(name="report", cache_policy=NO_CACHE)
 def publish_report(name: str, progress: dict, local: Path, metrics: Optional[Path] = None, plan_text: str = "",
-                   billed_s: Optional[dict] = None, state: str = "", links: str = "") -> dict:
+                   billed_s: Optional[dict] = None, state: str = "", links: str = "",
+                   save_every_s: Optional[float] = None) -> dict:
     """The relay's session table and summary from the latest handed-over progress (and the metrics beside it);
     the progress artifact is the live view's (tasks/live_view.py), updated in place."""
     rows = report.session_table(progress, billed_s=billed_s or {})
     if rows:
-        create_table_artifact(table=report.ui_rows(rows), key=_key(name, "sessions"),
-                              description=f"{name}: one row per session")
+        _table(report.ui_rows(rows), _key(name, "sessions"), f"{name}: one row per session")
     images = {}
     if metrics is not None and metrics.is_file():
         images["curves"] = report.plot_curves(metrics, local / "curves.png", progress=progress) or local / "curves.png"
     if progress.get("sessions"):
         images["timeline"] = report.plot_timeline(progress["sessions"], local / "timeline.png") or local / "timeline.png"
-    create_markdown_artifact(markdown=summary_markdown(name, progress, images, plan_text, state, links),
-                             key=_key(name, "summary"), description=f"{name}: plan, ETA and curves")
+    _markdown(summary_markdown(name, progress, images, plan_text, state, links, save_every_s), _key(name, "summary"),
+              f"{name}: plan, ETA and curves")
     return {k: str(v) for k, v in images.items()}
 
 
 def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_text: str = "", state: str = "",
-                     links: str = "") -> str:
+                     links: str = "", save_every_s: Optional[float] = None) -> str:
     """The summary as CommonMark the Prefect UI renders: blocks separated by blank lines, the plan in a
     closed fence, each PNG an image node (a data URI: the UI cannot reach files on the worker)."""
     done, total = progress.get("global_step", 0), max(1, progress.get("total_steps", 1))
@@ -83,6 +124,9 @@ def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_te
     if plan_text.strip():
         fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", plan_text)), default=0))
         md.append(f"## Plan and ETA\n\n{fence}text\n{plan_text.strip(chr(10))}\n{fence}")
+    ledger = goodput.from_progress(progress, save_every_s)
+    if ledger.attempts:  # where the GPU time charged went (relay/orchestrator/goodput.py)
+        md.append(f"## Goodput\n\n{ledger.line()}\n\n{ledger.table()}")
     for label, png in images.items():
         data = base64.b64encode(Path(png).read_bytes()).decode()
         md.append(f"## {_TITLES.get(label, label)}\n\n![{label}](data:image/png;base64,{data})\n\n"
@@ -92,8 +136,8 @@ def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_te
 
 def publish_running(name: str, progress: dict, records: list, local: Path, metrics: Optional[Path], text: str,
                     kernel_state: str, plan_text: str = "", links: str = "") -> None:
-    """The running session's table row and the summary with its loss curve: new versions of the `<name>-sessions`
-    and `<name>-summary` keys, so only at the session's events (tasks/live_view.py says which)."""
+    """The running session's table row and the summary with its loss curve: the `<name>-sessions` and
+    `<name>-summary` artifacts of this flow run updated in place, at the session's events (tasks/live_view.py)."""
     from relay.orchestrator import live
 
     latest = live.running_row(records, kernel_state)
@@ -102,8 +146,7 @@ def publish_running(name: str, progress: dict, records: list, local: Path, metri
         return
     total = max(1, last.get("total_steps") or progress.get("total_steps") or 1)
     rows = report.session_table(progress) + [latest]
-    create_table_artifact(table=report.ui_rows(rows), key=_key(name, "sessions"),
-                          description=f"{name}: one row per session, the last {kernel_state}")
+    _table(report.ui_rows(rows), _key(name, "sessions"), f"{name}: one row per session, the last {kernel_state}")
     previous = report.read_metrics(metrics) if metrics is not None and metrics.is_file() else []
     images = {}
     if previous or live.as_metrics(records):
@@ -114,7 +157,7 @@ def publish_running(name: str, progress: dict, records: list, local: Path, metri
     md = summary_markdown(name, {**progress, "global_step": last["step"], "total_steps": total}, images,
                           "\n\n".join(p for p in (text, plan_text) if p.strip()),
                           f"session {last.get('session')} {kernel_state}", links)
-    create_markdown_artifact(markdown=md, key=_key(name, "summary"), description=f"{name}: plan, ETA and curves")
+    _markdown(md, _key(name, "summary"), f"{name}: plan, ETA and curves")
 
 
 def publish_stop(name: str, reason: str) -> None:
@@ -124,4 +167,4 @@ def publish_stop(name: str, reason: str) -> None:
     md = f"# {name}: stopped, needs you\n\n**{first}**\n"
     if rest.strip():
         md += f"\n{fence}text\n{rest.strip()}\n{fence}\n"
-    create_markdown_artifact(markdown=md, key=_key(name, "summary"), description=f"{name}: why the relay stopped")
+    _markdown(md, _key(name, "summary"), f"{name}: why the relay stopped")

@@ -24,8 +24,9 @@ from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALea
 from relay.orchestrator.kaggle.selective_output import DiskSpaceError
 from relay.orchestrator.kaggle.types import KaggleUnresponsive, Quota, Refusal
 from relay.orchestrator.policy import budget_lowered, environment_change, plan_text, session_budget, wedge_notice
+from relay.shared.code_folder import mark_outputs
 from relay.shared.spec import RunSpec
-from tasks import artifacts, relay_tasks as t
+from tasks import artifacts, quiet_logs, relay_tasks as t
 from tasks.live_view import LiveView, Running, TickMarks
 from tasks.notify import Notifier
 from tasks.run_labels import kaggle_links
@@ -69,9 +70,11 @@ class RelayContext:
     @classmethod
     def open(cls, spec: RunSpec, spec_text: str, backend: KaggleBackend, state_dir: str | Path,
              step_lock_wait_s: float = 0.0, tick: bool = False) -> "RelayContext":
+        quiet_logs.install()  # no "Finished in state Completed()" line per task run in the relay's flows
         names = chain.Names(backend.username, spec.name)
         local = Path(state_dir) / spec.name
         local.mkdir(parents=True, exist_ok=True)
+        mark_outputs(Path(state_dir))  # never shipped as code when it lies in a code folder
         tell = Notifier(spec.name, spec.notify.block)
         view = LiveView(backend, names, local, session_max_steps=spec.session.max_steps,
                         notify=lambda key, text: tell("warning", key, text),
@@ -339,7 +342,8 @@ def _report(ctx: RelayContext, obs: chain.Observation, action: chain.Action) -> 
         text = plan_text(ctx.spec, obs.published, t.read_quota(ctx.backend), datetime.now(timezone.utc))
         artifacts.publish_report(ctx.spec.name, obs.published, ctx.local, metrics, plan_text=text,
                                  state=action.do.value, links=kaggle_links(ctx.names.owner, ctx.spec.name,
-                                                                    getattr(ctx.backend, "endpoint", None)))
+                                                                    getattr(ctx.backend, "endpoint", None)),
+                                 save_every_s=ctx.spec.session.save_every)
         done, total = obs.published.get("global_step", 0), obs.published.get("total_steps") or 1
         ctx.view.show_progress(done, total, f"{ctx.spec.name}: step {done} of {total},"
                                f" {len(obs.published.get('sessions') or [])} session(s) handed over; next:"

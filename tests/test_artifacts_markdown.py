@@ -68,7 +68,8 @@ def test_summary_has_image_nodes_and_the_plan(run):
     assert_images_render(image_nodes, images)
     assert len(fences) == 1 and fences[0].type == "fence" and fences[0].content == plan.strip("\n") + "\n"
     assert not any("base64" in f.content or "![" in f.content for f in fences)  # nothing swallowed by the fence
-    assert headings == [f"{spec.name}: done", "Plan and ETA", "Loss curves", "Sessions timeline"]
+    assert headings == [f"{spec.name}: done", "Plan and ETA", "Goodput", "Loss curves", "Sessions timeline"]
+    assert "goodput " in markdown and "| **all** |" in markdown  # where the GPU time went (issue 47)
     html = MarkdownIt("commonmark").render(markdown)
     assert html.count('<img src="data:image/png;base64,') == 2 and "![" not in html
     assert f"step <strong>{progress['global_step']} / {progress['total_steps']}</strong>" in html
@@ -114,3 +115,54 @@ def test_the_artifact_prefect_serves_renders(run, prefect_api):
     _, image_nodes, fences, _ = parse(stored[0].data)
     assert_images_render(image_nodes, {k: Path(v) for k, v in written.items()})
     assert [f.content for f in fences] == [plan.strip("\n") + "\n"]
+
+
+def test_a_flow_run_keeps_one_artifact_per_key_updated_in_place_and_no_completed_line_per_task(run, prefect_api):
+    """Issue 47: a 4-session run had 35 artifact cards (a new version of the summary and the session table at
+    every event) and a "Finished in state Completed()" line per task run. Now: one of each key per flow run,
+    holding the latest; the relay's task runs end silently, another flow's as Prefect logs them."""
+    import logging
+
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    from tasks import quiet_logs
+    from tasks.artifacts import publish_report, publish_stop
+
+    spec, workdir, progress, _ = run
+    out = workdir.parent / "in-place-out"
+    out.mkdir(exist_ok=True)
+    seen: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append((getattr(record, "flow_name", None), record.getMessage()))
+    logging.getLogger("prefect.task_runs").addHandler(handler)
+
+    @task(name="noop")
+    def noop() -> None:
+        return None
+
+    def body() -> str:
+        from prefect.runtime import flow_run
+
+        for state in ("running", "handed-over", "done"):
+            publish_report(spec.name, progress, out, None, plan_text="", state=state)
+        noop()
+        publish_stop(spec.name, "stopped here: one line")
+        return flow_run.id
+
+    try:
+        quiet_logs.install()
+        run_id = flow(name="relay")(body)()
+        flow(name="other")(lambda: noop())()
+    finally:
+        logging.getLogger("prefect.task_runs").removeHandler(handler)
+    with get_client(sync_client=True) as client:
+        stored = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[f"{spec.name}-summary", f"{spec.name}-sessions"]),
+            flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+    assert sorted(a.key for a in stored) == [f"{spec.name}-sessions", f"{spec.name}-summary"], stored
+    summary = next(a for a in stored if a.key.endswith("summary"))
+    assert summary.data.startswith(f"# {spec.name}: stopped, needs you")  # the latest, in place
+    finished = [flow for flow, message in seen if message.startswith("Finished in state Completed(")]
+    assert "relay" not in finished and "other" in finished, seen

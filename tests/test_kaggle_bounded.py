@@ -6,6 +6,8 @@ shortened through the environment (RELAY_KAGGLE_TIMEOUT_S, RELAY_KAGGLE_GIVE_UP_
 minutes; the emulator's `hang` fault holds a request until the emulator stops. Real `kaggle` client."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from byo_fixtures import RELAYED, copy_example, relay_in_shell
@@ -58,6 +60,36 @@ def test_an_html_4xx_is_one_line_naming_the_call(make_emulator):
         backend_for(emu).quota()
     assert str(refused.value) == "quota: HTTP 403 (an HTML page)"
     assert emu.faults.injected["html"] == 1  # answered once, not retried
+
+
+def test_a_steps_bounded_session_is_pushed_with_what_it_needs_not_the_12_h_cap():
+    from relay.orchestrator.policy import FIRST_SESSION_S, push_budget
+    from relay.shared import spec as spec_mod
+
+    # examples/byo-plain: 300 steps, sessions of 100 (session.max_steps), no session.budget; startup 120 s
+    spec = spec_mod.load(Path(__file__).resolve().parent.parent / "examples" / "byo-plain" / "spec.yaml")
+    assert spec.session.budget is None and spec.session.max_steps == 100
+    # the first session: nothing measured yet, the stated default
+    first = push_budget(spec, None, None)
+    assert first == FIRST_SESSION_S and kaggle_timeout_s(spec, first) == FIRST_SESSION_S + 120 + 5
+    # then its 100 steps at the slowest step time measured so far (session 1: 2 s a step, session 2: 3 s, its
+    # 8 s save excluded), with 25 % slack (at least 5 min), the slowest save and the safety margin
+    sessions = [{"step_start": 0, "step_end": 100, "seconds": 204.0, "save_seconds": 4.0},
+                {"step_start": 100, "step_end": 200, "seconds": 308.0, "save_seconds": 8.0}]
+    progress = {"global_step": 200, "total_steps": 300, "sessions": sessions}
+    need = 100 * 3.0 + 300 + 8 + 5
+    assert push_budget(spec, None, progress) == pytest.approx(need)
+    assert kaggle_timeout_s(spec, push_budget(spec, None, progress)) == int(need + 120 + 5 + 0.999)
+    # the final session needs only the steps left; slow steps are capped at Kaggle's limit, never past it
+    assert push_budget(spec, None, {**progress, "global_step": 290}) == pytest.approx(10 * 3.0 + 300 + 8 + 5)
+    slow = [{"step_start": 0, "step_end": 100, "seconds": 100 * 600.0, "save_seconds": 0.0}]
+    assert kaggle_timeout_s(spec, push_budget(spec, None, {"global_step": 100, "total_steps": 300,
+                                                           "sessions": slow})) == 12 * 3600
+    # a session bounded by time keeps its budget, unless the run's steps left need less (its final session)
+    timed = spec_mod.validate({**spec_mod.to_dict(spec), "session": {"budget": "1h", "safety_margin": "5s"}})
+    assert push_budget(timed, None, None) == 3600
+    assert push_budget(timed, None, {**progress, "total_steps": 100_000}) == 3600
+    assert push_budget(timed, None, progress) == pytest.approx(need)
 
 
 def test_the_push_asks_kaggle_for_the_budget_plus_its_margins_capped_at_the_session_timeout(make_emulator):

@@ -173,3 +173,55 @@ def test_a_forked_process_is_another_holder(spawns_processes):
     os.waitpid(pid, 0)
     assert child != parent and child.split(":")[1] == str(pid)
     assert this_process() == parent and parent.split(":")[1] == str(os.getpid())
+
+
+def _child_holder(emu, key: str, **lease):
+    """A claim taken in the name of a real child process of this machine (its pid and start time), the child left
+    running: the test decides when it dies."""
+    import subprocess
+    import sys
+
+    from relay.orchestrator.kaggle.lease import process_started
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    started = process_started(child.pid)
+    holder = Lease(backend_for(emu), "toy-relay", 600, holder=f"host:{child.pid}:dead01",
+                   process=(child.pid, started), **lease)
+    return child, holder.acquire(key)
+
+
+def test_a_claim_whose_holder_died_on_this_machine_is_taken_over_at_once(make_emulator):
+    # `relay run` SIGKILLed during a hand-over: the user's next `relay run` on the same machine used to wait out
+    # the whole lease (20 min) on a claim of a process that no longer existed
+    emu = make_emulator()
+    clock = Clock()  # never advanced: the claim stays live by the clock throughout
+    child, claim = _child_holder(emu, "handover-r1", clock=clock)
+    try:
+        taker = Lease(backend_for(emu), "toy-relay", 600, holder="taker", clock=clock)
+        with pytest.raises(LeaseBusy):  # alive: its claim holds
+            taker.acquire("handover-r1")
+    finally:
+        child.kill()
+        child.wait()
+    taken = taker.acquire("handover-r1")
+    assert (taken.generation, taken.holder) == (2, "taker") and claim.expires > clock() + 500
+
+
+def test_a_claim_of_another_machine_or_a_reused_pid_is_judged_right(make_emulator):
+    import dataclasses
+    import os
+
+    from relay.orchestrator.kaggle.lease import process_started, this_machine
+
+    emu = make_emulator()
+    child, claim = _child_holder(emu, "push-r1")
+    child.kill()
+    child.wait()
+    assert claim.machine == this_machine() and claim.holder_gone()
+    # the same dead pid named by another machine's claim: its process may well live there; wait for the lease
+    assert not dataclasses.replace(claim, machine="elsewhere|boot|pid:[1]").holder_gone()
+    assert not dataclasses.replace(claim, machine="").holder_gone()  # a claim written before it said
+    # a live pid whose start time is not the claim's: reused since by another process, the holder is gone
+    me = os.getpid()
+    mine = dataclasses.replace(claim, pid=me, started=process_started(me))
+    assert not mine.holder_gone() and dataclasses.replace(mine, started=mine.started + 60).holder_gone()

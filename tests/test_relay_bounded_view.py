@@ -102,9 +102,10 @@ def test_a_three_times_longer_session_leaves_as_much_in_prefect_and_the_newest_p
     steps = [[m for m in session if " step " in m and " of 40" in m] for session in lines]
     assert len(steps[0]) == len(steps[1]) == 10, steps  # the first line within each tenth of the session
     assert not any("Finished in state" in m for m in steps[0] + steps[1])
-    versioned = [a for a in found if a.key in (f"{NAME}-summary", f"{NAME}-sessions")]
-    per = [[a.key for a in versioned if start <= a.created <= end] for start, end in windows]
-    assert len(per[0]) == len(per[1]) > 0, per
+    # one summary and one session table in the flow run, updated in place at each event (issue 47: a 4-session
+    # run made 35 cards of them)
+    versioned = sorted(a.key for a in found if a.key in (f"{NAME}-summary", f"{NAME}-sessions"))
+    assert versioned == [f"{NAME}-sessions", f"{NAME}-summary"], versioned
     assert [a.key for a in found].count(f"{NAME}-progress") == 1  # one, updated in place through both sessions
     assert run.name == f"{NAME}: done at step 40" and {f"relay:{NAME}", "kaggle:alice"} <= set(run.tags), run
     summary = Artifact.get(f"{NAME}-summary").data

@@ -101,10 +101,11 @@ def drop_step_lock(prefect_api):
             pass
 
 
-def test_a_killed_claim_holder_delays_the_relay_by_its_lease_never_stops_it(relay_env, both_flows, reference,
-                                                                            drop_step_lock):
+def test_a_killed_claim_holder_on_this_machine_is_taken_over_at_once_never_stops_it(relay_env, both_flows,
+                                                                                   reference, drop_step_lock):
     emu = relay_env.start(faults=latency(7), dataset_processing_delay=3600)
-    spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS})
+    # a lease far longer than B's bounded wait: B finishes only if it takes the claim over at once
+    spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS, "kaggle.lease": "10m"})
     reference.start(spec)
     processing = DatasetProcessing(emu)
     processing.held.add((relay_env.ckpt, 1))  # session 1's checkpoint version stays unconfirmed
@@ -122,7 +123,8 @@ def test_a_killed_claim_holder_delays_the_relay_by_its_lease_never_stops_it(rela
     taken_over = handover[:-1] + "2"
 
     # B (a Prefect watch) sees session 1 not handed over (its version is unconfirmed), finds A's claim, waits
-    # for it to lapse, takes it over (generation 2), finds A's version by its marker and finishes the relay
+    # is a process of this machine that no longer exists, takes it over at once (generation 2), finds A's version
+    # by its marker and finishes the relay
     b = relay_env.flow_process(mode="watch", state_dir="orch-b", seed=8, log_name="b.log", step_lock=True)
     wait_for(lambda: taken_over in _claims(emu) or b.poll() is not None, 300, "the claim taken over")
     processing.held.clear()
@@ -132,7 +134,9 @@ def test_a_killed_claim_holder_delays_the_relay_by_its_lease_never_stops_it(rela
     claims = _claims(emu)
     taken = claims[taken_over]
     assert taken["key"] == dead["key"] and taken["holder"] != dead["holder"], (dead, taken)
-    assert taken["expires"] - 10 >= dead["expires"] - 0.5  # taken only once the dead holder's lease ended
+    assert dead["machine"] == taken["machine"] and dead["pid"] != taken["pid"]
+    # taken before the dead holder's lease ended: its process is gone from this machine (another machine's waits)
+    assert taken["expires"] - 600 < dead["expires"] - 0.5
 
 
 def test_pessimistic_status_lag_pushes_each_session_once(relay_env, both_flows, reference, monkeypatch):

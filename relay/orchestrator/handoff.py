@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from relay.orchestrator import tracking_handoff
-from relay.orchestrator.chain import Action, Names, Observation, hit_session_limit
+from relay.orchestrator import goodput, tracking_handoff
+from relay.orchestrator.chain import Action, Do, Names, Observation, hit_session_limit
 from relay.orchestrator.kaggle import control_record
 from relay.orchestrator.kaggle.backend import KaggleBackend
 from relay.orchestrator.kaggle.types import NotFound, SessionKernel
@@ -259,6 +259,12 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
                             log_tail=tail)
         progress = _staged_progress(out.progress, newest.step,
                                     hit_session_limit(obs.kernel_state, obs.failure_message))
+        # what this attempt was charged, as the relay saw it (relay/orchestrator/goodput.py); a wedged one ends
+        # at its delete, right after this hand-over
+        charge = goodput.charge_record(action.run_id, out.log_text, backend.current_plan(names.kernel),
+                                       time.time() if action.do is Do.WEDGED else (obs.observed_at or time.time()),
+                                       wedged=action.do is Do.WEDGED)
+        progress = goodput.with_charge(obs.published, progress, charge)
         (stage / "progress.json").write_text(json.dumps(progress, indent=1, sort_keys=True))
         out.fetch_file("metrics.jsonl", stage / "metrics.jsonl")
         tracking_handoff.stage_from_output(out, root, stage, newest.step, local)

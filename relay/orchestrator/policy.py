@@ -27,6 +27,44 @@ def session_budget(spec, quota) -> float:
     return budget
 
 
+# A session's push asks Kaggle for what the session will take (docs/kaggle.md, "Kaggle's own timeout"): a hung or
+# wedged session then costs that, not the 12 h cap.
+FIRST_SESSION_S = 2 * 3600.0  # a session bounded by steps, none of whose steps was measured yet: at most 2 h
+STEP_SLACK = 0.25             # on top of the slowest step time measured: a slower GPU of the shape, evals, noise
+SLACK_FLOOR_S = 300.0         # ... and at least this much
+
+
+def session_need(spec, progress: Optional[dict]) -> Optional[float]:
+    """Seconds of training the next session needs when its steps are known (session.max_steps, or the run's
+    steps left): the steps at the slowest step time any recorded session measured (its wall time less its
+    saves: start-up and restore inside it included, the safe side), with STEP_SLACK, plus the slowest save and
+    session.safety_margin. A session bounded by steps without a measured step: FIRST_SESSION_S. None where it
+    cannot be told (a session bounded by time, a run of unknown length). A session slower than this stops at
+    this budget and saves (stop reason `budget`), and the next one goes on, measured."""
+    progress = progress or {}
+    total = progress.get("total_steps") or _spec_steps(spec)
+    left = None if total is None else max(0, int(total) - int(progress.get("global_step") or 0))
+    steps = min((n for n in (spec.session.max_steps, left) if n is not None), default=None)
+    if steps is None:
+        return None
+    sessions = progress.get("sessions") or []
+    per_step = [((s.get("seconds") or 0) - (s.get("save_seconds") or 0)) / steps_of
+                for s in sessions if (steps_of := (s.get("step_end") or 0) - (s.get("step_start") or 0)) > 0]
+    per_step = [x for x in per_step if x > 0]
+    if not per_step:
+        return FIRST_SESSION_S if spec.session.max_steps is not None else None
+    train = steps * max(per_step)
+    save = max((s.get("save_seconds") or 0.0 for s in sessions), default=0.0)
+    return train + max(STEP_SLACK * train, SLACK_FLOOR_S) + save + spec.session.safety_margin
+
+
+def push_budget(spec, quota, progress: Optional[dict]) -> float:
+    """The next session's budget as pushed: session_budget, no longer than the session needs (session_need).
+    Kaggle's timeout for it follows (handoff.kaggle_timeout_s: the budget and the margins)."""
+    need = session_need(spec, progress)
+    return session_budget(spec, quota) if need is None else min(session_budget(spec, quota), need)
+
+
 def plan_text(spec, progress: Optional[dict], quota, now: datetime, running=None) -> str:
     """Sessions left, their budgets and the finish date, from what was handed over and the account's quota.
     `running` (relay.orchestrator.live.Eta): the session that trains now, which keeps its real start and ends

@@ -57,7 +57,7 @@ def find_relay(target: str, backend_factory: Callable, command: str = "relay sta
 
 def report(target: str, backend_factory: Callable, out_dir: Path | None = None, emit=print,
            follow_s: float = FOLLOW_S) -> int:
-    from relay.orchestrator import chain, handoff, live, policy, report as rep
+    from relay.orchestrator import chain, goodput, handoff, live, policy, report as rep
     from relay.orchestrator.kaggle import KaggleError, NotFound
 
     name, run_spec, backend, names, obs = find_relay(target, backend_factory)
@@ -84,6 +84,8 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
         rows = rows + [row] if row is not None else rows
     if rows:
         emit(rep.format_table(rows))  # with what each session ran on, and what changed from the one before
+    if progress.get("sessions"):  # where the GPU time charged went, session by session
+        emit(goodput.from_progress(progress, run_spec.session.save_every).line())
     drift = policy.environment_change(progress)
     if drift:
         emit(f"warning: {drift}")

@@ -16,7 +16,10 @@ is what every next observation sees, so nobody asks for that claim again, and an
 before the effect backs off instead of downloading the output again. A claim whose step did not take effect
 (a refused push, a failed hand-over, a relay that stopped) is released when its process leaves the flow: a
 second version of the claim dataset whose notes say so; it then reads as expired. A killed holder releases
-nothing: its step waits for the lease, at most.
+nothing: another machine's step waits for the lease, at most. On the holder's own machine (the user's next
+`relay run` after a Ctrl-C or a SIGKILL) it is taken over at once: the claim also names the holder's machine
+(host, boot, pid namespace) and its process's start time, and a process of this machine with that pid and start
+time that no longer exists acts no more (a pid reused since has another start time).
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Callable, Dict, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 
 from relay.orchestrator.kaggle.types import KaggleError
 
@@ -51,12 +55,82 @@ def this_process() -> str:
     return str(_HOLDER["name"])
 
 
+def this_machine() -> str:
+    """Where a pid means the same process: the host, its boot (pids restart at each) and the pid namespace (two
+    containers of one host with one hostname do not see each other's pids). Empty where it cannot be told."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        try:
+            import psutil  # the [train] extra's; the base install judges no pid where /proc is missing
+            boot = f"boot-{int(psutil.boot_time())}"
+        except Exception:  # noqa: BLE001 - no way to tell this machine's boots apart: never judge a pid
+            return ""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return f"{socket.gethostname()}|{boot}|{namespace}"
+
+
+UNKNOWN_START = -1.0  # the process lives; when it started cannot be told here
+
+
+def process_started(pid: int) -> Optional[float]:
+    """When the process started (Linux: seconds after boot, from /proc; else psutil's unix time), None when no such
+    process lives (a zombie acts no more either), UNKNOWN_START when it lives but its start cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()  # the name in parentheses may hold spaces
+        return None if fields[0] in ("Z", "X") else int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return None
+    except (OSError, ValueError, IndexError):
+        return UNKNOWN_START
+    try:
+        import psutil
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
+    except ImportError:
+        pass
+    except Exception as err:  # noqa: BLE001 - psutil.NoSuchProcess, or one we may not inspect
+        return None if type(err).__name__ == "NoSuchProcess" else UNKNOWN_START
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except OSError:
+        pass
+    return UNKNOWN_START
+
+
+def this_process_identity() -> Tuple[int, float]:
+    pid = os.getpid()
+    return pid, float(process_started(pid) or UNKNOWN_START)
+
+
 @dataclass(frozen=True)
 class Claim:
     key: str
     generation: int
     holder: str
     expires: float  # unix time, by the holder's clock
+    machine: str = ""               # the holder's this_machine(); "" for a claim that does not say
+    pid: Optional[int] = None       # the holder's process and its start time on that machine
+    started: Optional[float] = None
+
+    def holder_gone(self) -> bool:
+        """The holder is a process of this machine that no longer exists (its pid is free, or reused since by a
+        process started at another time). False whenever that cannot be told: another machine's claim, a claim
+        that does not name its process, a process we may not inspect."""
+        if not self.machine or self.pid is None or self.machine != this_machine():
+            return False
+        started = process_started(self.pid)
+        if started is None:
+            return True
+        # a live pid is the holder unless both start times are known and differ (reused since)
+        return self.started is not None and self.started >= 0 and started >= 0 and abs(started - self.started) > 1.0
 
     def text(self) -> str:
         until = datetime.fromtimestamp(self.expires, timezone.utc).strftime("%H:%M:%S UTC")
@@ -81,9 +155,13 @@ class NotALease(KaggleError):
 
 class Lease:
     def __init__(self, backend: "KaggleBackend", relay_name: str, ttl_s: float, holder: Optional[str] = None,
-                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.time):
+                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.time,
+                 process: Optional[Tuple[int, float]] = None):
         self.backend, self.owner = backend, backend.username
         self.name, self.ttl_s, self.holder = relay_name, float(ttl_s), holder or this_process()
+        # (pid, start time) written into our claims so that our machine can tell when we are gone; a holder
+        # named by the caller is no process of ours unless `process` says which
+        self.process = process if process is not None else (None if holder else this_process_identity())
         self.sleep, self.clock = sleep, clock  # the wall clock: expiries are unix times, shared by all holders
         self._newest: Dict[str, int] = {}  # key -> newest generation seen (probing starts there)
         self._open: Dict[str, Claim] = {}   # claims taken whose step has not taken effect (yet)
@@ -111,9 +189,12 @@ class Lease:
             if claim.holder == self.holder and left >= self.ttl_s / 2:
                 self._open[key] = claim
                 return claim
-            if left > 0:
+            if left > 0 and claim.holder != self.holder and claim.holder_gone():
+                log.warning("%s, a process of this machine that no longer exists: taking it over now, %.0f s"
+                            " before it ends", claim.text(), left)
+            elif left > 0:
                 raise LeaseBusy(claim)
-            generation += 1  # expired (ours or a dead holder's): the next generation, atomically
+            generation += 1  # expired, or its holder gone (ours or a dead holder's): the next generation, atomically
 
     def confirm(self, claim: Claim) -> Claim:
         """Right before an act: still ours, not taken over, enough time left for the act to land. Near its end
@@ -170,7 +251,10 @@ class Lease:
         try:
             data = json.loads(text[text.index(PREFIX) + len(PREFIX):].strip())
             released = any(RELEASED in notes for notes in info["notes"].values())
-            return Claim(key, generation, str(data["holder"]), 0.0 if released else float(data["expires"]))
+            pid, started = data.get("pid"), data.get("started")
+            return Claim(key, generation, str(data["holder"]), 0.0 if released else float(data["expires"]),
+                         machine=str(data.get("machine") or ""), pid=None if pid is None else int(pid),
+                         started=None if started is None else float(started))
         except (ValueError, KeyError, TypeError):
             raise NotALease(f"dataset {ref} is not a relay lease (its description carries none): delete it"
                             " or rename the relay") from None
@@ -178,6 +262,8 @@ class Lease:
     def _create(self, key: str, generation: int) -> bool:
         """CreateDataset of the claim: True when it was created, False when the slug was taken (by anyone)."""
         data = {"key": key, "holder": self.holder, "expires": round(self.clock() + self.ttl_s, 3), "relay": self.name}
+        if self.process is not None and this_machine():
+            data.update(machine=this_machine(), pid=self.process[0], started=round(self.process[1], 3))
         description = (f"A claim of kaggle-relay {self.name} (see docs/kaggle.md). {PREFIX}"
                        f"{json.dumps(data, sort_keys=True)}")
         return self.backend.create_dataset_if_absent(f"{self.owner}/{self.slug(key, generation)}",

@@ -1,0 +1,182 @@
+"""The relay's goodput ledger: where every GPU-second a relay was charged went (issue 47).
+
+A pure function of the relay's session records: progress.json's `sessions` (the kernel's own clock: when each
+session's clock started, its last save, its steps, its save time) and `charges`, what the orchestrator observed of
+each handed-over attempt (relay/orchestrator/handoff.py `charge_record`: its push, its progress lines' last step
+and end, when Kaggle showed it ended, whether it was wedged; on the emulator a test may add the quota ledger's
+`kaggle_start`/`kaggle_end`). No I/O, no clock: `relay status`, the report and the tests get the same answer.
+
+One attempt's charged time, from Kaggle's start (else its push: the queue counts, the safe side) to Kaggle's end
+(else when the relay saw it end, else the process's end), is split, in this order and each at most what is left:
+- start-up: to the session's clock start (the image, the kernel bundle, imports; restore is inside the clock);
+- saving: the session's saves (its measured save time x the saves its save cadence implies, at least one);
+- training kept / training redone: the rest of the clock, per step; redone are the steps a later session trained
+  again (it resumed below this one's recorded end: a corrupt version, a kill mid-save);
+- after the last save until the process ended: redone for a session that did not end cleanly (killed, stalled:
+  its steps since the save are trained again), the final tail otherwise (the last metrics, the export, exit);
+- after the process ended until Kaggle ended it: wedged for a wedged session (until Kaggle or the relay's delete
+  ended it), shut-down otherwise (Kaggle's own, plus how late the relay looked);
+- other: what is left (clock differences, estimates).
+Goodput = training kept / charged.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+
+CATEGORIES = ("start-up", "training kept", "training redone", "saving", "final tail", "wedged", "shut-down",
+              "other")
+CLEAN_ENDS = {"steps", "budget", "done", "deadline", "diverged", "wrong_accelerator", "session_limit", "sigterm"}
+
+
+@dataclass(frozen=True)
+class AttemptLedger:
+    run_id: str
+    charged_s: float
+    seconds: Dict[str, float]  # category -> seconds; they add up to charged_s
+
+
+@dataclass(frozen=True)
+class Ledger:
+    attempts: List[AttemptLedger] = field(default_factory=list)
+
+    @property
+    def charged_s(self) -> float:
+        return sum(a.charged_s for a in self.attempts)
+
+    @property
+    def totals(self) -> Dict[str, float]:
+        return {c: sum(a.seconds.get(c, 0.0) for a in self.attempts) for c in CATEGORIES}
+
+    @property
+    def goodput(self) -> Optional[float]:
+        return self.totals["training kept"] / self.charged_s if self.charged_s > 0 else None
+
+    def losses(self, n: int = 3) -> List[tuple]:
+        """The n largest categories other than training kept, (name, seconds), largest first."""
+        lost = [(c, s) for c, s in self.totals.items() if c != "training kept" and s > 0]
+        return sorted(lost, key=lambda cs: -cs[1])[:n]
+
+    def line(self) -> str:
+        """One line for `relay status` and the summary."""
+        if not self.attempts or self.goodput is None:
+            return "goodput: nothing charged yet"
+        losses = ", ".join(f"{c} {_dur(s)}" for c, s in self.losses())
+        return (f"goodput {self.goodput:.0%}: {_dur(self.totals['training kept'])} of training kept of"
+                f" {_dur(self.charged_s)} GPU time charged over {len(self.attempts)} session(s)"
+                + (f"; largest losses: {losses}" if losses else ""))
+
+    def table(self) -> str:
+        """A markdown table, one row per attempt and a total."""
+        head = "| session | charged | " + " | ".join(CATEGORIES) + " |\n|" + "---|" * (len(CATEGORIES) + 2) + "\n"
+        rows = [f"| {a.run_id} | {_dur(a.charged_s)} | " + " | ".join(_dur(a.seconds.get(c, 0.0)) for c in CATEGORIES)
+                + " |" for a in self.attempts]
+        total = self.totals
+        rows.append(f"| **all** | {_dur(self.charged_s)} | " + " | ".join(_dur(total[c]) for c in CATEGORIES) + " |")
+        return head + "\n".join(rows)
+
+
+def ledger(sessions: Sequence[Mapping], charges: Iterable[Mapping] = (), save_every_s: Optional[float] = None
+           ) -> Ledger:
+    """The ledger of a relay from progress.json's `sessions` and `charges` (matched by run id; a session without
+    one is charged its own clock only). `save_every_s`: the spec's session.save_every, for the count of saves."""
+    by_run = {c.get("run_id"): c for c in charges}
+    out = []
+    for i, s in enumerate(sessions):
+        later = [n.get("step_start") for n in sessions[i + 1:] if n.get("step_start") is not None]
+        out.append(_attempt(s, by_run.get(s.get("run_id")) or {}, min(later) if later else None, save_every_s))
+    return Ledger(out)
+
+
+def _attempt(s: Mapping, c: Mapping, next_start: Optional[int], save_every_s: Optional[float]) -> AttemptLedger:
+    started = _num(s.get("started"))
+    ended = _num(s.get("ended"), started + _num(s.get("seconds")))
+    clean = s.get("stop_reason") in CLEAN_ENDS
+    start = _first(c.get("kaggle_start"), c.get("pushed_at"), started)
+    end = max(_first(c.get("kaggle_end"), c.get("kaggle_end_seen"), c.get("process_end"), ended), start)
+    # a process killed without its `end` line trained on until Kaggle's end, as far as anyone can tell
+    process_end = max(ended, _num(c.get("process_end"), ended if clean else end))
+    left = [end - start]
+
+    def take(seconds: float) -> float:
+        got = min(max(0.0, seconds), left[0])
+        left[0] -= got
+        return got
+
+    seconds: Dict[str, float] = {c_: 0.0 for c_ in CATEGORIES}
+    seconds["start-up"] = take(started - start)
+    clock = max(0.0, min(ended, end) - max(started, start))
+    save = _num(s.get("save_seconds"))
+    saves = 1 if not save_every_s else 1 + int(clock // save_every_s)
+    seconds["saving"] = take(min(clock, save * saves))
+    train = max(0.0, clock - seconds["saving"])
+    step_start, step_end = int(s.get("step_start") or 0), int(s.get("step_end") or 0)
+    steps = max(0, step_end - step_start)
+    redone_steps = 0 if next_start is None else min(steps, max(0, step_end - int(next_start)))
+    redone = train * redone_steps / steps if steps else 0.0
+    seconds["training redone"] = take(redone)
+    seconds["training kept"] = take(train - redone)
+    tail = take(min(process_end, end) - ended)
+    seconds["final tail" if clean else "training redone"] += tail
+    seconds["wedged" if c.get("wedged") else "shut-down"] += take(end - process_end)
+    seconds["other"] = left[0]
+    return AttemptLedger(str(s.get("run_id") or f"session {s.get('index')}"), end - start, seconds)
+
+
+def charge_record(run_id: str, log_text: str, plan: Optional[Mapping], seen_end: float, wedged: bool = False) -> dict:
+    """What the orchestrator observed of one attempt at its hand-over, kept in the published progress.json's
+    `charges` (progress.json's `sessions` come from the checkpoint, so the relay carries these itself): its push
+    (the pushed plan's time, when it is this run's), its progress lines' last step and `end` line (the process's
+    end, by the kernel's clock), when the relay saw Kaggle end it (or deleted it: wedged)."""
+    import json
+
+    from relay.shared.progress_line import parse
+
+    try:  # Kaggle's log is a JSON array of {stream_name, time, data}
+        log_text = "".join(entry.get("data", "") for entry in json.loads(log_text))
+    except (ValueError, AttributeError, TypeError):
+        pass
+    lines = [r for r in (parse(t) for t in (log_text or "").splitlines())
+             if r is not None and r.get("run_id") in (None, run_id)]
+    end = next((r for r in reversed(lines) if r.get("kind") == "end" and r.get("time") is not None), None)
+    steps = [int(r["step"]) for r in lines if isinstance(r.get("step"), (int, float))]
+    record = {"run_id": run_id, "kaggle_end_seen": round(seen_end, 3), "wedged": bool(wedged)}
+    if plan and plan.get("run_id") == run_id and plan.get("pushed_at") is not None:
+        record["pushed_at"] = float(plan["pushed_at"])
+    if end is not None:
+        record["process_end"] = float(end["time"])
+    if steps:
+        record["last_step"] = max(steps)
+    return record
+
+
+def with_charge(published: Optional[Mapping], progress: dict, record: dict) -> dict:
+    """progress.json to publish: the charges handed over before (from the published one) and this attempt's."""
+    before = [c for c in (published or {}).get("charges") or [] if c.get("run_id") != record["run_id"]]
+    return {**progress, "charges": before + [record]}
+
+
+def from_progress(progress: Optional[Mapping], save_every_s: Optional[float] = None) -> Ledger:
+    progress = progress or {}
+    return ledger(progress.get("sessions") or [], progress.get("charges") or [], save_every_s)
+
+
+def _num(value, default: float = 0.0) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return default
+    return v if math.isfinite(v) else default
+
+
+def _first(*values) -> float:
+    return next(_num(v) for v in (*values, 0.0) if v is not None)
+
+
+def _dur(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.0f}s" if seconds >= 10 or seconds == 0 else f"{seconds:.1f}s"
+    minutes = seconds / 60
+    return f"{minutes:.0f}m" if minutes < 60 else f"{int(minutes // 60)}h{int(minutes % 60):02d}m"
