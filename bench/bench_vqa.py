@@ -9,7 +9,13 @@ checkpointing to cost ~20 % more time.
 CUDA (only when a GPU is present; not run on the CPU-only development machine): the real-size model of
 examples/vqa-t4.yaml at micro-batch 3: fp32 vs AMP vs AMP + checkpointing, samples/s and peak memory, against
 the seed's claims (AMP ~40 % less memory, checkpointing 30-40 % less at ~20 % more time).
-Run: `python bench/bench_vqa.py [--steps N --repeats N]`; `run()` returns the named figures.
+
+CUDA, the pre-flight against the session (`run_preflight`, issue 48): `relay train examples/vqa-t4.yaml` on
+`relay data vqa` data for 12 steps with an eval and a save, as the GPU itself and as a T4 (RELAY_EMULATE_GPU=t4:
+15102 MiB cap, fp16 + GradScaler), the two sessions at once; per phase the peak allocated (reserved) MB from the
+session record, the pre-flight's figure, and its ratio to the trained peak (1.0-1.1 is the goal).
+Run: `python bench/bench_vqa.py [--steps N --repeats N]`; `run()` returns the named figures;
+`python bench/bench_vqa.py --preflight [--out DIR]` only the pre-flight check (a few minutes on an H100).
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -161,10 +168,88 @@ def run_cuda(steps: int = 10, micro: int = 3) -> dict:
     return out
 
 
+PHASES = ("setup", "preflight_train", "preflight_eval", "train", "eval", "save")
+TRAINED = ("setup", "train", "eval", "save")  # what the session itself ran; the pre-flight must bound their peak
+
+
+def run_preflight(steps: int = 12, out_dir: Path | None = None, modes: tuple[str, ...] = ("none", "t4"),
+                  spec_file: str = "vqa-t4.yaml") -> dict:
+    """The real-size VQA student trained by `relay train` for `steps` steps (an eval at steps/2 and at the end,
+    the final save), once per mode of RELAY_EMULATE_GPU, the sessions at once (one GPU; a process each: the T4
+    cap is per process). Per mode: each phase's peak allocated and reserved MB, the pre-flight's figure and
+    `ratio` = figure / the trained peak (setup, train, eval, save): >= 1 the pre-flight bounds the session."""
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        logs = Path(out_dir) if out_dir else tmp
+        logs.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "PYTHONUNBUFFERED": "1"}
+        relay = [sys.executable, "-m", "relay"]
+        # 240 train questions (26 steps an epoch), 8 val: the eval is the real one at answer length, 2 batches
+        made = subprocess.run([*relay, "data", "vqa", "--out", str(tmp / "data"), "--val", "8", "--test", "4"],
+                              env=env, capture_output=True, text=True, cwd=REPO)
+        if made.returncode:  # said, not raised: the caller prints what went wrong
+            return {"vqa_preflight_data_failed": f"rc={made.returncode}: {(made.stdout + made.stderr)[-1500:]}"}
+        raw = yaml.safe_load((REPO / "examples" / spec_file).read_text())
+        raw.setdefault("optim", {})["eval_every_steps"] = max(1, steps // 2)
+        # one save, the final one: the save phase is measured without a second 3.6 GB write
+        raw.setdefault("checkpoints", {}).update(keep_best=False, keep_last=1)
+        spec = tmp / "vqa-real.yaml"
+        spec.write_text(yaml.safe_dump(raw))
+        procs = {}
+        for mode in modes:
+            log = open(logs / f"vqa-preflight-{mode}.log", "w")
+            procs[mode] = (subprocess.Popen(
+                [*relay, "train", str(spec), "--workdir", str(tmp / f"w-{mode}"), "--budget", "none",
+                 "--max-steps", str(steps), "--data", str(tmp / "data")],
+                env={**env, "RELAY_EMULATE_GPU": mode}, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), log)
+        for mode, (proc, log) in procs.items():
+            rc = proc.wait()
+            log.close()
+            text = (logs / f"vqa-preflight-{mode}.log").read_text(errors="replace")
+            out[f"vqa_preflight_{mode}_rc"] = rc
+            out[f"vqa_preflight_{mode}_lines"] = [line[line.find("pre-flight"):][:200] for line in text.splitlines()
+                                                  if "pre-flight" in line or "out of memory" in line]
+            progress = tmp / f"w-{mode}" / "progress.json"
+            if rc or not progress.exists():
+                out[f"vqa_preflight_{mode}_tail"] = text[-1500:]
+                continue
+            (logs / f"vqa-preflight-{mode}-progress.json").write_text(progress.read_text())  # the record, kept
+            p = json.loads(progress.read_text())
+            rec = p["sessions"][-1]
+            alloc, reserved = rec.get("phase_peaks_mb", {}), rec.get("phase_reserved_mb", {})
+            trained = max((alloc[k] for k in TRAINED if k in alloc), default=0.0)
+            figure = rec.get("preflight_mb")
+            out[f"vqa_preflight_{mode}"] = {
+                "precision": p.get("precision"), "micro_batch": p.get("micro_batch"), "grad_accum": p.get("grad_accum"),
+                "steps": p.get("global_step"), "samples_per_s": rec.get("samples_per_s"),
+                "preflight_mb": figure, "trained_peak_mb": trained, "peak_mem_mb": rec.get("peak_mem_mb"),
+                "ratio": round(figure / trained, 3) if figure and trained else None,
+                "phases_mb": {k: alloc.get(k) for k in PHASES}, "reserved_mb": {k: reserved.get(k) for k in PHASES},
+                "memory_rungs": rec.get("memory_rungs", []), "emulated": rec.get("emulated")}
+    return out
+
+
+def print_preflight(figures: dict) -> None:
+    """One compact table per mode: phase, peak allocated / reserved MB, and the pre-flight's ratio."""
+    for key, f in figures.items():
+        if not isinstance(f, dict):
+            print(f"{key}: {f}")
+            continue
+        print(f"{key}: {f['precision']} micro-batch {f['micro_batch']} x {f['grad_accum']}, {f['steps']} steps, "
+              f"{f['samples_per_s']} samples/s, as {f['emulated'] or 'itself'}, rungs {f['memory_rungs']}")
+        for phase in PHASES:
+            print(f"  {phase:16s} {f['phases_mb'][phase]!s:>9} MB alloc  {f['reserved_mb'][phase]!s:>9} MB reserved")
+        print(f"  pre-flight {f['preflight_mb']} MB / trained peak {f['trained_peak_mb']} MB = ratio {f['ratio']} "
+              "(goal 1.0-1.1)")
+
+
 def run(steps: int = 20, repeats: int = 3) -> dict:
     figures = run_cpu(steps, repeats)
     if torch.cuda.is_available():
         figures.update(run_cuda())
+        figures.update(run_preflight())
     return figures
 
 
@@ -172,7 +257,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--preflight", action="store_true", help="only the pre-flight vs session peaks (CUDA)")
+    ap.add_argument("--out", type=Path, default=None, help="folder for the sessions' logs (--preflight)")
     a = ap.parse_args()
+    if a.preflight:
+        print_preflight(run_preflight(out_dir=a.out))
+        return
     print(json.dumps(run(a.steps, a.repeats), indent=1))
 
 

@@ -54,6 +54,13 @@ run_tiny legal examples/legal-tiny.yaml
 run_tiny temporal examples/temporal-tiny.yaml
 run_tiny recsys examples/recsys-tiny.yaml
 
+# The pre-flight's figure against the session's peak per phase (issue 48): the real-size VQA student
+# (examples/vqa-t4.yaml on `relay data vqa` data) for 12 steps with an eval and a save, as this GPU and as a T4
+# (RELAY_EMULATE_GPU=t4: 15102 MiB cap, fp16 + GradScaler), both sessions at once (~2-3 min on an H100).
+t0=$SECONDS
+"$py" bench/bench_vqa.py --preflight --out "$out" 2>"$out/vqa-preflight.err" || { echo "vqa pre-flight: FAILED"; tail -5 "$out/vqa-preflight.err"; }
+echo "vqa pre-flight vs session peaks: $((SECONDS - t0)) s (logs $out/vqa-preflight-*.log)"
+
 # The plain loop with fp16 autocast + GradScaler, split into sessions (one killed mid-save) vs one run.
 sed 's/entry: train.py --lr 0.003/entry: train.py --lr 0.003 --amp/' examples/byo-plain/spec.yaml >examples/byo-plain/spec-amp.yaml
 t0=$SECONDS

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from relay.kernel import notebook
 from relay.kernel.session import api, api_distributed, distributed
 from relay.kernel.session.device import pick_device
 from relay.kernel.session.settings import SessionSettings
@@ -46,25 +47,31 @@ def run_entry(spec: "RunSpec", config: SessionSettings) -> dict:
     argv, cwd, path = sys.argv, os.getcwd(), list(sys.path)
     # The entry runs as `python train.py ...` runs from its own folder: relative reads work in a session too.
     # What a session must keep goes under session.workdir (the code folder is not a session's output).
-    os.chdir(Path(target).parent if kind == "script" else spec.code.folder)
+    os.chdir(Path(target).parent if kind in ("script", "notebook") else spec.code.folder)
     try:
-        if kind == "script":
+        if kind in ("script", "notebook"):
             sys.argv = [str(target), *args]
             sys.path.insert(0, str(Path(target).parent))
-            runpy.run_path(str(target), run_name="__main__")
+            if kind == "script":
+                runpy.run_path(str(target), run_name="__main__")
+            else:  # its code cells in order, in one __main__ namespace
+                notebook.run(target)
         else:
             module, func = target.split(":")
             getattr(importlib.import_module(module), func)()
     except SystemExit as exit_:
         if exit_.code not in (None, 0):
-            raise UserCodeError(f"code.entry {spec.code.entry}: exited with status {exit_.code}") from None
+            raise UserCodeError(f"code.entry {spec.code.entry}:{_cell(kind, exit_)} exited with status"
+                                f" {exit_.code}") from None
     except InputError:  # the relay's own refusal (e.g. a batch the processes cannot split): its one line
         raise
     except Exception as err:  # noqa: BLE001 - classified: transient faults re-raise, the rest stop the relay
         if _transient(err):
             raise
         traceback.print_exc()
-        raise UserCodeError(f"code.entry {spec.code.entry} raised {type(err).__name__}: {err}") from None
+        where = _cell(kind, err)
+        raise UserCodeError(f"code.entry {spec.code.entry}{':' + where if where else ''} raised"
+                            f" {type(err).__name__}: {err}") from None
     finally:
         sys.argv, sys.path[:] = argv, path
         os.chdir(cwd)
@@ -75,6 +82,12 @@ def run_entry(spec: "RunSpec", config: SessionSettings) -> dict:
     api.close_open_sessions()  # a script that forgot close(): save and report for it
     progress = Path(config.workdir) / "progress.json"
     return json.loads(progress.read_text())
+
+
+def _cell(kind: str, err: BaseException) -> str:
+    """" code cell 3, line 5" where a notebook's cell raised or exited (its traceback has the whole story)."""
+    where = notebook.where(err.__traceback__) if kind == "notebook" else ""
+    return f" {where}" if where else ""
 
 
 def _transient(err: BaseException) -> bool:

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from relay.kernel import notebook
 from relay.shared.errors import InputError
 
 if TYPE_CHECKING:
@@ -137,7 +138,8 @@ def _module_file(module: str, folder: Path) -> bool:
 
 
 def parse_entry(entry: str, folder: Path, pip: list[str] = ()) -> tuple[str, object, list[str]]:
-    """("module", "pkg.mod:function", []) or ("script", Path, args); SpecError when it does not exist."""
+    """("module", "pkg.mod:function", []), ("script", Path, args) or ("notebook", Path, args) for a .ipynb (its
+    cells read, translated and compiled: relay.kernel.notebook); SpecError when it does not exist or cannot run."""
     from relay.shared.spec import SpecError
 
     if _MODULE_ENTRY.match(entry.strip()):
@@ -162,7 +164,13 @@ def parse_entry(entry: str, folder: Path, pip: list[str] = ()) -> tuple[str, obj
     path = folder / script
     if not path.is_file():
         raise SpecError(f"code.entry: {script} not found in {folder} (expected a script with arguments, e.g."
-                        " 'train.py --lr 3e-4', or 'module:function')")
+                        " 'train.py --lr 3e-4', a notebook 'train.ipynb', or 'module:function')")
+    if path.suffix == notebook.SUFFIX:
+        try:
+            notebook.read_cells(path)
+        except notebook.NotebookError as err:
+            raise SpecError(f"code.entry: {err}") from None
+        return "notebook", path, args
     return "script", path, args
 
 

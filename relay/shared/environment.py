@@ -21,6 +21,7 @@ STOP_MID_SAVE = "RELAY_TEST_STOP_MID_SAVE"  # tests: a save at or past this step
 # tests and the emulator: what the session is told it runs on, JSON over what it sees ({"gpus": [names],
 # "torch", "cuda", "python", "image"}): CUDA and Kaggle's images cannot run here
 HARDWARE = "RELAY_TEST_HARDWARE"
+EMULATE_GPU = "RELAY_EMULATE_GPU"  # t4: the session runs as if on that GPU (over the spec's session.emulate); none: not
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class SessionEnvironment:
     kaggle_kernel: bool  # Kaggle's KAGGLE_KERNEL_RUN_TYPE is set: this runs inside a Kaggle kernel
     emulator: bool  # ... of the local emulator, which runs kernels on this machine's CPU
     image: dict  # what Kaggle's Docker image says of itself: its GIT_COMMIT and BUILD_DATE
+    emulate_gpu: Optional[str] = None  # EMULATE_GPU as set ("none" included); None: unset, the spec decides
 
     @classmethod
     def read(cls, environ: Optional[Mapping[str, str]] = None) -> "SessionEnvironment":
@@ -58,4 +60,5 @@ class SessionEnvironment:
             kaggle_kernel=bool(env.get("KAGGLE_KERNEL_RUN_TYPE")),
             emulator=bool(env.get("KAGGLE_EMULATOR")),
             image={"commit": env.get("GIT_COMMIT") or None, "built": env.get("BUILD_DATE") or None},
+            emulate_gpu=env.get(EMULATE_GPU) or None,
         )

@@ -124,6 +124,12 @@ class SessionConfig(_Section):
         " (or rose 3 noise deviations) for 20 steps in a row, or the loss is not finite 3 steps in a row; the"
         " relay then stops and says why instead of spending quota on a diverged run. Part of the exact resume"
         " state. One process only."))
+    emulate: Optional[Literal["t4"]] = Field(None, description=(
+        "Run each session as if on this GPU, on a bigger one (a lent H100 standing in for Kaggle's T4): CUDA"
+        " memory capped at the T4's 15102 MiB (torch.cuda.set_per_process_memory_fraction), so the pre-flight"
+        " and the OOM ladder meet Kaggle's memory, and `optim.precision: auto` resolves to fp16 + GradScaler"
+        " (a T4 has no native bf16). Speed is not emulated. The environment variable RELAY_EMULATE_GPU=t4 (or"
+        " none) overrides it. Nothing off CUDA."))
     devices: Union[Literal["auto"], PositiveInt] = Field("auto", description=(
         "Processes training together: `auto` is every visible GPU (both T4s of a T4 x2), 1 on CPU; or a "
         "number."))
@@ -302,5 +308,6 @@ class CodeConfig(_Section):
 
     folder: str = Field(".", description="Your code's folder, relative to the spec file; shipped with every session.")
     entry: Optional[str] = Field(None, description=(
-        "What a session runs: `train.py --lr 3e-4` or `pkg.module:function`; none with a user recipe."))
+        "What a session runs: `train.py --lr 3e-4`, a notebook `train.ipynb` (its code cells in order) or"
+        " `pkg.module:function`; none with a user recipe."))
     exclude: list[str] = Field(default_factory=list, description="Glob patterns left out of the shipped folder.")

@@ -7,7 +7,8 @@ import random
 import numpy as np
 import torch
 
-from relay.shared.environment import SessionEnvironment
+from relay.kernel.session import memory
+from relay.shared.environment import EMULATE_GPU, SessionEnvironment
 from relay.shared.spec import RunSpec
 
 
@@ -23,6 +24,15 @@ def configure_backends(spec: RunSpec, device: torch.device) -> None:
         torch.backends.cuda.matmul.allow_tf32 = spec.optim.tf32
         torch.backends.cudnn.allow_tf32 = spec.optim.tf32
         torch.backends.cudnn.benchmark = True
+    emulate_gpu(spec, device)
+
+
+def emulate_gpu(spec: RunSpec, device: torch.device) -> "memory.GpuProfile | None":
+    """The GPU the session runs as (session.emulate; RELAY_EMULATE_GPU over it, `none` for none): its memory
+    cap set on `device` now, before anything is allocated there; precision `auto` resolves by it."""
+    told = SessionEnvironment.read().emulate_gpu
+    name, source = (told, EMULATE_GPU) if told is not None else (spec.session.emulate, "session.emulate")
+    return memory.emulate(None if (name or "").lower() in ("", "none") else name, device, source)
 
 
 def seed_everything(seed: int) -> None:

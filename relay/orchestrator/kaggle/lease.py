@@ -60,12 +60,8 @@ def this_machine() -> str:
     containers of one host with one hostname do not see each other's pids). Empty where it cannot be told."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        try:
-            import psutil  # the [train] extra's; the base install judges no pid where /proc is missing
-            boot = f"boot-{int(psutil.boot_time())}"
-        except Exception:  # noqa: BLE001 - no way to tell this machine's boots apart: never judge a pid
-            return ""
+    except OSError:  # not Linux: no way to tell this machine's boots apart, so never judge a pid (the lease
+        return ""      # runs out as it does across machines); the orchestrator needs nothing beyond the stdlib
     try:
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
@@ -77,7 +73,7 @@ UNKNOWN_START = -1.0  # the process lives; when it started cannot be told here
 
 
 def process_started(pid: int) -> Optional[float]:
-    """When the process started (Linux: seconds after boot, from /proc; else psutil's unix time), None when no such
+    """When the process started (Linux: seconds after boot, from /proc), None when no such
     process lives (a zombie acts no more either), UNKNOWN_START when it lives but its start cannot be read."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -88,14 +84,6 @@ def process_started(pid: int) -> Optional[float]:
             return None
     except (OSError, ValueError, IndexError):
         return UNKNOWN_START
-    try:
-        import psutil
-        proc = psutil.Process(pid)
-        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
-    except ImportError:
-        pass
-    except Exception as err:  # noqa: BLE001 - psutil.NoSuchProcess, or one we may not inspect
-        return None if type(err).__name__ == "NoSuchProcess" else UNKNOWN_START
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
