@@ -1,6 +1,6 @@
 """kaggle-relay: quota-sized, exactly-resumable training sessions chained through the Kaggle API.
 
-What user code imports is this module and two beside it, documented in docs/your-code.md ("What your code
+What user code imports is this module and three beside it, documented in docs/your-code.md ("What your code
 imports") and held there by tests/test_public_api.py:
     relay.open_session, relay.Session            the Session API, for your own loop
     relay.Recipe, relay.RecipeParams             a recipe of your own on the relay's loop
@@ -8,6 +8,7 @@ imports") and held there by tests/test_public_api.py:
     relay.CorruptCheckpointError, relay.DiskBudgetError
     relay.hf.RelayCallback                       the Hugging Face Trainer callback
     relay.lightning.RelayLightningCallback       the Lightning callback
+    relay.accelerate.RelayAccelerate             Hugging Face Accelerate in your own loop
 These paths stay when the modules behind them move. Each name is imported on first use, so `import relay`
 stays cheap and torch-free (an orchestrator-only install has no torch).
 """

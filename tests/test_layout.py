@@ -3,9 +3,9 @@ runs: relay/shared (what crosses it: the spec, the checkpoint manifest, progress
 (inside the Kaggle session), relay/orchestrator (where Prefect runs), relay/emulator (Kaggle's local double).
 Each side imports only itself and the shared part; flows/ and tasks/ are shells over the orchestrator side; the
 faces (the commands: relay/cli.py, launch.py, doctor.py, front_door.py; the public surface user code imports:
-relay/__init__.py, hf.py, lightning.py and the paths documented before the split) may use both sides, and nothing
-imports a face but a face (and the flows, the front door relay.front_door). A kernel needs neither Prefect nor the
-`kaggle` client, and orchestrator changes cannot break a running session."""
+relay/__init__.py, hf.py, lightning.py, accelerate.py and the paths documented before the split) may use both
+sides, and nothing imports a face but a face (and the flows, the front door relay.front_door). A kernel needs
+neither Prefect nor the `kaggle` client, and orchestrator changes cannot break a running session."""
 from __future__ import annotations
 
 import ast
@@ -18,8 +18,8 @@ SIDES = ("relay.shared", "relay.kernel", "relay.orchestrator", "relay.emulator")
 COMMANDS = {"relay.__main__", "relay.cli", "relay.launch", "relay.doctor", "relay.front_door"}
 # What user code imports (docs/your-code.md), and the paths documented before the package split (deprecated).
 # It runs inside the session: it ships in the kernel bundle and imports only the kernel side and the shared part.
-PUBLIC = {"relay", "relay.hf", "relay.lightning", "relay.recipes", "relay.integrations", "relay.integrations.hf",
-          "relay.integrations.lightning"}
+PUBLIC = {"relay", "relay.hf", "relay.lightning", "relay.accelerate", "relay.recipes", "relay.integrations",
+          "relay.integrations.hf", "relay.integrations.lightning"}
 FACES = COMMANDS | PUBLIC
 # what each part may import, besides itself
 MAY_IMPORT = {"relay.shared": (), "relay.kernel": ("relay.shared",), "relay.orchestrator": ("relay.shared",),

@@ -42,10 +42,12 @@ def resolve(dotted: str):
 def test_the_documented_names_are_exactly_the_public_surface_and_each_imports():
     import relay
     import relay.hf
+    import relay.accelerate
     import relay.lightning
 
     documented = re.findall(r"^\| `(relay\.[\w.]+)` \|", documented_section(), re.M)
-    exported = {f"{m.__name__}.{n}" for m in (relay, relay.hf, relay.lightning) for n in m.__all__}
+    exported = {f"{m.__name__}.{n}" for m in (relay, relay.hf, relay.lightning, relay.accelerate)
+                for n in m.__all__}
     assert len(documented) == len(set(documented)) and set(documented) == exported, (documented, exported)
     for dotted in documented:
         obj = resolve(dotted)

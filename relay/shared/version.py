@@ -11,7 +11,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]  # relay/
 # paths documented before the package split included. The orchestrator and the emulator stay home: changing
 # them changes no code version.
 KERNEL_PARTS = ("__init__.py", "__main__.py", "cli.py", "front_door.py", "shared", "kernel",
-                "hf.py", "lightning.py", "recipes.py", "integrations")
+                "hf.py", "lightning.py", "accelerate.py", "recipes.py", "integrations")
 
 
 def kernel_files(package_dir: Path = PACKAGE_DIR) -> list[tuple[str, Path]]:
