@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The CUDA paths on a lent GPU machine (no CI runs there): every tiny spec trained by `relay train`, the
 # plain-loop example with AMP relayed over sessions by `relay verify-resume`, the HF and Lightning examples likewise.
-# Run from the repo root: `bash bench/gpu_check.sh OUT_DIR`. Each run's progress.json summary and wall time
-# are printed; logs go to OUT_DIR. On a CPU-only machine the same commands take the CPU paths.
+# Run from the repo root: `bash bench/gpu_check.sh OUT_DIR [SECTION ...]`, sections `tiny vqa loop exact` (all by
+# default; the whole takes over 10 minutes on an H100, so a lent machine's one call picks some). Each run's
+# progress.json summary and wall time are printed; logs go to OUT_DIR. On a CPU-only machine the same commands take
+# the CPU paths.
 set -uo pipefail
 # The lent GPU image lacks pydantic: carry its wheels (`.whl/`, ignored by git; fetched with `pip download --no-deps
 # --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl pydantic==2.14.4
@@ -13,6 +15,9 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 out=${1:-/tmp/gpu-check}
 mkdir -p "$out"
+sections=("${@:2}")
+[ ${#sections[@]} -eq 0 ] && sections=(tiny vqa loop exact)
+want() { [[ " ${sections[*]} " == *" $1 "* ]]; }
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 relay=("$py" -m relay)
@@ -48,20 +53,25 @@ run_tiny() {  # recipe-data-name spec
 }
 
 declare -A spec_data=([price-tiny]=price [vqa-tiny]=vqa [legal-tiny]=legal [temporal-tiny]=temporal [recsys-tiny]=recsys)
-run_tiny price-model examples/price-tiny.yaml
-run_tiny vqa examples/vqa-tiny.yaml
-run_tiny legal examples/legal-tiny.yaml
-run_tiny temporal examples/temporal-tiny.yaml
-run_tiny recsys examples/recsys-tiny.yaml
+if want tiny; then
+  run_tiny price-model examples/price-tiny.yaml
+  run_tiny vqa examples/vqa-tiny.yaml
+  run_tiny legal examples/legal-tiny.yaml
+  run_tiny temporal examples/temporal-tiny.yaml
+  run_tiny recsys examples/recsys-tiny.yaml
+fi
 
 # The pre-flight's figure against the session's peak per phase (issue 48): the real-size VQA student
 # (examples/vqa-t4.yaml on `relay data vqa` data) for 12 steps with an eval and a save, as this GPU and as a T4
 # (RELAY_EMULATE_GPU=t4: 15102 MiB cap, fp16 + GradScaler), both sessions at once (~2-3 min on an H100).
-t0=$SECONDS
-"$py" bench/bench_vqa.py --preflight --out "$out" 2>"$out/vqa-preflight.err" || { echo "vqa pre-flight: FAILED"; tail -5 "$out/vqa-preflight.err"; }
-echo "vqa pre-flight vs session peaks: $((SECONDS - t0)) s (logs $out/vqa-preflight-*.log)"
+if want vqa; then
+  t0=$SECONDS
+  "$py" bench/bench_vqa.py --preflight --out "$out" 2>"$out/vqa-preflight.err" || { echo "vqa pre-flight: FAILED"; tail -5 "$out/vqa-preflight.err"; }
+  echo "vqa pre-flight vs session peaks: $((SECONDS - t0)) s (logs $out/vqa-preflight-*.log)"
+fi
 
 # The plain loop with fp16 autocast + GradScaler, split into sessions (one killed mid-save) vs one run.
+want exact || { rm -rf "$work"; exit 0; }
 sed 's/entry: train.py --lr 0.003/entry: train.py --lr 0.003 --amp/' examples/byo-plain/spec.yaml >examples/byo-plain/spec-amp.yaml
 t0=$SECONDS
 "${relay[@]}" verify-resume examples/byo-plain/spec-amp.yaml --steps 120 >"$out/byo-plain-amp.log" 2>&1

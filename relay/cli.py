@@ -221,10 +221,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_verify_resume(args: argparse.Namespace) -> int:
-    from relay.kernel.verify import verify_resume
+    from relay.kernel.verify import parse_cuts, verify_resume
 
     verdict = verify_resume(Path(args.spec), args.steps, seed=args.seed,
-                            workdir=Path(args.workdir) if args.workdir else None)
+                            workdir=Path(args.workdir) if args.workdir else None,
+                            cut_at=parse_cuts(args.cut_at) if args.cut_at is not None else None)
     print(verdict.text())
     return 0 if verdict.identical else 1
 
@@ -247,6 +248,33 @@ def cmd_emulator(args: argparse.Namespace) -> int:
     from relay.emulator.serve_command import main as emulator_main
 
     return emulator_main(args.rest) or 0
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from relay import __version__
+    from relay.front_door import load_spec
+    from relay.orchestrator import repo_init
+
+    root = Path(args.path)
+    files = repo_init.plan(root, args.entry, __version__, name=args.name, spec=args.spec,
+                           wheel=Path(args.wheel) if args.wheel else None, git=args.git)
+    # the skeleton through the front door (the entry exists, a notebook's cells run) before anything is written;
+    # the draft sits at the root (code.folder "."), so no folder of the spec's path is made for it
+    with tempfile.NamedTemporaryFile("w", dir=root, prefix=".relay-init-", suffix=".yaml") as draft:
+        draft.write(files.draft)
+        draft.flush()
+        try:
+            load_spec(draft.name)
+        except InputError as err:  # named as the file it would be
+            raise InputError(str(err).replace(draft.name, args.spec)) from None
+    written = repo_init.write(files)
+    print(f"relay init: wrote {', '.join(written)} in {root}; the workflow installs {files.install}")
+    print(f"next: the Session API in your code (docs/your-code.md), `relay verify-resume {args.spec} --steps 60`,"
+          " the repository secrets KAGGLE_USERNAME and KAGGLE_KEY, then commit and push: the workflow ticks every"
+          " 15 minutes (or run it from the Actions tab)")
+    return 0
 
 
 _UNSET = object()
@@ -325,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("spec")
     v.add_argument("--steps", type=_steps, default=None, help="optimizer steps to compare (default 3 sessions' worth)")
     v.add_argument("--seed", type=int, default=0, help="picks the random cut points")
+    v.add_argument("--cut-at", metavar="STEPS", help="the steps to cut the split run at, e.g. 32,64 (default: the"
+                                                     " first epoch ends, log and eval steps, and 3 random steps)")
     v.add_argument("--workdir", help="where both runs go (default: a new temporary folder)")
     v.set_defaults(func=cmd_verify_resume)
 
@@ -348,6 +378,20 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the canary kernel")
     dr.add_argument("--poll", type=float, default=5.0, help="seconds between its status checks")
     dr.set_defaults(func=cmd_doctor)
+
+    it = sub.add_parser("init", help="make a repository relay itself: a spec skeleton for its entry and a GitHub"
+                                     " Actions workflow that ticks it with a pinned kaggle-relay (writes only new files)")
+    it.add_argument("path", nargs="?", default=".", help="the repository's root (default: the current folder)")
+    it.add_argument("--entry", required=True, help="what a session runs: 'train.py --lr 3e-4', 'train.ipynb' or"
+                                                   " 'module:function', relative to PATH")
+    it.add_argument("--name", help="the relay's name (default: from the folder's name)")
+    it.add_argument("--spec", default="spec.yaml", help="the spec to write, relative to PATH (default spec.yaml)")
+    source = it.add_mutually_exclusive_group()
+    source.add_argument("--wheel", metavar="FILE", help="install kaggle-relay from this wheel, copied to"
+                                                        " .github/relay/ (default: kaggle-relay==VERSION from PyPI)")
+    source.add_argument("--git", metavar="URL[@REF]", help="install kaggle-relay from this git repository (REF"
+                                                           " default: the tag vVERSION)")
+    it.set_defaults(func=cmd_init)
 
     e = sub.add_parser("emulator", help="the local Kaggle API emulator (relay emulator serve --help)")
     e.add_argument("rest", nargs=argparse.REMAINDER)

@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 from typing import Optional
 
+from relay.shared.code_folder import mark_outputs
 from relay.shared.errors import InputError
 from relay.shared.version import PACKAGE_DIR
 
@@ -59,7 +60,11 @@ def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: 
                          " --submit the relay runs here")
     run_spec = load_spec(path)  # a bad spec: one line, exit 2, nothing pushed
     folder = outputs_dir(path, out)
+    if run_spec.code is not None and Path(run_spec.code.folder).resolve().is_relative_to(folder.resolve()):
+        raise InputError(f"code.folder: {run_spec.code.folder} is inside the relay's output folder {folder};"
+                         " point it at the folder of your code (or --out elsewhere)")
     folder.mkdir(parents=True, exist_ok=True)
+    mark_outputs(folder)  # never shipped as code, whatever it is named (relay.shared.code_folder)
     # `relay emulator serve`'s exports proxy HTTP to the emulator; the embedded Prefect server is on 127.0.0.1
     for name in ("NO_PROXY", "no_proxy"):
         hosts = [h for h in os.environ.get(name, "").split(",") if h]

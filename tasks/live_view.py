@@ -37,16 +37,19 @@ class LiveView:
     def __init__(self, backend, names, local: Path, session_max_steps: Optional[int] = None,
                  stuck_after_s: float = 1800.0, notify: Callable[[str, str], None] = lambda key, text: None,
                  plan: Callable[[Optional[dict], Optional[Eta]], str] = lambda progress, eta: "",
-                 marks: Optional["TickMarks"] = None):
+                 marks: Optional["TickMarks"] = None,
+                 finish: Callable[[Optional[dict], Optional[Eta]], str] = lambda progress, eta: ""):
         self.backend, self.names, self.local = backend, names, local
         self.marks = marks  # a tick's: what the earlier ticks showed
         self.session_max_steps, self.stuck_after_s = session_max_steps, stuck_after_s
         self.notify, self.plan = notify, plan
+        self.finish = finish  # the run's finish, policy.forecast's: the one the summary's plan and `relay status` say
         self.live: Optional[LiveSession] = None
         self.progress_artifact: Optional[str] = None  # this flow run's progress artifact, updated in place
         self._warned: set = set()
         self._logged = self._summarized = -1  # the tenth logged and the quarter summarized of this session
         self._seen = 0                          # records of this session read by refresh
+        self._eval_shown: Optional[list] = None  # [step, metric names] of the newest eval shown
 
     def follow(self, run_id: str) -> LiveSession:
         """The follower of `run_id`'s session (a new one for a new run, or when the last stream ended empty:
@@ -54,8 +57,10 @@ class LiveView:
         if self.live is None or self.live.run_id != run_id or (self.live.ended and not self.live.records):
             self.live = LiveSession(self.backend, self.names.kernel, run_id).start()
             self._logged, self._summarized, self._seen = -1, -1, 0  # a new session: its events start again
+            self._eval_shown = None
             if self.marks is not None:
                 self._logged, self._summarized, warned, self.progress_artifact = self.marks.recall(run_id)
+                self._eval_shown = self.marks.eval_shown(run_id)
                 self._warned |= {(run_id, key) for key in warned}
         return self.live
 
@@ -120,13 +125,18 @@ class LiveView:
             logger.warning("progress of %s not logged: %s", live.run_id, err)
         if self.marks is not None:
             self.marks.keep(run_id=live.run_id, logged=self._logged, summarized=self._summarized,
+                            eval_shown=self._eval_shown,
                             warned=sorted(key for run_id, key in self._warned if run_id == live.run_id))
 
     def _events(self, upto: list) -> tuple:
         """(log line?, summary version?) for the newest of `upto`: a tenth (for the log) or a quarter (for the
         summary) of the session's steps passed, an eval, the session's end."""
         record = upto[-1]
-        if record.get("kind") == "eval":
+        if record.get("kind") == "eval":  # once: a tick reads the session's history again from its start
+            shown = [int(record.get("step") or 0), sorted(k for k in record if k.startswith("eval_"))]
+            if self._eval_shown is not None and (shown[0] < self._eval_shown[0] or shown == self._eval_shown):
+                return False, False
+            self._eval_shown = shown
             return True, True
         if record.get("kind") not in ("train", "end"):
             return False, False
@@ -140,11 +150,14 @@ class LiveView:
     def _log(self, upto: list, progress: Optional[dict]) -> None:
         record = upto[-1]
         newest = self._newest(upto) or record  # an eval before the session's first train line
+        step = newest["step"]
+        if record.get("kind") == "eval":  # at its own step: the newest train line (rate-bounded) can be older
+            step, newest = record.get("step"), newest if newest.get("step") == record.get("step") else {}
         loss = newest.get("loss")
         said = f", loss {loss:.4g}" if isinstance(loss, (int, float)) else ""
         if record.get("kind") == "eval":
             said += f"; eval {_pairs(record)}"
-        get_run_logger().info("%s step %s of %s%s; %s", self.live.run_id, newest["step"],
+        get_run_logger().info("%s step %s of %s%s; %s", self.live.run_id, step,
                               self._total(upto, progress), said, eta_text(upto, self.session_max_steps))
 
     def _text(self, upto: list, progress: Optional[dict], kernel_state: str) -> str:
@@ -152,7 +165,18 @@ class LiveView:
         steps = int(newest["step"]) - int(upto[0].get("step_start") or 0)
         return (f"{self.names.name}: step {newest['step']} of {self._total(upto, progress)}; session"
                 f" {newest.get('session')} ({self.live.run_id}): {steps} steps, {kernel_state};"
-                f" {eta_text(upto, self.session_max_steps)}; updated {time.strftime('%H:%M:%S UTC', time.gmtime())}")
+                f" {eta_text(upto, self.session_max_steps)}{self._finish(upto, progress)};"
+                f" updated {time.strftime('%H:%M:%S UTC', time.gmtime())}")
+
+    def _finish(self, upto: list, progress: Optional[dict]) -> str:
+        """'; finish ~...' as the plan says it, from the same progress and estimate the summary's plan is given."""
+        try:
+            said = self.finish({**(progress or {}), "total_steps": self._total(upto, progress)},
+                               estimate(upto, self.session_max_steps))
+        except Exception as err:  # noqa: BLE001 - a finish that cannot be told is left out, never fatal
+            get_run_logger().info("no finish estimate: %s", err)
+            return ""
+        return f"; {said}" if said else ""
 
     @staticmethod
     def _newest(records: list) -> Optional[dict]:
@@ -212,8 +236,14 @@ class TickMarks:
         return (self._kept.get("logged", -1) if same else -1, self._kept.get("summarized", -1) if same else -1,
                 self._kept.get("warned", []) if same else [], self._kept.get("progress_artifact"))
 
+    def eval_shown(self, run_id: str) -> Optional[list]:
+        """[step, metric names] of the newest eval of `run_id`'s session an earlier tick showed."""
+        self.recall()
+        return self._kept.get("eval_shown") if self._kept.get("run_id") == run_id else None
+
     def keep(self, **changes) -> None:
-        """Write the marks with `changes` (run_id, logged, summarized, warned, progress_artifact), if any."""
+        """Write the marks with `changes` (run_id, logged, summarized, warned, eval_shown, progress_artifact),
+        if any."""
         from prefect.variables import Variable
 
         self.recall()

@@ -84,3 +84,42 @@ def test_one_eta_a_step_capped_session_ends_at_its_cap_and_the_plan_keeps_its_re
         assert text.startswith(f"running: session 2, started {started} UTC,") and "at step 300 (its step cap)" \
             in text, text
         assert "(no plan yet" not in text and "150 (300->450" in text, text
+
+
+def test_the_flow_log_says_an_eval_at_its_own_step_once(monkeypatch):
+    """Train lines are rate-bounded, evals always print: the newest train line (step 10) is older than the eval
+    (step 32). The flow's log names the eval's step, and a tick reading the session's history again (each tick
+    is a flow run of its own) does not log it again."""
+    from types import SimpleNamespace
+
+    import tasks.live_view as live_view
+    from relay.shared.progress_line import ProgressLines, parse
+
+    lines = []
+    progress = ProgressLines(1, 0, 120, every_s=1e9, write=lines.append, run_id="ev-s001-a1")
+    for step in range(10, 41):
+        progress({"kind": "train", "step": step, "loss": 1.0 / step})
+        if step == 32:
+            progress({"kind": "eval", "step": 32, "accuracy": 0.75})
+    records = [parse(line) for line in lines]
+    assert [(r["kind"], r["step"]) for r in records] == [("train", 10), ("eval", 32)]
+
+    said = []
+    monkeypatch.setattr(live_view, "get_run_logger", lambda: SimpleNamespace(
+        info=lambda msg, *a: said.append(msg % a), warning=lambda msg, *a: said.append(msg % a)))
+    monkeypatch.setattr(live_view.LiveView, "show_progress", lambda self, *a: None)
+    monkeypatch.setattr(live_view.artifacts, "publish_running", lambda *a, **k: None)
+    marks = live_view.TickMarks("ev")
+    marks._kept = {}
+    monkeypatch.setattr(marks, "keep", lambda **changes: marks._kept.update(changes))
+    names = SimpleNamespace(name="ev", kernel="u/ev", owner="u")
+    monkeypatch.setattr(live_view, "LiveSession", lambda backend, kernel, run_id: SimpleNamespace(
+        start=lambda: SimpleNamespace(run_id=run_id, records=records, ended=False, silent_for=lambda: 0.0)))
+    for tick in range(2):  # two ticks of one running session, each a view of its own reading it from its start
+        view = live_view.LiveView(None, names, None, session_max_steps=40, marks=marks)
+        view.follow("ev-s001-a1")
+        view.refresh(None, "running")
+        view.refresh(None, "running")  # nothing new
+    evals = [s for s in said if "eval" in s]
+    assert len(evals) == 1, said
+    assert evals[0].startswith("ev-s001-a1 step 32 of 120; eval accuracy 0.75"), evals

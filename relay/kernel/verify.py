@@ -1,7 +1,8 @@
 """`relay verify-resume SPEC --steps N`: prove a training script resumes exactly before quota is spent on it.
 
-Run A trains N steps in one session. Run B trains the same N steps as several sessions cut at random steps,
-one of them SIGKILLed in the middle of a checkpoint save (after its state file is written, before the
+Run A trains N steps in one session. Run B trains the same N steps as several sessions, cut where loops
+usually do something (the first epoch ends, log and eval steps: a script's work after step_done is where a
+resume goes wrong) and at random steps, or at the steps `--cut-at` names; one of them SIGKILLed in the middle of a checkpoint save (after its state file is written, before the
 manifest commits it: the kill is triggered by that event, not by a timer). Then the two final checkpoints are
 compared tensor by tensor: model, optimizer, scheduler, scaler, RNG, everything the checkpoint holds except the
 session bookkeeping (times, session records). Prints `identical` or the first tensor that differs and by how much.
@@ -46,6 +47,7 @@ class Verdict:
     seconds: float = 0.0
     diagnosis: Optional[str] = None  # the first step the runs part, and why (relay.kernel.session.trace)
     lost_files: list = field(default_factory=list)  # written by the script outside its workdir
+    cuts: list = field(default_factory=list)  # (step, why it is cut there)
 
     def text(self) -> str:
         split = ", ".join(f"{a}->{b}{'' if how == 'ok' else ' (' + how + ')'}" for a, b, how in self.sessions)
@@ -55,11 +57,41 @@ class Verdict:
         lost = (f"\n  warning: the script wrote {', '.join(self.lost_files[:5])}"
                 f"{' ...' if len(self.lost_files) > 5 else ''} in its code folder: a Kaggle session keeps only"
                 " what is written under session.workdir" if self.lost_files else "")
-        return f"{head}\n  {self.steps} steps straight vs sessions {split}; {self.seconds:.1f} s{why}{lost}"
+        cuts = ", ".join(f"{step} ({why})" for step, why in self.cuts)
+        cuts = f"\n  cut at steps {cuts}" if cuts else ""
+        return f"{head}\n  {self.steps} steps straight vs sessions {split}; {self.seconds:.1f} s{cuts}{why}{lost}"
+
+
+def parse_cuts(text: str) -> list[int]:
+    """`--cut-at 32,64`: the steps after which a session of the split run ends."""
+    try:
+        cuts = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        cuts = []
+    if not cuts or cuts[0] < 1:
+        raise InputError(f"relay verify-resume: --cut-at {text}: give the steps to cut at as positive integers"
+                         " separated by commas (--cut-at 32,64)")
+    return cuts
+
+
+def cut_points(steps: int, seed: int, steps_per_epoch: Optional[int], log_every: Optional[int],
+               eval_every: Optional[int]) -> list[tuple[int, str]]:
+    """(step, why) of the default cuts: the first two epoch ends, the first log and eval steps (where a loop
+    evaluates, logs or builds a DataLoader after step_done), and three random steps; all inside (0, steps)."""
+    found: dict[int, str] = {}
+    for every, why, count in ((steps_per_epoch, "epoch end", 2), (eval_every, "eval step", 1),
+                              (log_every, "log step", 1)):
+        for step in [every * k for k in range(1, count + 1)] if every else []:
+            if 0 < step < steps:
+                found.setdefault(step, why)
+    for step in random.Random(seed).sample(range(1, steps), 3):
+        found.setdefault(step, "random")
+    return sorted(found.items())
 
 
 def verify_resume(spec_path: Path, steps: Optional[int] = None, *, seed: int = 0,
-                  workdir: Optional[Path] = None, timeout: float = 1800) -> Verdict:
+                  workdir: Optional[Path] = None, timeout: float = 1800,
+                  cut_at: Optional[list[int]] = None) -> Verdict:
     from relay.kernel.session import checkpoint
     from relay.kernel.usercode import check_code
     from relay.shared import spec as spec_mod
@@ -73,6 +105,9 @@ def verify_resume(spec_path: Path, steps: Optional[int] = None, *, seed: int = 0
         raise InputError(f"relay verify-resume: --steps {steps} is more than the run's optim.max_steps ({total})")
     if steps < 4:
         raise InputError("relay verify-resume: --steps must be at least 4 (three cuts and a kill need room)")
+    if cut_at and max(cut_at) >= steps:
+        raise InputError(f"relay verify-resume: --cut-at {max(cut_at)}: every cut must be a step before the"
+                         f" last (--steps {steps})")
     root = (Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="relay-verify-"))).resolve()  # entries chdir
     root.mkdir(parents=True, exist_ok=True)
     spec_copy = _spec_copy(spec_path, root)
@@ -81,7 +116,13 @@ def verify_resume(spec_path: Path, steps: Optional[int] = None, *, seed: int = 0
     code = Path(spec.code.folder) if spec.code else None
     before = _files(code, root)
     _train(spec_copy, a, steps, timeout)
-    cuts = sorted(random.Random(seed).sample(range(1, steps), 3)) + [steps]
+    if cut_at:
+        chosen = [(step, "--cut-at") for step in sorted(set(cut_at))]
+    else:  # the straight run's progress.json knows its epoch's length (a schedule from session.batches)
+        per_epoch = json.loads((a / "progress.json").read_text()).get("steps_per_epoch")
+        chosen = cut_points(steps, seed, per_epoch, spec.optim.log_every_steps,
+                            spec.optim.eval_every_steps)
+    cuts = [step for step, _ in chosen] + [steps]
     sessions, step, killed = [], 0, False
     while step < steps:
         target = next(c for c in cuts if c > step)
@@ -99,7 +140,7 @@ def verify_resume(spec_path: Path, steps: Optional[int] = None, *, seed: int = 0
     why = trace.diagnose(_trace_file(a), _trace_file(b)) if diffs else None
     lost = sorted(rel for rel, mtime in _files(code, root).items() if before.get(rel) != mtime)
     return Verdict(not diffs, steps, sessions, diffs[0] if diffs else None, len(diffs), time.monotonic() - t0, why,
-                   lost)
+                   lost, chosen)
 
 
 def _files(folder: Optional[Path], skip: Path) -> dict:

@@ -15,7 +15,13 @@ CODE_DIR_ENV = environment.CODE_DIR  # set by the session kernel: where it unpac
 # to what a script reasonably is: past 2 MB the folder holds data or weights, which belong in a dataset
 # (kaggle.dataset_sources), versioned and mounted, not re-uploaded with every session.
 MAX_CODE_BYTES = 2_000_000
-_ALWAYS_EXCLUDED = ("__pycache__", "*.pyc", ".*", "relay-run", "*.egg-info")
+_ALWAYS_EXCLUDED = ("__pycache__", "*.pyc", ".*", "relay-run", "relay-runs", "*.egg-info")
+# The relay's own outputs are never code. By name: the Session API's default workdir (relay-run/, anywhere),
+# `relay run`'s default --out (relay-runs/) and the flows' default state_dir (runs/, at the folder's top).
+# Whatever they are named: a folder the orchestrator marked as its outputs (mark_outputs) is skipped, so a
+# spec beside train.py does not ship its earlier sessions' outputs with every later one.
+_TOP_LEVEL_EXCLUDED = ("runs",)
+OUTPUTS_MARKER = ".relay-outputs"
 
 
 def resolve_folder(spec_path: Path, folder: str) -> Path:
@@ -27,18 +33,36 @@ def resolve_folder(spec_path: Path, folder: str) -> Path:
 
 
 def code_files(folder: Path, exclude: list[str] = ()) -> list[tuple[str, Path]]:
-    """(relative posix path, file) of everything that ships, sorted; hidden files, caches and the local
-    default workdir (relay-run/) never do."""
+    """(relative posix path, file) of everything that ships, sorted; hidden files, caches and the relay's
+    own outputs (relay-run/, relay-runs/, a top-level runs/, a folder marked by mark_outputs) never do."""
     patterns = [*_ALWAYS_EXCLUDED, *exclude]
     out = []
     for root, dirs, files in os.walk(folder):
         rel_root = Path(root).relative_to(folder)
-        dirs[:] = sorted(d for d in dirs if not _excluded((rel_root / d).as_posix(), d, patterns))
+        dirs[:] = sorted(d for d in dirs if not _excluded((rel_root / d).as_posix(), d, patterns)
+                         and not (rel_root == Path(".") and d in _TOP_LEVEL_EXCLUDED)
+                         and not (Path(root) / d / OUTPUTS_MARKER).is_file())
         for name in sorted(files):
             rel = (rel_root / name).as_posix()
             if not _excluded(rel, name, patterns):
                 out.append((rel, Path(root) / name))
     return out
+
+
+def mark_outputs(folder: Path) -> None:
+    """Mark `folder` as the relay's outputs (where `relay run` and the flows keep each spec's runs/NAME)."""
+    marker = Path(folder) / OUTPUTS_MARKER
+    if not marker.is_file():
+        marker.write_text("kaggle-relay's outputs: never shipped as code\n")
+
+
+def outputs_holding(folder: Path) -> Path | None:
+    """The relay's output folder that `folder` is (or lies inside), else None."""
+    folder = Path(folder).resolve()
+    for place in (folder, *folder.parents):
+        if (place / OUTPUTS_MARKER).is_file() or place.name in ("relay-runs", "relay-run"):
+            return place
+    return None
 
 
 def _excluded(rel: str, name: str, patterns: list[str]) -> bool:

@@ -12,7 +12,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from relay.shared import params as params_mod
-from relay.shared.code_folder import MAX_CODE_BYTES, code_files, resolve_folder
+from relay.shared.code_folder import MAX_CODE_BYTES, code_files, outputs_holding, resolve_folder
 from relay.shared.errors import InputError
 from relay.shared.inputs import DuplicateKey, decode_utf8, load_yaml
 from relay.shared.spec_sections import (  # noqa: F401 (re-exported: the spec's sections and duration helpers)
@@ -117,6 +117,10 @@ def _check_code_section(spec: RunSpec) -> None:
     folder = Path(code.folder)
     if not folder.is_dir():
         raise SpecError(f"code.folder: {folder} is not a folder")
+    outputs = outputs_holding(folder)
+    if outputs is not None:  # it would ship the relay's outputs, and grow with every session
+        raise SpecError(f"code.folder: {folder} is inside the relay's output folder {outputs}; point it at"
+                        " the folder of your code")
     size = sum(f.stat().st_size for _, f in code_files(folder, code.exclude))
     if size > MAX_CODE_BYTES:
         raise SpecError(f"code.folder: {folder} holds {size / 1e6:.1f} MB to ship; at most {MAX_CODE_BYTES / 1e6:g} MB"

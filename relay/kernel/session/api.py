@@ -107,10 +107,12 @@ class Session:
         self.stop_reason: Optional[str] = None
         self.closed = False
         self._book = {"sessions": [], "best": None, "last_eval": {}}
-        self._losses: list = []
+        self._losses: list = []  # the losses since the last log step, as given (device tensors unread)
+        self._loss_steps: list[int] = []  # the step of each: what the divergence guard's reason names
         self._mark = time.perf_counter()
         self._last_save = time.monotonic()
-        self._saved_step: Optional[int] = None
+        self._saved_step: Optional[int] = None  # a save at this step holds the session's final state
+        self._insurance_skipped = False  # once, at the step the session stops after (close() saves)
         self._schedule: Optional[data.StepSchedule] = None
         self._session_samples = 0
         self._train_seconds = 0.0
@@ -172,6 +174,9 @@ class Session:
             if self._divergence is not None:  # its history: it stops, or not, at the uninterrupted run's step
                 self._divergence.load_state_dict(self._book.pop("divergence", None))
             self.step = self._saved_step = int(self._book["global_step"])
+            # the window's steps (a checkpoint written before they were saved: one loss a step, up to here)
+            self._loss_steps = list(self._book.pop("window_steps", None)
+                                    or range(self.step - len(self._losses) + 1, self.step + 1))
             rng.restore(state, self.world, self._device(), self.config.seed, self.step)
             books.warn_if_threads_changed(self._book.get("threads"))
             log.info("resumed from %s (step %d)", ckpt.path, self.step)
@@ -206,9 +211,9 @@ class Session:
         batch costs one permutation (O(1) in the step), never a replay of the batches before it. With several
         processes, `batch_size` is the effective batch and rank r gets the r-th equal slice of it."""
         seed = self.config.seed if seed is None else seed
-        api_distributed.rank_batch(self.world, batch_size)
         s = self._schedule
-        if s is None or (s.n_samples, s.effective_batch, s.seed) != (n_samples, batch_size, seed):
+        if s is None or s.effective_batch != batch_size or s.n_samples != n_samples or s.seed != seed:
+            api_distributed.rank_batch(self.world, batch_size)  # checked once per schedule, not every step
             self._schedule = s = data.StepSchedule(n_samples, batch_size, seed, setting="batch_size")
         indices = data.rank_indices(s, self.step, self.world.rank, self.world.size)
         if self._trace:
@@ -247,37 +252,53 @@ class Session:
         """Count one optimizer step: its time (from the previous step_done, data loading included),
         its loss into metrics.jsonl every `log_every` steps, and a periodic insurance save. `samples`: the
         step's batch, for samples/s, when the script does not take its batches from session.batches()."""
-        now = time.perf_counter()
-        self.clock.record_step(now - self._mark)
-        self._train_seconds += now - self._mark
+        seconds = time.perf_counter() - self._mark
+        self.clock.record_step(seconds)
+        self._train_seconds += seconds
         if self._trace:
             self._trace.step_done(self, loss, sys._getframe(1))
-        self.step += 1
-        if samples is not None or self._schedule is not None:
-            self._session_samples += samples if samples is not None else self._schedule.effective_batch
+        self.step = step = self.step + 1
+        if samples is not None:
+            self._session_samples += samples
+        elif self._schedule is not None:
+            self._session_samples += self._schedule.effective_batch
         if loss is not None:
+            # Kept as given: a CUDA tensor is not read here (float() would wait for the GPU every step, 1.17x the
+            # hand-written loop's step time on an H200), but with its window at the next log step, all at once.
             self._losses.append(loss)
-            if self._divergence is not None and self.world.size == 1 and self.diverged is None:
-                self.diverged = self._divergence.update(self.step, loss)
+            self._loss_steps.append(step)
         if self.world.size > 1:
             return self._step_done_together(save, metrics)
-        if (self._losses or metrics) and (self.step % self.config.log_every == 0
-                                          or self.step == self.total_steps):
-            losses = [float(x) for x in self._losses]
-            self._losses.clear()
-            self.log("train", loss=sum(losses) / len(losses) if losses else None, **metrics)
+        if step % self.config.log_every == 0 or step == self.total_steps:
+            self._end_window(metrics)
         if save and self.insurance_due():
-            self.save("periodic")
+            if self._insurance_skipped or self.core.stop_reason(self.step, self.diverged) is None:
+                self.save("periodic")
+            else:  # the session stops after this step: close() saves then, with what the loop runs after
+                self._insurance_skipped = True  # step_done (an eval's RNG draws); once, for a loop that goes on
         self._mark = time.perf_counter()
+
+    def _end_window(self, metrics: dict) -> None:
+        """A log step: the window's losses read off the device at once, judged by the divergence guard, logged.
+        The guard judges only here, at steps that do not depend on where sessions are cut (multiples of log_every,
+        the last step); a save between them carries the unjudged window (window_losses, window_steps) and the
+        guard's history as of the last log step, so a split run stops, or not, at the uninterrupted run's step."""
+        losses, steps = read_losses(self._losses), self._loss_steps
+        self._losses, self._loss_steps = [], []
+        if losses and self._divergence is not None and self.diverged is None:
+            self.diverged = self._divergence.update_many(steps, losses)
+        if losses or metrics:
+            self.log("train", loss=sum(losses) / len(losses) if losses else None, **metrics)
 
     def _step_done_together(self, save: bool, metrics: dict) -> None:
         """step_done's logging and insurance save, agreed by every rank in one all-reduce."""
         log_due = self.step % self.config.log_every == 0 or self.step == self.total_steps
         clock_reason = None if self.step >= self.total_steps else self.clock.should_stop()
-        _, save_now, mean = self._agreement.decide(self.step, clock_reason, save and self.insurance_due(),
-                                                   self._losses if log_due else None)
+        insure = save and self.step < self.total_steps and self.insurance_due()  # at a stop: close() saves
+        _, save_now, mean = self._agreement.decide(self.step, clock_reason, insure,
+                                                   read_losses(self._losses) if log_due else None)
         if log_due:
-            self._losses.clear()
+            self._losses, self._loss_steps = [], []
             if mean is not None or metrics:
                 self.log("train", loss=mean, **metrics)
         if save_now:
@@ -316,8 +337,11 @@ class Session:
         its own checkpoint that this one packs; the clock plans the final save with both phases."""
         t0 = time.perf_counter() if started is None else started
         self._update_record(reason)
+        # the window not yet logged and judged, read now (a save waits for the device anyway) and kept read: a
+        # session resumed inside it logs the uninterrupted run's mean, and its guard judges the same losses
+        self._losses = read_losses(self._losses)
         self._book.update(global_step=self.step, threads=torch.get_num_threads(),
-                          window_losses=[float(x) for x in self._losses])  # logged exactly after a resume
+                          window_losses=list(self._losses), window_steps=list(self._loss_steps))
         if self._divergence is not None:
             self._book["divergence"] = self._divergence.state_dict()
         rngs = rng.capture(self.world, self._device())
@@ -327,11 +351,16 @@ class Session:
                      **rngs}
         ckpt = self.core.save(state, reason, step=self.step, meta={"epoch": self.epoch, "best": self._book.get("best")},
                               progress=self._progress_fields(), model=self._model(), started=t0)
-        self._last_save, self._saved_step = time.monotonic(), self.step
+        # only a save taken once the session decided to stop (an integration's, at its trainer's stop) holds
+        # the state the next session starts from: after an insurance save the loop may still run code (an eval
+        # whose DataLoader draws from the global RNG) before it asks should_stop(), and close() must save that
+        self._last_save = time.monotonic()
+        self._saved_step = self.step if self.stop_reason is not None else None
         return ckpt
 
     def close(self) -> dict:
-        """Final save (unless this step is saved already), export when done, progress.json. Returns it."""
+        """Final save (unless a save at this step was taken once the session decided to stop, or nothing
+        ran since restore()), export when done, progress.json. Returns it."""
         if self.closed:
             return json.loads((self.workdir / "progress.json").read_text())
         try:
@@ -401,6 +430,28 @@ class Session:
                                metrics=self._book.get("last_eval") or {}, best=self._book.get("best"),
                                micro_batch=schedule.effective_batch // self.world.size if schedule else None,
                                exactness_lost=self._book.get("exactness_lost"), tracking=self._book.get("tracking"))
+
+
+def read_losses(values: list) -> list[float]:
+    """The losses as floats, in one device read when they are one-element tensors on one device (loss.detach() of
+    each step): one sync per window instead of one per loss. Exactly the values float() gives each: .tolist() reads
+    the stacked dtype, and stacking only widens (bf16 beside fp32 -> fp32), so the logged mean and the guard's
+    decisions do not change with the read. The checks are torch.stack's own (asking each tensor its device, dtype
+    and shape cost 3x the stack at a 10-step window); the rare mixed window (floats restored from a checkpoint,
+    or given by the script, beside tensors) takes its tensors in one read too."""
+    if not values:
+        return []
+    try:
+        flat = torch.stack(values).reshape(-1)  # a loss not detached adds a node freed at once: no no_grad() (2 us)
+        if flat.numel() == len(values):
+            return flat.tolist()
+    except (TypeError, RuntimeError):  # not all tensors, or on several devices, or of several shapes
+        pass
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if 1 < len(tensors) < len(values):
+        read = iter(read_losses(tensors))
+        return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+    return [float(v) for v in values]  # a loss of several elements fails here, as float(loss) always did
 
 
 class RunBatchSampler(torch.utils.data.Sampler):

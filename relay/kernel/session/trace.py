@@ -2,8 +2,9 @@
 
 Under `relay verify-resume` (env RELAY_TRACE names a file) the Session API appends one JSON line per step:
 digests of every registered object's state and of the RNGs at the step's start, of the step's batch indices
-(when they come from session.batches), the loss, whether the step was the first after a resume, and, once
-per session, the objects in the script's frame that have a state_dict but were not registered. Nothing is
+(when they come from session.batches), the loss, whether the step was the first after a resume, where the
+script made a DataLoader iterator without generator= (it draws its seed from the global RNG), and, once per
+session, the objects in the script's frame that have a state_dict but were not registered. Nothing is
 recorded otherwise. `diagnose` compares two traces and names the first step and what differed there.
 """
 from __future__ import annotations
@@ -55,11 +56,19 @@ class StepTrace:
         self._batch: Optional[str] = None
         self._resumed = False
         self._unregistered: Optional[dict] = None
+        self._loaders: list = []  # where the step made DataLoader iterators that draw from the global RNG
 
     @classmethod
     def from_env(cls) -> Optional["StepTrace"]:
         path = SessionEnvironment.read().trace
-        return cls(path) if path else None
+        if not path:
+            return None
+        trace = cls(path)
+        _watch_loaders(trace)
+        return trace
+
+    def loader_iter(self, where: str) -> None:
+        self._loaders.append(where)
 
     def start(self, session, resumed: bool) -> None:
         """After restore(): the state the session's first step starts from."""
@@ -78,6 +87,8 @@ class StepTrace:
         if self._unregistered:
             record["unregistered"] = self._unregistered
             self._unregistered = {}
+        if self._loaders:
+            record["loaders"], self._loaders = self._loaders, []
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         self._resumed, self._batch = False, None
@@ -89,6 +100,56 @@ class StepTrace:
 
         self._start = {"objects": {n: digest(unwrap(o).state_dict()) for n, o in session.objects.items()},
                        "rng": digest(rng_state(session._device()))}
+
+
+def _watch_loaders(trace: StepTrace) -> None:
+    """Tell `trace` of each DataLoader iterator made without generator=: `DataLoader.__iter__` then draws the
+    iterator's base seed (and a shuffling sampler its order) from the global RNG, so a resumed session that
+    makes one where the uninterrupted run did not draws other numbers. Patched under verify-resume only."""
+    import os
+    import sys
+
+    import torch
+    import torch.utils.data as tud
+
+    real = getattr(tud.DataLoader.__iter__, "_relay_real", tud.DataLoader.__iter__)
+    # the script's line that iterates it: the first frame outside torch and the relay (an integration's loop)
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def __iter__(loader):
+        if loader.generator is None:
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename.startswith(skip):
+                frame = frame.f_back
+            trace.loader_iter(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" if frame else "?")
+        return real(loader)
+
+    __iter__._relay_real = real
+    tud.DataLoader.__iter__ = __iter__
+
+
+def _loader_steps(records: dict, upto: int) -> dict:
+    """{step: [where ...]} of the DataLoader iterators without generator= made up to step `upto`."""
+    return {s: r["loaders"] for s, r in records.items() if s <= upto and r.get("loaders")}
+
+
+def _loader_cause(a: dict, b: dict, step: int) -> Optional[str]:
+    """Why the runs part at `step` when, up to it, one run made DataLoader iterators drawing from the global RNG
+    at a step where the other did not (a resumed session iterates its loader anew; a session that ends after
+    making one does not take it along), else None."""
+    straight, split = _loader_steps(a, step), _loader_steps(b, step)
+    parted = sorted(s for s in set(straight) | set(split) if len(straight.get(s, ())) != len(split.get(s, ())))
+    if not parted:
+        return None
+    first = parted[0]
+    more, fewer = ("split", "straight") if len(split.get(first, ())) > len(straight.get(first, ())) else \
+        ("straight", "split")
+    at = (split if more == "split" else straight)[first][0]
+    return (f"{at} iterates a DataLoader without generator=: each new iterator draws its base seed from the global"
+            f" RNG (torch.empty((), dtype=torch.int64).random_()), and a shuffling sampler its order too; the"
+            f" {more} run made one at step {first} where the {fewer} run did not, so their RNG and data order went"
+            " different ways. Give the DataLoader generator=torch.Generator().manual_seed(seed + epoch), made"
+            " anew each epoch, or take the batches from session.batches / session.batch_sampler.")
 
 
 def _unregistered(session, frame) -> dict:
@@ -135,6 +196,10 @@ def diagnose(straight: Path, split: Path) -> Optional[str]:
         ra, rb = a[step], b[step]
         where = f"step {step} ({'the first after a resume' if rb.get('resumed') else 'inside a session'})"
         objects = sorted(n for n in ra["objects"] if ra["objects"][n] != rb["objects"].get(n))
+        if objects or ra["rng"] != rb["rng"] or ra["batch"] != rb["batch"] or ra["loss"] != rb["loss"]:
+            loader = _loader_cause(a, b, step)
+            if loader:  # the runs part here, and the split run's fresh iterators drew from the global RNG
+                return f"{where}: {loader}" + hint
         differ = "differs" if len(objects) == 1 else "differ"
         if objects and rb.get("resumed"):
             return (f"{where}: the restored {', '.join(objects)} {differ} from the straight run's: a state_dict /"
