@@ -3,7 +3,8 @@
     python bench/run.py [--only loop,checkpoint,features] [--quick]
 
 Each bench module has `run() -> dict` of figures (bench_loop, bench_checkpoint, bench_features, bench_relay,
-bench_vqa, bench_recsys, bench_byo, bench_live, bench_tick, bench_tracking, bench_divergence, bench_scale, bench_prefect_writes).
+bench_vqa, bench_recsys, bench_byo, bench_live, bench_tick, bench_tracking, bench_divergence, bench_scale, bench_prefect_writes,
+bench_step_overhead).
 Timings are of this machine at this moment: the output and the results file name the machine (CPU model, cores,
 torch version, load average; bench/machine.py). Every figure is a ratio against a baseline measured in the same
 run, compared variants alternate, and each is reported as a median with its spread.
@@ -48,6 +49,9 @@ BENCHES = {
     "scale": ("bench_scale", {"counts": (10, 20)}, {"counts": (5,)}),
     # ~2 min: batches of task runs and artifact writes against a test-harness server, its idle CPU subtracted
     "prefect": ("bench_prefect_writes", {"n": 30, "rounds": 3}, {"n": 10, "rounds": 1}),
+    # ~10 s: the Session API's null step (batches() + step_done(), saves off) against a bare loop; its CUDA
+    # loops (`--device cuda`) run by hand on a GPU (bench/gpu_check.sh)
+    "step": ("bench_step_overhead", {"steps": 30_000, "rounds": 5}, {"steps": 5_000, "rounds": 3}),
 }
 
 
@@ -140,6 +144,10 @@ def _lines(name: str, f: dict) -> list[str]:
         import bench_prefect_writes
 
         return bench_prefect_writes.format_lines(f)
+    if name == "step":
+        import bench_step_overhead
+
+        return bench_step_overhead.format_lines(f)
     return [json.dumps(f)]
 
 

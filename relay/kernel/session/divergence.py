@@ -17,7 +17,11 @@ bar is set by what the run gained, not by a ratio to a small number. Calibrated 
 (docs/benchmarks.md, `bench/bench_divergence.py`).
 
 The guard's state is part of the run's exact state: both session paths save `state_dict()` in the checkpoint and
-load it back, so a run split into sessions stops, or does not, at the step an uninterrupted run would. A new
+load it back, so a run split into sessions stops, or does not, at the step an uninterrupted run would. When it
+judges differs by path: the built-in Trainer reads each step's loss on the host anyway (its non-finite skip) and
+judges every step; the Session API judges only at log steps (multiples of log_every and the last step), from the
+window's losses read off the device in one go (`update_many`), so a step costs no host-device sync. Those steps do
+not depend on where sessions are cut, and the window not yet judged is saved with the checkpoint. A new
 `phase` (a new model of a multi-model recipe, a curriculum stage) and a stop restart the history: losses of a
 new phase do not compare with the last one's, and a run resumed after a stop is judged from where it stands.
 """
@@ -96,6 +100,17 @@ class DivergenceGuard:
                f" steps in a row, now {h.smoothed:.4g} (best {h.best:.4g}, start {h.start:.4g}, noise {h.noise:.3g})")
         self.h = _History(phase=phase)  # judged afresh if the run is resumed
         return why
+
+    def update_many(self, steps: list[int], losses: list[float], phase: Optional[str] = None) -> Optional[str]:
+        """A window of losses at once, in step order (the Session API reads its losses from the device together,
+        at a log step, and judges them there): the reason at the first loss that stops the run, else None. The
+        losses after it are not counted: the run stops at the window's end, and a run resumed after a stop is
+        judged from where it stands (a fresh history, as update() leaves it)."""
+        for step, loss in zip(steps, losses):
+            why = self.update(step, loss, phase)
+            if why is not None:
+                return why
+        return None
 
     def _smooth(self, loss: float) -> None:
         h = self.h
