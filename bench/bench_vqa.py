@@ -183,7 +183,8 @@ def run_preflight(steps: int = 12, out_dir: Path | None = None, modes: tuple[str
         tmp = Path(tmp)
         logs = Path(out_dir) if out_dir else tmp
         logs.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))  # carried wheels stay
+        env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "PYTHONUNBUFFERED": "1"}
         relay = [sys.executable, "-m", "relay"]
         # 240 train questions (26 steps an epoch), 8 val: the eval is the real one at answer length, 2 batches

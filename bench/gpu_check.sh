@@ -70,6 +70,14 @@ if want vqa; then
   echo "vqa pre-flight vs session peaks: $((SECONDS - t0)) s (logs $out/vqa-preflight-*.log)"
 fi
 
+# What the Session API's step costs beside a hand-written loop's (issue 48: <= 1.03x at ~2 ms steps), ~70 s.
+if want loop; then
+  t0=$SECONDS
+  "$py" bench/bench_step_overhead.py --device cuda >"$out/step-overhead.log" 2>&1
+  echo "step overhead, Session API vs hand-written: rc=$? $((SECONDS - t0)) s:"
+  grep -E '^(GPU|tiny|mlp|transformer)|process' "$out/step-overhead.log"
+fi
+
 # The plain loop with fp16 autocast + GradScaler, split into sessions (one killed mid-save) vs one run.
 want exact || { rm -rf "$work"; exit 0; }
 sed 's/entry: train.py --lr 0.003/entry: train.py --lr 0.003 --amp/' examples/byo-plain/spec.yaml >examples/byo-plain/spec-amp.yaml

@@ -66,6 +66,9 @@ class TrainState:
 def resolve_precision(requested: str, device: torch.device) -> str:
     if device.type == "cuda":
         if requested == "auto":
+            profile = memory.emulated(device)  # session.emulate: t4 on a bigger GPU trains as the T4 would
+            if profile is not None:
+                return "bf16" if profile.bf16 else "fp16"
             # Native bf16 only (Ampere+): torch's default also counts emulation, which says yes on a T4 (sm_75).
             return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
         return requested
@@ -127,6 +130,7 @@ class Trainer:
         self._enter_stage(stages.at(self.spans, state.global_step))
         self.scaler = self._new_scaler()
         self.monitor = memory.MemoryMonitor(device)
+        self.monitor.peaks.step_of = lambda: self.state.global_step  # a phase past the pre-flight: at which step
         self.train_set = recipe.train_dataset()
         self._batches: Optional[Iterator] = None
         self._last_save = time.monotonic()
@@ -206,43 +210,46 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------
     def preflight(self) -> dict:
-        """The run's worst case before training, so an OOM shows (and is backed off) now rather than hours in:
-        a forward/backward on the recipe's worst-case batch at the working micro-batch, an optimizer step
-        (AdamW's state is twice the model: on the real-size VQA spec the pre-flight said 4.0 GB without it,
-        training peaked at 7.0 GB), and one eval batch for recipes whose eval generates. A peak above
-        PREFLIGHT_FRACTION of the device counts as an OOM (fragmentation would end the session hours in). It leaves
-        no trace: RNG forked, weights, buffers and optimizer state restored from a CPU copy."""
+        """The run's worst case before training, so an OOM shows (and is backed off) now rather than hours in. Its
+        figure bounds the session's peak (torch's max_memory_allocated; tests/test_preflight_memory.py lists what
+        allocates where): a training step as the session's second and later steps meet it (_preflight_train),
+        on the recipe's worst-case batch at the working micro-batch, and one eval batch for recipes whose eval
+        generates. A peak above PREFLIGHT_FRACTION of the device (an emulated GPU's cap) counts as an OOM
+        (fragmentation would end the session hours in). It leaves no trace: RNG forked, weights, buffers and
+        optimizer state restored in place from a CPU copy. Each phase's peak goes into the session's PeakBook."""
         st = self.state
         if st.global_step >= self.total_steps or self.span.stage.fit:
             return {}
         tensors = dict(self.model.named_parameters())
         tensors.update(self.model.named_buffers())
-        saved, saved_opt = _cpu_copy(tensors), _cpu_copy(self.optimizer.state_dict())
+        saved, saved_opt = _cpu_copy(tensors), _optimizer_snapshot(self.optimizer)
         self._step_rng = self._torch_rng()  # what a back-off restores
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         self._recipe_step(st.global_step)
-        peaks = {}
+        phases = ("train", "eval") if self.recipe.preflight_eval else ("train",)
         try:
-            for phase in ("train", "eval") if self.recipe.preflight_eval else ("train",):
+            for phase in phases:
                 while (oom := self._any_oom(self._preflight_phase(phase, devices))) is not None:
                     self._back_off(oom, phase=phase)
-                peaks[phase] = self.monitor.peak_mb()
         finally:  # the step taken above must not change the trajectory: exact resume stays bit-identical
+            self._memory_phase("setup")  # the restore is not the worst step's; it is counted, as setup
             with torch.no_grad():
                 for name, t in tensors.items():
                     t.copy_(saved[name])
-            self.optimizer.load_state_dict(saved_opt)  # CPU -> device (on CPU it takes over the copy)
+            _restore_optimizer(self.optimizer, saved_opt)
         sample = self.monitor.sample()
-        used = (", ".join(f"GPU peak {phase} {mb:.0f} MB" for phase, mb in peaks.items())
-                if self.device.type == "cuda" else f"RSS {sample['rss_mb']:.0f} MB, RAM {sample['ram_pct']:.0f} %")
+        book = self.monitor.peaks
+        used = (", ".join(f"GPU peak {phase} {book.alloc.get('preflight_' + phase, 0.0):.0f} MB" for phase in phases)
+                + f" (train's forward/backward over {getattr(self, '_preflight_held_mb', 0.0):.0f} MB held:"
+                " weights, AdamW state, gradients of earlier micro-batches)"
+                if book.active else f"RSS {sample['rss_mb']:.0f} MB, RAM {sample['ram_pct']:.0f} %")
         log.info("pre-flight at micro-batch %d x %d: %s on %s", st.micro_batch, st.grad_accum, used,
                  memory.describe_device(self.device))
         return sample
 
     def _preflight_phase(self, phase: str, devices: list) -> Optional[BaseException]:
         """One pre-flight phase; the OOM it met (a peak over PREFLIGHT_FRACTION counts as one), else None."""
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self._memory_phase(f"preflight_{phase}", fresh=True)  # resets the peak: a retry forgets the OOM's
         try:
             with torch.random.fork_rng(devices=devices):
                 self._preflight_train() if phase == "train" else self._preflight_eval()
@@ -259,14 +266,41 @@ class Trainer:
         return None
 
     def _preflight_train(self) -> None:
-        st = self.state
+        """One training step as _step runs it after the session's first: AdamW's state (2x the weights) already
+        on the device while the forward/backward runs (the first step allocates it only after its backward, so a
+        pre-flight of one fresh step missed the activations on top of it: 4.7 GB said, 7.0 GB trained, on the
+        real-size VQA student), with grad_accum > 1 the previous micro-batches' gradients held through the
+        forward (its first micro-batch grows them as activations are freed; the later ones carry all of them),
+        the loss scaled by a GradScaler, unscaled and clipped as _step does, then the optimizer step. One
+        forward/backward: the held gradients are zeros standing for the earlier micro-batches'."""
+        st, opt = self.state, self.optimizer
         idx = data.rank_indices(self.stage_schedule, st.global_step, self.world.rank,
                                 self.world.size)[: self._stage_micro_batch()]
+        params = [p for group in opt.param_groups for p in group["params"]]
+        if any(p not in opt.state for p in params):  # a fresh run: allocate AdamW's state with a zero-grad step
+            with torch.no_grad():
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+                opt.step()  # the weights it moves (weight decay) are restored by preflight
+        if st.grad_accum > 1:
+            with torch.no_grad():
+                for p in params:
+                    p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+        else:
+            opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":  # what the forward/backward runs on top of, for the log line
+            self._preflight_held_mb = torch.cuda.memory_allocated(self.device) / memory.MB
+        # a throwaway scaler: the session's keeps its scale and its per-step unscale_ record
+        scaler = torch.amp.GradScaler(self.device.type, enabled=self.scaler.is_enabled())
         with self.recipe.worst_case([self.train_set[i] for i in idx]) as items:
             batch = data.to_device(self.recipe.collate(items), self.device, False)
             with self._autocast():
-                self.recipe.loss(self.model, batch).backward()
-        self.optimizer.step()  # allocates the optimizer state (restored by preflight)
+                loss = self.recipe.loss(self.model, batch)
+            scaler.scale(loss / st.grad_accum).backward()
+        if self.spec.optim.clip_grad_norm:
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.optim.clip_grad_norm)
+        opt.step()  # the batch is still held, as _step holds its last micro-batch through the step
 
     def _preflight_eval(self) -> None:
         dataset = self.recipe.eval_dataset()
@@ -281,6 +315,7 @@ class Trainer:
     def fit(self) -> str:
         """Train until done or told to stop; returns "done", "budget", "steps" or "sigterm"."""
         self.model.train()
+        self._memory_phase("train")
         st = self.state
         bar = tqdm(total=self.total_steps, initial=st.global_step, desc=f"session {st.sessions[-1]['index']}",
                    unit="step", dynamic_ncols=True, mininterval=1.0, disable=not self.world.main)
@@ -411,7 +446,11 @@ class Trainer:
         return agreed, save
 
     def save(self, reason: str) -> None:
-        self._save(reason)  # records its own time on the clock: a background save's, once committed
+        back = self._memory_phase("save")
+        try:
+            self._save(reason)  # records its own time on the clock: a background save's, once committed
+        finally:
+            self._memory_phase(back)
         self._last_save = time.monotonic()
 
     # -- eval -----------------------------------------------------------------------------------
@@ -423,6 +462,7 @@ class Trainer:
     def evaluate(self) -> bool:
         """Eval without touching the training RNG; returns whether the watched metric improved."""
         t0 = time.perf_counter()
+        back = self._memory_phase("eval")
         loader = data.eval_loader(self.recipe.eval_dataset(), self.recipe.collate, self.spec.optim.eval_batch,
                                   0, False, seed=self.spec.seed)
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
@@ -441,6 +481,7 @@ class Trainer:
                 if not memory.is_oom(err):
                     raise
                 self._back_off(err, phase="eval")
+        self._memory_phase(back)
         self.clock.eval_seconds = max(self.clock.eval_seconds, time.perf_counter() - t0)
         st = self.state
         st.last_eval = {"step": st.global_step, **metrics}
@@ -511,6 +552,16 @@ class Trainer:
         self._batches = None  # rebuilt at the same step with the new micro-batch
 
     # -- helpers --------------------------------------------------------------------------------
+    def _memory_phase(self, phase: str, fresh: bool = False) -> str:
+        """Start a memory phase (memory.PeakBook: the peak per phase, the pre-flight's figure beside the session's
+        peak, one line when the session passes it), copied into the session's record; returns the phase left."""
+        book = self.monitor.peaks
+        left = book.enter(phase, fresh=fresh, step=self.state.global_step)
+        if book.active and self.state.sessions:
+            profile = memory.emulated(self.device)
+            self.state.sessions[-1].update(book.fields(), **({"emulated": profile.name} if profile else {}))
+        return left
+
     def _recipe_step(self, step: int) -> None:
         """Let the recipe set up the step (a curriculum stage); log when what it reports changes."""
         shown = self.recipe.on_step(step, self.schedule.epoch_of(step))
@@ -559,6 +610,32 @@ class Trainer:
         return data.make_loader(self.train_set, sampler, self.recipe.collate, num_workers=d.num_workers,
                                 pin_memory=pin, prefetch_factor=d.prefetch_factor,
                                 persistent_workers=d.persistent_workers, seed=self.spec.seed + start_step)
+
+
+def _optimizer_snapshot(opt: torch.optim.Optimizer) -> dict:
+    """A CPU copy of each parameter's optimizer state (AdamW: exp_avg, exp_avg_sq, step), keyed by parameter."""
+    return {p: _cpu_copy(dict(state)) for p, state in opt.state.items()}
+
+
+def _restore_optimizer(opt: torch.optim.Optimizer, saved: dict) -> None:
+    """The optimizer state back to `saved`, in place: copied into the tensors it has now, so the device never
+    holds two copies of it (load_state_dict builds the new state beside the old: 2x the weights more, at the end
+    of a resumed session's pre-flight, after its peak was read). State the pre-flight created (a fresh run's) is
+    dropped, as if never taken: the first real step creates it as it would have."""
+    with torch.no_grad():
+        for p in list(opt.state):
+            if p not in saved:
+                del opt.state[p]
+                continue
+            state = opt.state[p]
+            for key, value in saved[p].items():
+                now = state.get(key)
+                if isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor) and now.shape == value.shape \
+                        and now.dtype == value.dtype:
+                    now.copy_(value)
+                else:  # not a tensor (or the step changed its layout): the saved value, where it lived
+                    state[key] = value.to(now.device) if isinstance(value, torch.Tensor) and \
+                        isinstance(now, torch.Tensor) else value
 
 
 def _cpu_copy(obj: Any) -> Any:
