@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
 CATEGORIES = ("start-up", "training kept", "training redone", "saving", "final tail", "wedged", "shut-down",
-              "other")
+              "failed attempt", "other")
 CLEAN_ENDS = {"steps", "budget", "done", "deadline", "diverged", "wrong_accelerator", "session_limit", "sigterm"}
 
 
@@ -81,12 +81,23 @@ def ledger(sessions: Sequence[Mapping], charges: Iterable[Mapping] = (), save_ev
            ) -> Ledger:
     """The ledger of a relay from progress.json's `sessions` and `charges` (matched by run id; a session without
     one is charged its own clock only). `save_every_s`: the spec's session.save_every, for the count of saves."""
+    charges = list(charges)
     by_run = {c.get("run_id"): c for c in charges}
     out = []
     for i, s in enumerate(sessions):
         later = [n.get("step_start") for n in sessions[i + 1:] if n.get("step_start") is not None]
-        out.append(_attempt(s, by_run.get(s.get("run_id")) or {}, min(later) if later else None, save_every_s))
-    return Ledger(out)
+        at = _first(by_run.get(s.get("run_id"), {}).get("pushed_at"), s.get("started"))
+        out.append((at, _attempt(s, by_run.get(s.get("run_id")) or {}, min(later) if later else None, save_every_s)))
+    # an attempt that handed nothing over (retried, or wedged and deleted without a harvest) has no session record:
+    # all of its time is lost (failed_charge recorded it when the relay decided to go on without it)
+    handed = {s.get("run_id") for s in sessions}
+    for c in charges:
+        if c.get("run_id") not in handed and c.get("failed"):
+            start = _first(c.get("kaggle_start"), c.get("pushed_at"), c.get("kaggle_end_seen"))
+            end = max(start, _first(c.get("kaggle_end"), c.get("kaggle_end_seen"), c.get("process_end"), start))
+            out.append((start, AttemptLedger(str(c.get("run_id")), end - start,
+                                             {k: (end - start if k == "failed attempt" else 0.0) for k in CATEGORIES})))
+    return Ledger([attempt for _, attempt in sorted(out, key=lambda pair: pair[0])])
 
 
 def _attempt(s: Mapping, c: Mapping, next_start: Optional[int], save_every_s: Optional[float]) -> AttemptLedger:
@@ -124,14 +135,16 @@ def _attempt(s: Mapping, c: Mapping, next_start: Optional[int], save_every_s: Op
     return AttemptLedger(str(s.get("run_id") or f"session {s.get('index')}"), end - start, seconds)
 
 
-def charge_record(run_id: str, log_text: str, plan: Optional[Mapping], seen_end: float, wedged: bool = False) -> dict:
+def charge_record(run_id: str, log_text: str, plan: Optional[Mapping], seen_end: Optional[float],
+                  wedged: bool = False) -> dict:
     """What the orchestrator observed of one attempt at its hand-over, kept in the published progress.json's
     `charges` (progress.json's `sessions` come from the checkpoint, so the relay carries these itself): its push
     (the pushed plan's time, when it is this run's), its progress lines' last step and `end` line (the process's
-    end, by the kernel's clock), when the relay saw Kaggle end it (or deleted it: wedged)."""
+    end, by the kernel's clock) and, for a wedged one, its deadline (`seen_end`: the relay deletes it right after).
+    Nothing of the orchestrator's own clock: every orchestrator must stage the same record (handoff.py)."""
     import json
 
-    from relay.shared.progress_line import parse
+    from relay.shared.progress_line import newest, parse
 
     try:  # Kaggle's log is a JSON array of {stream_name, time, data}
         log_text = "".join(entry.get("data", "") for entry in json.loads(log_text))
@@ -139,9 +152,11 @@ def charge_record(run_id: str, log_text: str, plan: Optional[Mapping], seen_end:
         pass
     lines = [r for r in (parse(t) for t in (log_text or "").splitlines())
              if r is not None and r.get("run_id") in (None, run_id)]
-    end = next((r for r in reversed(lines) if r.get("kind") == "end" and r.get("time") is not None), None)
+    end = newest(lines, ("end",), has="time")
     steps = [int(r["step"]) for r in lines if isinstance(r.get("step"), (int, float))]
-    record = {"run_id": run_id, "kaggle_end_seen": round(seen_end, 3), "wedged": bool(wedged)}
+    record = {"run_id": run_id, "wedged": bool(wedged)}
+    if seen_end is not None:
+        record["kaggle_end_seen"] = round(seen_end, 3)
     if plan and plan.get("run_id") == run_id and plan.get("pushed_at") is not None:
         record["pushed_at"] = float(plan["pushed_at"])
     if end is not None:
@@ -151,10 +166,35 @@ def charge_record(run_id: str, log_text: str, plan: Optional[Mapping], seen_end:
     return record
 
 
-def with_charge(published: Optional[Mapping], progress: dict, record: dict) -> dict:
-    """progress.json to publish: the charges handed over before (from the published one) and this attempt's."""
-    before = [c for c in (published or {}).get("charges") or [] if c.get("run_id") != record["run_id"]]
-    return {**progress, "charges": before + [record]}
+def with_charge(published: Optional[Mapping], progress: dict, record: dict, failed: Iterable[Mapping] = ()) -> dict:
+    """progress.json to publish: the charges handed over before (from the published one), the failed attempts
+    since (`failed`: carried in this attempt's plan) and this attempt's."""
+    new = [dict(c) for c in failed if c.get("run_id") != record["run_id"]] + [record]
+    ids = {c["run_id"] for c in new}
+    before = [c for c in (published or {}).get("charges") or [] if c.get("run_id") not in ids]
+    return {**progress, "charges": before + new}
+
+
+def failed_charge(run_id: str, log_text: str, plan: Optional[Mapping], ended_at: float, why: str,
+                  wedged: bool = False) -> dict:
+    """An attempt that hands nothing over (retried from the same checkpoint, or wedged and deleted without a
+    harvest), as the relay saw it when it decided to go on without it: charged from its push to `ended_at` (when
+    the relay saw it end, or deleted it), `failed` saying why. It is carried in the next attempt's pushed plan
+    (failed_charges) and listed in `charges` at the next hand-over: the same record for every orchestrator."""
+    record = charge_record(run_id, log_text, plan, ended_at, wedged=wedged)
+    return {**record, "failed": why.split("\n")[0][:200]}
+
+
+def carried(plan: Optional[Mapping], run_id: Optional[str]) -> List[dict]:
+    """The failed attempts' charges the kernel's plan carries, when the plan is `run_id`'s."""
+    if not plan or (run_id is not None and plan.get("run_id") != run_id):
+        return []
+    return [dict(c) for c in plan.get("charges") or [] if isinstance(c, Mapping) and c.get("run_id")]
+
+
+def failed_charges(plan: Optional[Mapping], record: dict) -> List[dict]:
+    """What the next push carries: the failed attempts the failed one's own plan carried, and it."""
+    return [c for c in carried(plan, record["run_id"]) if c["run_id"] != record["run_id"]] + [record]
 
 
 def from_progress(progress: Optional[Mapping], save_every_s: Optional[float] = None) -> Ledger:

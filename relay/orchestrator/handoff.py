@@ -143,7 +143,7 @@ def kaggle_timeout_s(spec: RunSpec, budget_s: Optional[float]) -> int:
 
 
 def session_kernel(spec: RunSpec, spec_text: str, names: Names, action: Action, budget_s: Optional[float],
-                   features_published: bool, has_checkpoint: bool) -> SessionKernel:
+                   features_published: bool, has_checkpoint: bool, charges: tuple = ()) -> SessionKernel:
     k = spec.kaggle
     data = k.data_mount or (k.dataset_sources[0] if k.dataset_sources else None)
     return SessionKernel(
@@ -166,6 +166,7 @@ def session_kernel(spec: RunSpec, spec_text: str, names: Names, action: Action, 
         code_folder=spec.code.folder if spec.code else None,
         code_exclude=tuple(spec.code.exclude) if spec.code else (),
         pip=tuple(k.pip),
+        charges=tuple(charges),  # failed attempts since the last hand-over (goodput.failed_charges)
     )
 
 
@@ -259,12 +260,17 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
                             log_tail=tail)
         progress = _staged_progress(out.progress, newest.step,
                                     hit_session_limit(obs.kernel_state, obs.failure_message))
-        # what this attempt was charged, as the relay saw it (relay/orchestrator/goodput.py); a wedged one ends
-        # at its delete, right after this hand-over
-        charge = goodput.charge_record(action.run_id, out.log_text, backend.current_plan(names.kernel),
-                                       time.time() if action.do is Do.WEDGED else (obs.observed_at or time.time()),
-                                       wedged=action.do is Do.WEDGED)
-        progress = goodput.with_charge(obs.published, progress, charge)
+        # what this attempt was charged, as the relay saw it (relay/orchestrator/goodput.py). Only what every
+        # orchestrator reads alike from Kaggle, never this one's clock: two handing the same session over must
+        # stage the same progress.json, or its publication's marker differs and the checkpoint is published
+        # twice. A wedged attempt is charged to its deadline (the relay deletes it right after), a clean one to
+        # its process's end (its `end` line).
+        wedged = action.do is Do.WEDGED
+        plan = backend.current_plan(names.kernel)
+        charge = goodput.charge_record(action.run_id, out.log_text, plan, obs.deadline if wedged else None,
+                                       wedged=wedged)
+        # and the failed attempts before it that handed nothing over, carried in its pushed plan
+        progress = goodput.with_charge(obs.published, progress, charge, goodput.carried(plan, action.run_id))
         (stage / "progress.json").write_text(json.dumps(progress, indent=1, sort_keys=True))
         out.fetch_file("metrics.jsonl", stage / "metrics.jsonl")
         tracking_handoff.stage_from_output(out, root, stage, newest.step, local)

@@ -55,7 +55,7 @@ def emulate(name: Optional[str], device: torch.device, source: str = "session.em
 
 
 def emulated(device: torch.device) -> Optional[GpuProfile]:
-    if device.type != "cuda":
+    if device.type != "cuda" or not _emulating:  # nothing emulated: ask CUDA nothing (a CPU build cannot answer)
         return None
     return _emulating.get(device.index if device.index is not None else torch.cuda.current_device())
 
