@@ -18,10 +18,11 @@ from typing import Literal, Optional
 from prefect import flow, get_run_logger
 
 from relay.orchestrator.kaggle.types import KaggleUnresponsive
+from relay.orchestrator.relay_state import State, Wait, move
 from relay.orchestrator.policy import plan_text, push_budget, session_budget, utc  # noqa: F401 - plan_text: part of the flow's API
 from relay.front_door import load_spec
-from tasks import relay_step, relay_tasks as t, run_labels
-from tasks.account_slots import AccountSlot
+from tasks import relay_step, relay_tasks, run_labels
+from tasks.account_slots import AccountSessions
 from tasks.live_view import follow_sessions
 from tasks.relay_step import RelayContext, RelayFailed, Step  # noqa: F401 - RelayFailed: the flow's API
 
@@ -43,7 +44,7 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
     this Prefect server (tasks/step_lock.py; 0: no lock); pushes and hand-overs are claimed on Kaggle.
     The Kaggle account: `credentials_block`, else the spec's kaggle.credentials_block, else the worker's
     environment; each session holds a slot of the account's session limit until it is handed over
-    (tasks/account_slots.py)."""
+    (tasks/account_slots.py: the scheduler of the `relays` flow, here with one relay)."""
     run_spec = load_spec(spec)
     ctx = RelayContext.open(run_spec, Path(spec).read_text(),
                             relay_step.make_backend(credentials_block or run_spec.kaggle.credentials_block),
@@ -51,16 +52,15 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
     get_run_logger().info("relay %s on Kaggle account %s", run_spec.name, ctx.backend.username)
     run_labels.label(add_tags=run_labels.tags(ctx.spec.name, ctx.names.owner))
     pace = Pace(mode, poll_seconds, time.monotonic() + max_hours * 3600, live_seconds, tick_follow_seconds)
-    slot = AccountSlot(ctx.backend.username, run_spec.name, run_spec.kaggle.account_sessions,
-                       run_spec.kaggle.session_timeout + run_spec.kaggle.startup_overhead)
+    slots = AccountSessions(ctx.backend.username, run_spec.kaggle.account_sessions)
+    slots.add(run_spec.name, run_spec.kaggle.session_timeout + run_spec.kaggle.startup_overhead)
     try:
-        summary = drive(ctx, pace, slot)
+        summary = drive(ctx, pace, slots)
         if mode == "watch":  # the runs list says how the watch ended, not the last session it followed
             run_labels.label(name=f"{ctx.spec.name}: {summary.get('state')} at step {summary.get('step')}")
         return summary
     except RelayFailed as err:
-        if not ctx.session_running:  # it pushes nothing until a person acts; a running session keeps its slot
-            slot.release()           # until its lease ends (max_hours passed, a kernel that runs another session)
+        slots.failed(run_spec.name)  # it pushes nothing until a person acts
         relay_step.stopped(ctx, err)
         raise
     finally:
@@ -79,13 +79,13 @@ class Pace:
     tick_follow_seconds: float
 
 
-def drive(ctx: RelayContext, pace: Pace, slot: Optional[AccountSlot] = None) -> dict:
+def drive(ctx: RelayContext, pace: Pace, slots: Optional[AccountSessions] = None) -> dict:
     """The relay's loop: one step (tasks/relay_step.py), then wait or return; in tick mode it returns at the first
     wait or push. A watch outlives a Kaggle that stops answering (every step is rebuilt from Kaggle); a tick
     reports it."""
     while True:
         try:
-            return _steps(ctx, pace, slot)
+            return _steps(ctx, pace, slots)
         except KaggleUnresponsive as err:
             if pace.mode == "tick" or time.monotonic() > pace.give_up:
                 raise
@@ -94,41 +94,40 @@ def drive(ctx: RelayContext, pace: Pace, slot: Optional[AccountSlot] = None) -> 
             time.sleep(pace.poll_seconds)
 
 
-def _steps(ctx: RelayContext, pace: Pace, slot: Optional[AccountSlot]) -> dict:
+def _steps(ctx: RelayContext, pace: Pace, slots: Optional[AccountSessions]) -> dict:
+    state = State.NEW
     while True:
         step = relay_step.advance(ctx)
-        if slot is not None and step.state == "running":
-            slot.keep()  # the session is queued or running (pushed by this run or another): its slot lasts
-        elif slot is not None and step.state in ("handed-over", "done"):
-            slot.release()  # no session of this relay runs: the account's slot is another relay's to take
-        if step.state == "ready":
-            step = _push(ctx, step, slot)
-        ctx.session_running = step.state in ("running", "pushed")
-        if slot is not None and step.state == "stopped":
-            slot.release()  # by the user: nothing is pushed until `relay resume`
-        if step.state in ("done", "stopped") or (pace.mode == "tick" and step.state == "pushed"):
+        state = move(state, step.state)  # the state machine the `relays` flow drives too
+        if slots is not None:  # a running session's slot lasts; handed over, done, stopped: it goes back
+            slots.stepped(ctx.spec.name, step.state)
+        if step.state is State.READY:
+            step = _push(ctx, step, slots)
+            state = move(state, step.state)
+            if slots is not None:
+                slots.stepped(ctx.spec.name, step.state)
+        if step.state in (State.DONE, State.STOPPED) or (pace.mode == "tick" and step.state is State.PUSHED):
             return step.summary()
-        if step.state == "running":
+        if step.state is State.RUNNING:
             summary = _follow(ctx, step, pace)
-        elif step.state == "waiting":
-            summary = _wait(ctx, step, pace, slot)
+        elif step.state is State.WAITING:
+            summary = _wait(ctx, step, pace, slots)
         else:
             continue  # handed over, restored or pushed: look again
         if summary is not None:
             return summary
 
 
-def _push(ctx: RelayContext, ready: Step, slot: Optional[AccountSlot]) -> Step:
+def _push(ctx: RelayContext, ready: Step, slots: Optional[AccountSessions]) -> Step:
     """The whole quota is this relay's: the session's budget is the spec's, within what is left of it. It
     pushes only with a slot of its account's session limit (a tick too: the slot outlives the run)."""
-    quota = t.read_quota(ctx.backend)
+    quota = relay_tasks.read_quota(ctx.backend)
     budget = push_budget(ctx.spec, quota, ready.progress)  # no longer than the session needs
     relay_step.plan(ctx, ready.progress, quota)
     if budget <= ctx.spec.session.safety_margin:
         return relay_step.quota_spent(ctx, ready, quota)
-    if slot is not None and not slot.take():
-        return replace(ready, state="waiting", slot_full=True, why=f"account {ctx.backend.username}: its"
-                       f" {slot.sessions} GPU sessions run (Prefect limit {slot.limit}); waiting for a slot")
+    if slots is not None and not slots.take(ctx.spec.name):
+        return replace(ready, state=State.WAITING, waits_for=Wait.SLOT, why=slots.full())
     # a push that did not land (a refusal, another orchestrator's claim) keeps the slot for the relay's retry
     return relay_step.push(ctx, ready, budget, quota)
 
@@ -163,7 +162,7 @@ def _follow(ctx: RelayContext, running: Step, pace: Pace) -> Optional[dict]:
     return None
 
 
-def _wait(ctx: RelayContext, waiting: Step, pace: Pace, slot: Optional[AccountSlot] = None) -> Optional[dict]:
+def _wait(ctx: RelayContext, waiting: Step, pace: Pace, slots: Optional[AccountSessions] = None) -> Optional[dict]:
     """In tick mode, end with "waiting"; in watch mode, sleep (until the quota refresh, if known; at most until
     another orchestrator's claim ends; for a slot of the account's limit, until one is free) and return None:
     look again."""
@@ -173,8 +172,9 @@ def _wait(ctx: RelayContext, waiting: Step, pace: Pace, slot: Optional[AccountSl
         return waiting.summary()
     if time.monotonic() > pace.give_up:
         raise RelayFailed(f"gave up: {waiting.why}")
-    if waiting.slot_full and slot is not None:  # another relay's session may run for hours: no step per poll
-        slot.wait_free(min(pace.give_up, time.monotonic() + QUOTA_RECHECK_S), pace.poll_seconds)
+    if waiting.waits_for is Wait.SLOT and slots is not None:
+        # another relay's session may run for hours: no step per poll, only a read of the limit
+        slots.wait_free(ctx.spec.name, min(pace.give_up, time.monotonic() + QUOTA_RECHECK_S), pace.poll_seconds)
         return None
     delay = pace.poll_seconds
     if waiting.until is not None:  # the refresh Kaggle announces; looked at again meanwhile, in case it moves

@@ -3,7 +3,8 @@ session cap and one weekly GPU quota.
 
 Each round takes every relay's step (tasks/relay_step.py, the one the `relay` flow takes: observe, decide, hand
 over finished sessions and recover from their failures, notify, show the running ones; no slot or quota needed),
-then fills the free slots: `cap` minus the sessions in flight, given fairly to the
+then fills the free slots of the account's session cap (tasks/account_slots.py, the scheduler the `relay` flow
+uses with one relay: `cap` sessions in flight here, and the account's Prefect limit), given fairly to the
 relays waiting to push (fewest sessions so far first, then the one whose last session ended earliest, then the
 name). Every new session's budget is an equal share of the quota left among the unfinished relays (capped by
 its spec), so one relay cannot spend the week alone. When the quota is spent, every waiting relay waits for
@@ -25,11 +26,13 @@ from prefect import flow, get_run_logger
 from relay.orchestrator import joint_plan, plan as planner
 from relay.orchestrator.kaggle.types import Refusal
 from relay.orchestrator.policy import push_budget, utc
+from relay.orchestrator.relay_state import FINAL, IN_FLIGHT, LOOK_AGAIN, State, Wait, label, move, overall
 from relay.front_door import load_spec
 from relay.shared.errors import InputError
 from relay.shared.spec import load as spec_only  # the spec without its code: to read one field
-from tasks import relay_step, relay_tasks as t
+from tasks import relay_step, relay_tasks
 from tasks import relays_artifacts, run_labels
+from tasks.account_slots import AccountSessions
 from tasks.live_view import follow_sessions
 from tasks.relay_step import RelayContext, RelayFailed, Step
 
@@ -43,13 +46,27 @@ class Relay:
     ctx: Optional[RelayContext] = None
     failed: str = ""              # why it stopped for good (this flow run)
     errors: int = 0               # rounds in a row that raised
-    state: str = "new"
+    state: State = State.NEW      # the state machine the `relay` flow drives too (relay/orchestrator/relay_state.py)
+    waits_for: Optional[Wait] = None
     step: Optional[Step] = None   # what its last step found or did
     last_end: float = 0.0         # when its last handed-over session ended (fair order)
 
     @property
     def progress(self) -> Optional[dict]:
         return self.step.progress if self.step else None
+
+    def enter(self, state: State, step: Optional[Step] = None, waits_for: Optional[Wait] = None) -> None:
+        self.state, self.waits_for = move(self.state, state), waits_for
+        self.step = step or self.step
+
+    def fail(self, why: str) -> None:
+        self.failed = why
+        self.enter(State.FAILED)
+
+    @property
+    def shown(self) -> str:
+        """Its state in the relays table and the flow's result."""
+        return label(self.state, self.waits_for, self.step.why if self.step else "")
 
 
 @dataclass
@@ -71,7 +88,7 @@ def load_relays(specs: List[str], backend, state_dir: str, step_lock_wait_s: flo
             relay.ctx = RelayContext.open(load_spec(path), Path(path).read_text(), backend, state_dir,
                                           step_lock_wait_s, tick=tick)
         except (InputError, OSError) as err:  # one bad spec is that relay's failure, not everyone's
-            relay.failed, relay.state = f"bad spec: {err}", "failed"
+            relay.fail(f"bad spec: {err}")
             relays.append(relay)
             continue
         relay.name = relay.ctx.spec.name
@@ -83,23 +100,20 @@ def load_relays(specs: List[str], backend, state_dir: str, step_lock_wait_s: flo
     return relays
 
 
-STATES = {"ready": "ready", "running": "running", "pushed": "pushed", "done": "done", "waiting": "waiting",
-          "handed-over": "handed over", "restored": "restored", "stopped": "stopped"}
-
-
-def _advance(relay: Relay, rnd: Round) -> None:
+def _advance(relay: Relay, rnd: Round, slots: AccountSessions) -> None:
     """One relay's step (tasks/relay_step.py, as the `relay` flow takes it); after a hand-over it looks again,
     so that its next session may go into a slot this round."""
     step = relay_step.advance(relay.ctx)
-    if step.state in ("handed-over", "restored"):
-        if step.state == "handed-over":
+    slots.stepped(relay.name, step.state)
+    if step.state in LOOK_AGAIN:
+        if step.state is State.HANDED_OVER:
             rnd.handed_over.append(relay.name)
+        relay.enter(step.state, step)
         step = relay_step.advance(relay.ctx)
-    if step.state == "running":
+        slots.stepped(relay.name, step.state)
+    if step.state is State.RUNNING:
         relay_step.show_running(relay.ctx, step)
-    relay.step, relay.state = step, STATES[step.state]
-    if step.state == "waiting":
-        relay.state = f"waiting: {step.why}"[:120]
+    relay.enter(step.state, step, step.waits_for)
     sessions = (step.progress or {}).get("sessions") or []
     relay.last_end = max([_ts(s.get("ended")) for s in sessions] or [0.0])
 
@@ -113,7 +127,7 @@ def _ts(value) -> float:
         return 0.0
 
 
-def run_round(backend, relays: List[Relay], cap: int, logger) -> Round:
+def run_round(backend, relays: List[Relay], slots: AccountSessions, logger) -> Round:
     """Every relay's step, then the ready ones pushed into the free slots, fewest sessions first, each with an
     equal share of the quota left."""
     rnd = Round()
@@ -121,72 +135,74 @@ def run_round(backend, relays: List[Relay], cap: int, logger) -> Round:
         if relay.failed:
             continue
         try:
-            _advance(relay, rnd)
+            _advance(relay, rnd, slots)
             relay.errors = 0
         except RelayFailed as err:
-            relay.failed, relay.state = str(err), "failed"
+            _failed(relay, str(err), slots, logger)
             relay_step.stopped(relay.ctx, err)
-            logger.error("relay %s failed: %s (the others go on)", relay.name, err)
         except InputError as err:
-            relay.failed, relay.state = str(err), "failed"
-            logger.error("relay %s failed: %s (the others go on)", relay.name, err)
+            _failed(relay, str(err), slots, logger)
         except Exception as err:  # noqa: BLE001 - transient after the tasks' retries: try again next round
             relay.errors += 1
-            relay.state = "error"
+            relay.enter(State.ERROR)  # its slot as it was: the step says nothing of its session
             logger.warning("relay %s: %s (%d/%d)", relay.name, err, relay.errors, MAX_ERROR_ROUNDS)
             if relay.errors >= MAX_ERROR_ROUNDS:
-                relay.failed, relay.state = f"{type(err).__name__}: {err}", "failed"
-        if relay.state == "running":
-            rnd.in_flight.append(relay.name)
+                _failed(relay, f"{type(err).__name__}: {err}", slots)
     try:
-        _fill_slots(backend, relays, cap, rnd, logger)
+        _fill_slots(backend, relays, slots, rnd, logger)
     finally:
         for relay in relays:
             if relay.ctx is not None:
                 relay.ctx.close()  # another orchestrator may take a step that did not happen here at once
+    rnd.in_flight = list(slots.in_flight)
     for relay in relays:
-        if relay.state == "ready":
-            relay.state = "waiting for quota" if rnd.quota_wait else "waiting for a slot"
+        if relay.state is State.READY:  # no slot, or no quota, this round
+            relay.enter(State.WAITING, waits_for=Wait.QUOTA if rnd.quota_wait else Wait.SLOT)
     return rnd
 
 
-def _fill_slots(backend, relays: List[Relay], cap: int, rnd: Round, logger) -> None:
+def _failed(relay: Relay, why: str, slots: AccountSessions, logger=None) -> None:
+    """The relay needs a person: reported and left (its slot given back unless its session runs)."""
+    relay.fail(why)
+    slots.failed(relay.name)
+    if logger is not None:
+        logger.error("relay %s failed: %s (the others go on)", relay.name, why)
+
+
+def _fill_slots(backend, relays: List[Relay], slots: AccountSessions, rnd: Round, logger) -> None:
     """Push the ready relays into the free slots: fewest sessions first (then the one whose last session ended
     earliest), each session's budget an equal share of the quota left among the unfinished relays."""
-    ready = [r for r in relays if not r.failed and r.state == "ready"]
-    free = cap - len(rnd.in_flight)
-    if not ready or free <= 0:
+    ready = [r for r in relays if not r.failed and r.state is State.READY]
+    if not ready or len(slots.in_flight) >= slots.sessions:
         return
-    quota = t.read_quota(backend)
-    unfinished = [r for r in relays if not r.failed and r.state not in ("done", "stopped")]
+    quota = relay_tasks.read_quota(backend)
+    unfinished = [r for r in relays if r.state not in FINAL]
     ready.sort(key=lambda r: (r.step.obs.handed_over, r.last_end, r.name))
-    for relay in ready[:free]:
+    for relay in ready:
         budget = push_budget(relay.ctx.spec, quota, relay.step.progress)  # no longer than it needs
         if quota is not None and quota.allowed_s > 0:
             budget = min(budget, quota.remaining_s / max(1, len(unfinished)))  # equal shares of what is left
         if budget <= relay.ctx.spec.session.safety_margin or rnd.quota_wait:
             rnd.quota_wait = utc(quota.refresh_time) if quota is not None and quota.refresh_time else None
             break
+        if not slots.take(relay.name):  # every session of the cap runs (here, or by the account's Prefect limit)
+            break
         step = relay_step.push(relay.ctx, relay.step, budget, quota)
+        slots.stepped(relay.name, step.state)
         if step.refusal is not None:
             logger.warning("relay %s: %s", relay.name, step.why)
             rnd.refused += 1
             if step.refusal is Refusal.QUOTA and quota is not None:
                 rnd.quota_wait = utc(quota.refresh_time)
             break  # the cap (or the quota) is reached on Kaggle's side: the rest wait their turn
-        if step.state == "stopped":  # by the user (`relay stop`) since its step observed
-            relay.step, relay.state = step, "stopped"
-            continue
-        if step.state == "waiting":  # claimed by another orchestrator, or the claim failed: it tries again
+        relay.enter(step.state, step, step.waits_for)
+        if step.state is State.WAITING:  # claimed by another orchestrator, or the claim failed: it tries again
             logger.info("relay %s: %s", relay.name, step.why)
-            relay.state = "claimed by another orchestrator"
-            continue
-        relay.step, relay.state = step, "pushed"
-        rnd.pushed.append(relay.name)
-        rnd.in_flight.append(relay.name)
+        elif step.state is State.PUSHED:  # (or stopped by the user, `relay stop`, since its step observed)
+            rnd.pushed.append(relay.name)
     if rnd.quota_wait:
         for relay in ready:
-            if relay.state == "ready":
+            if relay.state is State.READY:
                 relay_step.quota_spent(relay.ctx, relay.step, quota)
 
 
@@ -194,7 +210,7 @@ def joint_eta(relays: List[Relay], quota, cap: int, now: datetime) -> Optional[j
     """One plan across the relays (relay/orchestrator/joint_plan.py) from each relay's own remaining-session plan."""
     needs, done = {}, {}
     for relay in relays:
-        if relay.failed or relay.state == "done" or not relay.progress:
+        if relay.failed or relay.state is State.DONE or not relay.progress:
             continue
         try:
             k = relay.ctx.spec.kaggle
@@ -214,7 +230,7 @@ def joint_eta(relays: List[Relay], quota, cap: int, now: datetime) -> Optional[j
     allowed = quota.allowed_s if quota is not None and quota.allowed_s > 0 else 30 * 3600.0
     left = quota.remaining_s if quota is not None and quota.allowed_s > 0 else allowed
     refresh = utc(quota.refresh_time) if quota is not None and quota.refresh_time else planner.next_weekly_reset(now)
-    running = [r.name for r in relays if r.state in ("running", "pushed")]
+    running = [r.name for r in relays if r.state in IN_FLIGHT]
     return joint_plan.plan_jointly(needs, now=now, cap=cap, quota_left_s=left, quota_allowed_s=allowed,
                                    refresh_at=refresh, done_sessions=done, running=running)
 
@@ -247,18 +263,22 @@ def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int 
     backend = relay_step.make_backend(credentials_block or one_account(specs))
     logger.info("relays on Kaggle account %s", backend.username)
     all_relays = load_relays(specs, backend, state_dir, step_lock_wait_s, tick=mode == "tick")
+    slots = AccountSessions(backend.username, cap)  # the `relay` flow's scheduler, here with several relays
+    for r in all_relays:
+        if r.ctx is not None:
+            slots.add(r.name, r.ctx.spec.kaggle.session_timeout + r.ctx.spec.kaggle.startup_overhead)
     run_labels.label(add_tags=[tag for r in all_relays if r.ctx for tag in run_labels.tags(r.name, r.ctx.names.owner)])
     give_up = time.monotonic() + max_hours * 3600
     announced_wait, refused, last_shown = None, 0, None
     while True:
-        rnd = run_round(backend, all_relays, cap, logger)
+        rnd = run_round(backend, all_relays, slots, logger)
         refused += rnd.refused
         if rnd.quota_wait and rnd.quota_wait != announced_wait:
-            waiting = [r.name for r in all_relays if r.state == "waiting for quota"]
+            waiting = [r.name for r in all_relays if r.waits_for is Wait.QUOTA]
             logger.warning("weekly GPU quota spent; %d relays wait until %s: %s", len(waiting), rnd.quota_wait,
                            ", ".join(waiting))
             announced_wait = rnd.quota_wait
-        quota = t.read_quota(backend) if any(r.progress for r in all_relays) else None
+        quota = relay_tasks.read_quota(backend) if any(r.progress for r in all_relays) else None
         now = datetime.now(timezone.utc)
         plan = joint_eta(all_relays, quota, cap, now)
         rows, sessions = _rows(all_relays, plan), _sessions(all_relays)
@@ -268,7 +288,7 @@ def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int 
             relays_artifacts.publish_relays_report(rows, sessions, Path(state_dir), plan)
             last_shown = shown
         summary = _summary(all_relays, rnd, plan, refused)
-        active = [r for r in all_relays if not r.failed and r.state not in ("done", "stopped")]
+        active = [r for r in all_relays if r.state not in FINAL]
         if mode == "tick" or not active:
             failed = [r for r in all_relays if r.failed]
             if mode == "watch" and failed:
@@ -294,13 +314,13 @@ def _wait_on_sessions(active: List[Relay], rnd: Round, poll_seconds: float, live
     for a slot or the quota), wait in one task run until a session ends (or the quota refreshes, or a session's
     deadline passes), their views current; the next round then follows that event. False: a relay waits on
     something else (a claim, Kaggle's status lag): the flow polls."""
-    running = [relay_step.following(r.ctx, r.step) for r in active if r.state == "running"]
-    idle = all(r.state in ("running", "waiting for a slot", "waiting for quota") for r in active)
+    running = [relay_step.following(r.ctx, r.step) for r in active if r.state is State.RUNNING]
+    idle = all(r.state is State.RUNNING or r.waits_for is not None for r in active)
     if not running or None in running or not idle or rnd.refused:  # refused: a session not ours fills the cap
         return False
     until = give_up
     for r in active:  # a session past its deadline may be wedged: the next round looks at Kaggle then
-        if r.state == "running":
+        if r.state is State.RUNNING:
             look = 600.0 if r.step.deadline is None else r.step.deadline - time.time() + poll_seconds
             until = min(until, time.monotonic() + look)
     if rnd.quota_wait:
@@ -314,10 +334,11 @@ def _rows(relays: List[Relay], plan) -> List[dict]:
     for r in relays:
         p = r.progress or {}
         eta = plan.eta.get(r.name) if plan else None
-        rows.append({"relay": r.name, "state": r.failed and f"failed: {r.failed}"[:200] or r.state,
+        rows.append({"relay": r.name, "state": r.failed and f"failed: {r.failed}"[:200] or r.shown,
                      "sessions": len(p.get("sessions") or []),
                      "step": f"{p.get('global_step', 0)} / {p.get('total_steps', '?')}",
-                     "eta": eta.strftime("%Y-%m-%d %H:%M UTC") if eta else ("-" if r.state == "done" else "unknown")})
+                     "eta": eta.strftime("%Y-%m-%d %H:%M UTC") if eta else
+                     ("-" if r.state is State.DONE else "unknown")})
     return rows
 
 
@@ -331,19 +352,17 @@ def _sessions(relays: List[Relay]) -> List[dict]:
 
 
 def _summary(relays: List[Relay], rnd: Round, plan, refused: int) -> dict:
-    states = {r.name: ("failed" if r.failed else r.state) for r in relays}
-    overall = ("done" if all(s == "done" for s in states.values()) else
-               "failed" if all(s in ("done", "failed") for s in states.values()) else
-               "stopped" if all(s in ("done", "failed", "stopped") for s in states.values()) else
-               "waiting" if rnd.quota_wait and not rnd.in_flight and not rnd.handed_over else "running")
-    return {"state": overall, "refused": refused, "pushed": rnd.pushed, "handed_over": rnd.handed_over,
+    whole = overall([r.state for r in relays])
+    if whole is State.RUNNING and rnd.quota_wait and not rnd.in_flight and not rnd.handed_over:
+        whole = State.WAITING
+    return {"state": whole.value, "refused": refused, "pushed": rnd.pushed, "handed_over": rnd.handed_over,
             "in_flight": rnd.in_flight, "quota_wait": rnd.quota_wait.isoformat() if rnd.quota_wait else None,
             "eta_all": plan.eta_all.isoformat() if plan and plan.eta_all else None,
-            "relays": {r.name: {"state": states[r.name], "error": r.failed,
+            "relays": {r.name: {"state": r.shown, "error": r.failed,
                                 "step": (r.progress or {}).get("global_step", 0),
                                 "sessions": len((r.progress or {}).get("sessions") or []),
                                 "weights_sha256": (r.progress or {}).get("weights_sha256"),
-                                "why": r.step.why if r.step and r.state == "stopped" else ""} for r in relays}}
+                                "why": r.step.why if r.step and r.state is State.STOPPED else ""} for r in relays}}
 
 
 if __name__ == "__main__":

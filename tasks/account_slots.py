@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Dict, List
 
+from relay.orchestrator.relay_state import State, holds_slot
 from tasks.prefect_writes import soon
 from tasks.step_lock import SERVER_LEASE_S, delete_record, ensure_limit, read_record, take_slot, write_record
 
@@ -28,6 +30,57 @@ MAX_LEASE_S = 24 * 3600.0  # the longest lease Prefect's server grants
 
 def limit_name(username: str) -> str:
     return f"kaggle-account-{username}"
+
+
+class AccountSessions:
+    """The one owner of an account's session slots, for both flows: the `relay` flow is the `relays` flow with one
+    relay. Two counts agree on the cap: the sessions in flight this flow run has seen (at most `sessions`, with
+    or without a Prefect server) and the account's Prefect limit (every flow run on the server). Each step's
+    state says whether its relay holds a slot (relay_state.holds_slot); a ready relay takes one before its push."""
+
+    def __init__(self, username: str, sessions: int):
+        self.username, self.sessions, self.limit = username, sessions, limit_name(username)
+        self.slots: Dict[str, AccountSlot] = {}
+        self.in_flight: List[str] = []  # the relays whose session runs, in the order they were seen
+
+    def add(self, relay: str, hold_s: float) -> None:
+        """A relay of this account, whose session lasts at most `hold_s` on Kaggle (its timeout and start-up)."""
+        self.slots[relay] = AccountSlot(self.username, relay, self.sessions, hold_s)
+
+    def stepped(self, relay: str, state: State) -> None:
+        """After a step: a running session's slot lasts; a relay with no session running gives its slot back."""
+        holds = holds_slot(state)
+        if holds and relay not in self.in_flight:
+            self.in_flight.append(relay)
+        elif not holds and relay in self.in_flight:  # Kaggle counts running sessions only: one waiting for its
+            self.in_flight.remove(relay)             # hand-over, or ready, leaves room for another's push
+        if state is State.RUNNING:
+            self.slots[relay].keep()  # queued or running (pushed by this run or another): its lease lasts
+        elif holds is False:
+            self.slots[relay].release()
+
+    def take(self, relay: str) -> bool:
+        """Before a push: a slot for the relay's next session; False when every session of the cap runs."""
+        if len([r for r in self.in_flight if r != relay]) >= self.sessions:
+            return False
+        return self.slots[relay].take()
+
+    def failed(self, relay: str) -> None:
+        """The relay needs a person and pushes nothing until one acts: its slot goes back, unless its session runs
+        (kept until its lease ends: max_hours passed, a kernel that runs another session). It is stepped no more,
+        so it leaves this run's count at once: the account's limit and Kaggle's refusal count its session."""
+        if relay in self.in_flight:
+            self.in_flight.remove(relay)
+        else:
+            self.slots[relay].release()
+
+    def full(self) -> str:
+        """Why a ready relay waits for a slot."""
+        return (f"account {self.username}: its {self.sessions} GPU sessions run (Prefect limit {self.limit});"
+                " waiting for a slot")
+
+    def wait_free(self, relay: str, until: float, poll_seconds: float) -> bool:
+        return self.slots[relay].wait_free(until, poll_seconds)
 
 
 class AccountSlot:

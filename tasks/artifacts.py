@@ -12,6 +12,7 @@ from prefect.artifacts import create_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from relay.orchestrator import goodput, report
+from relay.shared import progress_line
 
 
 _TITLES = {"curves": "Loss curves", "timeline": "Sessions timeline"}
@@ -141,7 +142,7 @@ def publish_running(name: str, progress: dict, records: list, local: Path, metri
     from relay.orchestrator import live
 
     latest = live.running_row(records, kernel_state)
-    last = next((r for r in reversed(records) if r.get("kind") in ("train", "end")), None)
+    last = progress_line.newest(records)
     if latest is None or last is None:
         return
     total = max(1, last.get("total_steps") or progress.get("total_steps") or 1)

@@ -25,6 +25,7 @@ from prefect.cache_policies import NO_CACHE
 from relay.orchestrator import handoff
 from relay.orchestrator.kaggle.types import KaggleUnresponsive, KernelState, NotFound
 from relay.orchestrator.live import Eta, LiveSession, early_warnings, estimate, eta_text, session_fraction
+from relay.shared import progress_line
 from tasks import artifacts
 from tasks.prefect_writes import soon
 from tasks.run_labels import kaggle_links
@@ -180,7 +181,7 @@ class LiveView:
 
     @staticmethod
     def _newest(records: list) -> Optional[dict]:
-        return next((r for r in reversed(records) if r.get("kind") in ("train", "end")), None)
+        return progress_line.newest(records)
 
     def _total(self, records: list, progress: Optional[dict]) -> int:
         newest = self._newest(records) or {}

@@ -10,23 +10,26 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
 from prefect import get_run_logger
 
-from relay.orchestrator import chain, handoff, restore
+from relay.orchestrator import chain, goodput, handoff, restore
 from relay.orchestrator.chain import Do
+from relay.orchestrator.relay_state import State, Wait
 from relay.orchestrator.kaggle.backend import KaggleBackend
 from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
 from relay.orchestrator.kaggle.selective_output import DiskSpaceError
 from relay.orchestrator.kaggle.types import KaggleUnresponsive, Quota, Refusal
-from relay.orchestrator.policy import budget_lowered, environment_change, plan_text, session_budget, wedge_notice
+from relay.orchestrator.policy import (budget_lowered, environment_change, forecast, plan_text, session_budget,
+                                       wedge_notice)
 from relay.shared.code_folder import mark_outputs
 from relay.shared.spec import RunSpec
-from tasks import artifacts, quiet_logs, relay_tasks as t
+from tasks import artifacts, quiet_logs, relay_tasks
 from tasks.live_view import LiveView, Running, TickMarks
 from tasks.notify import Notifier
 from tasks.run_labels import kaggle_links
@@ -65,7 +68,9 @@ class RelayContext:
     lease: Lease           # claims on Kaggle, seen by every orchestrator
     view: LiveView
     reported: Optional[str] = None  # the handed-over run the artifacts show
-    session_running: bool = False   # as the last step found: a session of this relay is queued or running
+    # failed attempts since the last hand-over that handed nothing over (goodput.failed_charge): the next push
+    # carries them in its plan, and the hand-over after it lists them in the published `charges`
+    unlisted: list = field(default_factory=list)
 
     @classmethod
     def open(cls, spec: RunSpec, spec_text: str, backend: KaggleBackend, state_dir: str | Path,
@@ -76,11 +81,10 @@ class RelayContext:
         local.mkdir(parents=True, exist_ok=True)
         mark_outputs(Path(state_dir))  # never shipped as code when it lies in a code folder
         tell = Notifier(spec.name, spec.notify.block)
+        plan, finish = view_forecasts(spec, backend)
         view = LiveView(backend, names, local, session_max_steps=spec.session.max_steps,
-                        notify=lambda key, text: tell("warning", key, text),
-                        plan=lambda progress, eta: plan_text(spec, progress, _quota(backend),
-                                                             datetime.now(timezone.utc), running=eta),
-                        marks=TickMarks(spec.name) if tick else None)
+                        notify=lambda key, text: tell("warning", key, text), plan=plan,
+                        marks=TickMarks(spec.name) if tick else None, finish=finish)
         return cls(spec, spec_text, backend, names, local, tell, StepLock(spec.name, step_lock_wait_s),
                    Lease(backend, spec.name, spec.kaggle.lease), view)
 
@@ -96,12 +100,12 @@ class RelayContext:
 
 @dataclass(frozen=True)
 class Step:
-    """What one step found or did, the one outcome both flows act on.
-    state: "ready" (to push, given a slot and a budget), "running", "handed-over", "restored", "pushed",
-    "waiting" (Kaggle's status lag, another orchestrator's claim, a refused push, the quota), "done", "stopped"
-    (by the user: `relay stop`; why says so)."""
+    """What one step found or did, the one outcome both flows act on. Its state is one of the relay's states
+    (relay/orchestrator/relay_state.py): READY (to push, given a slot and a budget), RUNNING, HANDED_OVER,
+    RESTORED, PUSHED, WAITING (Kaggle's status lag, another orchestrator's claim, a refused push, a slot, the
+    quota), DONE, STOPPED (by the user: `relay stop`; why says so)."""
 
-    state: str
+    state: State
     action: chain.Action
     obs: chain.Observation
     progress: Optional[dict] = None       # the newest handed-over progress.json
@@ -110,11 +114,11 @@ class Step:
     lease_end: Optional[float] = None      # when the claim it waits for ends (unix time)
     refusal: Optional[Refusal] = None      # Kaggle refused the push
     deadline: Optional[float] = None       # running: when it is wedged if still running (look again then)
-    slot_full: bool = False                # waiting: for a slot of the account's session limit
+    waits_for: Optional[Wait] = None       # waiting: for what a flow acts on (a slot of the account's cap, the quota)
 
     def summary(self) -> dict:
         p = self.progress or {}
-        return {"state": self.state, "run_id": self.action.run_id, "step": p.get("global_step", 0),
+        return {"state": self.state.value, "run_id": self.action.run_id, "step": p.get("global_step", 0),
                 "total_steps": p.get("total_steps"), "sessions": len(p.get("sessions", [])),
                 "metrics": p.get("metrics", {}), "weights_sha256": p.get("weights_sha256"), "why": self.why}
 
@@ -125,23 +129,23 @@ def advance(ctx: RelayContext) -> Step:
     RelayFailed when the relay needs a person. Holds the step lock (ctx.pause releases it)."""
     logger = get_run_logger()
     ctx.lock.acquire()
-    obs = t.observe(ctx.backend, ctx.names, ctx.local, ctx.spec.kaggle.startup_overhead)
+    obs = relay_tasks.observe(ctx.backend, ctx.names, ctx.local, ctx.spec.kaggle.startup_overhead)
     action = chain.decide(ctx.spec.name, obs)
     logger.info("decide: %s %s (%s)", action.do.value, action.run_id or "", action.reason)
     _report(ctx, obs, action)
     if action.do in (Do.HARVEST, Do.SALVAGE, Do.WEDGED):
         step = _wedged(ctx, obs, action) if action.do is Do.WEDGED else _hand_over(ctx, obs, action)
-        if step.state != "ready":
+        if step.state is not State.READY:
             return step
         action = chain.unless_stopped(ctx.spec.name, obs, step.action)  # a retry is a push too
     if action.do is Do.STOPPED:
         logger.warning("%s", action.reason)
-        return Step("stopped", action, obs, obs.published, why=action.reason)
+        return Step(State.STOPPED, action, obs, obs.published, why=action.reason)
     if action.do is Do.DONE:
         done = obs.published or {}
         ctx.tell("finished", "finished", f"{ctx.spec.name} finished at step {done.get('global_step')}, last eval"
                  f" {done.get('metrics')}; the final model is the Kaggle dataset {ctx.names.model_dataset}")
-        return Step("done", action, obs, obs.published)
+        return Step(State.DONE, action, obs, obs.published)
     if action.do is Do.FAILED:
         raise RelayFailed(action.reason)
     if action.do is Do.PUSH:
@@ -149,9 +153,9 @@ def advance(ctx: RelayContext) -> Step:
             stop = chain.diverged_unchanged(obs, handoff.code_changed(ctx.backend, ctx.names, ctx.spec, ctx.spec_text))
             if stop is not None:
                 raise RelayFailed(stop.reason)
-        return Step("ready", action, obs, obs.published)
+        return Step(State.READY, action, obs, obs.published)
     ahead = obs.deadline if obs.kernel_state == "running" and (obs.deadline or 0) > obs.observed_at else None
-    return Step("running", action, obs, obs.published, deadline=ahead)
+    return Step(State.RUNNING, action, obs, obs.published, deadline=ahead)
 
 
 def _wedged(ctx: RelayContext, obs: chain.Observation, wedged: chain.Action) -> Step:
@@ -163,7 +167,7 @@ def _wedged(ctx: RelayContext, obs: chain.Observation, wedged: chain.Action) -> 
     told = ctx.tell("session.wedged", f"wedged-{wedged.run_id}", notice)
     if then.do is Do.WAIT:  # said once; every later look only decides it again
         get_run_logger().log(logging.WARNING if told else logging.INFO, "%s", notice)
-        return Step("running", then, obs, obs.published)
+        return Step(State.RUNNING, then, obs, obs.published)
     get_run_logger().warning("%s", notice)
     key = f"handover-{wedged.run_id}"
     held = _claim(ctx, key, obs, wedged)
@@ -172,25 +176,30 @@ def _wedged(ctx: RelayContext, obs: chain.Observation, wedged: chain.Action) -> 
     confirm = ctx.lease.guard(held)
     harvested = None
     try:
-        harvested = t.hand_over(ctx.backend, ctx.spec, ctx.names, wedged, obs, ctx.local, confirm=confirm)
+        harvested = relay_tasks.hand_over(ctx.backend, ctx.spec, ctx.names, wedged, obs, ctx.local,
+                                          confirm=confirm)
         confirm()
     except LeaseLost as lost:
-        return Step("waiting", wedged, obs, obs.published, why=f"wedged {wedged.run_id}: stopped: {lost}")
+        return Step(State.WAITING, wedged, obs, obs.published, why=f"wedged {wedged.run_id}: stopped: {lost}")
     except (DiskSpaceError, KaggleUnresponsive):
         raise  # its output may hold a checkpoint: never deleted unread for want of disk here or of an answer
     except Exception as err:  # noqa: BLE001 - Kaggle may refuse a running session's output: nothing to harvest
         get_run_logger().warning("wedged %s: its output could not be read (%s); nothing harvested", wedged.run_id, err)
-    t.delete_kernel(ctx.backend, ctx.names.kernel)
+    pushed = _current_plan(ctx)  # the wedged attempt's push, read while its kernel is there
+    relay_tasks.delete_kernel(ctx.backend, ctx.names.kernel)
     ctx.lease.took_effect(key)
     ok = harvested is not None and harvested.ok
     then = chain.after_wedge(ctx.spec.name, wedged, ok, ctx.spec.kaggle.max_failed_sessions + 1)
+    if not ok and then.do is Do.PUSH:  # deleted without a harvest: its GPU time is listed all the same
+        _unlisted(ctx, wedged.run_id, harvested.log_tail if harvested is not None else "", then.reason, pushed,
+                  wedged=True)
     if then.failed:
         _session_failed(ctx, wedged.run_id, then.failed)
     if then.do is Do.FAILED:
         raise RelayFailed(then.reason)
     if then.do is Do.HANDED_OVER:
-        return Step("handed-over", then, obs, harvested.progress)
-    return Step("ready", then, obs, obs.published)  # the same session again, from the last published checkpoint
+        return Step(State.HANDED_OVER, then, obs, harvested.progress)
+    return Step(State.READY, then, obs, obs.published)  # the same session again, from the last published checkpoint
 
 
 def _session_failed(ctx: RelayContext, run_id: str, why: str) -> None:
@@ -207,9 +216,9 @@ def _hand_over(ctx: RelayContext, obs: chain.Observation, action: chain.Action) 
         return held
     confirm = ctx.lease.guard(held)
     try:
-        result = t.hand_over(ctx.backend, ctx.spec, ctx.names, action, obs, ctx.local, confirm=confirm)
+        result = relay_tasks.hand_over(ctx.backend, ctx.spec, ctx.names, action, obs, ctx.local, confirm=confirm)
     except LeaseLost as lost:
-        return Step("waiting", action, obs, obs.published, why=f"hand-over of {action.run_id} stopped: {lost}")
+        return Step(State.WAITING, action, obs, obs.published, why=f"hand-over of {action.run_id} stopped: {lost}")
     then = chain.after_handover(ctx.spec.name, action, result, obs, _recovery(ctx, action, result))
     if then.failed:
         _session_failed(ctx, action.run_id, then.failed)
@@ -218,14 +227,35 @@ def _hand_over(ctx: RelayContext, obs: chain.Observation, action: chain.Action) 
         changed = environment_change(result.progress)  # Kaggle's image, torch, CUDA or the GPUs changed
         if changed:
             ctx.tell("warning", f"environment-{action.run_id}", f"{ctx.spec.name}: {changed}")
-        return Step("handed-over", then, obs, result.progress)
+        return Step(State.HANDED_OVER, then, obs, result.progress)
     if then.do is Do.WAIT:
-        return Step("waiting", then, obs, obs.published, why=then.reason)
+        return Step(State.WAITING, then, obs, obs.published, why=then.reason)
     if then.do is Do.RESTORE:
         return _restore(ctx, obs, then, confirm)
     if then.do is Do.FAILED:
         raise RelayFailed(then.reason)
-    return Step("ready", then, obs, obs.published)  # a new attempt or a retry
+    if not result.ok:  # a retry or a new attempt from the same checkpoint: this one handed nothing over
+        _unlisted(ctx, action.run_id, result.log_tail, result.reason or then.reason, _current_plan(ctx))
+    return Step(State.READY, then, obs, obs.published)  # a new attempt or a retry
+
+
+def _current_plan(ctx: RelayContext) -> Optional[dict]:
+    try:
+        return ctx.backend.current_plan(ctx.names.kernel)
+    except Exception as err:  # noqa: BLE001 - the ledger never stops a relay
+        get_run_logger().info("the pushed plan of %s not read: %s", ctx.names.kernel, err)
+        return None
+
+
+def _unlisted(ctx: RelayContext, run_id: str, log_tail: str, why: str, plan: Optional[dict],
+              wedged: bool = False) -> None:
+    """Record a failed attempt that hands nothing over (its push, from its pushed `plan`; its end as the relay
+    saw it now) for the next push to carry: no published progress.json would list its GPU time otherwise."""
+    try:
+        record = goodput.failed_charge(run_id, log_tail, plan, time.time(), why, wedged=wedged)
+        ctx.unlisted = goodput.failed_charges(plan, record)
+    except Exception as err:  # noqa: BLE001 - the ledger never stops a relay
+        get_run_logger().info("the charge of %s not recorded: %s", run_id, err)
 
 
 def _recovery(ctx: RelayContext, action: chain.Action, result: handoff.HandOver) -> chain.Recovery:
@@ -250,10 +280,10 @@ def _restore(ctx: RelayContext, obs: chain.Observation, action: chain.Action, co
     except restore.NoValidCheckpoint as err:
         raise RelayFailed(str(err)) from None
     except LeaseLost as lost:
-        return Step("waiting", action, obs, obs.published, why=f"restore after {action.run_id} stopped: {lost}")
+        return Step(State.WAITING, action, obs, obs.published, why=f"restore after {action.run_id} stopped: {lost}")
     ctx.lease.took_effect(f"handover-{action.run_id}")
     get_run_logger().warning("%s", done)
-    return Step("restored", action, obs, obs.published)
+    return Step(State.RESTORED, action, obs, obs.published)
 
 
 def push(ctx: RelayContext, ready: Step, budget_s: float, quota: Optional[Quota]) -> Step:
@@ -262,22 +292,23 @@ def push(ctx: RelayContext, ready: Step, budget_s: float, quota: Optional[Quota]
     since the step observed)."""
     action, obs = ready.action, ready.obs
     session = handoff.session_kernel(ctx.spec, ctx.spec_text, ctx.names, action, budget_s, obs.features_published,
-                                     has_checkpoint=obs.published is not None)
+                                     has_checkpoint=obs.published is not None, charges=tuple(ctx.unlisted))
     key = f"push-{action.run_id}"
     held = _claim(ctx, key, obs, action)  # its act, SaveKernel, follows within seconds
     if isinstance(held, Step):
         return held
-    stop = t.user_stop(ctx.backend, ctx.names)  # a `relay stop` since this step observed: nothing is pushed
+    stop = relay_tasks.user_stop(ctx.backend, ctx.names)  # a `relay stop` since this step observed: no push
     if stop:
         stopped = chain.unless_stopped(ctx.spec.name, replace(obs, stopped_by_user=stop), action)
-        return Step("stopped", stopped, obs, obs.published, why=stopped.reason)
-    pushed = t.push_session(ctx.backend, session)
+        return Step(State.STOPPED, stopped, obs, obs.published, why=stopped.reason)
+    pushed = relay_tasks.push_session(ctx.backend, session)
     if pushed.refusal is not None:
         until = quota.refresh_time if (pushed.refusal is Refusal.QUOTA and quota) else None
-        return Step("waiting", action, obs, obs.published, why=f"push refused ({pushed.refusal.value}):"
+        return Step(State.WAITING, action, obs, obs.published, why=f"push refused ({pushed.refusal.value}):"
                     f" {pushed.message}", until=until, refusal=pushed.refusal)
     ctx.lease.took_effect(key)
-    return Step("pushed", action, obs, obs.published)
+    ctx.unlisted = []  # in the pushed plan now
+    return Step(State.PUSHED, action, obs, obs.published)
 
 
 def plan(ctx: RelayContext, progress: Optional[dict], quota: Optional[Quota]) -> None:
@@ -289,8 +320,8 @@ def quota_spent(ctx: RelayContext, ready: Step, quota: Optional[Quota]) -> Step:
     until = quota.refresh_time if quota is not None else None
     ctx.tell("quota-wait", f"quota-{until}", f"{ctx.spec.name}: the weekly GPU quota is spent; the relay waits"
              f" until {until} UTC")
-    return Step("waiting", ready.action, ready.obs, ready.progress,
-                why=f"weekly GPU quota spent; waiting until {until}", until=until)
+    return Step(State.WAITING, ready.action, ready.obs, ready.progress,
+                why=f"weekly GPU quota spent; waiting until {until}", until=until, waits_for=Wait.QUOTA)
 
 
 def show_running(ctx: RelayContext, running: Step):
@@ -321,11 +352,29 @@ def _claim(ctx: RelayContext, key: str, obs: chain.Observation, action: chain.Ac
     try:
         return ctx.lease.acquire(key)
     except LeaseBusy as busy:
-        return Step("waiting", action, obs, obs.published, why=str(busy), lease_end=busy.claim.expires)
+        return Step(State.WAITING, action, obs, obs.published, why=str(busy), lease_end=busy.claim.expires)
     except NotALease as err:
         raise RelayFailed(str(err)) from None
     except Exception as err:  # noqa: BLE001 - Kaggle failing past the retries: look again later
-        return Step("waiting", action, obs, obs.published, why=f"could not claim {key} on Kaggle: {err}")
+        return Step(State.WAITING, action, obs, obs.published, why=f"could not claim {key} on Kaggle: {err}")
+
+
+def view_forecasts(spec, backend) -> tuple:
+    """The live view's plan (the summary's) and finish (the progress text's): both policy.forecast's, as
+    `relay status` says it, so the UI shows one finish time."""
+    quota_seen: list = []  # the quota the last summary's plan read: the progress text's finish reuses it
+
+    def plan(progress, eta) -> str:  # at the running session's events (a quarter, an eval, a warning)
+        quota_seen[:] = [_quota(backend)]
+        return plan_text(spec, progress, quota_seen[0], datetime.now(timezone.utc), running=eta)
+
+    def finish(progress, eta) -> str:  # at every progress update: no Kaggle call of its own after the first
+        if not quota_seen:
+            quota_seen.append(_quota(backend))
+        now = datetime.now(timezone.utc)
+        return forecast(spec, progress, quota_seen[0], now, running=eta).line(now)
+
+    return plan, finish
 
 
 def _quota(backend) -> Optional[Quota]:
@@ -339,7 +388,7 @@ def _report(ctx: RelayContext, obs: chain.Observation, action: chain.Action) -> 
     """The session table, curves and plan as artifacts, once per handed-over session."""
     if obs.published and obs.published.get("run_id") != ctx.reported:
         metrics = handoff.published_metrics(ctx.backend, ctx.names, ctx.local, obs.published)
-        text = plan_text(ctx.spec, obs.published, t.read_quota(ctx.backend), datetime.now(timezone.utc))
+        text = plan_text(ctx.spec, obs.published, relay_tasks.read_quota(ctx.backend), datetime.now(timezone.utc))
         artifacts.publish_report(ctx.spec.name, obs.published, ctx.local, metrics, plan_text=text,
                                  state=action.do.value, links=kaggle_links(ctx.names.owner, ctx.spec.name,
                                                                     getattr(ctx.backend, "endpoint", None)),

@@ -159,19 +159,9 @@ def _fast_tier_starts_no_process(request, monkeypatch):
 
 def deep_merge(base: dict, overrides: dict) -> dict:
     """`overrides` may nest dicts ({"optim": {"lr": 1}}) or use dotted keys ({"optim.lr": 1}); None deletes."""
-    out = copy.deepcopy(base)
-    for key, value in overrides.items():
-        *parents, leaf = key.split(".")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        if value is None:
-            node.pop(leaf, None)
-        elif isinstance(value, dict) and isinstance(node.get(leaf), dict):
-            node[leaf] = deep_merge(node[leaf], value)
-        else:
-            node[leaf] = value
-    return out
+    from relay.shared.spec import override
+
+    return override(base, overrides, none_deletes=True)
 
 
 def toy_spec_dict(*layers: dict, **overrides) -> dict:

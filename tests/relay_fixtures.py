@@ -66,17 +66,9 @@ STEPS_PER_SESSION = TOY_RELAY["session"]["max_steps"]
 
 def spec_dict(**overrides) -> dict:
     """TOY_RELAY with dotted-key overrides ({"optim.max_steps": 600}); None deletes a key."""
-    data = json.loads(json.dumps(TOY_RELAY))
-    for dotted, value in overrides.items():
-        *parents, leaf = dotted.split(".")
-        node = data
-        for p in parents:
-            node = node.setdefault(p, {})
-        if value is None:
-            node.pop(leaf, None)
-        else:
-            node[leaf] = value
-    return data
+    from relay.shared.spec import override
+
+    return override(TOY_RELAY, overrides, none_deletes=True)
 
 
 def write_spec(directory: Path, **overrides) -> Path:

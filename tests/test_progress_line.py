@@ -27,3 +27,13 @@ def test_lines_are_rate_bounded_but_evals_stages_and_the_end_always_print():
 def test_parse_ignores_other_lines():
     assert parse("session 1: 10%| loss=0.3") is None
     assert parse("relay-progress {not json") is None
+
+
+def test_newest_is_where_the_session_is():
+    from relay.shared.progress_line import newest
+
+    records = [{"kind": "train", "step": 10, "time": 1.0}, {"kind": "train", "step": None},
+               {"kind": "end", "step": 20}, {"kind": "eval", "step": 20}]
+    assert newest(records) == {"kind": "end", "step": 20}
+    assert newest(records, ("train",), has="step") == {"kind": "train", "step": 10, "time": 1.0}
+    assert newest(records, ("end",), has="time") is None and newest([]) is None

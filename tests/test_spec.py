@@ -211,3 +211,12 @@ def test_example_specs_are_valid():
     assert examples
     for path in examples:
         spec_mod.load(path)
+
+
+def test_override_is_the_one_way_to_change_spec_data():
+    base = {"session": {"budget": "1h", "threads": 1}, "optim": {"lr": 1}}
+    changed = spec_mod.override(base, {"session.budget": None, "optim": {"max_steps": 5}, "kaggle.lease": "10s"})
+    assert changed == {"session": {"budget": None, "threads": 1}, "optim": {"lr": 1, "max_steps": 5},
+                       "kaggle": {"lease": "10s"}}
+    assert spec_mod.override(base, {"session.budget": None}, none_deletes=True)["session"] == {"threads": 1}
+    assert base == {"session": {"budget": "1h", "threads": 1}, "optim": {"lr": 1}}  # a copy: the base unchanged

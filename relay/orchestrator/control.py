@@ -13,6 +13,7 @@ from typing import Callable
 from relay.orchestrator import chain, live
 from relay.orchestrator.kaggle import control_record
 from relay.orchestrator.status import FOLLOW_S, find_relay
+from relay.shared import progress_line
 
 
 def stop(target: str, backend_factory: Callable, now: bool = False, yes: bool = False, why: str = "",
@@ -73,7 +74,7 @@ def lost_progress(backend, names: chain.Names, obs: chain.Observation, running: 
     them (read for `follow_s` seconds)."""
     published = (obs.published or {}).get("global_step", 0)
     records = live.LiveSession(backend, names.kernel, running.run_id).start().wait(follow_s)
-    latest = next((r for r in reversed(records) if r.get("kind") in ("train", "end")), None)
+    latest = progress_line.newest(records)
     if latest is None:
         return (f"Its log shows no progress yet; whatever it trained since the last published checkpoint (step"
                 f" {published}) is lost.")

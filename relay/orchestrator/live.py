@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
-from relay.shared.progress_line import parse
+from relay.shared.progress_line import newest, parse
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class LiveSession:
 
     @property
     def latest(self) -> Optional[dict]:
-        return next((r for r in reversed(self.records) if r.get("kind") in ("train", "end")), None)
+        return newest(self.records)
 
     def silent_for(self) -> float:
         """Seconds since the newest progress line (since following began, before the first)."""
@@ -129,7 +129,7 @@ def early_warnings(records: List[dict], *, median_window: int = 20, blowup: floa
 
 def running_row(records: List[dict], kernel_state: str = "running") -> Optional[dict]:
     """The running session as a row of report.session_table (stop_reason "running")."""
-    latest = next((r for r in reversed(records) if r.get("kind") in ("train", "end")), None)
+    latest = newest(records)
     if latest is None:
         return None
     first = records[0]
@@ -210,7 +210,7 @@ def session_fraction(records: List[dict], session_max_steps: Optional[int] = Non
     eta = estimate(records, session_max_steps)
     if eta is not None:
         return eta.fraction
-    latest = next((r for r in reversed(records) if r.get("kind") == "train" and r.get("step") is not None), None)
+    latest = newest(records, ("train",), has="step")
     if latest is None:
         return 0.0
     start = int(latest.get("step_start") or 0)

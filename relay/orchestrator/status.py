@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
+from relay.shared import progress_line
 from relay.shared.errors import InputError
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{2,49}$")
@@ -28,8 +29,31 @@ def resolve_name(target: str, command: str = "relay status"):
     if not _NAME.match(target):
         raise InputError(f"{command}: {target!r} is neither a folder, a spec file nor a relay name"
                          " ([a-z0-9-], 3-50 characters)")
-    # no spec: the plan uses Kaggle's defaults (12 h sessions, 30 h a week)
-    return target, SimpleNamespace(kaggle=spec_mod.KaggleConfig(), session=spec_mod.SessionConfig())
+    # no spec file: find_relay reads the one the relay's sessions run with from its kernel (pushed_spec); until
+    # then, and for a kernel that carries none, Kaggle's defaults (12 h sessions, 30 h a week)
+    return target, SimpleNamespace(kaggle=spec_mod.KaggleConfig(), session=spec_mod.SessionConfig(),
+                                   source="Kaggle's defaults (no spec file given, none read from its kernel)")
+
+
+def pushed_spec(backend, kernel: str):
+    """The spec the relay's sessions run with, read from its kernel's current source (every push embeds it:
+    relay/orchestrator/kaggle/kernel_source.py): its kaggle, session and optim sections, all a plan needs (its
+    code.folder names a folder on the machine that pushed, not this one). None when the kernel carries none."""
+    import yaml
+
+    from relay.shared import spec as spec_mod
+
+    try:
+        text = backend.current_spec_text(kernel)
+        data = yaml.safe_load(text) if text else None
+        if not isinstance(data, dict):
+            return None
+        return SimpleNamespace(name=data.get("name"), kaggle=spec_mod.KaggleConfig.model_validate(data.get("kaggle") or {}),
+                               session=spec_mod.SessionConfig.model_validate(data.get("session") or {}),
+                               optim=spec_mod.OptimConfig.model_validate(data.get("optim") or {}),
+                               source=f"the one its sessions run with (kernel {kernel}'s current version)")
+    except Exception:  # noqa: BLE001 - no kernel, another one's source, an old spec: Kaggle's defaults, said so
+        return None
 
 
 FOLLOW_S = 5.0  # how long a command reads the running session's log stream for its newest progress
@@ -44,6 +68,8 @@ def find_relay(target: str, backend_factory: Callable, command: str = "relay sta
     name, run_spec = resolve_name(target, command)
     backend = backend_factory()
     names = chain.Names(backend.username, name)
+    if isinstance(run_spec, SimpleNamespace):  # a name: plan with the spec its sessions run with
+        run_spec = pushed_spec(backend, names.kernel) or run_spec
     try:
         with tempfile.TemporaryDirectory(prefix="relay-status-") as scratch:  # nothing written for a wrong name
             obs = handoff.observe(backend, names, Path(scratch), run_spec.kaggle.startup_overhead)
@@ -74,7 +100,7 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
     if action.do is chain.Do.WAIT and obs.kernel_state == "running":  # the running session, from its log stream
         records = live.LiveSession(backend, names.kernel, action.run_id).start().wait(follow_s)
         eta = live.estimate(records, run_spec.session.max_steps)
-    newest = next((r for r in reversed(records) if r.get("kind") in ("train", "end")), {})
+    newest = progress_line.newest(records) or {}
     emit(f"relay {name} (Kaggle user {names.owner}): {obs.handed_over} session(s) handed over, step"
          f" {progress.get('global_step', 0)}/{progress.get('total_steps') or newest.get('total_steps') or '?'}"
          + (f"; session {newest.get('session')} running at step {newest.get('step')}" if newest else ""))
@@ -101,6 +127,7 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
     emit(f"next: {action.do.value} {action.run_id or ''} ({action.reason})".replace("  ", " "))
     if newest.get("total_steps") and not progress.get("total_steps"):  # the first session: its lines say it
         progress = {**progress, "total_steps": newest["total_steps"]}
+    emit(f"spec: {getattr(run_spec, 'source', None) or target}")  # where the plan's spec figures come from
     emit(policy.plan_text(run_spec, progress, quota, datetime.now(timezone.utc), running=eta))
     if progress.get("sessions"):
         try:

@@ -11,7 +11,7 @@ import json
 import math
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 from relay.shared.environment import SessionEnvironment
 
 PREFIX = "relay-progress "
@@ -65,3 +65,10 @@ def parse(text: str) -> Optional[dict]:
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
+
+
+def newest(records: Sequence[dict], kinds: tuple = ("train", "end"), has: Optional[str] = None) -> Optional[dict]:
+    """The newest record of one of `kinds` with a value for `has`: by default where the session is (its latest
+    train line, or its end line); None when there is none."""
+    return next((r for r in reversed(records) if r.get("kind") in kinds and (has is None or r.get(has) is not None)),
+                None)

@@ -5,8 +5,9 @@ Every bad input becomes one line naming the key path and what is expected (`Spec
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
@@ -186,18 +187,30 @@ def load(path: str | Path, overrides: dict[str, Any] | None = None) -> RunSpec:
         else:
             where = ""
         raise SpecError(f"{path}: not valid YAML{where}") from None
-    for dotted, value in (overrides or {}).items():
-        _set_dotted(data if isinstance(data, dict) else {}, dotted, value)
+    if isinstance(data, dict) and overrides:
+        data = override(data, overrides)
     if isinstance(data, dict) and isinstance(data.get("code"), dict):
         data["code"]["folder"] = str(resolve_folder(path, data["code"].get("folder", ".")))
     return validate(data, source=str(path))
 
 
-def _set_dotted(data: dict, dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    for key in parents:
-        data = data.setdefault(key, {})
-    data[leaf] = value
+def override(data: dict, overrides: Mapping[str, Any], none_deletes: bool = False) -> dict:
+    """A copy of spec data with `overrides`: dotted keys (`session.budget`) or nested dicts ({"optim": {"lr": 1}}),
+    a dict merged into the dict it lands on. None is YAML's null (`--budget none`: no budget), or with
+    `none_deletes` removes the key (back to the spec's default)."""
+    out = copy.deepcopy(data)
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is None and none_deletes:
+            node.pop(leaf, None)
+        elif isinstance(value, dict) and isinstance(node.get(leaf), dict):
+            node[leaf] = override(node[leaf], value, none_deletes)
+        else:
+            node[leaf] = copy.deepcopy(value)
+    return out
 
 
 def to_dict(spec: RunSpec) -> dict[str, Any]:
