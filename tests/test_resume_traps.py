@@ -11,10 +11,8 @@ from pathlib import Path
 
 import yaml
 
-# 64 samples of 8: an epoch is 8 steps. At each epoch end, after step_done, an eval iterates a DataLoader
-# without generator=: its iterator draws a base seed from the global RNG, which the dropout of the next
-# step draws from too. save_every is tiny, so an insurance save is due at every step, the last included.
-EVAL_AT_EPOCH_ENDS = '''
+# what both scripts below start with: a session, data, a model with dropout (it draws from the global RNG)
+SCRIPT_START = '''
 import torch, relay
 from torch.utils.data import DataLoader, TensorDataset
 session = relay.open_session()
@@ -23,7 +21,12 @@ x, y = torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
 model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 session.register(model=model, optimizer=opt)
-session.restore()
+'''
+
+# 64 samples of 8: an epoch is 8 steps. At each epoch end, after step_done, an eval iterates a DataLoader
+# without generator=: its iterator draws a base seed from the global RNG, which the dropout of the next
+# step draws from too. save_every is tiny, so an insurance save is due at every step, the last included.
+EVAL_AT_EPOCH_ENDS = SCRIPT_START + '''session.restore()
 for idx in session.batches(64, 8):
     loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
     opt.zero_grad(); loss.backward(); opt.step()
@@ -143,16 +146,7 @@ def test_verify_resume_cut_at_must_be_steps_inside_the_run(relay_cli, tmp_path):
 # Accelerate's idiom: a shuffling DataLoader without generator=, resumed by skipping the epoch's first batches
 # (accelerate's skip_first_batches). Each new iterator draws its seed and its order from the global RNG: the
 # resumed session's iterator, made at the resume step, shuffles otherwise than the straight run's.
-SKIPPING_BATCHES = '''
-import torch, relay
-from torch.utils.data import DataLoader, TensorDataset
-session = relay.open_session()
-g = torch.Generator().manual_seed(0)
-x, y = torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
-model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-session.register(model=model, optimizer=opt)
-start = session.restore()
+SKIPPING_BATCHES = SCRIPT_START + '''start = session.restore()
 loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
 skip = start % len(loader)
 while not session.should_stop():
