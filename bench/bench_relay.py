@@ -79,7 +79,7 @@ def seeds_session(spec_path: str, workdir: str, resume: Optional[str], every_epo
     def after_step(self, loss: float) -> None:
         st = self.state
         if math.isfinite(loss):
-            self._recent_losses.append(loss)
+            self.step_books.losses.append(loss)  # the window, without the divergence guard
         if st.global_step % self.spec.optim.log_every_steps == 0 or st.global_step == self.total_steps:
             self._log_train()
         if self._eval_due(st.global_step):

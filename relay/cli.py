@@ -101,11 +101,15 @@ def cmd_data(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from datetime import datetime, timezone
 
-    from relay.orchestrator import plan as planner
+    from relay.orchestrator import measured, plan as planner, policy
     from relay.front_door import load_spec
 
     spec = load_spec(args.spec)
     progress = _load_progress(args.progress) if args.progress else {}
+    # start-up, save and hand-over: the flags, else measured over this run's records (--progress) or a previous
+    # relay's (--from NAME: its published progress.json, read from Kaggle), else the spec's and the defaults
+    measured_from = _previous_relay(args.from_relay, args.credentials_block) if args.from_relay else progress
+    figures = measured.overheads(spec, measured_from, startup=args.startup, save=args.save, handover=args.handover)
     total = None
     if not progress:
         if spec.optim.max_steps:
@@ -120,13 +124,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     now = datetime.now(timezone.utc)
     ledger = [(s["started"], s.get("seconds", 0.0)) for s in progress.get("sessions", [])]
     quota = planner.quota_from_ledger(ledger, now, total_allowed_s=spec.kaggle.weekly_gpu_quota)
-    limits = planner.limits_from_spec(spec)
+    limits = policy.plan_limits(spec, figures)
     try:
         plan = planner.plan_from_progress(progress, quota, now, limits=limits, step_seconds_estimate=args.step_seconds,
                                           total_steps=total, steps_per_epoch=progress.get("steps_per_epoch"))
     except planner.PlanError as err:
         raise InputError(f"relay plan: {err} (see relay plan --help)") from None
     print(planner.format_plan(plan))
+    print(measured.goodput_line(measured.expected_goodput(plan.sessions, figures, spec.session.save_every), figures,
+                                spec.kaggle.weekly_gpu_quota)
+          + (f"; figures of relay {args.from_relay}" if args.from_relay else ""))
     procs = spec.session.devices if spec.session.devices != "auto" else accelerators.gpus_of(spec.kaggle.machine_shape)
     if spec.recipe is not None:
         from relay.kernel.usercode import recipe_params  # a user recipe's Params are in its own module
@@ -138,6 +145,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"processes per session: {1 if fit_only else procs} (session.devices: {spec.session.devices}, {why});"
           " step times are of one optimizer step with all of them")
     return 0
+
+
+def _previous_relay(name: str, credentials_block: Optional[str]) -> dict:
+    """The published progress.json of relay NAME (its sessions' and charges' records), read from Kaggle."""
+    from relay.orchestrator import status
+
+    found = status.find_relay(name, lambda: _backend(credentials_block), "relay plan --from")
+    if not (found[4].published or {}).get("sessions"):
+        raise InputError(f"relay plan --from {name}: the relay has handed no session over yet: nothing measured")
+    return found[4].published
 
 
 def _backend(credentials_block: Optional[str]):
@@ -313,6 +330,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress", metavar="DIR", help="a workdir or harvested outputs (measured step time, steps done)")
     p.add_argument("--step-seconds", type=float, help="seconds per optimizer step, before any session measured it")
     p.add_argument("--train-samples", type=int, help="training set size, to count steps of an epochs-based spec")
+    p.add_argument("--startup", type=_budget, metavar="DURATION", help="a session's start-up, push to its first"
+                                                                       " step (default: measured, else"
+                                                                       " kaggle.startup_overhead)")
+    p.add_argument("--save", type=_budget, metavar="DURATION", help="one checkpoint save (default: measured, else"
+                                                                    " session.safety_margin)")
+    p.add_argument("--handover", type=_budget, metavar="DURATION", help="from a session's end to the next one's"
+                                                                        " push (default: measured, else 1m)")
+    p.add_argument("--from", dest="from_relay", metavar="NAME", help="measure start-up, save and hand-over over a"
+                                                                     " previous relay's sessions (read from Kaggle)")
+    p.add_argument("--credentials-block", metavar="NAME", help=CREDENTIALS_BLOCK_HELP)
     p.set_defaults(func=cmd_plan)
 
     st = sub.add_parser("status", help="where a relay stands: its session table, running session, next step, ETA"

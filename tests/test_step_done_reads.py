@@ -57,7 +57,7 @@ def test_step_done_reads_the_loss_only_at_log_steps(tmp_path):
     assert read_at == [log_every, 2 * log_every], CountingLoss.reads  # never between log steps
     # one read of the whole window at each (torch.stack(...).tolist()), not one per loss
     assert [m for step, m in CountingLoss.reads] == ["tolist", "tolist"], CountingLoss.reads
-    assert session._divergence.h.n == 2 * log_every  # every loss judged, at the log steps
+    assert session.step_books.guard.h.n == 2 * log_every  # every loss judged, at the log steps
     CountingLoss.step = "close"
     session.close()
     logged = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]

@@ -22,6 +22,7 @@ from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.core import SessionCore
 from relay.kernel.session.device import configure_backends, pick_device, seed_everything
 from relay.kernel.session.loop import Trainer, TrainState, resolve_precision
+from relay.kernel.session.settings import SessionSettings
 from relay.shared.errors import InputError
 from relay.shared.spec import RunSpec
 
@@ -120,12 +121,9 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     model.to(device)
 
     total = data.total_steps(schedule, spec.optim.epochs, spec.optim.max_steps)
-    k = spec.kaggle
-    core = SessionCore(workdir, clock, world, total_steps=total, name=spec.name, run_id=run_id,
-                       resume_from=resume_from, checkpoints=spec.checkpoints,
-                       tracking=spec.tracking.model_dump(), internet=k.enable_internet,
-                       stall_after=spec.session.stall_after, machine_shape=k.machine_shape if k.enable_gpu else None,
-                       on_other_accelerator=k.on_other_accelerator)
+    settings = SessionSettings.from_spec(spec, workdir, resume_from=resume_from, data_dir=data_dir,
+                                         feature_dirs=feature_dirs, run_id=run_id, total_steps=total)
+    core = SessionCore(settings, clock, world)
     restored, state = _restore(core, spec, world, device, created)
     session = core.open(state.sessions, state.global_step, state.tracking, current_step=lambda: state.global_step,
                         model_bytes=sum(p.nbytes for p in model.parameters()))

@@ -28,13 +28,13 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from relay.kernel.session import api_distributed, books, checkpoint, data, distributed, rng, trace
+from relay.kernel.session import api_distributed, books, checkpoint, data, distributed, rng, stepbooks, trace
 from relay.kernel.session.api_distributed import unwrap
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.core import SessionCore
 from relay.kernel.session.device import pick_device, seed_everything
-from relay.kernel.session.divergence import DivergenceGuard
 from relay.kernel.session.settings import SessionSettings
+from relay.kernel.session.stepbooks import StepBooks, read_losses  # noqa: F401 - read_losses: its old home
 from relay.shared import environment
 from relay.shared.environment import SessionEnvironment
 from relay.shared.errors import InputError
@@ -107,25 +107,15 @@ class Session:
         self.stop_reason: Optional[str] = None
         self.closed = False
         self._book = {"sessions": [], "best": None, "last_eval": {}}
-        self._losses: list = []  # the losses since the last log step, as given (device tensors unread)
-        self._loss_steps: list[int] = []  # the step of each: what the divergence guard's reason names
+        # the loss window (device tensors read at log steps), samples/s, the insurance timer, the divergence guard
+        self.step_books = StepBooks(self.clock, config.save_every, guard=config.stop_on_divergence, mode="window")
         self._mark = time.perf_counter()
-        self._last_save = time.monotonic()
         self._saved_step: Optional[int] = None  # a save at this step holds the session's final state
         self._insurance_skipped = False  # once, at the step the session stops after (close() saves)
         self._schedule: Optional[data.StepSchedule] = None
-        self._session_samples = 0
-        self._train_seconds = 0.0
-        self._divergence = DivergenceGuard() if config.stop_on_divergence else None
-        self.diverged: Optional[str] = None  # why the session stopped itself on a diverging loss
         self._trace = trace.StepTrace.from_env()  # per-step fingerprints, under `relay verify-resume` only
         # the workdir's books: checkpoints, metrics.jsonl, progress.json, trackers (started by restore())
-        self.core = SessionCore(self.workdir, self.clock, world, total_steps=self.total_steps,
-                                name=config.name, run_id=self.run_id, resume_from=config.resume_from,
-                                checkpoints=config.checkpoints(), tracking=config.tracking,
-                                internet=bool(config.internet), stall_after=config.stall_after,
-                                machine_shape=config.machine_shape,
-                                on_other_accelerator=config.on_other_accelerator)
+        self.core = SessionCore(config, self.clock, world)
         self.trackers = self.core.trackers
 
     @property
@@ -170,13 +160,12 @@ class Session:
                 if not (isinstance(saved_state, dict) and not saved_state):  # a disabled GradScaler saves {}
                     unwrap(obj).load_state_dict(saved_state)  # and refuses to load it
             self._book = dict(state["relay"])
-            self._losses = list(self._book.pop("window_losses", []))  # the logging window a resume cut
-            if self._divergence is not None:  # its history: it stops, or not, at the uninterrupted run's step
-                self._divergence.load_state_dict(self._book.pop("divergence", None))
+            # the logging window a resume cut and the guard's history: it stops, or not, at the uninterrupted
+            # run's step
+            self.step_books.load_state_dict(self._book)
+            for key in stepbooks.KEYS:
+                self._book.pop(key, None)
             self.step = self._saved_step = int(self._book["global_step"])
-            # the window's steps (a checkpoint written before they were saved: one loss a step, up to here)
-            self._loss_steps = list(self._book.pop("window_steps", None)
-                                    or range(self.step - len(self._losses) + 1, self.step + 1))
             rng.restore(state, self.world, self._device(), self.config.seed, self.step)
             books.warn_if_threads_changed(self._book.get("threads"))
             log.info("resumed from %s (step %d)", ckpt.path, self.step)
@@ -252,21 +241,16 @@ class Session:
         """Count one optimizer step: its time (from the previous step_done, data loading included),
         its loss into metrics.jsonl every `log_every` steps, and a periodic insurance save. `samples`: the
         step's batch, for samples/s, when the script does not take its batches from session.batches()."""
-        seconds = time.perf_counter() - self._mark
-        self.clock.record_step(seconds)
-        self._train_seconds += seconds
+        if samples is None and self._schedule is not None:
+            samples = self._schedule.effective_batch
+        self.step_books.count(time.perf_counter() - self._mark, samples)
         if self._trace:
             self._trace.step_done(self, loss, sys._getframe(1))
         self.step = step = self.step + 1
-        if samples is not None:
-            self._session_samples += samples
-        elif self._schedule is not None:
-            self._session_samples += self._schedule.effective_batch
         if loss is not None:
             # Kept as given: a CUDA tensor is not read here (float() would wait for the GPU every step, 1.17x the
             # hand-written loop's step time on an H200), but with its window at the next log step, all at once.
-            self._losses.append(loss)
-            self._loss_steps.append(step)
+            self.step_books.add_loss(step, loss)
         if self.world.size > 1:
             return self._step_done_together(save, metrics)
         if step % self.config.log_every == 0 or step == self.total_steps:
@@ -283,10 +267,7 @@ class Session:
         The guard judges only here, at steps that do not depend on where sessions are cut (multiples of log_every,
         the last step); a save between them carries the unjudged window (window_losses, window_steps) and the
         guard's history as of the last log step, so a split run stops, or not, at the uninterrupted run's step."""
-        losses, steps = read_losses(self._losses), self._loss_steps
-        self._losses, self._loss_steps = [], []
-        if losses and self._divergence is not None and self.diverged is None:
-            self.diverged = self._divergence.update_many(steps, losses)
+        losses = self.step_books.end_window()
         if losses or metrics:
             self.log("train", loss=sum(losses) / len(losses) if losses else None, **metrics)
 
@@ -296,9 +277,8 @@ class Session:
         clock_reason = None if self.step >= self.total_steps else self.clock.should_stop()
         insure = save and self.step < self.total_steps and self.insurance_due()  # at a stop: close() saves
         _, save_now, mean = self._agreement.decide(self.step, clock_reason, insure,
-                                                   read_losses(self._losses) if log_due else None)
+                                                   self.step_books.end_window(judge=False) if log_due else None)
         if log_due:
-            self._losses, self._loss_steps = [], []
             if mean is not None or metrics:
                 self.log("train", loss=mean, **metrics)
         if save_now:
@@ -312,14 +292,19 @@ class Session:
 
     def insurance_due(self) -> bool:
         """A periodic save is due (session.save_every since the last one): insurance against a SIGKILL."""
-        return time.monotonic() - self._last_save >= float(self.config.save_every)
+        return self.step_books.insurance_due()
+
+    @property
+    def diverged(self) -> Optional[str]:
+        """Why the session stopped itself on a diverging loss (session.stop_on_divergence), else None."""
+        return self.step_books.diverged
 
     def log(self, kind: str = "train", **values: Any) -> None:
         """One metrics.jsonl record at the current step; `kind="eval"` records become progress metrics."""
         if kind == "eval":
             self._book["last_eval"] = {"step": self.step, **values}
         self.core.log({"kind": kind, "step": self.step, "epoch": self.epoch, **values},
-                      shown=self._train_extras(self._samples_per_s()) if kind == "train" else None)
+                      shown=self._train_extras(self.step_books.samples_per_s()) if kind == "train" else None)
 
     def _train_extras(self, speed: Optional[float]) -> dict:
         """What a tracker shows beside a train record: samples/s and the first registered optimizer's lr."""
@@ -337,13 +322,8 @@ class Session:
         its own checkpoint that this one packs; the clock plans the final save with both phases."""
         t0 = time.perf_counter() if started is None else started
         self._update_record(reason)
-        # the window not yet logged and judged, read now (a save waits for the device anyway) and kept read: a
-        # session resumed inside it logs the uninterrupted run's mean, and its guard judges the same losses
-        self._losses = read_losses(self._losses)
-        self._book.update(global_step=self.step, threads=torch.get_num_threads(),
-                          window_losses=list(self._losses), window_steps=list(self._loss_steps))
-        if self._divergence is not None:
-            self._book["divergence"] = self._divergence.state_dict()
+        # with the window not yet logged and judged, and the guard's history (StepBooks.state_dict)
+        self._book.update(global_step=self.step, threads=torch.get_num_threads(), **self.step_books.state_dict())
         rngs = rng.capture(self.world, self._device())
         state = None
         if self.world.main:
@@ -354,7 +334,7 @@ class Session:
         # only a save taken once the session decided to stop (an integration's, at its trainer's stop) holds
         # the state the next session starts from: after an insurance save the loop may still run code (an eval
         # whose DataLoader draws from the global RNG) before it asks should_stop(), and close() must save that
-        self._last_save = time.monotonic()
+        self.step_books.saved()
         self._saved_step = self.step if self.stop_reason is not None else None
         return ckpt
 
@@ -414,11 +394,7 @@ class Session:
 
 
     def _update_record(self, reason: str) -> None:
-        self.core.update_record(self.step, reason, self._samples_per_s(), self.diverged)
-
-    def _samples_per_s(self) -> Optional[float]:
-        """Unknown (None) until a step counted its samples (from batches() or step_done(samples=))."""
-        return self._session_samples / self._train_seconds if self._train_seconds and self._session_samples else None
+        self.core.update_record(self.step, reason, self.step_books.samples_per_s(), self.diverged)
 
     def _progress_fields(self) -> books.RunFields:
         """What progress.json says of this run besides the checkpoint (SessionCore.write_progress); the script
@@ -430,28 +406,6 @@ class Session:
                                metrics=self._book.get("last_eval") or {}, best=self._book.get("best"),
                                micro_batch=schedule.effective_batch // self.world.size if schedule else None,
                                exactness_lost=self._book.get("exactness_lost"), tracking=self._book.get("tracking"))
-
-
-def read_losses(values: list) -> list[float]:
-    """The losses as floats, in one device read when they are one-element tensors on one device (loss.detach() of
-    each step): one sync per window instead of one per loss. Exactly the values float() gives each: .tolist() reads
-    the stacked dtype, and stacking only widens (bf16 beside fp32 -> fp32), so the logged mean and the guard's
-    decisions do not change with the read. The checks are torch.stack's own (asking each tensor its device, dtype
-    and shape cost 3x the stack at a 10-step window); the rare mixed window (floats restored from a checkpoint,
-    or given by the script, beside tensors) takes its tensors in one read too."""
-    if not values:
-        return []
-    try:
-        flat = torch.stack(values).reshape(-1)  # a loss not detached adds a node freed at once: no no_grad() (2 us)
-        if flat.numel() == len(values):
-            return flat.tolist()
-    except (TypeError, RuntimeError):  # not all tensors, or on several devices, or of several shapes
-        pass
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    if 1 < len(tensors) < len(values):
-        read = iter(read_losses(tensors))
-        return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
-    return [float(v) for v in values]  # a loss of several elements fails here, as float(loss) always did
 
 
 class RunBatchSampler(torch.utils.data.Sampler):

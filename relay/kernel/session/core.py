@@ -18,17 +18,18 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional
 
 from relay.kernel.session import books, checkpoint, distributed, hardware
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.checkpoint import disk_besides
+from relay.kernel.session.settings import SessionSettings
 from relay.kernel.session.tracking import Trackers
 from relay.kernel.session.watchdog import STALLED_EXIT, StallWatchdog, stall_limit
 from relay.shared import runtime
 from relay.shared.environment import SessionEnvironment
 from relay.shared.progress_line import ProgressLines
-from relay.shared.spec_sections import CheckpointConfig, format_duration
+from relay.shared.spec_sections import format_duration
 from relay.shared.version import code_version
 
 log = logging.getLogger(__name__)
@@ -38,25 +39,24 @@ class SessionCore:
     """One session's workdir: checkpoints/, metrics.jsonl, progress.json. Rank 0 alone writes; every rank
     calls save() (the others wait at its barrier)."""
 
-    def __init__(self, workdir: Path, clock: SessionClock, world: distributed.World, *, total_steps: int,
-                 name: Optional[str], run_id: Optional[str], resume_from: Sequence[Path],
-                 checkpoints: CheckpointConfig, tracking: Optional[dict], internet: bool,
-                 stall_after: Union[str, float, None] = None, machine_shape: Optional[str] = None,
-                 on_other_accelerator: str = "continue"):
-        """`stall_after`: session.stall_after (None: no watchdog); `machine_shape`: the accelerator the spec
-        asks for (None: not checked), `on_other_accelerator` what to do on another one."""
-        self.workdir, self.clock, self.world = Path(workdir), clock, world
-        self.total_steps, self.name, self.run_id = total_steps, name, run_id
-        self.resume_from = [Path(p) for p in resume_from]
+    def __init__(self, settings: SessionSettings, clock: SessionClock, world: distributed.World):
+        """`settings` (SessionSettings.from_spec, or what a user's loop was told) gives the workdir, the run's
+        length and names, the resume folders, the checkpoint limits, the trackers, `stall_after` (None: no
+        watchdog), `machine_shape` (the accelerator the spec asks for; None: not checked) and
+        `on_other_accelerator`; the budget is the clock's."""
+        self.settings, self.clock, self.world = settings, clock, world
+        self.workdir = Path(settings.workdir)
+        self.total_steps, self.name, self.run_id = int(settings.total_steps), settings.name, settings.run_id
+        self.resume_from = [Path(p) for p in settings.resume_from]
         self.ckpt_root = self.workdir / "checkpoints"
         self.metrics_path = self.workdir / "metrics.jsonl"
-        self.checkpoints = checkpoints  # keep_last, disk_budget_gb, digest
+        self.checkpoints = settings.checkpoints()  # keep_last, disk_budget_gb, digest
         self.writer = checkpoint.CheckpointWriter()  # this session's saves: the one in flight, the deletions
-        self.trackers = Trackers(tracking, self.workdir, main=world.main, internet=internet)
+        self.trackers = Trackers(settings.tracking, self.workdir, main=world.main, internet=bool(settings.internet))
         self.record: dict = {}  # this session's entry in progress.json's `sessions`, from open() on
         self.lines: Optional[ProgressLines] = None
-        self.stall_after, self.machine_shape = stall_after, machine_shape
-        self.on_other_accelerator = on_other_accelerator
+        self.stall_after, self.machine_shape = settings.stall_after, settings.machine_shape
+        self.on_other_accelerator = settings.on_other_accelerator
         self.wrong_accelerator = False  # stop at once: another accelerator than asked for, and the spec says stop
         self.environment_changed: Optional[dict] = None  # {"step", "why"}: ran elsewhere than the session before
         self.watchdog: Optional[StallWatchdog] = None

@@ -17,11 +17,12 @@ bar is set by what the run gained, not by a ratio to a small number. Calibrated 
 (docs/benchmarks.md, `bench/bench_divergence.py`).
 
 The guard's state is part of the run's exact state: both session paths save `state_dict()` in the checkpoint and
-load it back, so a run split into sessions stops, or does not, at the step an uninterrupted run would. When it
-judges differs by path: the built-in Trainer reads each step's loss on the host anyway (its non-finite skip) and
-judges every step; the Session API judges only at log steps (multiples of log_every and the last step), from the
-window's losses read off the device in one go (`update_many`), so a step costs no host-device sync. Those steps do
-not depend on where sessions are cut, and the window not yet judged is saved with the checkpoint. A new
+load it back, so a run split into sessions stops, or does not, at the step an uninterrupted run would. Both wire it
+through session/stepbooks.py's StepBooks, whose two modes are the two paths' timings: the built-in Trainer reads
+each step's loss on the host anyway (its non-finite skip) and judges every step; the Session API judges only at
+log steps (multiples of log_every and the last step), from the window's losses read off the device in one go
+(`update_many`), so a step costs no host-device sync. Those steps do not depend on where sessions are cut, and the
+window not yet judged is saved with the checkpoint. A new
 `phase` (a new model of a multi-model recipe, a curriculum stage) and a stop restart the history: losses of a
 new phase do not compare with the last one's, and a run resumed after a stop is judged from where it stands.
 """

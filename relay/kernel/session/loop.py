@@ -8,7 +8,8 @@ next batch. Saves happen only at optimizer-step boundaries, so no half-accumulat
 Longer than the rest (~560 lines, the Trainer ~430): one class because its methods share one step's state
 (the batch position, the scaler, the stage, the OOM rung), and splitting it would pass that state around.
 What a session does to its workdir (load, save, metrics.jsonl, progress.json) is session/core.py's, which
-the Session API uses too; the RNG capture is session/rng.py's.
+the Session API uses too; its per-step books (loss window, samples/s, insurance timer, divergence guard) are
+session/stepbooks.py's, kept as the Session API keeps them; the RNG capture is session/rng.py's.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from tqdm.auto import tqdm
 from relay.kernel.session import data, distributed, memory, rng, stages
 from relay.kernel.session.books import RANK_INDEPENDENT
 from relay.kernel.session.budget import SessionClock
-from relay.kernel.session.divergence import DivergenceGuard
+from relay.kernel.session.stepbooks import StepBooks
 from relay.shared.spec import RunSpec
 
 if TYPE_CHECKING:  # the Trainer runs any Recipe; the session runtime does not import the recipes
@@ -133,14 +134,11 @@ class Trainer:
         self.monitor.peaks.step_of = lambda: self.state.global_step  # a phase past the pre-flight: at which step
         self.train_set = recipe.train_dataset()
         self._batches: Optional[Iterator] = None
-        self._last_save = time.monotonic()
-        self.session_samples = 0
-        self.train_seconds = 0.0
-        self._recent_losses: list[float] = []
-        # a blow-up stops the session (non-finite losses have their own guard: skip, then fall back to fp32)
-        self.divergence = DivergenceGuard() if spec.session.stop_on_divergence and not world.active else None
+        # the loss window, samples/s, the insurance timer and the divergence guard, kept as the Session API keeps
+        # them; a blow-up stops the session (non-finite losses have their own guard: skip, then fall back to fp32)
+        self.step_books = StepBooks(clock, spec.session.save_every, mode="step",
+                                    guard=spec.session.stop_on_divergence and not world.active)
         self._agreement = distributed.StepAgreement(world, device)  # the stop and save decision, across ranks
-        self.diverged: Optional[str] = None
         self._shown: Optional[dict] = None  # what recipe.on_step last reported (e.g. the curriculum stage)
         rungs = {r.name: r for r in recipe.memory_rungs()}
         for name in state.memory_rungs:  # an earlier session's OOM fallbacks hold for the rest of the run
@@ -189,17 +187,14 @@ class Trainer:
                         "scaler": self.scaler.state_dict()},
             # with the logging window so far (a session resumed inside it logs the uninterrupted run's mean) and the
             # divergence guard's history (it stops, or not, at the uninterrupted run's step)
-            "relay": {**asdict(self.state), "window_losses": list(self._recent_losses),
-                      "divergence": self.divergence.state_dict() if self.divergence else None},
+            "relay": {**asdict(self.state), **self.step_books.state_dict()},
             **rngs,
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         objects, books = sd["objects"], sd["relay"]
         self.model.load_state_dict(objects["model"])
-        self._recent_losses = list(books.get("window_losses", []))
-        if self.divergence is not None:
-            self.divergence.load_state_dict(books.get("divergence"))
+        self.step_books.load_state_dict(books)
         if self.optimizer is not None:  # the optimizer of the stage global_step is in
             self.optimizer.load_state_dict(objects["optimizer"])  # optimizer before scheduler
             self.scheduler.load_state_dict(objects["scheduler"])
@@ -394,20 +389,19 @@ class Trainer:
         return loss
 
     def _record_step(self, t0: float) -> None:
-        seconds = time.perf_counter() - t0
-        self.clock.record_step(seconds)
-        self.train_seconds += seconds
-        self.session_samples += self.stage_schedule.effective_batch
+        self.step_books.count(time.perf_counter() - t0, self.stage_schedule.effective_batch)
 
     def samples_per_s(self) -> float:
-        return self.session_samples / max(1e-9, self.train_seconds)
+        return self.step_books.samples_per_s() or 0.0
+
+    @property
+    def diverged(self) -> Optional[str]:
+        return self.step_books.diverged
 
     def _after_step(self, loss: float) -> None:
         st, spec = self.state, self.spec
         if math.isfinite(loss):
-            self._recent_losses.append(loss)
-            if self.divergence is not None and self.diverged is None:
-                self.diverged = self.divergence.update(st.global_step, loss, phase=self._phase)
+            self.step_books.add_loss(st.global_step, loss, phase=self._phase)
         if st.global_step % spec.optim.log_every_steps == 0 or st.global_step == self.total_steps:
             self._log_train()
         every = spec.session.empty_cache_every_steps
@@ -421,9 +415,10 @@ class Trainer:
 
     def _log_train(self) -> None:
         st = self.state
+        losses = self.step_books.end_window()
         record = {
             "kind": "train", "step": st.global_step, "epoch": self.schedule.epoch_of(max(0, st.global_step - 1)),
-            "loss": sum(self._recent_losses) / max(1, len(self._recent_losses)),
+            "loss": sum(losses) / max(1, len(losses)),
             "lr": self.scheduler.get_last_lr()[0] if self.scheduler else 0.0,
             "samples_per_s": self.samples_per_s(),
             "micro_batch": self._stage_micro_batch(), "grad_accum": st.grad_accum, **(self._shown or {}),
@@ -432,14 +427,13 @@ class Trainer:
             record["stage"] = self.span.stage.name
         if st.global_step % self.spec.session.memory_log_every_steps == 0:
             record.update(self.monitor.sample())
-        self._recent_losses.clear()
         self.log_metrics(record)
 
     def _decide(self, eval_due: bool) -> tuple[Optional[str], bool]:
         """Stop now (the reason), and is a periodic save due? With several ranks, rank 0's clock decides the
         budget and the save, a SIGTERM to any rank stops all, and every rank gets the same answer."""
         reason = self._stop_reason(self.state.global_step, self.diverged, eval_due=eval_due)
-        save_due = time.monotonic() - self._last_save >= self.spec.session.save_every
+        save_due = self.step_books.insurance_due()
         if reason in RANK_INDEPENDENT or not self.world.active:  # the same on every rank
             return reason, save_due
         agreed, save, _ = self._agreement.decide(self.state.global_step, reason, save_due)
@@ -451,7 +445,7 @@ class Trainer:
             self._save(reason)  # records its own time on the clock: a background save's, once committed
         finally:
             self._memory_phase(back)
-        self._last_save = time.monotonic()
+        self.step_books.saved()
 
     # -- eval -----------------------------------------------------------------------------------
     def _eval_due(self, step: int) -> bool:

@@ -50,11 +50,15 @@ class SessionSettings:
     extra: dict = field(default_factory=dict)    # keys a newer relay passes that this one does not know
 
     @classmethod
-    def from_spec(cls, spec: "RunSpec", workdir: Path, *, budget: Optional[float], deadline: Optional[float],
-                  max_steps: Optional[int], resume_from: Sequence, data_dir: Optional[Path],
-                  feature_dirs: Sequence, run_id: Optional[str]) -> "SessionSettings":
+    def from_spec(cls, spec: "RunSpec", workdir: Path, *, budget: Optional[float] = None,
+                  deadline: Optional[float] = None, max_steps: Optional[int] = None, resume_from: Sequence = (),
+                  data_dir: Optional[Path] = None, feature_dirs: Sequence = (), run_id: Optional[str] = None,
+                  total_steps: Optional[int] = None) -> "SessionSettings":
+        """The one spec-to-session translation: what a user's loop is told (`relay train` with code.entry) and
+        what the built-in runner's SessionCore is built from (relay.kernel.run, which passes the `total_steps` its
+        epochs come to and keeps the budget on its own clock). `total_steps` None: optim.max_steps."""
         s, c, k = spec.session, spec.checkpoints, spec.kaggle
-        return cls(total_steps=spec.optim.max_steps, workdir=str(Path(workdir).resolve()), name=spec.name,
+        return cls(total_steps=spec.optim.max_steps if total_steps is None else total_steps, workdir=str(Path(workdir).resolve()), name=spec.name,
                    run_id=run_id, seed=spec.seed, budget=budget, deadline=deadline, max_steps=max_steps,
                    log_every=spec.optim.log_every_steps, resume_from=tuple(str(Path(p).resolve()) for p in resume_from),
                    data=str(Path(data_dir).resolve()) if data_dir else None,

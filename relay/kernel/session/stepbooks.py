@@ -1,0 +1,127 @@
+"""The per-step books of one session, kept once for both session paths (the built-in Trainer of session/loop.py
+and the Session API of session/api.py): the step times and samples (the clock's step time, samples/s), the
+logging window of losses, the divergence guard's wiring (session/divergence.py) and the insurance-save timer,
+with what of them goes into the checkpoint's `relay` dict.
+
+The two paths judge the loss differently and so keep their window in one of two modes, each with its own keys in
+the checkpoint (as they were before the books were one):
+
+- "step" (the Trainer): the loss is a float already read on the host (its non-finite skip), judged by the guard at
+  every step; the checkpoint holds `window_losses` and `divergence` (None with no guard).
+- "window" (the Session API): the loss is kept as given, a device tensor unread, and the window is read off the
+  device at once at a log step, where the guard judges it (`update_many`), so a step costs no host-device sync;
+  the checkpoint holds `window_losses`, `window_steps` and, with a guard, `divergence`.
+
+Either way the guard's history and the unjudged window are part of the run's exact state: a run split into
+sessions logs the uninterrupted run's means and stops, or not, at its step.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+
+from relay.kernel.session.budget import SessionClock
+from relay.kernel.session.divergence import DivergenceGuard
+
+MODES = ("step", "window")
+KEYS = ("window_losses", "window_steps", "divergence")  # what the books own in the checkpoint's `relay` dict
+
+
+class StepBooks:
+    def __init__(self, clock: SessionClock, save_every: float, *, guard: bool, mode: str):
+        if mode not in MODES:
+            raise ValueError(f"StepBooks mode {mode!r}: one of {MODES}")
+        self.clock, self.save_every, self.mode = clock, float(save_every), mode
+        self.guard = DivergenceGuard() if guard else None
+        self.diverged: Optional[str] = None  # why the session stops itself on a diverging loss
+        self.losses: list = []  # the losses since the last log step ("window": as given, device tensors unread)
+        self.steps: list[int] = []  # "window": the step of each, what the guard's reason names
+        self.samples = 0  # this session's samples and training seconds: its samples/s
+        self.seconds = 0.0
+        self.last_save = time.monotonic()
+
+    # -- speed ------------------------------------------------------------------------------------------
+    def count(self, seconds: float, samples: Optional[int]) -> None:
+        """One optimizer step took `seconds` (on the clock too: it plans the stop) over `samples` (None: unknown)."""
+        self.clock.record_step(seconds)
+        self.seconds += seconds
+        if samples:
+            self.samples += samples
+
+    def samples_per_s(self) -> Optional[float]:
+        """Unknown (None) until a step counted its samples."""
+        return self.samples / self.seconds if self.seconds and self.samples else None
+
+    # -- the loss window --------------------------------------------------------------------------------
+    def add_loss(self, step: int, loss: Any, phase: Optional[str] = None) -> None:
+        """The loss of `step`. "step": a float, judged now (within `phase`: a stage's losses compare only with
+        each other); "window": kept as given until the log step reads and judges it."""
+        self.losses.append(loss)
+        if self.mode == "window":
+            self.steps.append(step)
+        elif self.guard is not None and self.diverged is None:
+            self.diverged = self.guard.update(step, loss, phase=phase)
+
+    def end_window(self, judge: bool = True) -> list[float]:
+        """A log step: the window's losses as floats (one device read) and a new window. "window" mode judges them
+        here unless `judge` is False (several processes: the losses are agreed on, not judged)."""
+        losses, steps = read_losses(self.losses) if self.mode == "window" else self.losses, self.steps
+        self.losses, self.steps = [], []
+        if judge and self.mode == "window" and losses and self.guard is not None and self.diverged is None:
+            self.diverged = self.guard.update_many(steps, losses)
+        return losses
+
+    # -- the insurance save -----------------------------------------------------------------------------
+    def insurance_due(self) -> bool:
+        """A periodic save is due (session.save_every since the last one): insurance against a SIGKILL."""
+        return time.monotonic() - self.last_save >= self.save_every
+
+    def saved(self) -> None:
+        self.last_save = time.monotonic()
+
+    # -- the checkpoint ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What goes into the checkpoint's `relay` dict. The window not yet logged and judged is read now (a save
+        waits for the device anyway) and kept read: a session resumed inside it logs the uninterrupted run's
+        mean, and its guard judges the same losses."""
+        if self.mode == "window":
+            self.losses = read_losses(self.losses)
+        guard = self.guard.state_dict() if self.guard is not None else None
+        if self.mode == "step":
+            return {"window_losses": list(self.losses), "divergence": guard}
+        return {"window_losses": list(self.losses), "window_steps": list(self.steps),
+                **({"divergence": guard} if guard is not None else {})}
+
+    def load_state_dict(self, relay: dict) -> None:
+        """From the checkpoint's `relay` dict (at its `global_step`); a checkpoint written before a key was saved
+        reads as: an empty window, a fresh guard history, one loss a step up to the checkpoint's step."""
+        self.losses = list(relay.get("window_losses") or [])
+        if self.guard is not None:
+            self.guard.load_state_dict(relay.get("divergence"))
+        if self.mode == "window":
+            step = int(relay.get("global_step", 0))
+            self.steps = list(relay.get("window_steps") or range(step - len(self.losses) + 1, step + 1))
+
+
+def read_losses(values: list) -> list[float]:
+    """The losses as floats, in one device read when they are one-element tensors on one device (loss.detach() of
+    each step): one sync per window instead of one per loss. Exactly the values float() gives each: .tolist() reads
+    the stacked dtype, and stacking only widens (bf16 beside fp32 -> fp32), so the logged mean and the guard's
+    decisions do not change with the read. The checks are torch.stack's own (asking each tensor its device, dtype
+    and shape cost 3x the stack at a 10-step window); the rare mixed window (floats restored from a checkpoint,
+    or given by the script, beside tensors) takes its tensors in one read too."""
+    if not values:
+        return []
+    try:
+        flat = torch.stack(values).reshape(-1)  # a loss not detached adds a node freed at once: no no_grad() (2 us)
+        if flat.numel() == len(values):
+            return flat.tolist()
+    except (TypeError, RuntimeError):  # not all tensors, or on several devices, or of several shapes
+        pass
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if 1 < len(tensors) < len(values):
+        read = iter(read_losses(tensors))
+        return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+    return [float(v) for v in values]  # a loss of several elements fails here, as float(loss) always did
