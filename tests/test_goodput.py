@@ -83,3 +83,26 @@ def test_on_the_emulator_the_ledger_adds_up_to_its_quota_ledger(relay_env, monke
     assert led.totals["training kept"] > 0 and led.totals["other"] < 0.05 * ledger_s, led.table()
     print(led.line())
     print(observed.line())
+
+
+def test_a_failed_attempt_that_handed_nothing_over_is_carried_and_listed():
+    """Attempt s002-a1 failed (nothing handed over) and s002-a2 failed too; s002-a3 hands over: its hand-over lists
+    both, carried from push to push in the pushed plans, each charged from its push to its end as a loss."""
+    first = goodput.failed_charge("r-s002-a1", "", {"run_id": "r-s002-a1", "pushed_at": 100.0}, 400.0,
+                                  "killed\nlog tail")
+    pending = goodput.failed_charges({"run_id": "r-s002-a1", "pushed_at": 100.0}, first)
+    second = goodput.failed_charge("r-s002-a2", "", {"run_id": "r-s002-a2", "pushed_at": 500.0,
+                                                     "charges": pending}, 600.0, "killed", wedged=True)
+    pending = goodput.failed_charges({"run_id": "r-s002-a2", "pushed_at": 500.0, "charges": pending}, second)
+    assert [c["run_id"] for c in pending] == ["r-s002-a1", "r-s002-a2"] and first["failed"] == "killed"
+    plan = {"run_id": "r-s002-a3", "pushed_at": 700.0, "charges": pending}  # as the third push carries them
+    published = {"charges": [{"run_id": "r-s001-a1", "pushed_at": 0.0, "process_end": 90.0}]}
+    session = {"index": 2, "run_id": "r-s002-a3", "started": 710.0, "ended": 800.0, "seconds": 90.0,
+               "step_start": 10, "step_end": 20, "stop_reason": "steps"}
+    progress = goodput.with_charge(published, {"sessions": [session]}, goodput.charge_record(
+        "r-s002-a3", "", plan, None), goodput.carried(plan, "r-s002-a3"))
+    assert [c["run_id"] for c in progress["charges"]] == ["r-s001-a1", "r-s002-a1", "r-s002-a2", "r-s002-a3"]
+    ledger = goodput.from_progress(progress)
+    assert [a.run_id for a in ledger.attempts] == ["r-s002-a1", "r-s002-a2", "r-s002-a3"]
+    assert ledger.totals["failed attempt"] == 300.0 + 100.0 and ledger.charged_s == 400.0 + 100.0
+    assert "largest losses: failed attempt 7m" in ledger.line()

@@ -18,7 +18,7 @@ from kaggle_fixtures import USER, backend_for, isolated_env, make_emulator, push
 from relay_fixtures import wait_for
 from relay.emulator.faults import FaultPlan
 from relay.orchestrator.kaggle.kernel_source import find_run_id
-from relay.orchestrator import chain, handoff
+from relay.orchestrator import chain, goodput, handoff
 from relay.orchestrator.chain import Do, Observation
 from relay.orchestrator.kaggle import KernelState, NotFound
 from relay.shared.errors import InputError
@@ -217,6 +217,14 @@ def _wedged_relay_is_deleted_and_redone(relay_env, reference, name: str, mode: s
     progress = relay_env.published_progress()
     assert [s["step_start"] for s in progress["sessions"]] == [0, 150]
     assert summary["weights_sha256"] == progress["weights_sha256"] == reference.weights(spec)
+    # the wedged attempt handed nothing over, yet its GPU time is in the ledger (issue 47): recorded when the relay
+    # deleted it, carried in the next push, listed at the next hand-over
+    charges = {c["run_id"]: c for c in progress["charges"]}
+    assert list(charges) == [f"{name}-s001-a1", f"{name}-s002-a1", f"{name}-s002-a2"], progress["charges"]
+    failed = charges[f"{name}-s002-a1"]
+    assert failed["wedged"] and "wedged" in failed["failed"] and failed["kaggle_end_seen"] > failed["pushed_at"]
+    ledger = goodput.from_progress(progress)
+    assert ledger.attempts[1].run_id == f"{name}-s002-a1" and ledger.totals["failed attempt"] > 0, ledger.table()
 
 
 @pytest.mark.deadline  # the wedged session reads running until its deadline, a minute away

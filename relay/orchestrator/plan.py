@@ -6,8 +6,8 @@ Pure functions over small dataclasses: no I/O and no clock reads (`now` is alway
 flow, `relay plan` and the tests all get the same answer for the same inputs.
 
 Model (times in seconds, datetimes timezone-aware UTC):
-- A session bills `startup_s + steps * step_seconds + save_s` of GPU time and may not exceed
-  `session_cap_s`. Non-final sessions use their whole allotment (the runtime trains until its deadline);
+- A session bills `startup_s + steps * step_seconds + save_s` of GPU time (`final_save_s`, its measured final
+  save, in place of the margin `save_s` when it ends at a step count) and may not exceed `session_cap_s`. Non-final sessions use their whole allotment (the runtime trains until its deadline);
   the final one is only as long as the remaining work needs.
 - The weekly quota is charged at session start (Kaggle reserves it). A session may start when its billed
   time up to the next refresh fits in what is left this week; the part after the refresh is charged to the
@@ -41,6 +41,9 @@ class SessionLimits:
     min_train_s: float = 30 * 60       # leftover quota buying less training than this waits for the refresh
     concurrency: int = 1               # a relay chain is sequential; >1 only for independent work items
     max_steps: int | None = None       # optimizer steps per session (session.max_steps), whatever time is left
+    # a session ending at a step count takes its steps, then its final save (measured), not the margin save_s
+    # that a session ending at its deadline keeps; None: save_s
+    final_save_s: float | None = None
 
     @property
     def max_train_s(self) -> float:
@@ -330,13 +333,17 @@ def plan_sessions(
             t, waited = refresh, True
         fits = int(train // step_seconds)
         steps = min(steps_left, fits, limits.max_steps or steps_left)
-        budget = allot if steps == fits < steps_left else overhead + steps * step_seconds  # a deadline or a count
+        if steps == fits < steps_left:  # it trains to its deadline
+            budget, train = allot, allot - overhead
+        else:                           # it ends at a step count, then saves
+            train = steps * step_seconds
+            budget = limits.startup_s + train + (limits.save_s if limits.final_save_s is None else limits.final_save_s)
         before_refresh = min(budget, to_refresh)
         left_this_week -= before_refresh
         carried_to_next += budget - before_refresh
         cumulative += budget
         sessions.append(PlannedSession(
-            index=first_index + len(sessions), starts=t, budget_s=budget, train_s=budget - overhead, steps=steps,
+            index=first_index + len(sessions), starts=t, budget_s=budget, train_s=train, steps=steps,
             step_start=step_at, step_end=step_at + steps, cumulative_gpu_s=cumulative, week=week,
             waited_for_quota=waited,
             epoch_end=(step_at + steps) / steps_per_epoch if steps_per_epoch else None))

@@ -4,10 +4,11 @@ environment than the one before it. Shared by the flows, `relay status` and `rel
 from __future__ import annotations
 
 import math
-from datetime import datetime, timezone
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from typing import Optional
 
-from relay.orchestrator import chain, plan as planner
+from relay.orchestrator import chain, measured, plan as planner
 from relay.orchestrator.handoff import SESSION_LIMIT
 from relay.shared import runtime
 
@@ -65,19 +66,58 @@ def push_budget(spec, quota, progress: Optional[dict]) -> float:
     return session_budget(spec, quota) if need is None else min(session_budget(spec, quota), need)
 
 
+@dataclass(frozen=True)
+class Forecast:
+    """The one finish estimate: `relay status`, the progress artifact, the summary and the flow's log all say
+    this (forecast), so they never show two finish times for one relay."""
+
+    text: str                    # the plan as a person reads it, with where each figure comes from
+    finish: Optional[datetime]   # when the run's last session ends (its final save done); None without a plan
+    figures: measured.Overheads
+
+    def line(self, now: datetime) -> str:
+        """The finish as the progress artifact says it."""
+        if self.finish is None:
+            return ""
+        return f"finish ~{planner.when(self.finish)} (in {planner.format_duration((self.finish - now).total_seconds())})"
+
+
+def plan_limits(spec, figures: measured.Overheads) -> planner.SessionLimits:
+    """The session limits a relay's plan uses: the spec's, with start-up, the final save and the hand-over as
+    measured (relay/orchestrator/measured.py). A session bounded by time takes its start-up and the budget the
+    relay pushes (session_budget: the spec's, within Kaggle's timeout less kaggle.startup_overhead); one bounded by
+    steps (session.max_steps, or the run's end) its steps and its final save."""
+    cap = min(spec.kaggle.session_timeout, figures.startup.seconds + session_budget(spec, None))
+    return planner.SessionLimits(session_cap_s=cap, startup_s=figures.startup.seconds,
+                                 save_s=spec.session.safety_margin + 1, handoff_s=figures.handover.seconds,
+                                 min_train_s=0, max_steps=spec.session.max_steps, final_save_s=figures.save.seconds)
+
+
 def plan_text(spec, progress: Optional[dict], quota, now: datetime, running=None) -> str:
-    """Sessions left, their budgets and the finish date, from what was handed over and the account's quota.
+    """forecast's text."""
+    return forecast(spec, progress, quota, now, running).text
+
+
+def forecast(spec, progress: Optional[dict], quota, now: datetime, running=None) -> Forecast:
+    """Sessions left, their budgets and the finish date, from what was handed over and the account's quota, with
+    the start-up, save and hand-over times the relay measured of its own sessions (the spec's until one was).
     `running` (relay.orchestrator.live.Eta): the session that trains now, which keeps its real start and ends
-    where the one estimate says; the sessions after it are planned from its end."""
-    head = ""
+    where the one estimate says, then saves; the sessions after it are planned from its end and a hand-over."""
+    figures = measured.overheads(spec, progress, running_started=running.started_at if running else None)
+    head, not_before, measured_steps = "", None, _measured_sessions(progress)
+    step_source = (f"measured over {measured_steps} session{'s' if measured_steps > 1 else ''}" if measured_steps
+                   else "measured in the running session" if running is not None else "estimate")
     if running is not None:
         start, end = (datetime.fromtimestamp(t, timezone.utc) for t in (running.started_at, running.session_ends_at))
         head = (f"running: session {running.session}, started {planner.when(start)}, ends ~{planner.when(end)}"
                 f" at step {running.session_end_step} ({running.ends_by})\n")
         progress = {**(progress or {}), "global_step": running.session_end_step,
                     "total_steps": (progress or {}).get("total_steps") or running.total_steps}
+        saved = end + timedelta(seconds=figures.save.seconds)  # its final save
         if running.session_end_step >= running.total_steps:
-            return head + f"done at the running session's end, ~{planner.when(end)}"
+            return Forecast(head + f"done at the running session's end, ~{planner.when(saved)}\n"
+                            + _figures_line(None, step_source, figures), saved, figures)
+        not_before = saved + timedelta(seconds=figures.handover.seconds)
     try:
         q = (planner.quota_from_api({"gpuQuota": {"timeUsed": quota.used_s, "totalTimeAllowed": quota.allowed_s,
                                                   "timeReserved": quota.reserved_s},
@@ -85,22 +125,31 @@ def plan_text(spec, progress: Optional[dict], quota, now: datetime, running=None
              if quota is not None and quota.refresh_time else
              planner.quota_from_ledger([(s["started"], s.get("seconds", 0)) for s in (progress or {}).get("sessions", [])],
                                        now, total_allowed_s=spec.kaggle.weekly_gpu_quota))
-        limits = planner.SessionLimits(session_cap_s=spec.kaggle.session_timeout,
-                                       startup_s=spec.kaggle.startup_overhead,
-                                       save_s=spec.session.safety_margin + 1, handoff_s=0, min_train_s=0,
-                                       max_steps=spec.session.max_steps)
-        p = planner.plan_from_progress(progress or {}, q, now, limits=limits,
+        p = planner.plan_from_progress(progress or {}, q, now, limits=plan_limits(spec, figures),
                                        step_seconds_estimate=1 / running.steps_per_s if running else None,
                                        total_steps=(progress or {}).get("total_steps") or _spec_steps(spec),
                                        steps_per_epoch=(progress or {}).get("steps_per_epoch"),
-                                       not_before=end if running is not None else None,
+                                       not_before=not_before,
                                        sessions_before=1 if running is not None else 0)
-        return head + planner.format_plan(p) + limit_warning(spec, progress)
+        return Forecast(head + planner.format_plan(p) + "\n" + _figures_line(p, step_source, figures)
+                        + limit_warning(spec, progress), p.finish, figures)
     except (planner.PlanError, KeyError, TypeError, ValueError) as err:
         if running is None and not (progress or {}).get("sessions"):  # nothing measured a step yet
             err = ("the first session's progress lines bring its step time"
                    " (`relay plan SPEC --step-seconds S` plans from your estimate)")
-        return head + f"(no plan yet: {err})" + limit_warning(spec, progress)
+        return Forecast(head + f"(no plan yet: {err})" + limit_warning(spec, progress), None, figures)
+
+
+def _measured_sessions(progress: Optional[dict]) -> int:
+    """How many sessions planner.measured_step_seconds averages over (the last 3 that made progress)."""
+    useful = [s for s in (progress or {}).get("sessions") or []
+              if (s.get("step_end") or 0) > (s.get("step_start") or 0) and (s.get("seconds") or 0) > 0]
+    return min(3, len(useful))
+
+
+def _figures_line(p, step_source: str, figures: measured.Overheads) -> str:
+    step = f"step {p.step_seconds:.3g}s ({step_source}), " if p is not None else ""
+    return f"figures: {step}{figures.text()}"
 
 
 def _spec_steps(spec) -> Optional[int]:

@@ -45,6 +45,7 @@ class KaggleBackend(Protocol):
     def list_dataset_files(self, dataset: str, version: Optional[int] = None) -> List[DatasetFile]: ...
     def current_run(self, kernel: str) -> Optional[Tuple[str, Optional[int]]]: ...
     def current_plan(self, kernel: str) -> Optional[dict]: ...
+    def current_spec_text(self, kernel: str) -> Optional[str]: ...
     def download_dataset_file(self, dataset: str, name: str, dest: Path,
                               version: Optional[int] = None) -> Path: ...
     def dataset_versions(self, dataset: str) -> List[int]: ...
@@ -224,6 +225,12 @@ class ClientBackend:
         owner, slug = split_ref(kernel, "kernel")
         response = self._get_kernel(owner, slug)
         return kernel_source.find_plan((response.blob.source if response and response.blob else "") or "")
+
+    def current_spec_text(self, kernel: str) -> Optional[str]:
+        """The run spec (YAML) embedded in the kernel's current source: the one the relay's sessions run with."""
+        owner, slug = split_ref(kernel, "kernel")
+        response = self._get_kernel(owner, slug)
+        return kernel_source.find_spec((response.blob.source if response and response.blob else "") or "")
 
     def download_dataset_file(self, dataset: str, name: str, dest: Path, version: Optional[int] = None) -> Path:
         """One file of a dataset's current version (or of `version`) into `dest`; NotFound when either is absent."""

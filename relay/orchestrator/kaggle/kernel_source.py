@@ -51,6 +51,19 @@ def find_plan(source: str) -> Optional[dict]:
         return None
 
 
+_SPEC = re.compile(r"^SPEC = (.+)$", re.M)
+
+
+def find_spec(source: str) -> Optional[str]:
+    """The run spec's YAML a relay kernel source was pushed with (the spec its session runs), None if none."""
+    m = _SPEC.search(source or "")
+    try:
+        text = ast.literal_eval(m.group(1)) if m else None
+    except (ValueError, SyntaxError):
+        return None
+    return text if isinstance(text, str) else None
+
+
 def validate_run_id(run_id: str) -> None:
     if not RUN_ID_PATTERN.match(run_id or ""):
         raise InputError(f"run id {run_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
@@ -77,6 +90,8 @@ def render(session: SessionKernel, bundle: Bundle) -> str:
     }
     if session.canary is not None:
         plan["canary"] = list(session.canary)
+    if session.charges:
+        plan["charges"] = [dict(c) for c in session.charges]
     encoded = base64.b64encode(bundle.data).decode("ascii")
     lines = [encoded[i:i + 100] for i in range(0, len(encoded), 100)]
     return (

@@ -82,6 +82,9 @@ class SessionKernel:
     code_exclude: tuple = ()
     pip: tuple = ()                           # requirements installed at kernel start (internet on)
     canary: Optional[tuple] = None            # `relay doctor`: check these mounts instead of training
+    # failed attempts since the last hand-over, as the relay saw them (relay/orchestrator/goodput.py charge
+    # records): carried in the plan until the next hand-over lists them in the published `charges`
+    charges: tuple = ()
 
 
 @dataclass(frozen=True)
