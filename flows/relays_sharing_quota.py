@@ -23,7 +23,7 @@ from typing import Dict, List, Literal, Optional
 
 from prefect import flow, get_run_logger
 
-from relay.orchestrator import joint_plan, plan as planner
+from relay.orchestrator import joint_plan, measured, plan as planner, policy
 from relay.orchestrator.kaggle.types import Refusal
 from relay.orchestrator.policy import push_budget, utc
 from relay.orchestrator.relay_state import FINAL, IN_FLIGHT, LOOK_AGAIN, State, Wait, label, move, overall
@@ -217,8 +217,8 @@ def joint_eta(relays: List[Relay], quota, cap: int, now: datetime) -> Optional[j
             q = planner.QuotaState(quota.allowed_s, quota.used_s, quota.reserved_s, utc(quota.refresh_time), now) \
                 if quota is not None and quota.refresh_time else \
                 planner.quota_from_ledger([], now, total_allowed_s=k.weekly_gpu_quota)
-            limits = planner.SessionLimits(session_cap_s=k.session_timeout, startup_s=k.startup_overhead,
-                                           save_s=relay.ctx.spec.session.safety_margin + 1, handoff_s=0, min_train_s=0)
+            # the figures each relay's own plan uses (policy.forecast): start-up, save and hand-over as measured
+            limits = policy.plan_limits(relay.ctx.spec, measured.overheads(relay.ctx.spec, relay.progress))
             p = planner.plan_from_progress(relay.progress, q, now, limits=limits,
                                            total_steps=relay.progress.get("total_steps"))
         except (planner.PlanError, KeyError, TypeError, ValueError):

@@ -37,6 +37,8 @@ def test_status_by_name_and_by_spec_reads_the_relay_from_kaggle(relay_env, monke
     assert f"kernel: {USER}/toy-relay-session v2 runs toy-relay-s002-a1" in out
     assert "next: wait toy-relay-s002-a1" in out or "next: harvest toy-relay-s002-a1" in out
     assert (tmp_path / "status" / "timeline.png").stat().st_size > 0
+    # by name, the plan is made with the spec the relay's sessions run with, read from its kernel (issue 47)
+    assert f"spec: the one its sessions run with (kernel {USER}/toy-relay-session's current version)" in out, out
 
     assert relay_env.run_flow(monkeypatch, mode="watch", state_dir="tick")["state"] == "done"
     out = _status(relay_env, str(spec), tmp_path)  # by spec: the same relay
