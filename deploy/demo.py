@@ -70,6 +70,7 @@ def main() -> int:
 
 
 def report(summary: dict) -> int:
+    from relay.orchestrator import goodput
     from relay.orchestrator import report as rep
 
     local = RUN / "orchestrator" / "price-demo"
@@ -77,6 +78,7 @@ def report(summary: dict) -> int:
     print()
     print(rep.format_table(rep.session_table(progress)))
     print()
+    print(goodput.from_progress(progress).line())  # where the (emulated) GPU time went, docs/relay.md
     smape = progress["metrics"].get("smape")
     print(f"final SMAPE: {smape:.2f} %  (best {progress['best']['value']:.2f} % at step {progress['best']['step']})")
     print(f"loss curves: {local / 'curves.png'}")
