@@ -13,6 +13,8 @@ from byo_fixtures import CRASHING, relay_example_with_a_kill_mid_save, tiny_sess
 EXAMPLES = {  # optim.max_steps, session.max_steps: 2 sessions each, the one before the fault and the fault's own
     "byo-plain": {"optim.max_steps": 300, "session.max_steps": 150},
     "byo-recipe": {"optim.max_steps": 160, "session.max_steps": 80},
+    "byo-accelerate": {"optim.max_steps": 32, "session.max_steps": 16},
+    "byo-notebook": {"optim.max_steps": 60, "session.max_steps": 30},
 }
 
 
