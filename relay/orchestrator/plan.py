@@ -115,10 +115,6 @@ class Plan:
         return max(s.ends for s in self.sessions) if self.sessions else None
 
     @property
-    def next_start(self) -> datetime | None:
-        return self.sessions[0].starts if self.sessions else None
-
-    @property
     def waiting_until(self) -> datetime | None:
         """Set when the next session cannot start now for lack of quota."""
         first = self.sessions[0] if self.sessions else None
