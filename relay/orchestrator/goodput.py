@@ -62,18 +62,19 @@ class Ledger:
         """One line for `relay status` and the summary."""
         if not self.attempts or self.goodput is None:
             return "goodput: nothing charged yet"
-        losses = ", ".join(f"{c} {_dur(s)}" for c, s in self.losses())
-        return (f"goodput {self.goodput:.0%}: {_dur(self.totals['training kept'])} of training kept of"
-                f" {_dur(self.charged_s)} GPU time charged over {len(self.attempts)} session(s)"
+        losses = ", ".join(f"{c} {duration_text(s)}" for c, s in self.losses())
+        return (f"goodput {self.goodput:.0%}: {duration_text(self.totals['training kept'])} of training kept of"
+                f" {duration_text(self.charged_s)} GPU time charged over {len(self.attempts)} session(s)"
                 + (f"; largest losses: {losses}" if losses else ""))
 
     def table(self) -> str:
         """A markdown table, one row per attempt and a total."""
         head = "| session | charged | " + " | ".join(CATEGORIES) + " |\n|" + "---|" * (len(CATEGORIES) + 2) + "\n"
-        rows = [f"| {a.run_id} | {_dur(a.charged_s)} | " + " | ".join(_dur(a.seconds.get(c, 0.0)) for c in CATEGORIES)
-                + " |" for a in self.attempts]
+        rows = [f"| {a.run_id} | {duration_text(a.charged_s)} | "
+                + " | ".join(duration_text(a.seconds.get(c, 0.0)) for c in CATEGORIES) + " |" for a in self.attempts]
         total = self.totals
-        rows.append(f"| **all** | {_dur(self.charged_s)} | " + " | ".join(_dur(total[c]) for c in CATEGORIES) + " |")
+        rows.append(f"| **all** | {duration_text(self.charged_s)} | "
+                    + " | ".join(duration_text(total[c]) for c in CATEGORIES) + " |")
         return head + "\n".join(rows)
 
 
@@ -214,7 +215,8 @@ def _first(*values) -> float:
     return next(_num(v) for v in (*values, 0.0) if v is not None)
 
 
-def _dur(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
+    """12s, 1.5s, 7m, 2h05m: how the ledger and the plan's figures write a duration."""
     seconds = max(0.0, seconds)
     if seconds < 60:
         return f"{seconds:.0f}s" if seconds >= 10 or seconds == 0 else f"{seconds:.1f}s"

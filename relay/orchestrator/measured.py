@@ -20,6 +20,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable, List, Mapping, Optional, Sequence
 
+from relay.orchestrator.goodput import duration_text
+
 # No spec key says how long a hand-over takes: download, verify, publish and push of a small checkpoint, and a
 # poll of the relay's, are about a minute; a measured one replaces it after the relay's second session.
 HANDOVER_DEFAULT_S = 60.0
@@ -34,7 +36,7 @@ class Figure:
     source: str  # "measured over N sessions", "spec", "spec default", "default", "--startup"
 
     def text(self, what: str) -> str:
-        return f"{what} {_dur(self.seconds)} ({self.source})"
+        return f"{what} {duration_text(self.seconds)} ({self.source})"
 
 
 @dataclass(frozen=True)
@@ -134,11 +136,3 @@ def _num(value) -> Optional[float]:
     except (TypeError, ValueError):
         return None
     return v if math.isfinite(v) else None
-
-
-def _dur(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    if seconds < 60:
-        return f"{seconds:.0f}s" if seconds >= 10 or seconds == 0 else f"{seconds:.1f}s"
-    minutes = seconds / 60
-    return f"{minutes:.0f}m" if minutes < 60 else f"{int(minutes // 60)}h{int(minutes % 60):02d}m"
