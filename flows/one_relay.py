@@ -12,7 +12,6 @@ import json
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Literal, Optional
 
 from prefect import flow, get_run_logger
@@ -20,7 +19,7 @@ from prefect import flow, get_run_logger
 from relay.orchestrator.kaggle.types import KaggleUnresponsive
 from relay.orchestrator.relay_state import State, Wait, move
 from relay.orchestrator.policy import plan_text, push_budget, session_budget, utc  # noqa: F401 - plan_text: part of the flow's API
-from relay.front_door import load_spec
+from relay.front_door import read_spec
 from tasks import relay_step, relay_tasks, run_labels
 from tasks.account_slots import AccountSessions
 from tasks.live_view import follow_sessions
@@ -45,8 +44,9 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
     The Kaggle account: `credentials_block`, else the spec's kaggle.credentials_block, else the worker's
     environment; each session holds a slot of the account's session limit until it is handed over
     (tasks/account_slots.py: the scheduler of the `relays` flow, here with one relay)."""
-    run_spec = load_spec(spec)
-    ctx = RelayContext.open(run_spec, Path(spec).read_text(),
+    loaded = read_spec(spec)  # read once: the spec parsed and the text a push ships are the same bytes
+    run_spec = loaded.spec
+    ctx = RelayContext.open(run_spec, loaded.text,
                             relay_step.make_backend(credentials_block or run_spec.kaggle.credentials_block),
                             state_dir, step_lock_wait_s, tick=mode == "tick")
     get_run_logger().info("relay %s on Kaggle account %s", run_spec.name, ctx.backend.username)

@@ -27,9 +27,10 @@ from relay.orchestrator import joint_plan, measured, plan as planner, policy
 from relay.orchestrator.kaggle.types import Refusal
 from relay.orchestrator.policy import push_budget, utc
 from relay.orchestrator.relay_state import FINAL, IN_FLIGHT, LOOK_AGAIN, State, Wait, label, move, overall
-from relay.front_door import load_spec
+from relay.front_door import read_spec
 from relay.shared.errors import InputError
 from relay.shared.spec import load as spec_only  # the spec without its code: to read one field
+from relay.shared.spec import read_once
 from tasks import relay_step, relay_tasks
 from tasks import relays_artifacts, run_labels
 from tasks.account_slots import AccountSessions
@@ -85,8 +86,8 @@ def load_relays(specs: List[str], backend, state_dir: str, step_lock_wait_s: flo
     for path in specs:
         relay = Relay(path, Path(path).stem)
         try:
-            relay.ctx = RelayContext.open(load_spec(path), Path(path).read_text(), backend, state_dir,
-                                          step_lock_wait_s, tick=tick)
+            loaded = read_spec(path)  # the spec parsed and the text a push ships: the same bytes
+            relay.ctx = RelayContext.open(loaded.spec, loaded.text, backend, state_dir, step_lock_wait_s, tick=tick)
         except (InputError, OSError) as err:  # one bad spec is that relay's failure, not everyone's
             relay.fail(f"bad spec: {err}")
             relays.append(relay)
@@ -260,9 +261,10 @@ def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int 
     logger = get_run_logger()
     if cap < 1:
         raise InputError(f"relays: cap {cap}: at least 1 concurrent session")
-    backend = relay_step.make_backend(credentials_block or one_account(specs))
-    logger.info("relays on Kaggle account %s", backend.username)
-    all_relays = load_relays(specs, backend, state_dir, step_lock_wait_s, tick=mode == "tick")
+    with read_once():  # each spec file read once: its account, then its relay
+        backend = relay_step.make_backend(credentials_block or one_account(specs))
+        logger.info("relays on Kaggle account %s", backend.username)
+        all_relays = load_relays(specs, backend, state_dir, step_lock_wait_s, tick=mode == "tick")
     slots = AccountSessions(backend.username, cap)  # the `relay` flow's scheduler, here with several relays
     for r in all_relays:
         if r.ctx is not None:

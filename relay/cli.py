@@ -57,30 +57,41 @@ def cmd_train(args: argparse.Namespace) -> int:
     from relay.kernel.run import run_session
     from relay.front_door import load_spec
 
+    from relay.shared.session_plan import SessionPlan
+
+    # the session's plan (the kernel script writes it: relay/shared/session_plan.py), trusted as it is; a flag
+    # given beside it wins, and the flags alone (by hand, the kernels pushed before the plan) work as they did
+    plan = SessionPlan.read(args.plan) if args.plan else SessionPlan()
     overrides = {}
     if args.budget is not _UNSET:
         overrides["session.budget"] = args.budget
     if args.max_steps is not _UNSET:
         overrides["session.max_steps"] = args.max_steps
     spec = load_spec(args.spec, overrides)
+    budget = plan.budget if plan.budget is not None and args.budget is _UNSET else spec.session.budget
+    deadline = args.deadline if args.deadline is not None else plan.deadline
+    resume_from = args.resume_from or list(plan.resume_from)
+    data = args.data or plan.data
+    features = args.features or list(plan.features)
+    run_id = args.run_id or plan.run_id
     if spec.code is not None and spec.code.entry:  # the user's own loop (relay/kernel/entry.py)
         from relay.kernel import entry
 
         from relay.kernel.session.settings import SessionSettings
 
         config = SessionSettings.from_spec(
-            spec, Path(args.workdir), budget=spec.session.budget, deadline=args.deadline,
-            max_steps=spec.session.max_steps, resume_from=args.resume_from, data_dir=args.data,
-            feature_dirs=args.features, run_id=args.run_id)
+            spec, Path(args.workdir), budget=budget, deadline=deadline,
+            max_steps=spec.session.max_steps, resume_from=resume_from, data_dir=data,
+            feature_dirs=features, run_id=run_id)
         progress = entry.run_entry(spec, config)
         print(f"relay: {progress['status']} at step {progress['global_step']}/{progress['total_steps']}"
               f" (session {len(progress['sessions'])}, stop: {progress['stop_reason']});"
               f" weights {(progress['weights_sha256'] or '?')[:16]}")
         return 0
     progress = run_session(
-        spec, Path(args.workdir), budget=spec.session.budget, deadline=args.deadline,
-        resume_from=[Path(p) for p in args.resume_from], data_dir=Path(args.data) if args.data else None,
-        feature_dirs=[Path(p) for p in args.features], run_id=args.run_id,
+        spec, Path(args.workdir), budget=budget, deadline=deadline,
+        resume_from=[Path(p) for p in resume_from], data_dir=Path(data) if data else None,
+        feature_dirs=[Path(p) for p in features], run_id=run_id,
     )
     m = progress["metrics"]
     metric = ", ".join(f"{k}={v:.4g}" for k, v in m.items() if k != "step")
@@ -318,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--features", action="append", default=[], metavar="DIR",
                    help="read-only feature cache (a mounted dataset); repeatable")
     t.add_argument("--run-id", help="id chosen by the orchestrator, written into progress and manifests")
+    t.add_argument("--plan", metavar="FILE", help="the session's plan as the kernel script writes it (JSON: run"
+                   " id, budget, deadline, resume, data and feature folders); a flag given too wins")
     t.set_defaults(func=cmd_train)
 
     d = sub.add_parser("data", help="generate synthetic data shaped like a workload's real files")

@@ -45,14 +45,15 @@ def _checks(spec_path, backend_factory, timeout_s, poll_s) -> Iterator[Check]:
     from relay.orchestrator.kaggle import KaggleError, KaggleUnresponsive
     from relay.orchestrator.kaggle.credentials import resolve
 
-    run_spec = None
+    run_spec, spec_text = None, None
     if spec_path is not None:
         if not Path(spec_path).is_file():
             raise InputError(f"{spec_path}: no such spec file (relative paths start at {Path.cwd()})")
-        from relay.front_door import load_spec
+        from relay.front_door import read_spec
 
         try:
-            run_spec = load_spec(spec_path)
+            loaded = read_spec(spec_path)  # the spec checked and the text the canary ships: one read
+            run_spec, spec_text = loaded.spec, loaded.text
             yield Check(OK, "spec", f"{spec_path}: {run_spec.name}, the code validates on this machine")
         except InputError as err:
             yield Check(FAIL, "spec", f"{err} -> fix the spec, then run relay doctor again")
@@ -84,7 +85,7 @@ def _checks(spec_path, backend_factory, timeout_s, poll_s) -> Iterator[Check]:
     if run_spec.kaggle.enable_internet or run_spec.kaggle.pip:
         yield Check(INFO, "internet", "kaggle.enable_internet needs a phone-verified account (not readable"
                                       " through the API): the canary below proves it works")
-    yield from _canary(backend, run_spec, Path(spec_path).read_text(), timeout_s, poll_s)
+    yield from _canary(backend, run_spec, spec_text, timeout_s, poll_s)
 
 
 def _quota_check(quota) -> Check:

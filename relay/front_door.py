@@ -5,6 +5,7 @@ anything is written, trained or pushed. A built-in recipe imports nothing of the
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,20 +18,30 @@ _checked: set[tuple[str, str]] = set()
 
 
 def load_spec(path: str | Path, overrides: Optional[dict[str, Any]] = None) -> spec_mod.RunSpec:
-    run_spec = spec_mod.load(path, overrides)
+    return read_spec(path, overrides).spec
+
+
+def read_spec(path: str | Path, overrides: Optional[dict[str, Any]] = None) -> spec_mod.LoadedSpec:
+    """The spec file read once (relay.shared.spec.read: the text a push ships and the spec parsed from it), its
+    user code checked. What the orchestrator passes down instead of the path."""
+    loaded = spec_mod.read(path, overrides)
+    run_spec = loaded.spec
     if run_spec.code is not None:
-        key = (run_spec.model_dump_json(), _code_digest(run_spec.code))
+        key = (run_spec.model_dump_json(), _code_digest(run_spec.code, loaded))
         if key not in _checked:
             from relay.kernel.usercode import check_code
 
             check_code(run_spec, source=str(path))
             _checked.add(key)
-    return run_spec
+    return loaded
 
 
-def _code_digest(code) -> str:
-    """The code folder as it ships (its files' names and bytes, at most 2 MB): a changed file is checked again."""
+def _code_digest(code, loaded: Optional[spec_mod.LoadedSpec] = None) -> str:
+    """The code folder as it ships (its files' names and bytes, at most 2 MB): a changed file is checked again.
+    The spec itself, when it lies in the folder, is the bytes already read."""
+    spec_file = os.path.realpath(loaded.path) if loaded is not None and loaded.raw else None
     digest = hashlib.sha256()
     for rel, file in code_files(Path(code.folder), code.exclude):
-        digest.update(rel.encode() + b"\0" + file.read_bytes() + b"\0")
+        data = loaded.raw if spec_file is not None and os.path.realpath(file) == spec_file else file.read_bytes()
+        digest.update(rel.encode() + b"\0" + data + b"\0")
     return digest.hexdigest()

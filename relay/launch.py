@@ -50,6 +50,14 @@ def _still_running(run_spec, local: Path) -> Optional[str]:
 
 def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: Optional[float] = None,
         submit: bool = False, credentials_block: Optional[str] = None, emit=print) -> int:
+    from relay.shared.spec import read_once
+
+    with read_once():  # the spec file is read once: here, and the flow's start, run name and push reuse its bytes
+        return _run(spec, out, tick, poll_seconds, submit, credentials_block, emit)
+
+
+def _run(spec: str, out: Optional[str], tick: bool, poll_seconds: Optional[float], submit: bool,
+         credentials_block: Optional[str], emit) -> int:
     from relay.front_door import load_spec
 
     path = Path(spec)

@@ -11,15 +11,11 @@ RELAY_TAG = "relay:"
 
 
 def spec_name(path: str) -> str:
-    """The relay's name from its spec file, read before the flow validates it (a run name only: the file's stem
-    if it cannot be read)."""
-    try:
-        import yaml
+    """The relay's name from its spec file, before the flow validates it (a run name only: the file's stem if it
+    cannot be read). Under `relay run` (relay.shared.spec.read_once) the bytes it already read, not another open."""
+    from relay.shared.spec import name_of
 
-        name = (yaml.safe_load(Path(path).read_text()) or {}).get("name")
-        return str(name) if name else Path(path).stem
-    except Exception:  # noqa: BLE001 - the flow itself says what is wrong with the spec
-        return Path(path).stem
+    return name_of(path) or Path(path).stem
 
 
 def relay_run_name() -> str:

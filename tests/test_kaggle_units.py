@@ -18,6 +18,7 @@ from relay.orchestrator.kaggle.credentials import resolve
 from relay.orchestrator.kaggle.kernel_source import render, run_id_marker
 from relay.orchestrator.kaggle.retry import call, is_transient
 from relay.shared.errors import InputError
+from relay.shared.session_plan import SessionPlan
 
 
 def http_error(status: int, headers=None, body=b"{}") -> requests.HTTPError:
@@ -111,10 +112,12 @@ def test_kernel_source_runs_relay_with_mounted_paths(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     argv = json.loads((tmp_path / "working" / "argv.json").read_text())
-    assert argv[argv.index("--resume-from") + 1] == str(tmp_path / "input" / "ckpt")
-    assert argv[argv.index("--data") + 1] == str(tmp_path / "input" / "data")
-    assert "--features" not in argv  # not mounted: skipped
-    assert argv[argv.index("--budget") + 1] == "30" and argv[argv.index("--run-id") + 1] == "r-9"
+    assert not {"--budget", "--run-id", "--resume-from", "--data", "--features"} & set(argv)  # one typed plan
+    plan = SessionPlan.read(argv[argv.index("--plan") + 1])
+    assert plan.resume_from == (str(tmp_path / "input" / "ckpt"),)
+    assert plan.data == str(tmp_path / "input" / "data")
+    assert plan.features == ()  # not mounted: skipped
+    assert plan.budget == 30.0 and plan.run_id == "r-9" and plan.deadline is None
     marker = json.loads((tmp_path / "working" / "relay-kernel.json").read_text())
     assert marker["run_id"] == "r-9" and marker["code_version"] == bundle.code_version
 

@@ -6,8 +6,12 @@ Every bad input becomes one line naming the key path and what is expected (`Spec
 from __future__ import annotations
 
 import copy
+import os
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
@@ -164,15 +168,73 @@ def validate(data: Any, source: str = "spec") -> RunSpec:
         raise SpecError(f"{source}: {_first_error(err)}") from None
 
 
-def load(path: str | Path, overrides: dict[str, Any] | None = None) -> RunSpec:
-    """Read and validate a YAML spec. `overrides` are dotted keys (`session.budget`) applied first."""
+@dataclass(frozen=True)
+class LoadedSpec:
+    """A spec file read once: the text a push ships and the spec parsed from that same text (they cannot differ),
+    and where it was read from. What the orchestrator passes down instead of re-opening the path."""
+
+    path: Path
+    text: str       # the file's text as shipped in a session kernel (UTF-8, universal newlines: `read_text()`'s)
+    spec: RunSpec
+    raw: bytes = field(default=b"", repr=False)  # the bytes read (the code folder's digest reuses them)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+# Inside `read_once()` (one `relay run`, the start of a flow): each spec file is opened once, and every later read of
+# it in that scope gets those bytes. `relay run` loads the spec before Prefect starts (a bad one: one line, exit 2),
+# then the flow, its run's name and the `relays` flow's account look at the same file: one read, not four.
+_held: dict[str, bytes] = {}
+_scopes = 0
+_scopes_lock = threading.Lock()
+
+
+@contextmanager
+def read_once() -> Iterator[None]:
+    """Within: a spec file is read once; the bytes of that read serve every later read of it (nested scopes share
+    the outer one's). Outside: every read opens the file."""
+    global _scopes
+    with _scopes_lock:
+        _scopes += 1
+    try:
+        yield
+    finally:
+        with _scopes_lock:
+            _scopes -= 1
+            if not _scopes:
+                _held.clear()
+
+
+def read_bytes(path: str | Path) -> bytes:
+    """The bytes of the spec file `path` (OSError as open's); inside `read_once()`, its first read's."""
+    where = os.path.realpath(path)
+    held = _held.get(where) if _scopes else None
+    if held is not None:
+        return held
+    raw = Path(path).read_bytes()
+    with _scopes_lock:
+        if _scopes:
+            _held[where] = raw
+    return raw
+
+
+def shipped_text(text: str) -> str:
+    """The text a session kernel carries: universal newlines, as `Path.read_text()` gave it (the spec_sha256 the
+    kernels pushed before compare against)."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def read(path: str | Path, overrides: dict[str, Any] | None = None) -> LoadedSpec:
+    """Read a YAML spec once and validate it: its text and the spec parsed from it. `overrides` as in `load`."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        raw = read_bytes(path)
     except OSError as err:
         raise SpecError(f"{path}: cannot read the spec ({err.strerror})") from None
     try:
-        text = decode_utf8(raw, path)
+        text = shipped_text(decode_utf8(raw, path))
         data = load_yaml(text)
     except DuplicateKey as err:
         raise SpecError(f"{path}: {err}") from None
@@ -191,7 +253,22 @@ def load(path: str | Path, overrides: dict[str, Any] | None = None) -> RunSpec:
         data = override(data, overrides)
     if isinstance(data, dict) and isinstance(data.get("code"), dict):
         data["code"]["folder"] = str(resolve_folder(path, data["code"].get("folder", ".")))
-    return validate(data, source=str(path))
+    return LoadedSpec(path, text, validate(data, source=str(path)), raw)
+
+
+def load(path: str | Path, overrides: dict[str, Any] | None = None) -> RunSpec:
+    """Read and validate a YAML spec. `overrides` are dotted keys (`session.budget`) applied first."""
+    return read(path, overrides).spec
+
+
+def name_of(path: str | Path) -> Optional[str]:
+    """The `name:` a spec file gives, before (or without) validating it: a run's label. None if unreadable."""
+    try:
+        data = load_yaml(shipped_text(decode_utf8(read_bytes(path), path)))
+    except Exception:  # noqa: BLE001 - the flow itself says what is wrong with the spec
+        return None
+    name = data.get("name") if isinstance(data, dict) else None
+    return str(name) if name else None
 
 
 def override(data: dict, overrides: Mapping[str, Any], none_deletes: bool = False) -> dict:

@@ -5,7 +5,9 @@ ships code and run spec atomically (no extra dataset version to publish and wait
 dataset and the kernel), GetKernel returns exactly the code that ran, and the run id marker used to make
 pushes idempotent lives in the same text. The bundle is small (the kernel side's .py files, deflated).
 The script needs no internet: it extracts the bundle outside the working folder (so it is not output),
-records the code version and run id in relay-kernel.json, and runs `python -m relay train`, forwarding SIGTERM.
+records the code version and run id in relay-kernel.json, writes the session's plan (relay/shared/session_plan.py:
+the run id, budget and mounted folders, one typed JSON object) and runs `python -m relay train --plan`,
+forwarding SIGTERM. PLAN (what `relay status` reads back) keeps its keys: kernels pushed before read the same.
 """
 from __future__ import annotations
 
@@ -152,21 +154,25 @@ def main():
         if subprocess.call([sys.executable, "-m", "pip", "install", "-q", *plan["pip"]]) != 0:
             print("relay: error: kaggle.pip: pip install failed (see the log above)", flush=True)
             sys.exit(2)
-    cmd = [sys.executable, "-m", "relay", "train", spec_path, "--workdir", workdir, "--run-id", plan["run_id"]]
-    if plan["budget"] is not None:
-        cmd += ["--budget", str(plan["budget"])]
+    # the session's plan, one typed JSON object (relay/shared/session_plan.py) the session trusts as it is
+    session = {"format": 1, "run_id": plan["run_id"], "budget": plan["budget"], "deadline": None,
+               "resume_from": [], "data": None, "features": []}
     for ref in plan["resume"]:
         path = mounted(input_dir, ref)
         if path:
-            cmd += ["--resume-from", path]
+            session["resume_from"].append(path)
         else:
             print(f"relay: checkpoint dataset {ref} is not mounted; starting without it", flush=True)
     if plan["data"]:
-        cmd += ["--data", mounted(input_dir, plan["data"]) or os.path.join(input_dir, plan["data"].split("/")[1])]
+        session["data"] = mounted(input_dir, plan["data"]) or os.path.join(input_dir, plan["data"].split("/")[1])
     for ref in plan["features"]:
         path = mounted(input_dir, ref)
         if path:
-            cmd += ["--features", path]
+            session["features"].append(path)
+    session_path = os.path.join(code_dir, "session-plan.json")
+    with open(session_path, "w") as f:
+        json.dump(session, f, sort_keys=True)
+    cmd = [sys.executable, "-m", "relay", "train", spec_path, "--workdir", workdir, "--plan", session_path]
     if "canary" in plan:  # `relay doctor`: the same start, then checks instead of training (relay/kernel/canary.py)
         cmd = [sys.executable, "-m", "relay.kernel.canary", spec_path, "--out", os.path.join(workdir, "doctor.json")]
         cmd += [f"--mount={ref}={mounted(input_dir, ref) or ''}" for ref in plan["canary"]]
