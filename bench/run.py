@@ -4,7 +4,7 @@
 
 Each bench module has `run() -> dict` of figures (bench_loop, bench_checkpoint, bench_features, bench_relay,
 bench_vqa, bench_recsys, bench_byo, bench_live, bench_tick, bench_tracking, bench_divergence, bench_scale, bench_prefect_writes,
-bench_step_overhead).
+bench_step_overhead, bench_goodput).
 Timings are of this machine at this moment: the output and the results file name the machine (CPU model, cores,
 torch version, load average; bench/machine.py). Every figure is a ratio against a baseline measured in the same
 run, compared variants alternate, and each is reported as a median with its spread.
@@ -52,6 +52,9 @@ BENCHES = {
     # ~10 s: the Session API's null step (batches() + step_done(), saves off) against a bare loop; its CUDA
     # loops (`--device cuda`) run by hand on a GPU (bench/gpu_check.sh)
     "step": ("bench_step_overhead", {"steps": 30_000, "rounds": 5}, {"steps": 5_000, "rounds": 3}),
+    # ~2 min: a clean and a faulted toy relay of 600 steps (a kill mid-save, a wedge, error pages), the goodput
+    # ledger against the emulator's quota ledger; sized in steps and sessions, so --quick runs the same
+    "goodput": ("bench_goodput", {}, {}),
 }
 
 
@@ -148,6 +151,10 @@ def _lines(name: str, f: dict) -> list[str]:
         import bench_step_overhead
 
         return bench_step_overhead.format_lines(f)
+    if name == "goodput":
+        import bench_goodput
+
+        return bench_goodput.format_lines(f)
     return [json.dumps(f)]
 
 

@@ -52,6 +52,15 @@ def test_the_charge_record_reads_the_log_and_is_carried_across_hand_overs():
                       "process_end": 2360.0, "last_step": 180}
     published = {"charges": [{"run_id": "r-s001-a1"}, {"run_id": "r-s002-a1", "stale": True}]}
     assert [c.get("stale") for c in goodput.with_charge(published, {}, record)["charges"]] == [None, None]
+    # killed: no `end` line; it trained until its newest line at least, and what it trained since its last save
+    # (step 150, 2300 s by its clock) is redone by the next session
+    killed_log = json.dumps([{"stream_name": "stdout", "time": 1.0, "data": "relay-progress " + json.dumps(
+        {k: v for k, v in r.items() if k != "kind"}) + "\n"} for r in lines])
+    killed = goodput.charge_record("r-s002-a1", killed_log, {"run_id": "r-s002-a1", "pushed_at": 2000.0}, None)
+    assert killed["last_line"] == 2360.0 and "process_end" not in killed and "kaggle_end_seen" not in killed
+    session = {"run_id": "r-s002-a1", "started": 2010.0, "ended": 2300.0, "step_start": 100, "step_end": 150,
+               "stop_reason": "running"}
+    assert goodput.ledger([session], [killed]).attempts[0].seconds["training redone"] == pytest.approx(60)
 
 
 def test_on_the_emulator_the_ledger_adds_up_to_its_quota_ledger(relay_env, monkeypatch):

@@ -106,7 +106,9 @@ def _attempt(s: Mapping, c: Mapping, next_start: Optional[int], save_every_s: Op
     ended = _num(s.get("ended"), started + _num(s.get("seconds")))
     clean = s.get("stop_reason") in CLEAN_ENDS
     start = _first(c.get("kaggle_start"), c.get("pushed_at"), started)
-    end = max(_first(c.get("kaggle_end"), c.get("kaggle_end_seen"), c.get("process_end"), ended), start)
+    # a killed process's newest line (`last_line`) is a floor of its end where nothing else says when it ended
+    end = max(_first(c.get("kaggle_end"), c.get("kaggle_end_seen"), c.get("process_end"), ended), start,
+              _num(c.get("last_line"), start))
     # a process killed without its `end` line trained on until Kaggle's end, as far as anyone can tell
     process_end = max(ended, _num(c.get("process_end"), ended if clean else end))
     left = [end - start]
@@ -162,6 +164,10 @@ def charge_record(run_id: str, log_text: str, plan: Optional[Mapping], seen_end:
         record["pushed_at"] = float(plan["pushed_at"])
     if end is not None:
         record["process_end"] = float(end["time"])
+    else:  # killed or stalled: it ran at least until its newest line (its steps since its last save are redone)
+        times = [float(r["time"]) for r in lines if isinstance(r.get("time"), (int, float))]
+        if times:
+            record["last_line"] = max(times)
     if steps:
         record["last_step"] = max(steps)
     return record
