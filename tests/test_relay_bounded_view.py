@@ -81,11 +81,12 @@ def test_a_three_times_longer_session_leaves_as_much_in_prefect_and_the_newest_p
 
     APILogWorker.drain_all(timeout=30)  # the flow's logs reach the server in batches
     # task runs reach the server as events, recorded in the background: read until the last hand-over's is there
+    # and every task run's start is (a busy SQLite server records a run before its Running state)
     deadline = time.monotonic() + 120  # a hang guard, not a speed bound
     while True:
         run, tasks, logs, found = _read_run(str(spec))
-        if sum(t.name.startswith("hand-over") and t.end_time is not None for t in tasks) >= 2 \
-                or time.monotonic() > deadline:
+        if (sum(t.name.startswith("hand-over") and t.end_time is not None for t in tasks) >= 2
+                and all(t.start_time is not None for t in tasks)) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     pushes = sorted((t for t in tasks if t.name.startswith("push-session")), key=lambda t: t.start_time)
