@@ -21,9 +21,12 @@ Goodput = training kept / charged.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+
+from relay.shared.progress_line import newest, parse
 
 CATEGORIES = ("start-up", "training kept", "training redone", "saving", "final tail", "wedged", "shut-down",
               "failed attempt", "other")
@@ -145,10 +148,6 @@ def charge_record(run_id: str, log_text: str, plan: Optional[Mapping], seen_end:
     (the pushed plan's time, when it is this run's), its progress lines' last step and `end` line (the process's
     end, by the kernel's clock) and, for a wedged one, its deadline (`seen_end`: the relay deletes it right after).
     Nothing of the orchestrator's own clock: every orchestrator must stage the same record (handoff.py)."""
-    import json
-
-    from relay.shared.progress_line import newest, parse
-
     try:  # Kaggle's log is a JSON array of {stream_name, time, data}
         log_text = "".join(entry.get("data", "") for entry in json.loads(log_text))
     except (ValueError, AttributeError, TypeError):
