@@ -265,7 +265,7 @@ def main() -> None:
         sys.exit("--device cuda: no CUDA device here")
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(device), "torch", torch.__version__, flush=True)
-    try:  # another process on the GPU time-slices it: the first H100 run had rounds 10x apart (see docs)
+    try:  # another process on the GPU would time-slice it and void the ratios: say which ones are there
         print(" ".join(torch.cuda.list_gpu_processes(device).split()), flush=True)
     except Exception as err:  # noqa: BLE001 - pynvml missing or the driver's answer refused: only a hint
         print(f"GPU processes: unknown ({err})", flush=True)
