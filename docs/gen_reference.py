@@ -1,6 +1,6 @@
 """Write docs/reference/{spec,params,cli}.md from the code itself: the spec's pydantic models (their field
 descriptions), every built-in recipe's Params model, and the `relay` command's argparse help. Nothing in those
-pages is kept by hand; `make docs` regenerates them and tests/test_docs.py fails when they are stale.
+pages is kept by hand; `make docs` regenerates them and tests/e2e/test_docs.py fails when they are stale.
 
     python docs/gen_reference.py          # write the pages
     python docs/gen_reference.py --check  # exit 1 if a page differs from what the code says

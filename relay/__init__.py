@@ -1,7 +1,7 @@
 """kaggle-relay: quota-sized, exactly-resumable training sessions chained through the Kaggle API.
 
 What user code imports is this module and three beside it, documented in docs/your-code.md ("What your code
-imports") and held there by tests/test_public_api.py:
+imports") and held there by tests/kernel/test_public_api.py:
     relay.open_session, relay.Session            the Session API, for your own loop
     relay.Recipe, relay.RecipeParams             a recipe of your own on the relay's loop
     relay.InputError, relay.CheckpointError,     what a script may catch

@@ -1,4 +1,4 @@
-"""TEST-ONLY (tests/test_distributed.py): one rank of a 2-process session whose rank 1 runs out of memory.
+"""TEST-ONLY (tests/kernel/test_distributed.py): one rank of a 2-process session whose rank 1 runs out of memory.
 
 CUDA OOM cannot happen on this CPU-only machine, so rank 1's recipe raises torch.cuda.OutOfMemoryError (a real
 exception type) for micro-batches larger than 4 once training is under way. Spawned processes do not see a

@@ -5,7 +5,6 @@ checkpoints/, metrics.jsonl, progress.json and, when the work is done, export/ (
 """
 from __future__ import annotations
 
-import copy
 import inspect
 import json
 import logging
@@ -18,11 +17,13 @@ import torch
 
 from relay.kernel import usercode
 from relay.kernel.session import books, checkpoint, data, distributed, memory
+from relay.kernel.session.api import Session
+from relay.kernel.session.books import RunBook
 from relay.kernel.session.budget import SessionClock
-from relay.kernel.session.core import SessionCore
 from relay.kernel.session.device import configure_backends, pick_device, seed_everything
-from relay.kernel.session.loop import Trainer, TrainState, resolve_precision
+from relay.kernel.session.loop import Trainer
 from relay.kernel.session.settings import SessionSettings
+from relay.kernel.session.stepbooks import StepBooks
 from relay.shared.errors import InputError
 from relay.shared.spec import RunSpec
 
@@ -100,8 +101,8 @@ def _outermost_missing(path: Path) -> Optional[Path]:
 
 
 def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, world=distributed.SINGLE) -> dict:
-    """One session on this rank: prepare, restore, train until a stop, save, finish. (Longer than most
-    functions, ~65 lines, because its save closure lives beside the state it snapshots.)"""
+    """One session on this rank: prepare, restore, train until a stop, save, finish: the Trainer drives a Session
+    as a user's loop does."""
     # Nothing is written before the inputs are validated: a data error (a missing column, a file that is
     # not UTF-8) must leave no workdir behind; a later check that fails removes what this session created.
     created = _outermost_missing(workdir)
@@ -113,9 +114,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     workdir.mkdir(parents=True, exist_ok=True)
 
     seed_everything(spec.seed)
-    model = recipe.build_model()  # the same initial weights on every rank
-    if world.rank:
-        torch.manual_seed(distributed.rank_seed(spec.seed, world.rank))  # each rank its own dropout masks
+    model = recipe.build_model()  # the same initial weights on every rank (the session then seeds each its own)
     if spec.optim.activation_checkpointing and not recipe.enable_activation_checkpointing(model):
         log.warning("optim.activation_checkpointing: recipe %s has no checkpointable modules", spec.recipe)
     model.to(device)
@@ -123,49 +122,47 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     total = data.total_steps(schedule, spec.optim.epochs, spec.optim.max_steps)
     settings = SessionSettings.from_spec(spec, workdir, resume_from=resume_from, data_dir=data_dir,
                                          feature_dirs=feature_dirs, run_id=run_id, total_steps=total)
-    core = SessionCore(settings, clock, world)
-    restored, state = _restore(core, spec, world, device, created)
-    session = core.open(state.sessions, state.global_step, state.tracking, current_step=lambda: state.global_step,
-                        model_bytes=sum(p.nbytes for p in model.parameters()))
-    state.exactness_lost = state.exactness_lost or core.environment_changed
-
-    def save(reason: str) -> None:
-        """Periodic and best saves commit in the background while training goes on; the last is waited for."""
-        t0 = time.perf_counter()
-        core.update_record(state.global_step, reason, trainer.samples_per_s(), trainer.diverged,
-                           peak_mem_mb=round(trainer.monitor.peak_mb() or trainer.monitor.sample()["rss_mb"], 1))
-        resume_state = trainer.state_dict()  # every rank takes part (RNG is gathered); rank 0 writes
-        keep_best = spec.checkpoints.keep_best and trainer.track_best  # not with several stages (Trainer)
-        core.save(resume_state, reason, step=state.global_step, started=t0,
-                  meta={"epoch": schedule.epoch_of(max(0, state.global_step - 1)), "best": state.best},
-                  # a snapshot: training changes `state` while a background commit runs
-                  progress=_progress_fields(copy.deepcopy(state), schedule), model=model,
-                  background=reason in ("periodic", "best"), keep_best_mode=recipe.metric_mode if keep_best else None,
-                  exports=1 + keep_best)
-
-    trainer = Trainer(spec, recipe, model, device, clock, state, total_steps=total, schedule=schedule,
-                      log_metrics=core.log, save=save, stop_reason=core.stop_reason, world=world)
-    if restored:
-        trainer.load_state_dict(restored[1])
-        del restored  # free the loaded copy now: it would hold a second copy of the state all session long
+    # the loss is read on the host every step (the non-finite skip), so the divergence guard judges it there,
+    # within the stage it belongs to; with several processes the losses are agreed on, not judged
+    step_books = StepBooks(clock, spec.session.save_every, mode="step",
+                           guard=spec.session.stop_on_divergence and not world.active)
+    session = Session(settings, world, device, clock=clock, step_books=step_books, schedule=schedule)
+    trainer = Trainer(spec, recipe, model, session, total_steps=total, schedule=schedule)
+    try:
+        trainer.restore()
+    except InputError:  # nothing valid to resume from: leave nothing behind
+        if created is not None and world.main:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    state = session.book
+    session.exporter = _exporter(spec, recipe, model, trainer, session)
     log.info("session %d on %s: step %d of %d, micro-batch %d x %d x %d processes, %s, budget %s",
-             session["index"], memory.describe_device(device), state.global_step, total, state.micro_batch,
+             state.sessions[-1]["index"], memory.describe_device(device), state.global_step, total, state.micro_batch,
              state.grad_accum, world.size, state.precision,
              "none" if clock.limit == float("inf") else f"{clock.limit:.0f}s")
+    with session:  # an error: the last checkpoint stands, nothing more is written
+        if not session.core.wrong_accelerator:  # it stops before its first step: on a P100 the image's torch cannot even run one
+            trainer.preflight()
+        trainer.save(trainer.fit())
+        progress = session.close()  # the export when done, progress.json
+    return progress if world.main else {}
 
-    if not core.wrong_accelerator:  # it stops before its first step: on a P100 the image's torch cannot even run one
-        trainer.preflight()
-    try:
-        reason = trainer.fit()
-        trainer.save(reason)
-    finally:
-        core.close()
-    if not world.main:
-        distributed.barrier(world)  # wait for rank 0's export: a rank tearing its group down early aborts
-        return {}
-    progress = _finish(core, spec, recipe, model, trainer, schedule, reason)
-    distributed.barrier(world)  # every rank leaves together (gloo aborted a rank that shut down first)
-    return progress
+
+def _exporter(spec, recipe, model, trainer: Trainer, session: Session):
+    """What the final export holds (written into a folder committed at once): the recipe's export of the final
+    weights and its predictions, and with checkpoints.keep_best, export/best/ with the best-metric weights."""
+
+    def export(out: Path) -> None:
+        recipe.export(model, out)
+        _predict(recipe, model, out, batch_size=spec.optim.eval_batch, autocast=trainer._autocast)
+        best = _best_weights(session.core.ckpt_root, session.book) \
+            if spec.checkpoints.keep_best and trainer.track_best else None
+        if best is not None:  # export/ stays the final weights (weights_sha256, hashed before); best/ the best
+            model.load_state_dict(best)
+            (out / "best").mkdir()
+            recipe.export(model, out / "best")
+
+    return export
 
 
 def _prepare(spec, workdir: Path, data_dir, feature_dirs, world, created: Optional[Path]):
@@ -192,44 +189,6 @@ def _prepare(spec, workdir: Path, data_dir, feature_dirs, world, created: Option
     return recipe, schedule
 
 
-def _restore(core: SessionCore, spec, world, device, created: Optional[Path]):
-    """(the loaded checkpoint or None, the trainer's state): resumed, or fresh for this world."""
-    try:
-        restored = core.load()
-    except InputError:  # nothing valid to resume from: leave nothing behind
-        if created is not None and world.main:
-            shutil.rmtree(created, ignore_errors=True)
-        raise
-    if restored:
-        state = TrainState.from_dict(restored[1]["relay"])
-        log.info("resuming from %s (step %d)", restored[0].path, state.global_step)
-        books.warn_if_threads_changed(state.threads)
-    else:
-        micro, accum = distributed.split_batch(spec.optim.micro_batch * spec.optim.grad_accum, world.size,
-                                               spec.optim.micro_batch)
-        state = TrainState(micro_batch=micro, grad_accum=accum, world_size=world.size,
-                           precision=resolve_precision(spec.optim.precision, device))
-    state.threads = torch.get_num_threads()
-    if state.world_size != world.size:
-        _change_world(state, world.size)
-    return restored, state
-
-
-def _finish(core: SessionCore, spec, recipe, model, trainer: Trainer, schedule, reason: str) -> dict:
-    """Rank 0 after the last save: the export (and export/best/) when the work is done, progress.json."""
-    state, workdir, ckpt_root = trainer.state, core.workdir, core.ckpt_root
-    status = "done" if reason == "done" else "paused"
-    weights = checkpoint.weights_sha256(model.state_dict())
-    if status == "done":
-        checkpoint.export_atomic(workdir / "export", lambda out: recipe.export(model, out))
-        _predict(recipe, model, workdir / "export", batch_size=spec.optim.eval_batch, autocast=trainer._autocast)
-        best = _best_weights(ckpt_root, state) if spec.checkpoints.keep_best and trainer.track_best else None
-        if best is not None:  # export/ stays the final weights (weights_sha256); export/best/ the best-metric ones
-            model.load_state_dict(best)  # the final weights are saved and hashed above
-            checkpoint.export_atomic(workdir / "export" / "best", lambda out: recipe.export(model, out))
-    return core.finish(status, reason, _progress_fields(state, schedule), weights)
-
-
 def _predict(recipe, model, out_dir: Path, **settings) -> None:
     """recipe.predict with the run's eval batch and autocast; a user recipe written against the older
     `predict(model, out_dir)` gets only what its signature takes (a TypeError after a long run would lose it)."""
@@ -239,7 +198,7 @@ def _predict(recipe, model, out_dir: Path, **settings) -> None:
     recipe.predict(model, out_dir, **settings)
 
 
-def _best_weights(ckpt_root: Path, state: TrainState) -> Optional[dict]:
+def _best_weights(ckpt_root: Path, state: RunBook) -> Optional[dict]:
     """The model weights of the checkpoint that scored the run's best metric, or None when there is none (no
     eval) or the disk budget deleted it (that is logged)."""
     if not state.best:
@@ -250,21 +209,3 @@ def _best_weights(ckpt_root: Path, state: TrainState) -> Optional[dict]:
     log.warning("no export/best: the best checkpoint (step %d) was deleted to fit checkpoints.disk_budget_gb",
                 state.best["step"])
     return None
-
-
-def _change_world(state: TrainState, world_size: int) -> None:
-    """Resumed on another number of processes: the same effective batch, split over the new world."""
-    effective = state.micro_batch * state.grad_accum * state.world_size
-    lost = books.world_size_change(state.world_size, world_size, state.global_step)
-    state.micro_batch, state.grad_accum = distributed.split_batch(effective, world_size, state.micro_batch)
-    state.world_size = world_size
-    state.exactness_lost = state.exactness_lost or lost
-
-
-def _progress_fields(state: TrainState, schedule: data.StepSchedule) -> books.RunFields:
-    """What progress.json says of this run besides the checkpoint (SessionCore.write_progress)."""
-    return books.RunFields(step=state.global_step, epoch=schedule.epoch_of(max(0, state.global_step - 1)),
-                           steps_per_epoch=schedule.steps_per_epoch, metrics=state.last_eval, best=state.best,
-                           micro_batch=state.micro_batch, grad_accum=state.grad_accum, precision=state.precision,
-                           world_size=state.world_size, exactness_lost=state.exactness_lost,
-                           tracking=state.tracking, sessions=state.sessions, memory_rungs=state.memory_rungs)

@@ -4,7 +4,7 @@ hand-over), made once per thread and kind and cleared for each drawing.
 A new matplotlib figure makes its Axes and every tick (five artists each) anew. A cleared figure keeps its tick
 objects; their texts and positions are set at each draw anyway, and their style is ours, the same at every
 drawing: a curves figure and a timeline cost ~22 % less CPU than on new figures (docs/benchmarks.md). The pixels
-are a new figure's (tests/test_report.py compares them).
+are a new figure's (tests/orchestrator/test_report.py compares them).
 Made without pyplot: a figure no pyplot call can reach is its thread's alone, so flows in threads never share one.
 """
 from __future__ import annotations

@@ -19,16 +19,17 @@ thing a script does; what it writes to the workdir is session/core.py's, the sam
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from relay.kernel.session import api_distributed, books, checkpoint, data, distributed, rng, stepbooks, trace
+from relay.kernel.session import api_distributed, books, checkpoint, data, distributed, rng, trace
 from relay.kernel.session.api_distributed import unwrap
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.core import SessionCore
@@ -83,7 +84,11 @@ def open_session(total_steps: Optional[int] = None, **settings: Any) -> "Session
 
 class Session:
     def __init__(self, config: SessionSettings, world: distributed.World = distributed.SINGLE,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, *, clock: Optional[SessionClock] = None,
+                 step_books: Optional[StepBooks] = None, schedule: Optional[data.StepSchedule] = None):
+        """`clock`, `step_books` and `schedule` are the built-in loop's (relay.kernel.run): a clock started when the
+        process did, books that judge a loss already read at every step, and its step schedule; a script's
+        session makes its own."""
         self.config = config
         self.world = world  # rank 0 alone writes checkpoints, metrics.jsonl, progress.json and the export
         self.device = device or pick_device()  # where this rank trains (cuda:LOCAL_RANK under several GPUs)
@@ -97,26 +102,41 @@ class Session:
         self.feature_dirs = [Path(p) for p in config.features]
         if config.threads:
             torch.set_num_threads(int(config.threads))
-        self.clock = SessionClock(config.budget, config.deadline, float(config.safety_margin),
-                                  max_steps=config.max_steps)
-        self.clock.install_signal_handlers()
+        self._owns_clock = clock is None  # its signal handlers are then this session's to install and restore
+        self.clock = clock or SessionClock(config.budget, config.deadline, float(config.safety_margin),
+                                           max_steps=config.max_steps)
+        if self._owns_clock:
+            self.clock.install_signal_handlers()
         self.objects: dict[str, Any] = {}
         self.weights_model: Optional[torch.nn.Module] = None  # whose weights_sha256/export (default: registered)
         self.export_extras: list = []  # objects with save_pretrained() exported beside it (a tokenizer)
-        self.step = 0
         self.stop_reason: Optional[str] = None
         self.closed = False
-        self._book = {"sessions": [], "best": None, "last_eval": {}}
+        self.book = books.RunBook()  # the run's book: the step, the sessions, the last eval and best, ...
         # the loss window (device tensors read at log steps), samples/s, the insurance timer, the divergence guard
-        self.step_books = StepBooks(self.clock, config.save_every, guard=config.stop_on_divergence, mode="window")
+        self.step_books = step_books or StepBooks(self.clock, config.save_every, guard=config.stop_on_divergence,
+                                                  mode="window")
         self._mark = time.perf_counter()
         self._saved_step: Optional[int] = None  # a save at this step holds the session's final state
-        self._insurance_skipped = False  # once, at the step the session stops after (close() saves)
-        self._schedule: Optional[data.StepSchedule] = None
+        self._schedule = schedule
+        # what a driver that tracks a best checkpoint sets (the built-in loop): the retention of the best
+        # checkpoint and the exports counted against the disk budget; `exporter(out)` writes the final export
+        self.keep_best_mode: Optional[str] = None
+        self.exports = 1
+        self.exporter: Optional[Callable[[Path], None]] = None
         self._trace = trace.StepTrace.from_env()  # per-step fingerprints, under `relay verify-resume` only
         # the workdir's books: checkpoints, metrics.jsonl, progress.json, trackers (started by restore())
         self.core = SessionCore(config, self.clock, world)
         self.trackers = self.core.trackers
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken in the run so far (the book's global_step)."""
+        return self.book.global_step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.book.global_step = value
 
     @property
     def tensorboard_dir(self) -> Path:
@@ -159,40 +179,38 @@ class Session:
                 saved_state = state["objects"][name]
                 if not (isinstance(saved_state, dict) and not saved_state):  # a disabled GradScaler saves {}
                     unwrap(obj).load_state_dict(saved_state)  # and refuses to load it
-            self._book = dict(state["relay"])
+            self.book = books.RunBook.from_dict(state["relay"])
             # the logging window a resume cut and the guard's history: it stops, or not, at the uninterrupted
             # run's step
-            self.step_books.load_state_dict(self._book)
-            for key in stepbooks.KEYS:
-                self._book.pop(key, None)
-            self.step = self._saved_step = int(self._book["global_step"])
+            self.step_books.load_state_dict(state["relay"])
+            self._saved_step = self.step
             rng.restore(state, self.world, self._device(), self.config.seed, self.step)
-            books.warn_if_threads_changed(self._book.get("threads"))
+            books.warn_if_threads_changed(self.book.threads)
             log.info("resumed from %s (step %d)", ckpt.path, self.step)
             del restored, state
         elif self.world.rank:  # the same initial weights on every rank (seeded alike), then each its own RNG
             seed_everything(distributed.rank_seed(self.config.seed, self.world.rank))
-        self._check_world_size()
+        self._check_world_size(resumed)
         model_bytes = sum(p.nbytes for o in self.objects.values() if isinstance(o, torch.nn.Module)
                           for p in o.parameters())
-        self.core.open(self._book["sessions"], self.step, self._book.setdefault("tracking", {}),
+        self.core.open(self.book.sessions, self.step, self.book.tracking,
                        current_step=lambda: self.step, model_bytes=model_bytes)
-        if self.core.environment_changed and not self._book.get("exactness_lost"):
-            self._book["exactness_lost"] = self.core.environment_changed
+        if self.core.environment_changed and not self.book.exactness_lost:
+            self.book.exactness_lost = self.core.environment_changed
         self.run_id = self.core.run_id
         if self._trace:
             self._trace.start(self, resumed=resumed)
         self._mark = time.perf_counter()
         return self.step
 
-    def _check_world_size(self) -> None:
+    def _check_world_size(self, resumed: bool) -> None:
         """Resumed with another number of processes: the effective batch (what batches() is given) is kept;
         progress.json says from which step the run is no longer bit-identical to an uninterrupted one."""
-        if "global_step" in self._book:
-            lost = books.world_size_change(int(self._book.get("world_size") or 1), self.world.size, self.step)
-            if lost and not self._book.get("exactness_lost"):  # the key only once lost: the book is compared
-                self._book["exactness_lost"] = lost           # between runs by `relay verify-resume`
-        self._book["world_size"] = self.world.size
+        if resumed:
+            lost = books.world_size_change(int(self.book.world_size or 1), self.world.size, self.step)
+            if lost and not self.book.exactness_lost:  # set only once lost: the book is compared
+                self.book.exactness_lost = lost         # between runs by `relay verify-resume`
+        self.book.world_size = self.world.size
 
     # -- data -------------------------------------------------------------------------------------------
     def batch_indices(self, n_samples: int, batch_size: int, seed: Optional[int] = None) -> list[int]:
@@ -255,11 +273,11 @@ class Session:
             return self._step_done_together(save, metrics)
         if step % self.config.log_every == 0 or step == self.total_steps:
             self._end_window(metrics)
-        if save and self.insurance_due():
-            if self._insurance_skipped or self.core.stop_reason(self.step, self.diverged) is None:
-                self.save("periodic")
-            else:  # the session stops after this step: close() saves then, with what the loop runs after
-                self._insurance_skipped = True  # step_done (an eval's RNG draws); once, for a loop that goes on
+        # not at the step the session stops after: close() saves then, with what the loop runs after step_done
+        # (an eval's RNG draws)
+        if save and self.insurance_due() and self.step_books.insure_now(
+                stopping=self.core.stop_reason(self.step, self.diverged) is not None):
+            self.save("periodic")
         self._mark = time.perf_counter()
 
     def _end_window(self, metrics: dict) -> None:
@@ -285,6 +303,18 @@ class Session:
             self.save("periodic")
         self._mark = time.perf_counter()
 
+    def decide(self, eval_due: bool = False) -> tuple[Optional[str], bool]:
+        """Before the next step, for a loop that saves before its step rather than in step_done (the built-in
+        one): stop now (why, as should_stop() decides it, also kept in `stop_reason`), and is an insurance save
+        due. `eval_due`: the next step ends with an eval, which the clock reserves time for. With several
+        processes both are agreed in one all-reduce."""
+        reason = self.core.stop_reason(self.step, self.diverged, eval_due=eval_due)
+        save_due = self.step_books.insurance_due()
+        if reason not in books.RANK_INDEPENDENT and self.world.size > 1:  # the same on every rank
+            reason, save_due, _ = self._agreement.decide(self.step, reason, save_due)
+        self.stop_reason = reason
+        return reason, save_due and reason is None
+
     def heartbeat(self) -> None:
         """A sign of progress between steps, for the stall watchdog (session.stall_after): call it in a long
         phase without step_done(), such as an eval over a large set (the integrations call it per eval batch)."""
@@ -302,7 +332,7 @@ class Session:
     def log(self, kind: str = "train", **values: Any) -> None:
         """One metrics.jsonl record at the current step; `kind="eval"` records become progress metrics."""
         if kind == "eval":
-            self._book["last_eval"] = {"step": self.step, **values}
+            self.book.last_eval = {"step": self.step, **values}
         self.core.log({"kind": kind, "step": self.step, "epoch": self.epoch, **values},
                       shown=self._train_extras(self.step_books.samples_per_s()) if kind == "train" else None)
 
@@ -315,22 +345,27 @@ class Session:
         return extras
 
     # -- saving -----------------------------------------------------------------------------------------
-    def save(self, reason: str = "manual", started: Optional[float] = None) -> Optional[checkpoint.Checkpoint]:
+    def save(self, reason: str = "manual", started: Optional[float] = None, *,
+             background: bool = False) -> Optional[checkpoint.Checkpoint]:
         """An atomic checkpoint of the registered objects, the RNGs and the relay's bookkeeping. With several
         processes every rank calls it: rank 0 writes it, with every rank's RNG (`rng_ranks`), while the
         others wait at a barrier and get None. `started` (time.perf_counter()): when a trainer began writing
-        its own checkpoint that this one packs; the clock plans the final save with both phases."""
+        its own checkpoint that this one packs; the clock plans the final save with both phases. `background`:
+        the state is serialized now and committed while training goes on (None is returned)."""
         t0 = time.perf_counter() if started is None else started
         self._update_record(reason)
-        # with the window not yet logged and judged, and the guard's history (StepBooks.state_dict)
-        self._book.update(global_step=self.step, threads=torch.get_num_threads(), **self.step_books.state_dict())
+        self.book.threads = torch.get_num_threads()
         rngs = rng.capture(self.world, self._device())
         state = None
-        if self.world.main:
-            state = {"objects": {n: unwrap(o).state_dict() for n, o in self.objects.items()}, "relay": self._book,
-                     **rngs}
-        ckpt = self.core.save(state, reason, step=self.step, meta={"epoch": self.epoch, "best": self._book.get("best")},
-                              progress=self._progress_fields(), model=self._model(), started=t0)
+        if self.world.main:  # the book with the window not yet logged and judged, and the guard's history
+            state = {"objects": {n: unwrap(o).state_dict() for n, o in self.objects.items()},
+                     "relay": {**self.book.to_dict(), **self.step_books.state_dict()}, **rngs}
+        progress = self.book.run_fields(self._schedule, self.world.size)
+        ckpt = self.core.save(state, reason, step=self.step, meta={"epoch": progress.epoch, "best": self.book.best},
+                              # a background commit writes progress.json later: from a copy training won't change
+                              progress=copy.deepcopy(progress) if background else progress, model=self._model(),
+                              started=t0, background=background, keep_best_mode=self.keep_best_mode,
+                              exports=self.exports)
         # only a save taken once the session decided to stop (an integration's, at its trainer's stop) holds
         # the state the next session starts from: after an insurance save the loop may still run code (an eval
         # whose DataLoader draws from the global RNG) before it asks should_stop(), and close() must save that
@@ -359,14 +394,20 @@ class Session:
             model = self._model()
             weights = checkpoint.weights_sha256(model.state_dict()) if model is not None else None
             if done and model is not None:
-                checkpoint.export_atomic(self.workdir / "export", lambda out: _export(model, out, self.export_extras))
-            progress = self.core.finish("done" if done else "paused", reason, self._progress_fields(), weights)
+                checkpoint.export_atomic(self.workdir / "export",
+                                         self.exporter or (lambda out: _export(model, out, self.export_extras)))
+            progress = self.core.finish("done" if done else "paused", reason,
+                                        self.book.run_fields(self._schedule, self.world.size), weights)
             distributed.barrier(self.world)
             return progress
         finally:
-            self.closed = True
+            self._release()
+
+    def _release(self) -> None:
+        self.closed = True
+        if self._owns_clock:
             self.clock.restore_signal_handlers()
-            self.core.close()
+        self.core.close()
 
     def __enter__(self) -> "Session":
         return self
@@ -375,9 +416,7 @@ class Session:
         if exc_type is None:
             self.close()
         else:  # mid-step state is not worth saving; the last checkpoint stands
-            self.closed = True
-            self.clock.restore_signal_handlers()
-            self.core.close()
+            self._release()
 
     # -- helpers ----------------------------------------------------------------------------------------
     def _model(self) -> Optional[torch.nn.Module]:
@@ -395,17 +434,6 @@ class Session:
 
     def _update_record(self, reason: str) -> None:
         self.core.update_record(self.step, reason, self.step_books.samples_per_s(), self.diverged)
-
-    def _progress_fields(self) -> books.RunFields:
-        """What progress.json says of this run besides the checkpoint (SessionCore.write_progress); the script
-        picks its own accumulation and precision, so those stay unknown (None)."""
-        schedule = self._schedule
-        return books.RunFields(step=self.step, epoch=self.epoch, sessions=self._book["sessions"],
-                               world_size=self.world.size,
-                               steps_per_epoch=schedule.steps_per_epoch if schedule else None,
-                               metrics=self._book.get("last_eval") or {}, best=self._book.get("best"),
-                               micro_batch=schedule.effective_batch // self.world.size if schedule else None,
-                               exactness_lost=self._book.get("exactness_lost"), tracking=self._book.get("tracking"))
 
 
 class RunBatchSampler(torch.utils.data.Sampler):

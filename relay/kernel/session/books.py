@@ -1,5 +1,5 @@
-"""The session's books, one format for both session paths (written through session/core.py): what a fresh
-workdir carries from the run so far, the session's record in progress.json's `sessions`, what resuming on
+"""The session's books, one format for both session paths (written through session/core.py): the run's book
+(RunBook: what a session carries to the next besides tensors), what a fresh workdir carries from the run so far, the session's record in progress.json's `sessions`, what resuming on
 another world size or thread count costs, the first save's time estimate, and progress.json itself: tables,
 plots and the handoff read one format.
 """
@@ -88,6 +88,56 @@ def update_record(record: dict, clock: SessionClock, step: int, reason: str, sam
         # this save's own time is known only after it; the checkpoint carries the last measured one
         save_seconds=record.get("save_seconds", round(clock.save_seconds or 0.0, 3)),
     )
+
+
+@dataclass
+class RunBook:
+    """What a run carries across sessions besides tensors, one book for both session paths (the checkpoint's
+    `relay` dict, with the step books' window and guard beside it). Plain data: JSON and weights_only safe.
+    The built-in loop fills the batch split, the precision and its guards' counts; a user's loop picks its
+    own, so those stay None there."""
+
+    global_step: int = 0
+    sessions: list = field(default_factory=list)
+    best: Optional[dict] = None  # {"metric", "value", "step", "mode"}
+    last_eval: dict = field(default_factory=dict)
+    threads: Optional[int] = None
+    world_size: int = 1  # processes training together
+    exactness_lost: Optional[dict] = None  # {"step", "why"}: from that step on, not bit-identical to one run
+    tracking: dict = field(default_factory=dict)  # {"wandb_run_id", "wandb_mode"}: one tracker run per relay
+    # the built-in loop's: micro_batch x grad_accum x world_size is the spec's batch (the micro-batch may shrink
+    # after an OOM, carried to the next session); precision falls back to fp32 after repeated non-finite losses
+    micro_batch: Optional[int] = None
+    grad_accum: Optional[int] = None
+    precision: Optional[str] = None
+    nonfinite_streak: int = 0
+    skipped_steps: int = 0
+    memory_rungs: list = field(default_factory=list)  # names of the recipe's OOM rungs taken, in order
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunBook":
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+    def to_dict(self) -> dict:
+        """The checkpoint's form. A key the built-in loop alone fills is left out while unset, so a user loop's
+        checkpoint reads as before."""
+        d = asdict(self)
+        for key in ("micro_batch", "grad_accum", "precision"):
+            if d[key] is None:
+                del d[key]
+        return d
+
+    def run_fields(self, schedule, world_size: int) -> "RunFields":
+        """What progress.json says of the run besides its checkpoint. `schedule` (data.StepSchedule, None when
+        unknown): the epoch of the last step taken, and the micro-batch of a loop that does not split its own."""
+        micro = self.micro_batch
+        if micro is None and schedule is not None:
+            micro = schedule.effective_batch // world_size
+        return RunFields(step=self.global_step, epoch=schedule.epoch_of(max(0, self.global_step - 1)) if schedule
+                         else 0, sessions=self.sessions, world_size=world_size,
+                         steps_per_epoch=schedule.steps_per_epoch if schedule else None, metrics=self.last_eval,
+                         best=self.best, micro_batch=micro, grad_accum=self.grad_accum, precision=self.precision,
+                         exactness_lost=self.exactness_lost, tracking=self.tracking, memory_rungs=self.memory_rungs)
 
 
 @dataclass

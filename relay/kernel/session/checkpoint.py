@@ -186,7 +186,7 @@ class CheckpointWriter:
                 removed.append(ckpt.path)
         return removed
 
-    # TEST SEAM (tests/test_relay_faults.py): with RELAY_TEST_STOP_MID_SAVE=<step> set, a writer that has already
+    # TEST SEAM (tests/e2e/test_relay_faults.py): with RELAY_TEST_STOP_MID_SAVE=<step> set, a writer that has already
     # saved below that step stops its process (SIGSTOP) in its first save at or past it, with every file written
     # but the folder not yet renamed, so a test can SIGKILL a provably torn save on a machine of any speed (or
     # SIGCONT it). Unset in production: one environment lookup per save.

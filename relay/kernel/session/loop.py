@@ -17,7 +17,6 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
@@ -25,13 +24,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from relay.kernel.session import data, distributed, memory, rng, stages
-from relay.kernel.session.books import RANK_INDEPENDENT
-from relay.kernel.session.budget import SessionClock
-from relay.kernel.session.stepbooks import StepBooks
+from relay.kernel.session.books import RunBook
 from relay.shared.spec import RunSpec
 
 if TYPE_CHECKING:  # the Trainer runs any Recipe; the session runtime does not import the recipes
     from relay.kernel.recipes.base import Recipe
+    from relay.kernel.session.api import Session
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +38,7 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
-@dataclass
-class TrainState:
-    """What the loop carries across sessions besides tensors. Plain data: JSON and weights_only safe."""
-
-    global_step: int = 0
-    micro_batch: int = 8  # may shrink after an OOM; carried to the next session
-    grad_accum: int = 1
-    precision: str = "fp32"  # resolved; falls back to fp32 after repeated non-finite losses
-    nonfinite_streak: int = 0
-    skipped_steps: int = 0
-    best: Optional[dict] = None  # {"metric", "value", "step"}
-    last_eval: dict = field(default_factory=dict)
-    threads: int = 1
-    world_size: int = 1  # processes training together; micro_batch x grad_accum x world_size is the spec's batch
-    exactness_lost: Optional[dict] = None  # {"step", "why"}: from that step on, not bit-identical to one run
-    sessions: list = field(default_factory=list)
-    memory_rungs: list = field(default_factory=list)  # names of the recipe's OOM rungs taken, in order
-    tracking: dict = field(default_factory=dict)  # {"wandb_run_id", "wandb_mode"}: one tracker run per relay
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainState":
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+TrainState = RunBook  # its name before both session paths kept one book
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:
@@ -108,15 +85,17 @@ def build_optimizer(model: nn.Module, spec: RunSpec, device: torch.device) -> to
 
 
 class Trainer:
-    def __init__(self, spec: RunSpec, recipe: Recipe, model: nn.Module, device: torch.device,
-                 clock: SessionClock, state: TrainState, *, total_steps: int,
-                 schedule: data.StepSchedule, log_metrics: Callable[[dict], None],
-                 save: Callable[[str], None], stop_reason: Callable[..., Optional[str]],
-                 world: distributed.World = distributed.SINGLE):
-        self.spec, self.recipe, self.model, self.device, self.clock = spec, recipe, model, device, clock
-        self.world = world
-        self.state, self.total_steps, self.schedule = state, total_steps, schedule
-        self.log_metrics, self._save, self._stop_reason = log_metrics, save, stop_reason  # SessionCore's
+    """The built-in loop, a driver of one Session (session/api.py), as a user's loop is: the session holds the
+    run's book, restores and saves the registered model, optimizer, scheduler and scaler with the RNGs, decides
+    when to stop and to save, logs and exports. The Trainer adds what a recipe's training needs: the stages,
+    the step over micro-batches, the pre-flight and the OOM ladder, the non-finite guard, eval and the best."""
+
+    def __init__(self, spec: RunSpec, recipe: Recipe, model: nn.Module, session: "Session", *, total_steps: int,
+                 schedule: data.StepSchedule):
+        self.spec, self.recipe, self.model, self.session = spec, recipe, model, session
+        self.device, self.clock, self.world = session.device, session.clock, session.world
+        self.step_books = session.step_books  # the loss window, samples/s, insurance timer, divergence guard
+        self.total_steps, self.schedule = total_steps, schedule
         self.span: Optional[stages.Span] = None
         self.spans = stages.plan(recipe.stages(), total_steps)
         for span in self.spans:  # a stage's scaled batch larger than the training set: an error now, not mid-run
@@ -125,23 +104,51 @@ class Trainer:
         # another, fits) an untrained later model would be scored against a trained earlier one, so the best is
         # not tracked and keep_best does not apply: each stage's last eval is in metrics.jsonl, the export is final.
         self.track_best = len(self.spans) == 1
-        if spec.checkpoints.keep_best and not self.track_best and state.global_step == 0:
-            log.info("checkpoints.keep_best: not applied, recipe %s has %d stages (%s) whose %s do not compare",
-                     spec.recipe, len(self.spans), ", ".join(s.stage.name for s in self.spans), recipe.metric)
-        self._enter_stage(stages.at(self.spans, state.global_step))
-        self.scaler = self._new_scaler()
-        self.monitor = memory.MemoryMonitor(device)
+        keep_best = spec.checkpoints.keep_best and self.track_best
+        session.keep_best_mode, session.exports = (recipe.metric_mode if keep_best else None), 1 + keep_best
+        # the optimizer, its schedule and the scaler change with the stage (and the precision): registered as
+        # slots that save what the stage holds, and keep a loaded state until the stage is entered (restore)
+        self.slots = {name: StageSlot() for name in ("optimizer", "scheduler", "scaler")}
+        session.register(model=model, **self.slots)
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.scheduler = None
+        self.monitor = memory.MemoryMonitor(self.device)
         self.monitor.peaks.step_of = lambda: self.state.global_step  # a phase past the pre-flight: at which step
         self.train_set = recipe.train_dataset()
         self._batches: Optional[Iterator] = None
-        # the loss window, samples/s, the insurance timer and the divergence guard, kept as the Session API keeps
-        # them; a blow-up stops the session (non-finite losses have their own guard: skip, then fall back to fp32)
-        self.step_books = StepBooks(clock, spec.session.save_every, mode="step",
-                                    guard=spec.session.stop_on_divergence and not world.active)
-        self._agreement = distributed.StepAgreement(world, device)  # the stop and save decision, across ranks
         self._shown: Optional[dict] = None  # what recipe.on_step last reported (e.g. the curriculum stage)
-        rungs = {r.name: r for r in recipe.memory_rungs()}
-        for name in state.memory_rungs:  # an earlier session's OOM fallbacks hold for the rest of the run
+        self._agreement = distributed.StepAgreement(self.world, self.device)  # an OOM or the loss, across ranks
+
+    @property
+    def state(self) -> RunBook:
+        return self.session.book
+
+    def restore(self) -> None:
+        """The session's restore (the newest valid checkpoint into the model, the book and the RNGs, or a fresh
+        start), the batch split and precision of a fresh run or a new world size, then the stage the step is in
+        with its optimizer, schedule and scaler state."""
+        self.session.restore()
+        st, spec = self.state, self.spec
+        effective = spec.optim.micro_batch * spec.optim.grad_accum
+        if st.micro_batch is None:  # a fresh run
+            st.micro_batch, st.grad_accum = distributed.split_batch(effective, self.world.size, spec.optim.micro_batch)
+            st.precision = resolve_precision(spec.optim.precision, self.device)
+        elif st.micro_batch * st.grad_accum * self.world.size != effective:  # resumed on another number of processes
+            st.micro_batch, st.grad_accum = distributed.split_batch(effective, self.world.size, st.micro_batch)
+        if spec.checkpoints.keep_best and not self.track_best and st.global_step == 0:
+            log.info("checkpoints.keep_best: not applied, recipe %s has %d stages (%s) whose %s do not compare",
+                     spec.recipe, len(self.spans), ", ".join(sp.stage.name for sp in self.spans), self.recipe.metric)
+        with rng.kept(self.device):  # the restored RNG is the step's: entering the stage draws nothing from it
+            self._enter_stage(stages.at(self.spans, st.global_step))
+        self._new_scaler()
+        loaded = {name: slot.take() for name, slot in self.slots.items()}
+        if self.optimizer is not None and loaded["optimizer"]:  # the optimizer of the stage global_step is in
+            self.optimizer.load_state_dict(loaded["optimizer"])  # optimizer before scheduler
+            self.scheduler.load_state_dict(loaded["scheduler"])
+        if loaded["scaler"]:
+            self.scaler.load_state_dict(loaded["scaler"])
+        rungs = {r.name: r for r in self.recipe.memory_rungs()}
+        for name in st.memory_rungs:  # an earlier session's OOM fallbacks hold for the rest of the run
             log.info("memory rung %r kept from an earlier session: %s", name, rungs[name].apply())
 
     # -- stages ---------------------------------------------------------------------------------
@@ -159,6 +166,7 @@ class Trainer:
             self.optimizer = build_optimizer(self.recipe.stage_module(self.model, span.stage), self.spec, self.device)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lr_lambda(self.spec.optim.schedule, self.spec.optim.warmup_steps, span.length))
+        self.slots["optimizer"].current, self.slots["scheduler"].current = self.optimizer, self.scheduler
         self.recipe.begin_stage(self.model, span.stage)
         self._set_phase()
         if len(self.spans) > 1:
@@ -172,41 +180,13 @@ class Trainer:
     # -- state ----------------------------------------------------------------------------------
     def _new_scaler(self) -> torch.amp.GradScaler:
         enabled = self.state.precision == "fp16" and self.device.type == "cuda"
-        return torch.amp.GradScaler(self.device.type, enabled=enabled)
-
-    def state_dict(self) -> Optional[dict[str, Any]]:
-        """The resume state, on rank 0 (None on the others: the replicas are equal, only RNG differs, and every
-        rank's RNG is gathered into `rng_ranks`). All ranks must call it."""
-        rngs = rng.capture(self.world, self.device)
-        if not self.world.main:
-            return None
-        return {  # the layout the Session API saves too (session/books.py current_layout)
-            "objects": {"model": self.model.state_dict(),
-                        "optimizer": self.optimizer.state_dict() if self.optimizer else {},
-                        "scheduler": self.scheduler.state_dict() if self.scheduler else {},
-                        "scaler": self.scaler.state_dict()},
-            # with the logging window so far (a session resumed inside it logs the uninterrupted run's mean) and the
-            # divergence guard's history (it stops, or not, at the uninterrupted run's step)
-            "relay": {**asdict(self.state), **self.step_books.state_dict()},
-            **rngs,
-        }
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        objects, books = sd["objects"], sd["relay"]
-        self.model.load_state_dict(objects["model"])
-        self.step_books.load_state_dict(books)
-        if self.optimizer is not None:  # the optimizer of the stage global_step is in
-            self.optimizer.load_state_dict(objects["optimizer"])  # optimizer before scheduler
-            self.scheduler.load_state_dict(objects["scheduler"])
-        self.scaler = self._new_scaler()
-        if objects["scaler"]:
-            self.scaler.load_state_dict(objects["scaler"])
-        rng.restore(sd, self.world, self.device, self.spec.seed, self.state.global_step)
+        self.scaler = self.slots["scaler"].current = torch.amp.GradScaler(self.device.type, enabled=enabled)
+        return self.scaler
 
     # -- the loop -------------------------------------------------------------------------------
     def preflight(self) -> dict:
         """The run's worst case before training, so an OOM shows (and is backed off) now rather than hours in. Its
-        figure bounds the session's peak (torch's max_memory_allocated; tests/test_preflight_memory.py lists what
+        figure bounds the session's peak (torch's max_memory_allocated; tests/kernel/test_preflight_memory.py lists what
         allocates where): a training step as the session's second and later steps meet it (_preflight_train),
         on the recipe's worst-case batch at the working micro-batch, and one eval batch for recipes whose eval
         generates. A peak above PREFLIGHT_FRACTION of the device (an emulated GPU's cap) counts as an OOM
@@ -316,7 +296,7 @@ class Trainer:
                    unit="step", dynamic_ncols=True, mininterval=1.0, disable=not self.world.main)
         try:
             while True:
-                reason, save_due = self._decide(eval_due=self._eval_due(st.global_step + 1))
+                reason, save_due = self.session.decide(eval_due=self._eval_due(st.global_step + 1))
                 if reason:
                     return reason
                 if save_due:
@@ -427,25 +407,17 @@ class Trainer:
             record["stage"] = self.span.stage.name
         if st.global_step % self.spec.session.memory_log_every_steps == 0:
             record.update(self.monitor.sample())
-        self.log_metrics(record)
-
-    def _decide(self, eval_due: bool) -> tuple[Optional[str], bool]:
-        """Stop now (the reason), and is a periodic save due? With several ranks, rank 0's clock decides the
-        budget and the save, a SIGTERM to any rank stops all, and every rank gets the same answer."""
-        reason = self._stop_reason(self.state.global_step, self.diverged, eval_due=eval_due)
-        save_due = self.step_books.insurance_due()
-        if reason in RANK_INDEPENDENT or not self.world.active:  # the same on every rank
-            return reason, save_due
-        agreed, save, _ = self._agreement.decide(self.state.global_step, reason, save_due)
-        return agreed, save
+        self.session.log(**record)
 
     def save(self, reason: str) -> None:
+        """The session's save, with the peak memory so far in its record; periodic and best saves commit in the
+        background while training goes on, the last is waited for."""
         back = self._memory_phase("save")
         try:
-            self._save(reason)  # records its own time on the clock: a background save's, once committed
+            self.state.sessions[-1]["peak_mem_mb"] = round(self.monitor.peak_mb() or self.monitor.sample()["rss_mb"], 1)
+            self.session.save(reason, background=reason in ("periodic", "best"))
         finally:
             self._memory_phase(back)
-        self.step_books.saved()
 
     # -- eval -----------------------------------------------------------------------------------
     def _eval_due(self, step: int) -> bool:
@@ -478,8 +450,7 @@ class Trainer:
         self._memory_phase(back)
         self.clock.eval_seconds = max(self.clock.eval_seconds, time.perf_counter() - t0)
         st = self.state
-        st.last_eval = {"step": st.global_step, **metrics}
-        self.log_metrics({"kind": "eval", "step": st.global_step, **metrics})
+        self.session.log("eval", **metrics)  # the book's last_eval
         name, mode = self.recipe.metric, self.recipe.metric_mode
         value = metrics.get(name)
         if value is None or not math.isfinite(value) or not self.track_best:
@@ -505,7 +476,7 @@ class Trainer:
         log.warning("falling back from %s to fp32 after %d non-finite losses", st.precision,
                     st.nonfinite_streak)
         st.precision, st.nonfinite_streak = "fp32", 0
-        self.scaler = self._new_scaler()
+        self._new_scaler()
 
     def _any_oom(self, err: Optional[BaseException]) -> Optional[BaseException]:
         """This rank's OOM, or a stand-in when another rank ran out: all ranks then back off together."""
@@ -534,7 +505,7 @@ class Trainer:
                         st.global_step, detail)
         session = st.sessions[-1] if st.sessions else {}
         session["memory_rungs"] = [*session.get("memory_rungs", []), rung]
-        self.log_metrics({"kind": "memory", "step": st.global_step, "phase": phase, "rung": rung, "detail": detail})
+        self.session.log("memory", phase=phase, rung=rung, detail=detail)
         memory.free_cached(self.device)
         if phase != "train":
             return
@@ -563,7 +534,7 @@ class Trainer:
             return
         self._shown = dict(shown)
         self._set_phase()
-        self.log_metrics({"kind": "stage", "step": step, "epoch": self.schedule.epoch_of(step), **shown})
+        self.session.log("stage", step=step, epoch=self.schedule.epoch_of(step), **shown)
         session = self.state.sessions[-1] if self.state.sessions else {}
         for key, value in shown.items():  # e.g. "A" or "A -> B" for a session that crossed a stage change
             if session.get(key) not in (None, value) and not str(session[key]).endswith(f"-> {value}"):
@@ -604,6 +575,26 @@ class Trainer:
         return data.make_loader(self.train_set, sampler, self.recipe.collate, num_workers=d.num_workers,
                                 pin_memory=pin, prefetch_factor=d.prefetch_factor,
                                 persistent_workers=d.persistent_workers, seed=self.spec.seed + start_step)
+
+
+class StageSlot:
+    """A registered object whose owner changes with the stage and the precision (the optimizer, its schedule, the
+    scaler): it saves what `current` holds ({} for none: a fit stage's optimizer), and keeps a loaded state
+    until the Trainer has entered the stage it belongs to."""
+
+    def __init__(self) -> None:
+        self.current: Any = None
+        self.loaded: Optional[dict] = None
+
+    def state_dict(self) -> dict:
+        return self.current.state_dict() if self.current is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state
+
+    def take(self) -> Optional[dict]:
+        loaded, self.loaded = self.loaded, None
+        return loaded
 
 
 def _optimizer_snapshot(opt: torch.optim.Optimizer) -> dict:

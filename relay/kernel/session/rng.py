@@ -2,8 +2,9 @@
 data that torch.load(weights_only=True) reads, and put back. Both session paths save it with each checkpoint."""
 from __future__ import annotations
 
+import contextlib
 import random
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -49,6 +50,17 @@ def restore(saved: dict, world: distributed.World, device: torch.device, seed: i
         set_rng_state(rngs[world.rank], device)
     else:
         seed_everything(distributed.rank_seed(seed + step, world.rank))
+
+
+@contextlib.contextmanager
+def kept(device: torch.device) -> Iterator[None]:
+    """Every generator as it was before the block: set-up that may draw (a stage's first build) leaves the
+    run's random stream where a checkpoint put it."""
+    state = rng_state(device)
+    try:
+        yield
+    finally:
+        set_rng_state(state, device)
 
 
 def _python_rng_to_plain(s: tuple) -> list:

@@ -41,6 +41,7 @@ class StepBooks:
         self.samples = 0  # this session's samples and training seconds: its samples/s
         self.seconds = 0.0
         self.last_save = time.monotonic()
+        self.insurance_skipped = False  # once, at the step the session stops after: its final save covers it
 
     # -- speed ------------------------------------------------------------------------------------------
     def count(self, seconds: float, samples: Optional[int]) -> None:
@@ -77,6 +78,15 @@ class StepBooks:
     def insurance_due(self) -> bool:
         """A periodic save is due (session.save_every since the last one): insurance against a SIGKILL."""
         return time.monotonic() - self.last_save >= self.save_every
+
+    def insure_now(self, stopping: bool) -> bool:
+        """Take the due insurance save now? Not at the step the session stops after (its final save holds what
+        the loop runs after the step, an eval's RNG draws included); skipped once, so a loop that goes on past
+        that stop is insured again."""
+        if not stopping or self.insurance_skipped:
+            return True
+        self.insurance_skipped = True
+        return False
 
     def saved(self) -> None:
         self.last_save = time.monotonic()

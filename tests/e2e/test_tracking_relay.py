@@ -2,7 +2,7 @@
 
 A toy relay of 300 steps in 100-step sessions (>= 3 sessions) on the emulator, tracking.tensorboard on and
 tracking.wandb offline (WANDB_MODE=offline in the kernels: nothing reaches the network). Session 2 is SIGKILLed
-inside a checkpoint save (the RELAY_TEST_STOP_MID_SAVE seam + tests/test_relay_faults.MidSaveKiller: an event,
+inside a checkpoint save (the RELAY_TEST_STOP_MID_SAVE seam + tests/process_fixtures.MidSaveKiller: an event,
 never a sleep), after it logged steps past its last committed checkpoint: those steps are trained, and logged,
 again by session 3.
 - TensorBoard: the log the orchestrator assembled, read back with TensorBoard's own EventAccumulator and raw

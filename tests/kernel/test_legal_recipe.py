@@ -19,7 +19,7 @@ from relay.shared.errors import InputError
 from split_sessions import progress, random_splits, run_split
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = dict(vocab_size=500, max_length=48, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
 
 

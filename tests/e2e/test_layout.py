@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KERNEL_SIDE = ["relay/kernel", "relay/shared"]
 ORCHESTRATOR = ("prefect", "flows", "tasks", "kaggle", "kagglesdk", "relay.orchestrator", "relay.emulator")
 SIDES = ("relay.shared", "relay.kernel", "relay.orchestrator", "relay.emulator")
@@ -54,7 +54,7 @@ def test_kernel_side_modules_never_import_the_orchestrator():
 
 def test_the_orchestrator_never_imports_torch():
     """The flows, the CLI and the spec loader (every built-in example spec) run without torch or anything else
-    of the `[train]` extra (tests/test_tick.py runs whole ticks with them blocked): a GitHub-hosted tick stays
+    of the `[train]` extra (tests/orchestrator/test_tick.py runs whole ticks with them blocked): a GitHub-hosted tick stays
     small, and the handoff's peak RSS stays under its 300 MB goal (bench/bench_handoff.py)."""
     import subprocess
     import sys
@@ -219,8 +219,9 @@ def test_no_import_cycles():
 
 
 def test_both_session_paths_keep_their_books_through_one_core():
-    """The built-in runner (kernel/run.py) and the Session API (session/api.py) are clients of session/core.py:
-    nothing else in the kernel loads, saves or writes progress.json and the session record itself."""
+    """The Session API (session/api.py) is the one client of session/core.py, and the built-in runner
+    (kernel/run.py) drives a Session as a user's loop does: nothing else in the kernel loads, saves or writes
+    progress.json and the session record itself."""
     core_calls = {("checkpoint", "CheckpointWriter"), ("checkpoint", "load_resume"),
                   ("books", "write_progress"), ("books", "open_record"), ("books", "update_record"),
                   ("books", "carry_metrics")}
@@ -235,5 +236,5 @@ def test_both_session_paths_keep_their_books_through_one_core():
                     and isinstance(node.func.value, ast.Name) and (node.func.value.id, node.func.attr) in core_calls):
                 found.append(f"{rel}:{node.lineno} {node.func.value.id}.{node.func.attr}")
     assert not found, found
-    for client in ("relay/kernel/run.py", "relay/kernel/session/api.py"):
-        assert "relay.kernel.session.core" in imported_modules(REPO / client), client
+    assert "relay.kernel.session.core" in imported_modules(REPO / "relay/kernel/session/api.py")
+    assert "relay.kernel.session.api" in imported_modules(REPO / "relay/kernel/run.py")

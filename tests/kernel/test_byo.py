@@ -14,7 +14,7 @@ import yaml
 
 from byo_fixtures import copy_example
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 
 

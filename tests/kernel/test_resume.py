@@ -331,7 +331,7 @@ def test_a_checkpoint_written_in_the_built_in_runners_old_layout_resumes_to_the_
     from relay.kernel.run import run_session
     from relay.shared import spec as spec_mod
 
-    old = Path(__file__).parent / "data" / "old-layout-toy"
+    old = Path(__file__).parents[1] / "data" / "old-layout-toy"
     saved = torch.load(old / "workdir" / "checkpoints" / "step-00000010" / "state.pt", weights_only=True)
     assert "trainer" in saved and "objects" not in saved and "divergence" not in saved["trainer"]
     spec = spec_mod.load(old / "spec.yaml")

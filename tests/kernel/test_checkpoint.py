@@ -451,7 +451,7 @@ def test_stop_mid_save_seam_leaves_a_torn_save_to_kill(tmp_path):
     import sys
     import time
 
-    env = {**os.environ, "RELAY_TEST_STOP_MID_SAVE": "3", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "RELAY_TEST_STOP_MID_SAVE": "3", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen([sys.executable, "-c", STOP_SCRIPT, str(tmp_path)], env=env)
     deadline = time.monotonic() + 120  # a hang guard
     stat = Path(f"/proc/{proc.pid}/stat")

@@ -20,7 +20,7 @@ from relay.shared.errors import InputError
 from split_sessions import progress, random_splits, run_split
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny_spec(data_dir: Path) -> dict:

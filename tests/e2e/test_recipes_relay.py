@@ -14,7 +14,7 @@ from relay.kernel.recipes import legal_data, recsys_data, temporal_data
 from relay_fixtures import USER
 from split_sessions import progress
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 DEMOS = {  # workload: (make the data, session.max_steps, the sessions' (first, last) steps)
     # step 1 the SVD, step 2 the item-KNN, then one ALS iteration each: the cut falls between iterations 4 and 5

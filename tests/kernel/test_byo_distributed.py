@@ -23,7 +23,7 @@ from relay.kernel.session import checkpoint
 from relay_fixtures import wait_for
 from process_fixtures import ranks  # the spawned rank processes, rank 0 first
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "byo-plain-ddp"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "byo-plain-ddp"
 TOTAL = 60
 # every step saves (save_every 1 ms: a step takes longer), so the mid-save seam has a save below and at its step
 SETTINGS = {"optim.max_steps": TOTAL, "optim.log_every_steps": 1, "session.max_steps": None,

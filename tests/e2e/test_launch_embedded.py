@@ -15,7 +15,7 @@ import psutil
 from byo_fixtures import RELAYED, copy_example, relay_in_shell
 from kaggle_fixtures import FAKE_KEY, KERNEL_ENV, USER, isolated_env, make_emulator  # noqa: F401
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_a_prefect_that_does_not_start_is_one_line_and_nothing_is_pushed(make_emulator, tmp_path, spawns_processes):

@@ -1,6 +1,6 @@
 """Issue 45's traps, each as a user script met them: the work a loop does after its last step_done (an eval
 drawing from the global RNG), the relay's own outputs shipped as code, verify-resume's cut points and its
-`why:` for a DataLoader's seed draw (the flow log's eval step: tests/test_live.py).
+`why:` for a DataLoader's seed draw (the flow log's eval step: tests/orchestrator/test_live.py).
 
 Sessions are bounded by step counts (`--max-steps`), never by time.
 """

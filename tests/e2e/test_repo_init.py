@@ -29,7 +29,7 @@ from relay.orchestrator import repo_init
 from relay.shared.errors import InputError
 from relay_fixtures import wait_for
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SECRETS = {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": FAKE_KEY}
 LENGTHS = {"optim": {"max_steps": 60}, "session": {"max_steps": 30, "threads": 1, "safety_margin": "0.5s"},
            "kaggle": {"session_timeout": "5m", "startup_overhead": "1s"}}

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BURN = "import time; t = time.process_time()\nwhile time.process_time() - t < {s}: pass"
 
 

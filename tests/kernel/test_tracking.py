@@ -1,6 +1,6 @@
 """Tracking without a relay (docs/tracking.md): the spec's `tracking:` errors, TensorBoard's purge on restart in
 a session workdir, a tracker failure as a warning, and the W&B run file reader/writer. The relay itself:
-tests/test_tracking_relay.py and tests/test_tracking_trainers.py."""
+tests/e2e/test_tracking_relay.py and tests/e2e/test_tracking_trainers.py."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,7 @@ import pytest
 from relay.orchestrator import wandb_file
 from relay.shared import spec as spec_mod
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BASE = {"name": "trk", "recipe": "toy", "optim": {"max_steps": 10}}
 
 

@@ -1,5 +1,5 @@
 """The Hugging Face Trainer and Lightning examples relayed on the emulator like the plain loop and the user
-recipe (tests/test_byo_relay.py), with their tracker flags on (`--report-to tensorboard,wandb`, `--logger
+recipe (tests/e2e/test_byo_relay.py), with their tracker flags on (`--report-to tensorboard,wandb`, `--logger
 tensorboard,wandb`): 2 step-bounded sessions, the kernel of the second SIGKILLed mid-save, the weights of one
 uninterrupted run; the final HF model dataset loads with from_pretrained; the trainers' own TensorBoard writers
 land in the relay's one log (each step once), and their W&B loggers in the relay's one W&B run (offline; what

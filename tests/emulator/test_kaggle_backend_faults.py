@@ -63,7 +63,7 @@ def test_every_operation_ends_right_under_faults(make_emulator, tmp_path):
     session = SessionKernel(kernel=f"{USER}/toy-session", title="Toy relay session", spec_text=TOY_SPEC_YAML,
                             run_id="run-0001", enable_gpu=True)
     # No checkpoint_dataset: the folders above are not relay checkpoints, and a session told to resume from
-    # one that is not valid refuses to start (tests/test_relay_corrupt_ckpt.py); this one starts fresh.
+    # one that is not valid refuses to start (tests/orchestrator/test_relay_corrupt_ckpt.py); this one starts fresh.
     pushed = backend.push_session(session)
     assert pushed.pushed and pushed.version == 1
     assert backend.push_session(session).already_pushed  # same run id: never a second push

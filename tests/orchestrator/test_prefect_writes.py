@@ -1,7 +1,7 @@
 """`tasks.prefect_writes.soon`: a write the Prefect server refused with 503 (SQLite's "database is locked") is
 tried again within milliseconds, with the client's own retries (2 s, 4 s, ...) off meanwhile; an answer (409,
 423: the caller reads it) is raised at once; after the quick tries the client's own retries take over. Measured
-with a real server in the relay tests: tests/test_relay_code_fix.py and neighbours ran 101 s before, 81 s after."""
+with a real server in the relay tests: tests/orchestrator/test_relay_code_fix.py and neighbours ran 101 s before, 81 s after."""
 from __future__ import annotations
 
 import httpx

@@ -392,6 +392,6 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(monkeypatch, cap
             raise BrokenPipeError(32, "Broken pipe")
 
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
-    example = Path(__file__).resolve().parents[1] / "examples/recsys-t4.yaml"
+    example = Path(__file__).resolve().parents[2] / "examples/recsys-t4.yaml"
     assert relay_main(["plan", str(example), "--step-seconds", "60"]) == 141
     assert "Traceback" not in capsys.readouterr().err

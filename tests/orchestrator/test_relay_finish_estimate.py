@@ -1,6 +1,6 @@
 """The finish estimate of a real relay (issue 47): 4 sessions bounded by steps on the emulator, under the relay flow
 and a Prefect server. From its second session on, what the relay's surfaces say (policy.forecast, as `relay
-status`, the progress artifact and the summary call it: tests/test_finish_estimate.py) is close to the remaining
+status`, the progress artifact and the summary call it: tests/orchestrator/test_finish_estimate.py) is close to the remaining
 time to the real finish, once the relay measured its own start-up, save and hand-over. The issue's bar is 20 %: met
 in every run here (misses 0.02-0.13 of the remaining time), but an emulator hand-over on a loaded 2-core machine
 took 1.3-7.7 s, so the test allows 50 %; what it guards (the relay's own figures in place of the spec's 2-min

@@ -67,7 +67,7 @@ def test_a_steps_bounded_session_is_pushed_with_what_it_needs_not_the_12_h_cap()
     from relay.shared import spec as spec_mod
 
     # examples/byo-plain: 300 steps, sessions of 100 (session.max_steps), no session.budget; startup 120 s
-    spec = spec_mod.load(Path(__file__).resolve().parent.parent / "examples" / "byo-plain" / "spec.yaml")
+    spec = spec_mod.load(Path(__file__).resolve().parents[2] / "examples" / "byo-plain" / "spec.yaml")
     assert spec.session.budget is None and spec.session.max_steps == 100
     # the first session: nothing measured yet, the stated default
     first = push_budget(spec, None, None)

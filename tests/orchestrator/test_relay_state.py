@@ -1,6 +1,6 @@
 """The relay's states and moves (relay/orchestrator/relay_state.py) and the account's slot scheduler both flows use
 (tasks/account_slots.py AccountSessions), without Kaggle or a Prefect server: the slots' Prefect side is
-replaced by a recorder (tests/test_accounts.py covers it on a real server)."""
+replaced by a recorder (tests/e2e/test_accounts.py covers it on a real server)."""
 from __future__ import annotations
 
 import json

@@ -13,7 +13,7 @@ from kaggle_fixtures import USER, backend_for, isolated_env, make_emulator, wait
 from relay.kernel.recipes import price_data
 from relay.orchestrator.kaggle import KernelState, SessionKernel
 
-SPEC = Path(__file__).resolve().parent.parent / "examples" / "price-tiny.yaml"
+SPEC = Path(__file__).resolve().parents[2] / "examples" / "price-tiny.yaml"
 KERNEL, CKPT = f"{USER}/price-tiny-relay", f"{USER}/price-tiny-ckpt"
 STEPS_PER_SESSION = 40  # session.max_steps: the session ends at a step count, not a time, on any machine
 

@@ -1,6 +1,6 @@
 """Several Kaggle accounts: the spec's fields, the one-account rule of the `relays` flow, the local PostgreSQL's bad
 inputs, and the account's session slots on a real Prefect server (the test harness's). The whole shape, several
-workers and accounts through a worker's death, is tests/test_several_workers.py."""
+workers and accounts through a worker's death, is tests/e2e/test_several_workers.py."""
 from __future__ import annotations
 
 import os
@@ -19,7 +19,7 @@ from relay.shared.spec import SpecError, load
 from relay_fixtures import spec_dict
 from test_deployment import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write(folder: Path, name: str, **overrides) -> Path:

@@ -27,7 +27,7 @@ from byo_fixtures import copy_example
 from kaggle_fixtures import KERNEL_ENV, isolated_env, make_emulator  # noqa: F401
 from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 PREFECT = str(BIN / "prefect")
 USER = "demo"  # owner of demo/price-data, which examples/price-demo.yaml mounts

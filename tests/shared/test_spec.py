@@ -207,7 +207,7 @@ def test_overrides_apply_before_validation(tmp_path):
 
 
 def test_example_specs_are_valid():
-    examples = sorted(Path(__file__).resolve().parents[1].glob("examples/*.yaml"))
+    examples = sorted(Path(__file__).resolve().parents[2].glob("examples/*.yaml"))
     assert examples
     for path in examples:
         spec_mod.load(path)
