@@ -36,7 +36,7 @@ from torch import nn
 from relay.kernel.recipes.vqa_student import VQAStudentRecipe
 from relay.kernel.run import run_session
 from relay.kernel.session import device as device_mod
-from relay.kernel.session import loop, memory
+from relay.kernel.session import loop, memory, preflight
 from relay.shared.errors import InputError
 from test_vqa_recipe import data_dir, load  # noqa: F401 - the module's data fixture
 
@@ -169,12 +169,12 @@ def test_the_optimizer_is_restored_in_place_and_state_it_created_is_dropped():
     opt = torch.optim.AdamW([*a.parameters(), *b.parameters()], lr=0.1, fused=True)
     a(torch.randn(3, 4)).sum().backward()
     opt.step()  # state for a only
-    saved = loop._optimizer_snapshot(opt)
+    saved = preflight._optimizer_snapshot(opt)
     ptrs = {id(p): opt.state[p]["exp_avg"].data_ptr() for p in a.parameters()}
     values = {id(p): opt.state[p]["exp_avg_sq"].clone() for p in a.parameters()}
     b(a(torch.randn(3, 4))).sum().backward()
     opt.step()  # moves a's state, creates b's
-    loop._restore_optimizer(opt, saved)
+    preflight._restore_optimizer(opt, saved)
     assert all(p not in opt.state for p in b.parameters())
     for p in a.parameters():
         assert opt.state[p]["exp_avg"].data_ptr() == ptrs[id(p)]  # the same tensors: no second copy on the device

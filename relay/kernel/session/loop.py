@@ -1,15 +1,15 @@
-"""The training loop of one session: optimizer steps until the clock says stop or the work is done.
+"""The built-in training loop of one session: optimizer steps until the session says stop or the work is done.
 
-Everything that changes during training is either in `TrainState` (saved as plain data) or derived from
-`state.global_step` (data position, epoch, learning rate), so a checkpoint taken at any optimizer-step
-boundary resumes bit-identically: the same model, optimizer, scheduler, scaler and RNG states, the same
-next batch. Saves happen only at optimizer-step boundaries, so no half-accumulated gradient is ever lost.
+The Trainer drives a Session (session/api.py) as a user's loop does: the session holds the run's book
+(books.RunBook), restores and saves the model, optimizer, scheduler and scaler with the RNGs, decides when to
+stop and to save, logs and exports. What changes during training is in that book or derived from
+`global_step` (data position, epoch, stage, learning rate), so a checkpoint taken at any optimizer-step
+boundary resumes bit-identically: the same next batch, the same states. Saves happen only at optimizer-step
+boundaries, so no half-accumulated gradient is ever lost.
 
-Longer than the rest (~560 lines, the Trainer ~430): one class because its methods share one step's state
-(the batch position, the scaler, the stage, the OOM rung), and splitting it would pass that state around.
-What a session does to its workdir (load, save, metrics.jsonl, progress.json) is session/core.py's, which
-the Session API uses too; its per-step books (loss window, samples/s, insurance timer, divergence guard) are
-session/stepbooks.py's, kept as the Session API keeps them; the RNG capture is session/rng.py's.
+The Trainer adds what a recipe's training needs: the stages (session/stages.py), the step over micro-batches
+with the non-finite guard, the OOM ladder, eval and the best checkpoint; the pre-flight is session/preflight.py,
+the optimizer and precision session/optim.py.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import contextlib
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from tqdm.auto import tqdm
 
 from relay.kernel.session import data, distributed, memory, rng, stages
 from relay.kernel.session.books import RunBook
+from relay.kernel.session.optim import build_optimizer, lr_lambda, resolve_precision
+from relay.kernel.session.preflight import PreFlight
+from relay.kernel.session.stages import StageSlot
 from relay.shared.spec import RunSpec
 
 if TYPE_CHECKING:  # the Trainer runs any Recipe; the session runtime does not import the recipes
@@ -39,49 +42,6 @@ class NonFiniteLossError(RuntimeError):
 
 
 TrainState = RunBook  # its name before both session paths kept one book
-
-
-def resolve_precision(requested: str, device: torch.device) -> str:
-    if device.type == "cuda":
-        if requested == "auto":
-            profile = memory.emulated(device)  # session.emulate: t4 on a bigger GPU trains as the T4 would
-            if profile is not None:
-                return "bf16" if profile.bf16 else "fp16"
-            # Native bf16 only (Ampere+): torch's default also counts emulation, which says yes on a T4 (sm_75).
-            return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
-        return requested
-    if requested == "fp16":
-        log.warning("optim.precision: fp16 needs CUDA; training in fp32 on %s", device)
-    # bf16 autocast runs on CPU (slowly, ~10x here), so it is honoured only when asked for by name.
-    return "bf16" if requested == "bf16" else "fp32"
-
-
-def lr_lambda(schedule: str, warmup: int, total: int) -> Callable[[int], float]:
-    """The learning-rate multiplier as a pure function of the optimizer step."""
-
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if schedule == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def build_optimizer(model: nn.Module, spec: RunSpec, device: torch.device) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
-    groups = [{"params": decay, "weight_decay": spec.optim.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    # One fused kernel per parameter group instead of ~10 ops per tensor (torch's CPU default): on the toy model
-    # the loop went from 1.060x to 0.91-0.98x the hand-written loop's CPU time (bench/bench_loop.py).
-    return torch.optim.AdamW(groups, lr=spec.optim.lr, fused=True)
 
 
 class Trainer:
@@ -185,107 +145,9 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------
     def preflight(self) -> dict:
-        """The run's worst case before training, so an OOM shows (and is backed off) now rather than hours in. Its
-        figure bounds the session's peak (torch's max_memory_allocated; tests/kernel/test_preflight_memory.py lists what
-        allocates where): a training step as the session's second and later steps meet it (_preflight_train),
-        on the recipe's worst-case batch at the working micro-batch, and one eval batch for recipes whose eval
-        generates. A peak above PREFLIGHT_FRACTION of the device (an emulated GPU's cap) counts as an OOM
-        (fragmentation would end the session hours in). It leaves no trace: RNG forked, weights, buffers and
-        optimizer state restored in place from a CPU copy. Each phase's peak goes into the session's PeakBook."""
-        st = self.state
-        if st.global_step >= self.total_steps or self.span.stage.fit:
-            return {}
-        tensors = dict(self.model.named_parameters())
-        tensors.update(self.model.named_buffers())
-        saved, saved_opt = _cpu_copy(tensors), _optimizer_snapshot(self.optimizer)
-        self._step_rng = self._torch_rng()  # what a back-off restores
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        self._recipe_step(st.global_step)
-        phases = ("train", "eval") if self.recipe.preflight_eval else ("train",)
-        try:
-            for phase in phases:
-                while (oom := self._any_oom(self._preflight_phase(phase, devices))) is not None:
-                    self._back_off(oom, phase=phase)
-        finally:  # the step taken above must not change the trajectory: exact resume stays bit-identical
-            self._memory_phase("setup")  # the restore is not the worst step's; it is counted, as setup
-            with torch.no_grad():
-                for name, t in tensors.items():
-                    t.copy_(saved[name])
-            _restore_optimizer(self.optimizer, saved_opt)
-        sample = self.monitor.sample()
-        book = self.monitor.peaks
-        used = (", ".join(f"GPU peak {phase} {book.alloc.get('preflight_' + phase, 0.0):.0f} MB" for phase in phases)
-                + f" (train's forward/backward over {getattr(self, '_preflight_held_mb', 0.0):.0f} MB held:"
-                " weights, AdamW state, gradients of earlier micro-batches)"
-                if book.active else f"RSS {sample['rss_mb']:.0f} MB, RAM {sample['ram_pct']:.0f} %")
-        log.info("pre-flight at micro-batch %d x %d: %s on %s", st.micro_batch, st.grad_accum, used,
-                 memory.describe_device(self.device))
-        return sample
-
-    def _preflight_phase(self, phase: str, devices: list) -> Optional[BaseException]:
-        """One pre-flight phase; the OOM it met (a peak over PREFLIGHT_FRACTION counts as one), else None."""
-        self._memory_phase(f"preflight_{phase}", fresh=True)  # resets the peak: a retry forgets the OOM's
-        try:
-            with torch.random.fork_rng(devices=devices):
-                self._preflight_train() if phase == "train" else self._preflight_eval()
-            peak = memory.peak_fraction(self.device)
-            if peak > memory.PREFLIGHT_FRACTION:
-                raise torch.cuda.OutOfMemoryError(f"pre-flight {phase} peak at {peak:.0%} of the device (over "
-                                                  f"{memory.PREFLIGHT_FRACTION:.0%}): as good as an OOM")
-        except Exception as err:  # noqa: BLE001 - only OOM is handled
-            if not memory.is_oom(err):
-                raise
-            return err
-        finally:
-            self.optimizer.zero_grad(set_to_none=True)
-        return None
-
-    def _preflight_train(self) -> None:
-        """One training step as _step runs it after the session's first: AdamW's state (2x the weights) already
-        on the device while the forward/backward runs (the first step allocates it only after its backward, so a
-        pre-flight of one fresh step missed the activations on top of it: 4.7 GB said, 7.0 GB trained, on the
-        real-size VQA student), with grad_accum > 1 the previous micro-batches' gradients held through the
-        forward (its first micro-batch grows them as activations are freed; the later ones carry all of them),
-        the loss scaled by a GradScaler, unscaled and clipped as _step does, then the optimizer step. One
-        forward/backward: the held gradients are zeros standing for the earlier micro-batches'."""
-        st, opt = self.state, self.optimizer
-        idx = data.rank_indices(self.stage_schedule, st.global_step, self.world.rank,
-                                self.world.size)[: self._stage_micro_batch()]
-        params = [p for group in opt.param_groups for p in group["params"]]
-        if any(p not in opt.state for p in params):  # a fresh run: allocate AdamW's state with a zero-grad step
-            with torch.no_grad():
-                for p in params:
-                    p.grad = torch.zeros_like(p)
-                opt.step()  # the weights it moves (weight decay) are restored by preflight
-        if st.grad_accum > 1:
-            with torch.no_grad():
-                for p in params:
-                    p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
-        else:
-            opt.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":  # what the forward/backward runs on top of, for the log line
-            self._preflight_held_mb = torch.cuda.memory_allocated(self.device) / memory.MB
-        # a throwaway scaler: the session's keeps its scale and its per-step unscale_ record
-        scaler = torch.amp.GradScaler(self.device.type, enabled=self.scaler.is_enabled())
-        with self.recipe.worst_case([self.train_set[i] for i in idx]) as items:
-            batch = data.to_device(self.recipe.collate(items), self.device, False)
-            with self._autocast():
-                loss = self.recipe.loss(self.model, batch)
-            scaler.scale(loss / st.grad_accum).backward()
-        if self.spec.optim.clip_grad_norm:
-            scaler.unscale_(opt)
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.optim.clip_grad_norm)
-        opt.step()  # the batch is still held, as _step holds its last micro-batch through the step
-
-    def _preflight_eval(self) -> None:
-        dataset = self.recipe.eval_dataset()
-        items = [dataset[i] for i in range(min(len(dataset), self.spec.optim.eval_batch))]
-        with self.recipe.worst_case(items) as items, torch.no_grad(), self._autocast():
-            self.model.eval()
-            try:
-                self.recipe.evaluate(self.model, [data.to_device(self.recipe.collate(items), self.device, False)])
-            finally:
-                self.model.train()
+        """The session's worst case before its first step (session/preflight.py): backs off an OOM now, and its
+        figure bounds the session's peak. Returns the memory sample after it."""
+        return PreFlight(self).run()
 
     def fit(self) -> str:
         """Train until done or told to stop; returns "done", "budget", "steps" or "sigterm"."""
@@ -575,63 +437,6 @@ class Trainer:
         return data.make_loader(self.train_set, sampler, self.recipe.collate, num_workers=d.num_workers,
                                 pin_memory=pin, prefetch_factor=d.prefetch_factor,
                                 persistent_workers=d.persistent_workers, seed=self.spec.seed + start_step)
-
-
-class StageSlot:
-    """A registered object whose owner changes with the stage and the precision (the optimizer, its schedule, the
-    scaler): it saves what `current` holds ({} for none: a fit stage's optimizer), and keeps a loaded state
-    until the Trainer has entered the stage it belongs to."""
-
-    def __init__(self) -> None:
-        self.current: Any = None
-        self.loaded: Optional[dict] = None
-
-    def state_dict(self) -> dict:
-        return self.current.state_dict() if self.current is not None else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loaded = state
-
-    def take(self) -> Optional[dict]:
-        loaded, self.loaded = self.loaded, None
-        return loaded
-
-
-def _optimizer_snapshot(opt: torch.optim.Optimizer) -> dict:
-    """A CPU copy of each parameter's optimizer state (AdamW: exp_avg, exp_avg_sq, step), keyed by parameter."""
-    return {p: _cpu_copy(dict(state)) for p, state in opt.state.items()}
-
-
-def _restore_optimizer(opt: torch.optim.Optimizer, saved: dict) -> None:
-    """The optimizer state back to `saved`, in place: copied into the tensors it has now, so the device never
-    holds two copies of it (load_state_dict builds the new state beside the old: 2x the weights more, at the end
-    of a resumed session's pre-flight, after its peak was read). State the pre-flight created (a fresh run's) is
-    dropped, as if never taken: the first real step creates it as it would have."""
-    with torch.no_grad():
-        for p in list(opt.state):
-            if p not in saved:
-                del opt.state[p]
-                continue
-            state = opt.state[p]
-            for key, value in saved[p].items():
-                now = state.get(key)
-                if isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor) and now.shape == value.shape \
-                        and now.dtype == value.dtype:
-                    now.copy_(value)
-                else:  # not a tensor (or the step changed its layout): the saved value, where it lived
-                    state[key] = value.to(now.device) if isinstance(value, torch.Tensor) and \
-                        isinstance(now, torch.Tensor) else value
-
-
-def _cpu_copy(obj: Any) -> Any:
-    """A CPU copy of a (nested) state dict: the pre-flight's snapshot, off the device it measures."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu_copy(v) for v in obj)
-    return obj
 
 
 def _peer_oom() -> RuntimeError:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Optional
 
 from relay.shared.errors import InputError
 
@@ -83,3 +84,23 @@ def at(spans: list[Span], step: int) -> Span:
 
 def _describe(stage: Stage) -> str:
     return f"{stage.name}: {stage.steps if stage.steps is not None else 'a share'}"
+
+
+class StageSlot:
+    """A registered object whose owner changes with the stage and the precision (the optimizer, its schedule, the
+    scaler): it saves what `current` holds ({} for none: a fit stage's optimizer), and keeps a loaded state
+    until the Trainer has entered the stage it belongs to."""
+
+    def __init__(self) -> None:
+        self.current: Any = None
+        self.loaded: Optional[dict] = None
+
+    def state_dict(self) -> dict:
+        return self.current.state_dict() if self.current is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state
+
+    def take(self) -> Optional[dict]:
+        loaded, self.loaded = self.loaded, None
+        return loaded
