@@ -12,8 +12,8 @@ harness; the backend with the tests' fast retry policy, as tests/relay_fixtures.
 - faulted, every fault set by an event or a count, none by a timer:
   - a kill mid-run: every kernel has RELAY_TEST_STOP_MID_SAVE=270 (the tests' seam, relay/kernel/session/
     checkpoint.py): the session that trains through step 270 (session 2: steps 150-300) stops itself inside
-    its first save at or past it, and a watcher here SIGKILLs it there (tests/process_fixtures.py MidSaveKiller's
-    way). The relay salvages its last committed checkpoint; the steps after it are trained again;
+    its first save at or past it, and a watcher here SIGKILLs it there (relay/emulator/mid_save_kill.py, as the
+    tests do). The relay salvages its last committed checkpoint; the steps after it are trained again;
   - a wedge: the emulator's `wedge` fault on its 3rd batch run (the session after the salvage): its process ends
     but Kaggle reports it running, without output, until its kernel is deleted. The relay finds it running past
     its deadline (its push + the timeout it asked, session.budget 30 s + margins, + startup_overhead), deletes
@@ -27,7 +27,7 @@ for the relay's kernels (the deleted one included), and the difference. The publ
 from its push (the queue is counted, the safe side) to what the relay saw of its end (the `end` line of its
 process; a wedged one its deadline), so it differs from Kaggle's charge by the queue and the shut-down. Then the
 same ledger with Kaggle's start and end for each attempt (the emulator's quota ledger, `kaggle_start` /
-`kaggle_end`, as tests/test_goodput.py does): its categories must add up to what the emulator charged within
+`kaggle_end`, as tests/orchestrator/test_goodput.py does): its categories must add up to what the emulator charged within
 TOLERANCE_S, and every charged kernel version must be one of the ledger's attempts. Finally, both relays must end
 with the same weights (exact resume through the faults).
 
@@ -40,16 +40,10 @@ missing from it; with Kaggle's end it is `training redone`.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import signal
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 USER, KEY = "bench", "bench-goodput-key-0123456789"
@@ -76,60 +70,6 @@ SPEC = {
 KERNEL_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RELAY_DEVICE": "cpu"}
 
 
-# -- the kill mid-run ---------------------------------------------------------------------------------------------
-class MidSaveKiller(threading.Thread):
-    """SIGKILLs the first kernel process of `kernel` that stopped itself inside a save (the RELAY_TEST_STOP_MID_SAVE
-    seam: files written, folder not renamed); continues (SIGCONT) any later one. An event, not a timer."""
-
-    def __init__(self, emu, kernel: str):
-        super().__init__(daemon=True, name="mid-save-killer")
-        self.emu, self.kernel, self.done = emu, kernel, threading.Event()
-        self.killed: Optional[dict] = None
-        self.continued: list = []
-        self.error: Optional[BaseException] = None
-
-    def run(self) -> None:
-        try:
-            while not self.done.wait(0.05):
-                with self.emu.store.lock:
-                    versions = [v["number"] for v in (self.emu.store.kernels.get(self.kernel) or {"versions": []})
-                                ["versions"] if v["status"] == "RUNNING"]
-                for number in versions:
-                    self._check(number)
-        except BaseException as exc:  # noqa: BLE001 - reported by run()
-            self.error = exc
-
-    def _check(self, number: int) -> None:
-        from relay.orchestrator.kaggle.kernel_source import find_run_id
-
-        folder = self.emu.store.kernel_dir(self.kernel, number) / "working" / "relay" / "checkpoints"
-        try:
-            names = os.listdir(folder)
-        except FileNotFoundError:
-            return
-        for torn in (n for n in names if n.startswith(".tmp-step-")):
-            pid = int(torn.rsplit("-", 1)[1])
-            if not _stopped(pid):
-                continue
-            if self.killed is None:
-                run_id = find_run_id((self.emu.store.kernel_dir(self.kernel, number) / "source.py").read_text())
-                committed = sorted(n for n in names if n.startswith("step-"))
-                os.killpg(os.getpgid(pid), signal.SIGKILL)
-                self.killed = {"version": number, "run_id": run_id, "torn": torn, "committed": committed}
-            else:
-                os.kill(pid, signal.SIGCONT)
-                self.continued.append(number)
-
-
-def _stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped by a signal (state T in /proc/PID/stat)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] == "T"
-
-
 # -- one relay ----------------------------------------------------------------------------------------------------
 def _backend(emu):
     from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
@@ -145,6 +85,8 @@ def relay_once(work: Path, name: str, faulted: bool) -> dict:
     import tasks.relay_step as relay_step
     from flows.one_relay import relay
     from relay.emulator import Emulator, EmulatorConfig
+    from relay.emulator.mid_save_kill import MidSaveKiller
+    from relay.orchestrator.kaggle.kernel_source import find_run_id
 
     spec_path = work / name / "spec.yaml"
     spec_path.parent.mkdir(parents=True)
@@ -154,7 +96,7 @@ def relay_once(work: Path, name: str, faulted: bool) -> dict:
         users={USER: KEY}, kernel_env=env, sigterm_grace=2.0, retry_after="0",
         faults=json.loads(json.dumps(FAULTS)) if faulted else None)).start()
     kernel = f"{USER}/{name}-session"
-    killer = MidSaveKiller(emu, kernel) if faulted else None
+    killer = MidSaveKiller(emu, kernel, run_id_of=find_run_id) if faulted else None
     saved = relay_step.make_backend
     relay_step.make_backend = lambda credentials_block=None: _backend(emu)
     t0 = time.time()
@@ -247,33 +189,19 @@ def _figures(prefix: str, r: dict) -> dict:
 def run(keep: bool = False) -> dict:
     """The clean and the faulted relay; returns flat figures (goodput_clean_*, goodput_faulted_*, goodput_*)."""
     sys.path.insert(0, str(ROOT))
-    work = Path(tempfile.mkdtemp(prefix="bench-goodput-"))
-    for d in ("home", "tmp", "prefect"):
-        (work / d).mkdir()
-    saved_env = {k: os.environ.get(k) for k in (
-        "HOME", "TMPDIR", "PREFECT_HOME", "PREFECT_SERVER_ANALYTICS_ENABLED", "DO_NOT_TRACK", "HF_HUB_OFFLINE",
-        "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW")}
-    os.environ.update(HOME=str(work / "home"), PREFECT_HOME=str(work / "prefect"),
-                      PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
-                      PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW="ignore")
     from prefect.testing.utilities import prefect_test_harness
 
-    try:
+    from sandbox import environment, temporary_files_in, work_folder  # bench/sandbox.py
+
+    with work_folder("bench-goodput-", keep, ("home", "tmp", "prefect")) as work, environment(
+            HOME=str(work / "home"), PREFECT_HOME=str(work / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW="ignore"):
         # the harness's database in the system's temporary folder (it removes it at exit); then the kaggle
         # client's upload state in ours
         with prefect_test_harness(server_startup_timeout=300):
-            os.environ["TMPDIR"] = tempfile.tempdir = str(work / "tmp")
+            temporary_files_in(work / "tmp")
             clean = relay_once(work, "goodput-clean", faulted=False)
             faulted = relay_once(work, "goodput-faulted", faulted=True)
-    finally:
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        tempfile.tempdir = None
-        if not keep:
-            shutil.rmtree(work, ignore_errors=True)
 
     figures = {"goodput_tolerance_s": TOLERANCE_S, **_figures("goodput_clean", clean),
                **_figures("goodput_faulted", faulted)}

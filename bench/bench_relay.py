@@ -300,47 +300,37 @@ def run(session_s: float = 30.0, every_epochs: int = 1, epoch_share: float = 0.2
     import yaml
 
     from relay.emulator import Emulator, EmulatorConfig
+    from sandbox import environment, temporary_files_in, work_folder  # bench/sandbox.py
 
-    work = Path(tempfile.mkdtemp(prefix="bench-relay-"))
-    saved_env = {k: os.environ.get(k) for k in ("HOME", "TMPDIR")}
-    (work / "home").mkdir()
-    (work / "tmp").mkdir()
-    os.environ.update(HOME=str(work / "home"), TMPDIR=str(work / "tmp"))  # the kaggle client keeps state there
-    tempfile.tempdir = str(work / "tmp")
-    spec = json.loads(json.dumps(SPEC))
-    spec["kaggle"]["session_timeout"] = f"{session_s:g}s"
-    calibration_step_s = measure_step_s(spec, work)
-    size_work(spec, calibration_step_s, session_s, epoch_share, 2.0 * sessions)
-    spec_path = work / "spec.yaml"
-    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    key = secrets.token_hex(16)
-    emu = Emulator(work / "emulator", EmulatorConfig(
-        users={USER: key}, sigterm_grace=5.0, max_gpu_sessions=1,
-        kernel_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RELAY_DEVICE": "cpu"})).start()
-    try:
-        backend = _backend(emu, key)
-        # alternate the two policies' sessions, so both see the same load on this shared machine
-        t0 = time.time()
-        for number in range(1, sessions + 1):
-            relay_session(backend, spec_path, work / "orchestrator")
-            seeds_kernel_session(emu, backend, spec_path, session_s, every_epochs, number)
-        effective = spec["optim"]["micro_batch"] * spec["optim"]["grad_accum"]
-        relay_rows = measure(emu, f"{USER}/{spec['name']}-session", "relay", "relay", session_s, effective)
-        seeds_rows = measure(emu, f"{USER}/bench-seeds", "seeds", "seeds", session_s, effective)
-        relay_final = _read_json(emu.store.kernel_dir(f"{USER}/{spec['name']}-session", len(relay_rows))
-                                 / "working" / "relay" / "progress.json")
-        seeds_final = _read_json(emu.store.kernel_dir(f"{USER}/bench-seeds", len(seeds_rows))
-                                 / "working" / "seeds" / "progress.json")
-    finally:
-        emu.stop()
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        tempfile.tempdir = None
-        if not keep:
-            shutil.rmtree(work, ignore_errors=True)
+    with work_folder("bench-relay-", keep) as work, environment(HOME=str(work / "home")):
+        temporary_files_in(work / "tmp")  # the kaggle client keeps state in HOME and TMPDIR
+        spec = json.loads(json.dumps(SPEC))
+        spec["kaggle"]["session_timeout"] = f"{session_s:g}s"
+        calibration_step_s = measure_step_s(spec, work)
+        size_work(spec, calibration_step_s, session_s, epoch_share, 2.0 * sessions)
+        spec_path = work / "spec.yaml"
+        spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        key = secrets.token_hex(16)
+        emu = Emulator(work / "emulator", EmulatorConfig(
+            users={USER: key}, sigterm_grace=5.0, max_gpu_sessions=1,
+            kernel_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                        "RELAY_DEVICE": "cpu"})).start()
+        try:
+            backend = _backend(emu, key)
+            # alternate the two policies' sessions, so both see the same load on this shared machine
+            t0 = time.time()
+            for number in range(1, sessions + 1):
+                relay_session(backend, spec_path, work / "orchestrator")
+                seeds_kernel_session(emu, backend, spec_path, session_s, every_epochs, number)
+            effective = spec["optim"]["micro_batch"] * spec["optim"]["grad_accum"]
+            relay_rows = measure(emu, f"{USER}/{spec['name']}-session", "relay", "relay", session_s, effective)
+            seeds_rows = measure(emu, f"{USER}/bench-seeds", "seeds", "seeds", session_s, effective)
+            relay_final = _read_json(emu.store.kernel_dir(f"{USER}/{spec['name']}-session", len(relay_rows))
+                                     / "working" / "relay" / "progress.json")
+            seeds_final = _read_json(emu.store.kernel_dir(f"{USER}/bench-seeds", len(seeds_rows))
+                                     / "working" / "seeds" / "progress.json")
+        finally:
+            emu.stop()
 
     relay, seeds = summarize(relay_rows, session_s), summarize(seeds_rows, session_s)
     steps_per_epoch = spec["params"]["n_train"] // effective
@@ -411,7 +401,7 @@ def format_side_by_side(f: dict) -> str:
     lines.append(f"work sized from a measured step ({f['relay_calibration_step_s'] * 1000:.2f} ms): "
                  f"{f['relay_n_train']} samples x {f['relay_epochs']} epochs")
     lines.append("final weights of both policies identical: " + ("not compared (neither policy runs to the end"
-                 " here; tests/test_resume.py proves exact resume)" if f["relay_same_weights"] is None else str(f["relay_same_weights"])))
+                 " here; tests/kernel/test_resume.py proves exact resume)" if f["relay_same_weights"] is None else str(f["relay_same_weights"])))
     return "\n".join(lines)
 
 

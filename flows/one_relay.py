@@ -44,7 +44,8 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
     The Kaggle account: `credentials_block`, else the spec's kaggle.credentials_block, else the worker's
     environment; each session holds a slot of the account's session limit until it is handed over
     (tasks/account_slots.py: the scheduler of the `relays` flow, here with one relay)."""
-    loaded = read_spec(spec)  # read once: the spec parsed and the text a push ships are the same bytes
+    with run_labels.read_once_after_naming():  # one open: the run's name, the spec parsed, the text a push ships
+        loaded = read_spec(spec)
     run_spec = loaded.spec
     ctx = RelayContext.open(run_spec, loaded.text,
                             relay_step.make_backend(credentials_block or run_spec.kaggle.credentials_block),

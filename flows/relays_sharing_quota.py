@@ -30,7 +30,6 @@ from relay.orchestrator.relay_state import FINAL, IN_FLIGHT, LOOK_AGAIN, State, 
 from relay.front_door import read_spec
 from relay.shared.errors import InputError
 from relay.shared.spec import load as spec_only  # the spec without its code: to read one field
-from relay.shared.spec import read_once
 from tasks import relay_step, relay_tasks
 from tasks import relays_artifacts, run_labels
 from tasks.account_slots import AccountSessions
@@ -261,7 +260,7 @@ def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int 
     logger = get_run_logger()
     if cap < 1:
         raise InputError(f"relays: cap {cap}: at least 1 concurrent session")
-    with read_once():  # each spec file read once: its account, then its relay
+    with run_labels.read_once_after_naming():  # each spec file read once: the run's name, its account, its relay
         backend = relay_step.make_backend(credentials_block or one_account(specs))
         logger.info("relays on Kaggle account %s", backend.username)
         all_relays = load_relays(specs, backend, state_dir, step_lock_wait_s, tick=mode == "tick")

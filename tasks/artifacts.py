@@ -139,7 +139,7 @@ def publish_running(name: str, progress: dict, records: list, local: Path, metri
                     kernel_state: str, plan_text: str = "", links: str = "") -> None:
     """The running session's table row and the summary with its loss curve: the `<name>-sessions` and
     `<name>-summary` artifacts of this flow run updated in place, at the session's events (tasks/live_view.py)."""
-    from relay.orchestrator import live
+    from relay.orchestrator import live_progress as live
 
     latest = live.running_row(records, kernel_state)
     last = progress_line.newest(records)

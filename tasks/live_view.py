@@ -1,5 +1,5 @@
-"""The flow's view of the running session: follows its log (relay.orchestrator.live) and keeps the relay's artifacts
-current, bounded by the session's events, not by how long it runs:
+"""The flow's view of the running session in Prefect: follows its log (relay.orchestrator.live_progress reads it) and
+keeps the relay's artifacts current, bounded by the session's events, not by how long it runs:
 - the progress artifact is updated in place (no new version) every `live_seconds` and with each summary version
   (each update is a write that Prefect's server handles: not at every status poll); the flow run creates it once
   and the hand-over's report updates the same one, so the key's latest version is always the newest state;
@@ -24,7 +24,7 @@ from prefect.cache_policies import NO_CACHE
 
 from relay.orchestrator import handoff
 from relay.orchestrator.kaggle.types import KaggleUnresponsive, KernelState, NotFound
-from relay.orchestrator.live import Eta, LiveSession, early_warnings, estimate, eta_text, session_fraction
+from relay.orchestrator.live_progress import Eta, LiveSession, early_warnings, estimate, eta_text, session_fraction
 from relay.shared import progress_line
 from tasks import artifacts
 from tasks.prefect_writes import soon

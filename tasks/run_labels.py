@@ -2,12 +2,18 @@
 tags (the relay's name, the Kaggle account), and where the relay lives on Kaggle (links in the summary artifact)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, List, Optional
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional
 
 from relay.orchestrator.submit import ACCOUNT_TAG  # what `relay run --submit` reads back
 
 RELAY_TAG = "relay:"
+
+
+# Prefect names a run (flow_run_name) before the flow's body starts, outside the body's read_once scope: the reads a
+# run's name was made from wait here, by flow run, and serve the body's, so a deployment's run opens each spec once.
+_READ_FOR_NAME: Dict[Optional[str], Mapping[str, bytes]] = {}
 
 
 def spec_name(path: str) -> str:
@@ -18,13 +24,36 @@ def spec_name(path: str) -> str:
     return name_of(path) or Path(path).stem
 
 
+def _names_of(paths: Iterable[str]) -> List[str]:
+    """The relays' names for this flow run's name; the bytes they were read from are kept for its body."""
+    from prefect.runtime import flow_run
+
+    from relay.shared.spec import read_once
+
+    with read_once() as held:
+        names = [spec_name(p) for p in paths]
+        _READ_FOR_NAME[flow_run.id] = dict(held)
+    return names
+
+
+@contextmanager
+def read_once_after_naming() -> Iterator[None]:
+    """The flow body's read_once scope (relay.shared.spec), served by the reads its run's name was made from."""
+    from prefect.runtime import flow_run
+
+    from relay.shared.spec import read_once
+
+    with read_once(_READ_FOR_NAME.pop(flow_run.id, {})):
+        yield
+
+
 def relay_run_name() -> str:
     """The `relay` flow's run name at its start (flow_run_name): `<relay>: tick` or `<relay>: watch`; a watch
     renames its run `<relay>: session N` as it follows session N (`label`)."""
     from prefect.runtime import flow_run
 
     params = flow_run.parameters
-    return f"{spec_name(params.get('spec', 'relay'))}: {params.get('mode', 'watch')}"
+    return f"{_names_of([params.get('spec', 'relay')])[0]}: {params.get('mode', 'watch')}"
 
 
 def relays_run_name() -> str:
@@ -32,7 +61,7 @@ def relays_run_name() -> str:
     from prefect.runtime import flow_run
 
     params = flow_run.parameters
-    return f"relays {', '.join(spec_name(p) for p in params.get('specs') or [])}: {params.get('mode', 'watch')}"
+    return f"relays {', '.join(_names_of(params.get('specs') or []))}: {params.get('mode', 'watch')}"
 
 
 def tags(relay: str, account: str) -> List[str]:

@@ -2,16 +2,11 @@
 kernel inside a checkpoint save (event-driven, so the kill is torn on a machine of any speed)."""
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
-from pathlib import Path
-from typing import Optional
-
 import psutil
 
+from relay.emulator import mid_save_kill
 from relay.orchestrator.chain import parse_run_id
+from relay.orchestrator.kaggle.kernel_source import find_run_id
 
 
 def ranks(proc) -> list[psutil.Process]:
@@ -28,58 +23,15 @@ def ranks(proc) -> list[psutil.Process]:
     return [p for _, p in sorted(kids, key=lambda kid: (kid[0], kid[1].pid))]
 
 
-class MidSaveKiller(threading.Thread):
-    """SIGKILLs the kernel that stops itself mid-save (the RELAY_TEST_STOP_MID_SAVE seam in
-    relay.kernel.session.checkpoint: files written, folder not yet renamed) after committing checkpoints of its own
-    (so the relay can salvage one); any later kernel the seam stops is continued. Event-driven: the kill lands
-    inside the save on a machine of any speed."""
+class MidSaveKiller(mid_save_kill.MidSaveKiller):
+    """The emulator's mid-save kill (relay/emulator/mid_save_kill.py) of a RelayEnv's kernel: the killed session
+    must be the second or a later one (the first has no checkpoint published before it to salvage from)."""
 
     def __init__(self, env):
-        super().__init__(daemon=True, name="mid-save-killer")
-        self.env, self.done = env, threading.Event()
-        self.killed: Optional[dict] = None
-        self.continued: list = []
-        self.error: Optional[BaseException] = None
+        super().__init__(env.emu, env.kernel, run_id_of=find_run_id)
 
-    def run(self) -> None:
-        try:
-            while not self.done.is_set():
-                for run in self.env.kernel_runs():
-                    if run.status == "RUNNING":
-                        self._check(run)
-                time.sleep(0.05)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            self.error = exc
-
-    def _check(self, run) -> None:
-        folder = self.env.emu.store.kernel_dir(self.env.kernel, run.version) / "working" / "relay" / "checkpoints"
-        try:
-            names = os.listdir(folder)
-        except FileNotFoundError:
-            return
-        for torn in (n for n in names if n.startswith(".tmp-step-")):
-            pid = int(torn.rsplit("-", 1)[1])
-            if not _stopped(pid):
-                continue
-            final = torn[len(".tmp-"):].rsplit("-", 1)[0]
-            committed = sorted(n for n in names if n.startswith("step-"))
-            if self.killed is None:
-                assert (folder / torn).is_dir() and not (folder / final).exists() and committed, (torn, names)
-                assert (parse_run_id(run.run_id) or (0, 0))[0] >= 2, run
-                os.killpg(os.getpgid(pid), signal.SIGKILL)
-                self.killed = {"version": run.version, "run_id": run.run_id, "torn": torn, "committed": committed}
-            else:
-                os.kill(pid, signal.SIGCONT)
-                self.continued.append(run.run_id)
-
-
-def _stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped by a signal (state T in /proc/PID/stat)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] == "T"
+    def vet(self, kill: dict) -> None:
+        assert (parse_run_id(kill["run_id"]) or (0, 0))[0] >= 2, kill
 
 
 def run_flow_with_a_kill_mid_save(relay_env, monkeypatch) -> tuple[dict, MidSaveKiller]:

@@ -91,7 +91,7 @@ def deadline_from_log(backend: KaggleBackend, names: Names, run_id: str, plan: d
                       wait_s: float = WEDGE_LOG_S) -> Optional[float]:
     """deadline_from_lines of the session's log, read for at most `wait_s`; None when it cannot say (no timed
     line, an `end` line, a stream that does not answer)."""
-    from relay.orchestrator.live import LiveSession
+    from relay.orchestrator.live_progress import LiveSession
 
     live = LiveSession(backend, names.kernel, run_id).start()
     try:

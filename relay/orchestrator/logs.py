@@ -1,8 +1,8 @@
 """`relay logs NAME|SPEC [--session N] [--follow]`: a session's log, read from Kaggle.
 
 The running session's (the kernel's current version's) comes from Kaggle's log stream, followed by
-relay.orchestrator.live.LiveSession, which reconnects after a drop and skips what the stream replays, so each line
-is printed once. An earlier session's is the stored log of the newest kernel version that ran it.
+relay.orchestrator.live_progress.LiveSession, which reconnects after a drop and skips what the stream replays, so each
+line is printed once. An earlier session's is the stored log of the newest kernel version that ran it.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from relay.shared.errors import InputError
 def logs(target: str, backend_factory: Callable, session: Optional[int] = None, follow: bool = False,
          write: Callable[[str], None] = print, follow_s: float = FOLLOW_S) -> int:
     """`relay logs NAME|SPEC [--session N] [--follow]`: a session's log (the kernel's current one by default) from
-    Kaggle's log stream, each line once across reconnects (relay.orchestrator.live.LiveSession); with --follow
+    Kaggle's log stream, each line once across reconnects (relay.orchestrator.live_progress.LiveSession); with --follow
     until the session ends, else what the stream gives within `follow_s` seconds. An earlier session: the stored
     log of the newest kernel version that ran it."""
     name, _, backend, names, obs = find_relay(target, backend_factory, "relay logs")

@@ -101,7 +101,7 @@ def plan_text(spec, progress: Optional[dict], quota, now: datetime, running=None
 def forecast(spec, progress: Optional[dict], quota, now: datetime, running=None) -> Forecast:
     """Sessions left, their budgets and the finish date, from what was handed over and the account's quota, with
     the start-up, save and hand-over times the relay measured of its own sessions (the spec's until one was).
-    `running` (relay.orchestrator.live.Eta): the session that trains now, which keeps its real start and ends
+    `running` (relay.orchestrator.live_progress.Eta): the session that trains now, which keeps its real start and ends
     where the one estimate says, then saves; the sessions after it are planned from its end and a hand-over."""
     figures = measured.overheads(spec, progress, running_started=running.started_at if running else None)
     head, not_before, measured_steps = "", None, _measured_sessions(progress)

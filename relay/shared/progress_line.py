@@ -1,9 +1,9 @@
 """The session's progress as log lines meant to be parsed: `relay-progress {json}`.
 
 Kaggle streams a running session's log (docs/kaggle.md, "Live log streaming"); the orchestrator follows it and
-shows the running session in Prefect while it trains (relay/orchestrator/live.py). One line per metrics record at most every
-RELAY_PROGRESS_EVERY seconds (default 30), evals, stage changes and the session's end always: a 12 h session
-prints ~1.5k lines, nothing a log viewer or the stream chokes on.
+shows the running session in Prefect while it trains (relay/orchestrator/live_progress.py). One line per metrics
+record at most every RELAY_PROGRESS_EVERY seconds (default 30), evals, stage changes and the session's end always: a
+12 h session prints ~1.5k lines, nothing a log viewer or the stream chokes on.
 """
 from __future__ import annotations
 

@@ -192,14 +192,17 @@ _scopes_lock = threading.Lock()
 
 
 @contextmanager
-def read_once() -> Iterator[None]:
+def read_once(read_before: Optional[Mapping[str, bytes]] = None) -> Iterator[Mapping[str, bytes]]:
     """Within: a spec file is read once; the bytes of that read serve every later read of it (nested scopes share
-    the outer one's). Outside: every read opens the file."""
+    the outer one's). Outside: every read opens the file. Yields the reads held (real path -> bytes); `read_before`:
+    such reads made just before the scope, which serve it too."""
     global _scopes
     with _scopes_lock:
         _scopes += 1
+        for where, raw in (read_before or {}).items():
+            _held.setdefault(where, raw)
     try:
-        yield
+        yield _held
     finally:
         with _scopes_lock:
             _scopes -= 1

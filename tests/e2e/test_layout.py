@@ -64,7 +64,7 @@ import sys
 from pathlib import Path
 import flows.one_relay, flows.relays_sharing_quota, relay.cli, relay.launch, relay.doctor, relay.front_door, tasks.relays_artifacts
 import relay.orchestrator.handoff, relay.orchestrator.plan, relay.orchestrator.submit, relay.orchestrator.status
-import relay.orchestrator.restore, relay.orchestrator.live, relay.orchestrator.report
+import relay.orchestrator.restore, relay.orchestrator.live_progress, relay.orchestrator.report
 from relay.cli import TRAINING_STACK
 from relay.shared import spec
 for path in sorted(Path("examples").glob("*.yaml")):

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import toy_spec_dict, write_spec
+from relay.emulator.mid_save_kill import stopped
 from relay.kernel.session import checkpoint, data
 
 # 512 samples / (8 x 2) = 32 optimizer steps per epoch, 5 epochs = 160 steps; dropout 0.2 makes every step
@@ -125,7 +126,7 @@ class Session:
         """SIGKILL this process once it has stopped itself inside a save (the RELAY_TEST_STOP_MID_SAVE seam of
         relay.kernel.session.checkpoint). Returns whether the save was torn: its .tmp folder there, uncommitted."""
         root, suffix = self.workdir / "checkpoints", f"-{self.proc.pid}"
-        while self.proc.poll() is None and not _stopped(self.proc.pid):
+        while self.proc.poll() is None and not stopped(self.proc.pid):
             time.sleep(0.001)
         tmps = [n for n in os.listdir(root) if n.startswith(".tmp-step-") and n.endswith(suffix)]
         torn = len(tmps) == 1 and not (root / tmps[0][len(".tmp-"):-len(suffix)]).exists()
@@ -149,14 +150,6 @@ def _last_step(workdir: Path) -> int:
         return -1
     steps = [json.loads(line).get("step", -1) for line in lines[-3:] if line.endswith("}")]
     return max(steps, default=-1)
-
-
-def _stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped by a signal (state T in /proc/PID/stat)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-    except OSError:
-        return False
 
 
 def _step_of(workdir: Path) -> int:

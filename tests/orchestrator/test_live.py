@@ -7,7 +7,7 @@ import json
 import math
 
 from kaggle_fixtures import USER, backend_for, make_emulator, isolated_env, push_script  # noqa: F401
-from relay.orchestrator.live import LiveSession, early_warnings
+from relay.orchestrator.live_progress import LiveSession, early_warnings
 from relay.shared.progress_line import PREFIX
 
 KERNEL = f"{USER}/live-test"
@@ -61,7 +61,7 @@ def test_one_eta_a_step_capped_session_ends_at_its_cap_and_the_plan_keeps_its_re
     from datetime import datetime, timezone
     from types import SimpleNamespace
 
-    from relay.orchestrator.live import estimate, eta_text
+    from relay.orchestrator.live_progress import estimate, eta_text
     from relay.orchestrator.policy import plan_text
     from relay.shared import spec as spec_mod
 

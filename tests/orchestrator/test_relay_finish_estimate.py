@@ -22,7 +22,7 @@ SCRIPT = tiny_session_script(head="import time", lr=0.01, loss="model(torch.rand
 
 
 def test_the_finish_estimate_from_the_second_session_on_is_close_to_the_real_finish(relay_env, monkeypatch):
-    from relay.orchestrator import live, policy
+    from relay.orchestrator import live_progress as live, policy
     from relay.shared import spec as spec_mod
     from relay.shared.progress_line import parse
 

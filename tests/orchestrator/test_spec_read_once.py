@@ -3,37 +3,9 @@ never re-opening the file for the run's name, the flow, or the text a push ships
 hook on `open` during one in-process tick against the emulator (it pushes the first session)."""
 from __future__ import annotations
 
-import os
-import sys
-import traceback
-
 from byo_fixtures import RELAYED, copy_example
 from kaggle_fixtures import FAKE_KEY, USER
-
-# An audit hook stays for the life of the process: it records only while a test names a file to watch.
-_WATCHED: dict = {"path": None, "opens": []}
-
-
-def _hook(event: str, args: tuple) -> None:
-    path = _WATCHED["path"]
-    if event != "open" or path is None or not args or not isinstance(args[0], (str, bytes, os.PathLike)):
-        return
-    if os.path.realpath(os.fsdecode(args[0])) == path:
-        _WATCHED["opens"].append("".join(traceback.format_stack(limit=6)[:-1]))
-
-
-_installed = False
-
-
-def _watch(path) -> list:
-    global _installed
-    if not _installed:
-        sys.addaudithook(_hook)
-        _installed = True
-    _WATCHED["opens"] = []
-    _WATCHED["path"] = os.path.realpath(path)
-    return _WATCHED["opens"]
-
+from open_audit import opens_of
 
 def test_one_tick_opens_the_spec_at_most_twice(relay_env, monkeypatch, tmp_path):
     import tasks.relay_step as relay_step
@@ -48,11 +20,8 @@ def test_one_tick_opens_the_spec_at_most_twice(relay_env, monkeypatch, tmp_path)
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(project)
     lines: list = []
-    opens = _watch(spec)
-    try:
+    with opens_of(spec) as opens:
         code = launch.run("spec.yaml", out=str(tmp_path / "out"), tick=True, poll_seconds=0.3, emit=lines.append)
-    finally:
-        _WATCHED["path"] = None
     assert code == 0, lines
     assert any(line.startswith("pushed: step 0/") for line in lines), lines
     assert len(relay_env.kernel_runs()) == 1
@@ -77,8 +46,7 @@ def test_inside_read_once_a_spec_is_opened_once_and_outside_a_rewrite_is_seen(to
     from relay.shared import spec as spec_mod
 
     spec = toy_spec(tmp_path)
-    opens = _watch(spec)
-    try:
+    with opens_of(spec) as opens:
         with spec_mod.read_once():
             first = read_spec(spec)
             with spec_mod.read_once():  # a nested scope shares the outer one's reads
@@ -90,5 +58,3 @@ def test_inside_read_once_a_spec_is_opened_once_and_outside_a_rewrite_is_seen(to
         assert read_spec(spec).name == "toy-other"  # the scope ended: the file is read again
         assert spec_mod.name_of(spec) == "toy-other"
         assert len(opens) == before + 2
-    finally:
-        _WATCHED["path"] = None

@@ -23,6 +23,7 @@ time that no longer exists acts no more (a pid reused since has another start ti
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -55,6 +56,7 @@ def this_process() -> str:
     return str(_HOLDER["name"])
 
 
+@functools.cache  # none of the three changes while a process lives: /proc is read once
 def this_machine() -> str:
     """Where a pid means the same process: the host, its boot (pids restart at each) and the pid namespace (two
     containers of one host with one hostname do not see each other's pids). Empty where it cannot be told."""
