@@ -97,7 +97,6 @@ class Session:
         self.workdir = Path(config.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.total_steps = int(config.total_steps)
-        self.run_id = config.run_id
         self.data_dir = Path(config.data) if config.data else None
         self.feature_dirs = [Path(p) for p in config.features]
         if config.threads:
@@ -137,6 +136,11 @@ class Session:
     @step.setter
     def step(self, value: int) -> None:
         self.book.global_step = value
+
+    @property
+    def run_id(self) -> Optional[str]:
+        """The relay run this session belongs to: the orchestrator's, else the one the checkpoint carries."""
+        return self.core.run_id
 
     @property
     def tensorboard_dir(self) -> Path:
@@ -197,7 +201,6 @@ class Session:
                        current_step=lambda: self.step, model_bytes=model_bytes)
         if self.core.environment_changed and not self.book.exactness_lost:
             self.book.exactness_lost = self.core.environment_changed
-        self.run_id = self.core.run_id
         if self._trace:
             self._trace.start(self, resumed=resumed)
         self._mark = time.perf_counter()

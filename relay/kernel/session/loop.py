@@ -77,7 +77,6 @@ class Trainer:
         self.train_set = recipe.train_dataset()
         self._batches: Optional[Iterator] = None
         self._shown: Optional[dict] = None  # what recipe.on_step last reported (e.g. the curriculum stage)
-        self._agreement = distributed.StepAgreement(self.world, self.device)  # an OOM or the loss, across ranks
 
     @property
     def state(self) -> RunBook:
