@@ -6,22 +6,19 @@ A part of the built-in loop (session/loop.py's Trainer), whose step, OOM ladder 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from relay.kernel.session import data, memory
 
-if TYPE_CHECKING:
-    from relay.kernel.session.loop import Trainer
-
 log = logging.getLogger(__name__)
 
 
 class PreFlight:
-    def __init__(self, trainer: "Trainer"):
-        self.t = trainer
+    def __init__(self, trainer: Any):
+        self.t = trainer  # session/loop.py's Trainer, whose step, OOM ladder and memory phases this uses
         self.held_mb = 0.0  # what train's forward/backward ran on top of (weights, AdamW state, held gradients)
 
     def run(self) -> dict:
