@@ -70,3 +70,14 @@ def test_a_user_loop_may_save_in_the_background_and_close_waits_for_it(tmp_path)
     progress = session.close()
     steps = sorted(c.step for c in checkpoint.list_valid(tmp_path / "w" / "checkpoints"))
     assert steps == [2, 5] and progress["global_step"] == 5 and progress["status"] == "paused"
+
+
+def test_the_book_scores_an_eval_against_the_best_so_far():
+    book = books.RunBook(global_step=10)
+    assert book.score("smape", "min", 30.0) and book.best == {"metric": "smape", "value": 30.0, "step": 10,
+                                                               "mode": "min"}
+    book.global_step = 20
+    assert not book.score("smape", "min", 31.0) and not book.score("smape", "min", float("nan"))
+    assert not book.score("smape", "min", None) and book.best["step"] == 10
+    assert book.score("smape", "min", 29.0) and book.best["step"] == 20
+    assert books.RunBook().score("acc", "max", 0.5) and not books.RunBook(best={"value": 0.9}).score("acc", "max", 0.5)

@@ -6,6 +6,7 @@ plots and the handoff read one format.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -117,6 +118,17 @@ class RunBook:
     @classmethod
     def from_dict(cls, d: dict) -> "RunBook":
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+    def score(self, metric: str, mode: str, value: Optional[float]) -> bool:
+        """An eval's `metric` at this step against the best so far ("min" or "max" is better); True when it is
+        the new best (kept in `best`). A missing or non-finite value never is."""
+        if value is None or not math.isfinite(value):
+            return False
+        best = self.best
+        if best is not None and not (value < best["value"] if mode == "min" else value > best["value"]):
+            return False
+        self.best = {"metric": metric, "value": value, "step": self.global_step, "mode": mode}
+        return True
 
     def to_dict(self) -> dict:
         """The checkpoint's form. A key the built-in loop alone fills is left out while unset, so a user loop's

@@ -310,16 +310,9 @@ class Trainer:
                 self._back_off(err, phase="eval")
         self._memory_phase(back)
         self.clock.eval_seconds = max(self.clock.eval_seconds, time.perf_counter() - t0)
-        st = self.state
         self.session.log("eval", **metrics)  # the book's last_eval
-        name, mode = self.recipe.metric, self.recipe.metric_mode
-        value = metrics.get(name)
-        if value is None or not math.isfinite(value) or not self.track_best:
-            return False
-        better = st.best is None or (value < st.best["value"] if mode == "min" else value > st.best["value"])
-        if better:
-            st.best = {"metric": name, "value": value, "step": st.global_step, "mode": mode}
-        return better
+        metric = self.recipe.metric
+        return self.track_best and self.state.score(metric, self.recipe.metric_mode, metrics.get(metric))
 
     # -- failure handling -----------------------------------------------------------------------
     def _non_finite(self, loss: float) -> None:
