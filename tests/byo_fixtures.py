@@ -62,9 +62,16 @@ RELAY_SETTINGS = {"kaggle.session_timeout": "5m", "kaggle.startup_overhead": "1s
                   "session.save_every": "0.02s", "session.safety_margin": "0.5s", "session.threads": 1}
 
 
+# A save at every step, whatever the machine's speed: an insurance save is due at a step_done once save_every has
+# passed since the last save, and one step (a forward, a backward, an optimizer step: tens of microseconds at least)
+# is always longer than a nanosecond. What a mid-save kill is bound to (relay_example_with_a_kill_mid_save).
+EVERY_STEP = {"session.save_every": 1e-9}
+
+
 def example_spec(relay_env, example: str, **overrides) -> Path:
-    """An example folder copied under the relay's root with RELAY_SETTINGS; it becomes relay_env.spec."""
-    spec = copy_example(example, relay_env.root / example, **RELAY_SETTINGS, **overrides)
+    """An example folder copied under the relay's root with RELAY_SETTINGS (`overrides` win); it becomes
+    relay_env.spec."""
+    spec = copy_example(example, relay_env.root / example, **{**RELAY_SETTINGS, **overrides})
     data = yaml.safe_load(spec.read_text())
     data["code"]["folder"] = str(spec.parent)  # the reference run reads a copy of the spec elsewhere
     spec.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -78,11 +85,18 @@ def relay_example_with_a_kill_mid_save(example: str, lengths: dict, relay_env, r
     steps are enough: one handed over before the fault, and the fault's own, done again from what it committed."""
     per_session = lengths["session.max_steps"]
     # the kernel of session 2 stops itself inside a save half-way through it (a seam of relay.kernel.session.checkpoint)
-    relay_env.start(kernel_env={**KERNEL_ENV, "RELAY_TEST_STOP_MID_SAVE": str(per_session + per_session // 2)})
-    spec = example_spec(relay_env, example, **lengths)
+    kill_at = per_session + per_session // 2
+    relay_env.start(kernel_env={**KERNEL_ENV, "RELAY_TEST_STOP_MID_SAVE": str(kill_at)})
+    # The seam stops a process only in a save past one it committed itself below kill_at. Saves every few
+    # milliseconds raced the steps for that first save: a session 2 that ran its steps up to kill_at within one
+    # save_every of its start took no save below it, never stopped, and the relay ended unkilled. A save at every
+    # step binds the kill to steps: the torn save is kill_at's, the step before it committed, on any machine.
+    spec = example_spec(relay_env, example, **{**EVERY_STEP, **lengths})
     reference.start(spec)
     summary, killer = run_flow_with_a_kill_mid_save(relay_env, monkeypatch)
     assert summary["state"] == "done" and summary["step"] == lengths["optim.max_steps"], summary
+    assert killer.killed["torn"].startswith(f".tmp-step-{kill_at:08d}-"), killer.killed
+    assert f"step-{kill_at - 1:08d}" in killer.killed["committed"], killer.killed
     runs = relay_env.kernel_runs()
     killed = [r for r in runs if r.status == "ERROR"]
     assert [r.version for r in killed] == [killer.killed["version"]] and "-9" in killed[0].failure
