@@ -28,7 +28,6 @@ from relay.orchestrator.live_progress import Eta, LiveSession, early_warnings, e
 from relay.shared import progress_line
 from tasks import artifacts
 from tasks.prefect_writes import soon
-from tasks.run_labels import kaggle_links
 
 LOG_EVERY = 10        # log lines per session: one at each tenth of its steps
 SUMMARY_EVERY = 4     # summary and table versions per session: one at each quarter of its steps
@@ -39,12 +38,14 @@ class LiveView:
                  stuck_after_s: float = 1800.0, notify: Callable[[str, str], None] = lambda key, text: None,
                  plan: Callable[[Optional[dict], Optional[Eta]], str] = lambda progress, eta: "",
                  marks: Optional["TickMarks"] = None,
-                 finish: Callable[[Optional[dict], Optional[Eta]], str] = lambda progress, eta: ""):
+                 finish: Callable[[Optional[dict], Optional[Eta]], str] = lambda progress, eta: "",
+                 links: str = ""):
         self.backend, self.names, self.local = backend, names, local
         self.marks = marks  # a tick's: what the earlier ticks showed
         self.session_max_steps, self.stuck_after_s = session_max_steps, stuck_after_s
         self.notify, self.plan = notify, plan
         self.finish = finish  # the run's finish, policy.forecast's: the one the summary's plan and `relay status` say
+        self.links = links    # where the relay lives on Kaggle (chain.Names.links), in every summary
         self.live: Optional[LiveSession] = None
         self.progress_artifact: Optional[str] = None  # this flow run's progress artifact, updated in place
         self._warned: set = set()
@@ -115,8 +116,7 @@ class LiveView:
                                           self._text(upto, progress, kernel_state), kernel_state,
                                           self._plan({**(progress or {}), "total_steps": self._total(upto, progress)},
                                                      estimate(upto, self.session_max_steps)),
-                                          kaggle_links(self.names.owner, self.names.name,
-                                                       getattr(self.backend, "endpoint", None)))
+                                          self.links)
         except Exception as err:  # noqa: BLE001
             logger.warning("live view of %s not refreshed: %s", live.run_id, err)
         try:

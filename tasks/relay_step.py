@@ -25,14 +25,12 @@ from relay.orchestrator.kaggle.backend import KaggleBackend
 from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
 from relay.orchestrator.kaggle.selective_output import DiskSpaceError
 from relay.orchestrator.kaggle.types import KaggleUnresponsive, Quota, Refusal
-from relay.orchestrator.policy import (budget_lowered, environment_change, forecast, plan_text, session_budget,
-                                       wedge_notice)
+from relay.orchestrator.policy import environment_change, plan_text, recovery, view_forecasts, wedge_notice
 from relay.shared.code_folder import mark_outputs
 from relay.shared.spec import RunSpec
 from tasks import artifacts, quiet_logs, relay_tasks
 from tasks.live_view import LiveView, Running, TickMarks
 from tasks.notify import Notifier
-from tasks.run_labels import kaggle_links
 from tasks.step_lock import StepLock
 
 
@@ -67,6 +65,7 @@ class RelayContext:
     lock: StepLock         # one step at a time per relay on this Prefect server (0 s: none)
     lease: Lease           # claims on Kaggle, seen by every orchestrator
     view: LiveView
+    links: str = ""                 # where the relay lives on Kaggle, as the summary artifacts link it
     reported: Optional[str] = None  # the handed-over run the artifacts show
     # failed attempts since the last hand-over that handed nothing over (goodput.failed_charge): the next push
     # carries them in its plan, and the hand-over after it lists them in the published `charges`
@@ -82,11 +81,12 @@ class RelayContext:
         mark_outputs(Path(state_dir))  # never shipped as code when it lies in a code folder
         tell = Notifier(spec.name, spec.notify.block)
         plan, finish = view_forecasts(spec, backend)
+        links = names.links(getattr(backend, "endpoint", None))
         view = LiveView(backend, names, local, session_max_steps=spec.session.max_steps,
                         notify=lambda key, text: tell("warning", key, text), plan=plan,
-                        marks=TickMarks(spec.name) if tick else None, finish=finish)
+                        marks=TickMarks(spec.name) if tick else None, finish=finish, links=links)
         return cls(spec, spec_text, backend, names, local, tell, StepLock(spec.name, step_lock_wait_s),
-                   Lease(backend, spec.name, spec.kaggle.lease), view)
+                   Lease(backend, spec.name, spec.kaggle.lease), view, links)
 
     def pause(self) -> None:
         """Between steps (waiting, following a session): another flow run of this relay may take a step."""
@@ -219,7 +219,8 @@ def _hand_over(ctx: RelayContext, obs: chain.Observation, action: chain.Action) 
         result = relay_tasks.hand_over(ctx.backend, ctx.spec, ctx.names, action, obs, ctx.local, confirm=confirm)
     except LeaseLost as lost:
         return Step(State.WAITING, action, obs, obs.published, why=f"hand-over of {action.run_id} stopped: {lost}")
-    then = chain.after_handover(ctx.spec.name, action, result, obs, _recovery(ctx, action, result))
+    then = chain.after_handover(ctx.spec.name, action, result, obs,
+                                recovery(ctx.backend, ctx.names, ctx.spec, ctx.spec_text, action, result))
     if then.failed:
         _session_failed(ctx, action.run_id, then.failed)
     if then.do is Do.HANDED_OVER:
@@ -256,19 +257,6 @@ def _unlisted(ctx: RelayContext, run_id: str, log_tail: str, why: str, plan: Opt
         ctx.unlisted = goodput.failed_charges(plan, record)
     except Exception as err:  # noqa: BLE001 - the ledger never stops a relay
         get_run_logger().info("the charge of %s not recorded: %s", run_id, err)
-
-
-def _recovery(ctx: RelayContext, action: chain.Action, result: handoff.HandOver) -> chain.Recovery:
-    """The spec's limits, and what Kaggle shows about the failed session's push (looked up only after a failure)."""
-    k = ctx.spec.kaggle
-    facts = chain.Recovery(max_attempts=k.max_failed_sessions + 1, limit_advice=chain.session_limit_advice(
-        action.session, session_budget(ctx.spec, None), k.session_timeout, k.startup_overhead))
-    if result.ok:
-        return facts
-    return replace(facts, lagging=result.stale and handoff.pushed_within(ctx.backend, ctx.names, action.run_id,
-                                                                          k.status_lag),
-                   code_changed=handoff.code_changed(ctx.backend, ctx.names, ctx.spec, ctx.spec_text),
-                   budget_lowered=budget_lowered(ctx.backend, ctx.names, ctx.spec))
 
 
 def _restore(ctx: RelayContext, obs: chain.Observation, action: chain.Action, confirm) -> Step:
@@ -359,40 +347,13 @@ def _claim(ctx: RelayContext, key: str, obs: chain.Observation, action: chain.Ac
         return Step(State.WAITING, action, obs, obs.published, why=f"could not claim {key} on Kaggle: {err}")
 
 
-def view_forecasts(spec, backend) -> tuple:
-    """The live view's plan (the summary's) and finish (the progress text's): both policy.forecast's, as
-    `relay status` says it, so the UI shows one finish time."""
-    quota_seen: list = []  # the quota the last summary's plan read: the progress text's finish reuses it
-
-    def plan(progress, eta) -> str:  # at the running session's events (a quarter, an eval, a warning)
-        quota_seen[:] = [_quota(backend)]
-        return plan_text(spec, progress, quota_seen[0], datetime.now(timezone.utc), running=eta)
-
-    def finish(progress, eta) -> str:  # at every progress update: no Kaggle call of its own after the first
-        if not quota_seen:
-            quota_seen.append(_quota(backend))
-        now = datetime.now(timezone.utc)
-        return forecast(spec, progress, quota_seen[0], now, running=eta).line(now)
-
-    return plan, finish
-
-
-def _quota(backend) -> Optional[Quota]:
-    try:
-        return backend.quota()
-    except Exception:  # noqa: BLE001 - the plan falls back to the relay's own ledger
-        return None
-
-
 def _report(ctx: RelayContext, obs: chain.Observation, action: chain.Action) -> None:
     """The session table, curves and plan as artifacts, once per handed-over session."""
     if obs.published and obs.published.get("run_id") != ctx.reported:
         metrics = handoff.published_metrics(ctx.backend, ctx.names, ctx.local, obs.published)
         text = plan_text(ctx.spec, obs.published, relay_tasks.read_quota(ctx.backend), datetime.now(timezone.utc))
         artifacts.publish_report(ctx.spec.name, obs.published, ctx.local, metrics, plan_text=text,
-                                 state=action.do.value, links=kaggle_links(ctx.names.owner, ctx.spec.name,
-                                                                    getattr(ctx.backend, "endpoint", None)),
-                                 save_every_s=ctx.spec.session.save_every)
+                                 state=action.do.value, links=ctx.links, save_every_s=ctx.spec.session.save_every)
         done, total = obs.published.get("global_step", 0), obs.published.get("total_steps") or 1
         ctx.view.show_progress(done, total, f"{ctx.spec.name}: step {done} of {total},"
                                f" {len(obs.published.get('sessions') or [])} session(s) handed over; next:"

@@ -1,5 +1,5 @@
-"""What the Prefect UI's runs list says of a relay's flow run: its name (`<relay>: session 3`, `<relay>: tick`), its
-tags (the relay's name, the Kaggle account), and where the relay lives on Kaggle (links in the summary artifact)."""
+"""What the Prefect UI's runs list says of a relay's flow run: its name (`<relay>: session 3`, `<relay>: tick`) and its
+tags (the relay's name, the Kaggle account). Where the relay lives on Kaggle is chain.Names.links."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -85,15 +85,3 @@ def label(name: Optional[str] = None, add_tags: Iterable[str] = ()) -> None:
         run.tags = new_tags
     except Exception:  # noqa: BLE001
         pass
-
-
-def kaggle_links(owner: str, relay: str, emulator: Optional[str] = None) -> str:
-    """Markdown links to where the relay lives on Kaggle: the session kernel and its log, the checkpoint and the
-    final model datasets; against an emulator (its URL) a note of where they are instead."""
-    kernel, ckpt, model = f"{owner}/{relay}-session", f"{owner}/{relay}-ckpt", f"{owner}/{relay}-model"
-    if emulator:
-        return (f"on the local Kaggle emulator at {emulator} (not kaggle.com): kernel `{kernel}`, checkpoints"
-                f" `{ckpt}`, final model `{model}`")
-    code, data = "https://www.kaggle.com/code", "https://www.kaggle.com/datasets"
-    return (f"on Kaggle: [session kernel]({code}/{kernel}), [its log]({code}/{kernel}/log),"
-            f" [checkpoints]({data}/{ckpt}), [final model]({data}/{model})")

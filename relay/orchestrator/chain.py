@@ -52,6 +52,17 @@ class Names:
     def model_dataset(self) -> str:
         return f"{self.owner}/{self.name}-model"
 
+    def links(self, emulator: Optional[str] = None) -> str:
+        """Markdown links to these places: the session kernel and its log, the checkpoint and the final model
+        datasets; against an emulator (its URL) a note of where they are instead."""
+        kernel, ckpt, model = self.kernel, self.checkpoint_dataset, self.model_dataset
+        if emulator:
+            return (f"on the local Kaggle emulator at {emulator} (not kaggle.com): kernel `{kernel}`, checkpoints"
+                    f" `{ckpt}`, final model `{model}`")
+        code, data = "https://www.kaggle.com/code", "https://www.kaggle.com/datasets"
+        return (f"on Kaggle: [session kernel]({code}/{kernel}), [its log]({code}/{kernel}/log),"
+                f" [checkpoints]({data}/{ckpt}), [final model]({data}/{model})")
+
 
 @dataclass(frozen=True)
 class Observation:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from relay.orchestrator import chain, live
+from relay.orchestrator import chain, live_progress
 from relay.orchestrator.kaggle import control_record
 from relay.orchestrator.status import FOLLOW_S, find_relay
 from relay.shared import progress_line
@@ -73,7 +73,7 @@ def lost_progress(backend, names: chain.Names, obs: chain.Observation, running: 
     """What ending the running session now loses: its steps since the last published checkpoint, as its log shows
     them (read for `follow_s` seconds)."""
     published = (obs.published or {}).get("global_step", 0)
-    records = live.LiveSession(backend, names.kernel, running.run_id).start().wait(follow_s)
+    records = live_progress.LiveSession(backend, names.kernel, running.run_id).start().wait(follow_s)
     latest = progress_line.newest(records)
     if latest is None:
         return (f"Its log shows no progress yet; whatever it trained since the last published checkpoint (step"

@@ -170,15 +170,18 @@ def session_kernel(spec: RunSpec, spec_text: str, names: Names, action: Action, 
     )
 
 
-def code_changed(backend: KaggleBackend, names: Names, spec: RunSpec, spec_text: str) -> bool:
+def code_changed(backend: KaggleBackend, names: Names, spec: RunSpec, spec_text: str,
+                 pushed: Optional[dict] = None) -> bool:
     """Whether what a push would ship now (the relay's code, the user's code folder, the spec) differs from the
     kernel's current version: after a code error, a fixed script or spec is worth a new attempt, the same
-    one is not. Read back from the pushed source, so it holds on any machine."""
+    one is not. Read back from the pushed source (`pushed`: its plan, when read already), so it holds on any
+    machine."""
     import hashlib
 
     from relay.orchestrator.kaggle.bundle import build_bundle
 
-    pushed = backend.current_plan(names.kernel) or {}
+    if pushed is None:
+        pushed = backend.current_plan(names.kernel) or {}
     bundle = build_bundle(user_code=spec.code.folder if spec.code else None,
                           exclude=tuple(spec.code.exclude) if spec.code else ())
     if pushed.get("bundle_sha256") != hashlib.sha256(bundle.data).hexdigest():
@@ -201,11 +204,11 @@ class HandOver:
     stale: bool = False  # the output may be another version's (Kaggle's status lag): see pushed_within
 
 
-def pushed_within(backend: KaggleBackend, names: Names, run_id: str, seconds: float) -> bool:
+def pushed_within(plan: dict, run_id: str, seconds: float) -> bool:
     """Whether the kernel's current version (the one carrying `run_id`) was pushed less than `seconds` ago:
     then output of another run is Kaggle's status lag (even a pinned request may answer the previous version
-    for a while), not a failed session. The push time is read back from the pushed source."""
-    plan = backend.current_plan(names.kernel) or {}
+    for a while), not a failed session. `plan`: the kernel's current plan (backend.current_plan), where the
+    push time is read back from the pushed source."""
     at = plan.get("pushed_at")
     return plan.get("run_id") == run_id and at is not None and time.time() - float(at) < seconds
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from relay.orchestrator import chain, live
+from relay.orchestrator import chain, live_progress
 from relay.orchestrator.kaggle.types import KaggleError
 from relay.orchestrator.status import FOLLOW_S, find_relay
 from relay.shared.errors import InputError
@@ -39,7 +39,7 @@ def logs(target: str, backend_factory: Callable, session: Optional[int] = None, 
         if printing[0]:
             write(_line(event))
 
-    following = live.LiveSession(backend, names.kernel, obs.kernel_run, on_event=show).start()
+    following = live_progress.LiveSession(backend, names.kernel, obs.kernel_run, on_event=show).start()
     following.wait(follow_s)
     while follow and not following.finished:
         following.wait(3600)

@@ -4,11 +4,11 @@ environment than the one before it. Shared by the flows, `relay status` and `rel
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Optional
 
-from relay.orchestrator import chain, measured, plan as planner
+from relay.orchestrator import chain, handoff, measured, plan as planner
 from relay.orchestrator.handoff import SESSION_LIMIT
 from relay.shared import runtime
 
@@ -140,6 +140,31 @@ def forecast(spec, progress: Optional[dict], quota, now: datetime, running=None)
         return Forecast(head + f"(no plan yet: {err})" + limit_warning(spec, progress), None, figures)
 
 
+def view_forecasts(spec, backend) -> tuple:
+    """The live view's plan (the summary's) and finish (the progress text's), both `forecast`'s, as `relay status`
+    says it, so the UI shows one finish time. The account's quota is read once per summary, not per update."""
+    quota_seen: list = []  # the quota the last summary's plan read: the progress text's finish reuses it
+
+    def plan(progress, eta) -> str:  # at the running session's events (a quarter, an eval, a warning)
+        quota_seen[:] = [_quota(backend)]
+        return plan_text(spec, progress, quota_seen[0], datetime.now(timezone.utc), running=eta)
+
+    def finish(progress, eta) -> str:  # at every progress update: no Kaggle call of its own after the first
+        if not quota_seen:
+            quota_seen.append(_quota(backend))
+        now = datetime.now(timezone.utc)
+        return forecast(spec, progress, quota_seen[0], now, running=eta).line(now)
+
+    return plan, finish
+
+
+def _quota(backend):
+    try:
+        return backend.quota()
+    except Exception:  # noqa: BLE001 - the plan falls back to the relay's own ledger
+        return None
+
+
 def _measured_sessions(progress: Optional[dict]) -> int:
     """How many sessions planner.measured_step_seconds averages over (the last 3 that made progress)."""
     useful = [s for s in (progress or {}).get("sessions") or []
@@ -157,11 +182,26 @@ def _spec_steps(spec) -> Optional[int]:
     return getattr(getattr(spec, "optim", None), "max_steps", None)
 
 
-def budget_lowered(backend, names: chain.Names, spec) -> bool:
+def budget_lowered(pushed_plan: dict, spec) -> bool:
     """After a session stopped at the limit left nothing to hand over: retry it only once the spec asks for
-    a shorter session than the stopped attempt was pushed with (the budget is in the kernel's source)."""
-    pushed = (backend.current_plan(names.kernel) or {}).get("budget")
+    a shorter session than the stopped attempt was pushed with (the budget is in the kernel's source: its plan)."""
+    pushed = pushed_plan.get("budget")
     return pushed is not None and session_budget(spec, None) < float(pushed) - 1
+
+
+def recovery(backend, names: chain.Names, spec, spec_text: str, action: chain.Action,
+             result: chain.HandOverResult) -> chain.Recovery:
+    """What chain.after_handover reads besides the hand-over: the spec's limits, and after a failed one what Kaggle
+    shows of the failed session's push (its plan, read once)."""
+    k = spec.kaggle
+    facts = chain.Recovery(max_attempts=k.max_failed_sessions + 1, limit_advice=chain.session_limit_advice(
+        action.session, session_budget(spec, None), k.session_timeout, k.startup_overhead))
+    if result.ok:
+        return facts
+    pushed = backend.current_plan(names.kernel) or {}
+    return replace(facts, lagging=result.stale and handoff.pushed_within(pushed, action.run_id, k.status_lag),
+                   budget_lowered=budget_lowered(pushed, spec),
+                   code_changed=handoff.code_changed(backend, names, spec, spec_text, pushed))
 
 
 def limit_warning(spec, progress: Optional[dict]) -> str:

@@ -83,7 +83,7 @@ def find_relay(target: str, backend_factory: Callable, command: str = "relay sta
 
 def report(target: str, backend_factory: Callable, out_dir: Path | None = None, emit=print,
            follow_s: float = FOLLOW_S) -> int:
-    from relay.orchestrator import chain, goodput, handoff, live, policy, report as rep
+    from relay.orchestrator import chain, goodput, handoff, live_progress, policy, report as rep
     from relay.orchestrator.kaggle import KaggleError, NotFound
 
     name, run_spec, backend, names, obs = find_relay(target, backend_factory)
@@ -98,15 +98,15 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
         action = chain.on_wedged(action, run_spec.kaggle.on_wedged)
     records, eta = [], None
     if action.do is chain.Do.WAIT and obs.kernel_state == "running":  # the running session, from its log stream
-        records = live.LiveSession(backend, names.kernel, action.run_id).start().wait(follow_s)
-        eta = live.estimate(records, run_spec.session.max_steps)
+        records = live_progress.LiveSession(backend, names.kernel, action.run_id).start().wait(follow_s)
+        eta = live_progress.estimate(records, run_spec.session.max_steps)
     newest = progress_line.newest(records) or {}
     emit(f"relay {name} (Kaggle user {names.owner}): {obs.handed_over} session(s) handed over, step"
          f" {progress.get('global_step', 0)}/{progress.get('total_steps') or newest.get('total_steps') or '?'}"
          + (f"; session {newest.get('session')} running at step {newest.get('step')}" if newest else ""))
     rows = rep.session_table(progress)
     if records:
-        row = live.running_row(records)
+        row = live_progress.running_row(records)
         rows = rows + [row] if row is not None else rows
     if rows:
         emit(rep.format_table(rows))  # with what each session ran on, and what changed from the one before
@@ -120,7 +120,7 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
         emit(f"kernel: {names.kernel} v{obs.kernel_version or '?'} runs {obs.kernel_run}: {state}"
              + (f" ({obs.failure_message})" if obs.failure_message else ""))
     if records:
-        emit(live.eta_text(records, run_spec.session.max_steps))
+        emit(live_progress.eta_text(records, run_spec.session.max_steps))
     if obs.stopped_by_user and action.do is not chain.Do.STOPPED:
         emit(f"stopped by the user (relay stop) {obs.stopped_by_user}: the running session is handed over, then"
              f" nothing more is pushed until `relay resume {name}`")

@@ -17,6 +17,7 @@ import signal
 import time
 from pathlib import Path
 
+from byo_fixtures import EVERY_STEP  # noqa: E402
 from process_fixtures import MidSaveKiller  # noqa: E402
 from relay_fixtures import KERNEL_ENV, STEPS_PER_SESSION, wait_for  # noqa: E402
 
@@ -29,8 +30,9 @@ STOP_MID_SAVE_AT = STEPS_PER_SESSION + 50  # inside session 2, after it committe
 def test_relay_completes_exactly_under_faults_kills_and_orchestrator_crashes(relay_env, both_flows, reference):
     emu = relay_env.start(faults=FAULTS, dataset_processing_delay=0.3,
                           kernel_env={**KERNEL_ENV, "RELAY_TEST_STOP_MID_SAVE": str(STOP_MID_SAVE_AT)})
-    # saves every 10 ms: session 2 commits some between its start and STOP_MID_SAVE_AT on any machine
-    spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS, "session.save_every": "0.01s"})
+    # a save at every step (save_every 1 ns, byo_fixtures.EVERY_STEP): session 2 commits saves below
+    # STOP_MID_SAVE_AT however fast its steps run, so the kill is bound to a step, never to a timer
+    spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS, **EVERY_STEP})
     reference.start(spec)
     killer = MidSaveKiller(relay_env)
     killer.start()

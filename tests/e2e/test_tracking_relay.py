@@ -55,10 +55,10 @@ def test_relay_is_one_tensorboard_and_one_wandb_run_with_a_kill_after_a_periodic
     relay_env.start(kernel_env={**KERNEL_ENV, "RELAY_TEST_STOP_MID_SAVE": str(kill_at), "WANDB_MODE": "offline",
                                 "WANDB_SILENT": "true"})
     spec = relay_env.write_spec(**{
-        # a save at every step (a toy step takes longer than 1 ms): the kill's salvage is the step before the torn
+        # a save at every step (save_every 1 ns: any step is longer): the kill's salvage is the step before the torn
         # save at 150, so the next session resumes inside a logging window (with a save every few steps it fell
         # on a multiple of 10 about one run in five)
-        "optim.max_steps": TOTAL, "session.max_steps": PER_SESSION, "session.save_every": "0.001s",
+        "optim.max_steps": TOTAL, "session.max_steps": PER_SESSION, "session.save_every": 1e-9,
         "tracking": {"tensorboard": True,
                      "wandb": {"project": "relay-test", "mode": "offline", "api_key_block": "relay-wandb-test"}}})
     reference.start(spec)
