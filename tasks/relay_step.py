@@ -219,8 +219,8 @@ def _hand_over(ctx: RelayContext, obs: chain.Observation, action: chain.Action) 
         result = relay_tasks.hand_over(ctx.backend, ctx.spec, ctx.names, action, obs, ctx.local, confirm=confirm)
     except LeaseLost as lost:
         return Step(State.WAITING, action, obs, obs.published, why=f"hand-over of {action.run_id} stopped: {lost}")
-    then = chain.after_handover(ctx.spec.name, action, result, obs,
-                                recovery(ctx.backend, ctx.names, ctx.spec, ctx.spec_text, action, result))
+    facts = recovery(ctx.backend, ctx.names, ctx.spec, ctx.spec_text, action, result)
+    then = chain.after_handover(ctx.spec.name, action, result, obs, facts)
     if then.failed:
         _session_failed(ctx, action.run_id, then.failed)
     if then.do is Do.HANDED_OVER:
@@ -236,7 +236,7 @@ def _hand_over(ctx: RelayContext, obs: chain.Observation, action: chain.Action) 
     if then.do is Do.FAILED:
         raise RelayFailed(then.reason)
     if not result.ok:  # a retry or a new attempt from the same checkpoint: this one handed nothing over
-        _unlisted(ctx, action.run_id, result.log_tail, result.reason or then.reason, _current_plan(ctx))
+        _unlisted(ctx, action.run_id, result.log_tail, result.reason or then.reason, facts.pushed or None)
     return Step(State.READY, then, obs, obs.published)  # a new attempt or a retry
 
 

@@ -230,6 +230,7 @@ class Recovery:
     lagging: bool = False         # the kernel's current version was pushed within kaggle.status_lag
     code_changed: bool = False    # a push now would ship other code or spec than the failed session's
     budget_lowered: bool = False  # the spec asks for a shorter session than the failed one was pushed with
+    pushed: Optional[dict] = None  # the failed session's pushed plan, as read for the facts above
 
 
 def after_handover(name: str, action: Action, result: HandOverResult, obs: Observation, facts: Recovery) -> Action:

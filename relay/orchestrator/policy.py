@@ -199,7 +199,8 @@ def recovery(backend, names: chain.Names, spec, spec_text: str, action: chain.Ac
     if result.ok:
         return facts
     pushed = backend.current_plan(names.kernel) or {}
-    return replace(facts, lagging=result.stale and handoff.pushed_within(pushed, action.run_id, k.status_lag),
+    return replace(facts, pushed=pushed, lagging=result.stale and handoff.pushed_within(pushed, action.run_id,
+                                                                                     k.status_lag),
                    budget_lowered=budget_lowered(pushed, spec),
                    code_changed=handoff.code_changed(backend, names, spec, spec_text, pushed))
 

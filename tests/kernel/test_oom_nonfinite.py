@@ -148,6 +148,35 @@ def test_oom_size_is_carried_to_the_next_session(scripted, tmp_path):
     assert (second["micro_batch"], second["grad_accum"]) == (2, 8)
 
 
+def test_a_run_that_backs_off_mid_run_resumes_exactly_split_before_or_after_the_back_off(scripted, tmp_path):
+    """An OOM at step 3 (micro-batch 8 x 2 -> 4 x 4, the step retried with its dropout masks): a run split after
+    the back-off, or before it with the OOM met in the second session, ends with the weights and optimizer state
+    of the uninterrupted run. The OOM is simulated (a CUDA allocator cannot run here); the ladder is the same."""
+    cfg = spec(optim={"micro_batch": 8, "grad_accum": 2})
+
+    def oom_at_step_3(calls_before: int, sigterm_at=None) -> None:
+        scripted.reset()
+        scripted.oom_above, scripted.oom_skip_calls, scripted.sigterm_at = 4, calls_before, sigterm_at
+
+    oom_at_step_3(1 + 3 * 2)  # the pre-flight's forward, then steps 0-2 at two micro-batches each
+    whole = run_session(cfg, tmp_path / "whole")
+    assert (whole["micro_batch"], whole["grad_accum"], whole["global_step"]) == (4, 4, 6)
+
+    oom_at_step_3(1 + 3 * 2, sigterm_at=(4, 0))  # split after the back-off
+    assert run_session(cfg, tmp_path / "after")["global_step"] == 5
+    scripted.reset()
+    assert run_session(cfg, tmp_path / "after")["status"] == "done"
+    assert_same_weights(tmp_path / "whole", tmp_path / "after")
+
+    oom_at_step_3(0, sigterm_at=(1, 0))  # split before it: session 1 stops after step 1 at 8 x 2
+    scripted.oom_above = None
+    assert run_session(cfg, tmp_path / "before")["micro_batch"] == 8
+    oom_at_step_3(1 + 1 * 2)  # session 2: its pre-flight, step 2, then the OOM at step 3
+    second = run_session(cfg, tmp_path / "before")
+    assert (second["micro_batch"], second["grad_accum"], second["status"]) == (4, 4, "done")
+    assert_same_weights(tmp_path / "whole", tmp_path / "before")
+
+
 def test_oom_at_micro_batch_one_is_raised(scripted, tmp_path):
     scripted.oom_above = 0
     with pytest.raises(torch.cuda.OutOfMemoryError):
