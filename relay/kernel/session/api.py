@@ -15,7 +15,7 @@ happens at the next step boundary (never inside the handler: Lightning #21406). 
 the measured step and save times (relay.kernel.session.budget.SessionClock), not a fixed lead.
 
 Longer than most modules (~460 lines): the Session class is the API users read, one documented method per
-thing a script does; what it writes to the workdir is session/core.py's, the same as the built-in runner's.
+thing a script does; what it writes to the workdir is session/core.py's. The built-in Trainer drives it too.
 """
 from __future__ import annotations
 

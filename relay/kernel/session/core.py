@@ -1,12 +1,11 @@
-"""The one session path. Both ways in are its clients: the built-in runner (relay.kernel.run, stepping with the
-Trainer of session/loop.py) and the Session API (session/api.py, users' own loops). What a session does to
-its workdir happens here, once: load the newest valid checkpoint, open the session's record, write
-metrics.jsonl with its progress lines and trackers, save atomically (waited for, or committed in the
-background) with progress.json after each commit, and end with progress.json and the last progress line.
-The two clients differ only in what they save (the Trainer's state_dict, the objects a script registered)
-and in how they step; the books' formats are in session/books.py. When the record opens, the session says
-what it runs on (session/hardware.py), stops at once on the wrong accelerator when the spec says so, and
-starts its stall watchdog (session/watchdog.py), whose last act is `_stalled`.
+"""The one session path, whose one client is the Session (session/api.py): a user's loop drives it, and so
+does the built-in Trainer (session/loop.py, from relay.kernel.run). What a session does to its workdir happens
+here, once: load the newest valid checkpoint, open the session's record, write metrics.jsonl with its progress
+lines and trackers, save atomically (waited for, or committed in the background) with progress.json after each
+commit, and end with progress.json and the last progress line. The books' formats are in session/books.py. When
+the record opens, the session says what it runs on (session/hardware.py), stops at once on the wrong
+accelerator when the spec says so, and starts its stall watchdog (session/watchdog.py), whose last act is
+`_stalled`.
 """
 from __future__ import annotations
 

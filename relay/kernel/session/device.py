@@ -1,5 +1,5 @@
 """The session's device and its process-wide settings: where it trains (RELAY_DEVICE, else CUDA when there is
-one), threads and TF32, and the seeds. The built-in runner and the Session API both start here."""
+one), threads and TF32, and the seeds. Both loops' sessions start here."""
 from __future__ import annotations
 
 import random

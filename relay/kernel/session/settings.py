@@ -55,7 +55,7 @@ class SessionSettings:
                   data_dir: Optional[Path] = None, feature_dirs: Sequence = (), run_id: Optional[str] = None,
                   total_steps: Optional[int] = None) -> "SessionSettings":
         """The one spec-to-session translation: what a user's loop is told (`relay train` with code.entry) and
-        what the built-in runner's SessionCore is built from (relay.kernel.run, which passes the `total_steps` its
+        what the built-in loop's Session is built from (relay.kernel.run, which passes the `total_steps` its
         epochs come to and keeps the budget on its own clock). `total_steps` None: optim.max_steps."""
         s, c, k = spec.session, spec.checkpoints, spec.kaggle
         return cls(total_steps=spec.optim.max_steps if total_steps is None else total_steps, workdir=str(Path(workdir).resolve()), name=spec.name,

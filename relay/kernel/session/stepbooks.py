@@ -1,10 +1,10 @@
-"""The per-step books of one session, kept once for both session paths (the built-in Trainer of session/loop.py
-and the Session API of session/api.py): the step times and samples (the clock's step time, samples/s), the
+"""The per-step books of one session, the Session's (session/api.py), whether a user's loop or the built-in
+Trainer (session/loop.py) drives it: the step times and samples (the clock's step time, samples/s), the
 logging window of losses, the divergence guard's wiring (session/divergence.py) and the insurance-save timer,
 with what of them goes into the checkpoint's `relay` dict.
 
-The two paths judge the loss differently and so keep their window in one of two modes, each with its own keys in
-the checkpoint (as they were before the books were one):
+The two loops read the loss at different times and so keep their window in one of two modes, each with its own
+keys in the checkpoint (as they were before the books were one):
 
 - "step" (the Trainer): the loss is a float already read on the host (its non-finite skip), judged by the guard at
   every step; the checkpoint holds `window_losses` and `divergence` (None with no guard).
