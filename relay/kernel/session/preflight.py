@@ -81,9 +81,9 @@ class PreFlight:
 
     def _train(self) -> None:
         """One training step as _step runs it after the session's first: AdamW's state (2x the weights) already
-        on the device while the forward/backward runs (the first step allocates it only after its backward, so a
-        pre-flight of one fresh step missed the activations on top of it: 4.7 GB said, 7.0 GB trained, on the
-        real-size VQA student), with grad_accum > 1 the previous micro-batches' gradients held through the
+        on the device while the forward/backward runs (a fresh step allocates it only after its backward, so the
+        activations never meet it there, while every later step's do), with grad_accum > 1 the previous
+        micro-batches' gradients held through the
         forward (its first micro-batch grows them as activations are freed; the later ones carry all of them),
         the loss scaled by a GradScaler, unscaled and clipped as _step does, then the optimizer step. One
         forward/backward: the held gradients are zeros standing for the earlier micro-batches'."""
