@@ -122,9 +122,9 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     total = data.total_steps(schedule, spec.optim.epochs, spec.optim.max_steps)
     settings = SessionSettings.from_spec(spec, workdir, resume_from=resume_from, data_dir=data_dir,
                                          feature_dirs=feature_dirs, run_id=run_id, total_steps=total)
-    # the loss is read on the host every step (the non-finite skip), so the divergence guard judges it there,
-    # within the stage it belongs to; with several processes the losses are agreed on, not judged
-    step_books = StepBooks(clock, spec.session.save_every, mode="step",
+    # one process: the losses stay on the device and are read, counted and judged at log steps (a "window");
+    # several: each step's loss is agreed on by every rank (read on the host), and not judged
+    step_books = StepBooks(clock, spec.session.save_every, mode="step" if world.active else "window",
                            guard=spec.session.stop_on_divergence and not world.active)
     session = Session(settings, world, device, clock=clock, step_books=step_books, schedule=schedule)
     trainer = Trainer(spec, recipe, model, session, total_steps=total, schedule=schedule)

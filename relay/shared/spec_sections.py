@@ -86,7 +86,8 @@ class OptimConfig(_Section):
         "Evaluation cadence in optimizer steps; null: at the end of every epoch."))
     log_every_steps: PositiveInt = Field(10, description="A training line in metrics.jsonl every N optimizer steps.")
     nonfinite_patience: PositiveInt = Field(3, description=(
-        "Skipped non-finite steps in a row before falling back to fp32 (in fp32: stop with an error)."))
+        "Skipped non-finite steps in a row before falling back to fp32 (in fp32: stop with an error); counted"
+        " when the losses are read, at the next log step (optim.log_every_steps)."))
 
     @model_validator(mode="after")
     def _one_length(self) -> "OptimConfig":

@@ -211,16 +211,38 @@ def test_nonfinite_steps_are_skipped_without_touching_weights(scripted, tmp_path
 
 
 def test_k_nonfinite_in_a_row_under_bf16_falls_back_to_fp32(scripted, tmp_path, caplog):
+    """The losses are read at log steps (here every 4 steps: right after step 3, the third NaN in a row)."""
     scripted.nan_steps = {1, 2, 3}
     with caplog.at_level(logging.WARNING):
-        progress = run_session(spec(optim={"precision": "bf16", "nonfinite_patience": 3, "max_steps": 7}),
-                               tmp_path / "w")
+        progress = run_session(spec(optim={"precision": "bf16", "nonfinite_patience": 3, "max_steps": 7,
+                                           "log_every_steps": 4}), tmp_path / "w")
     assert progress["status"] == "done" and progress["precision"] == "fp32"
     modes = [(s, m) for s, _, m in scripted.calls if s != "preflight"]
     assert modes == [(s, "bfloat16") for s in (0, 0, 1, 1, 2, 2, 3, 3)] + [(s, "fp32") for s in (4, 4, 5, 5, 6, 6)]
     assert "falling back from bf16 to fp32 after 3 non-finite losses" in caplog.text
     trainer = final_state(tmp_path / "w")["relay"]
     assert (trainer["precision"], trainer["skipped_steps"], trainer["nonfinite_streak"]) == ("fp32", 3, 0)
+
+
+def test_the_fallback_comes_at_the_log_step_that_reads_the_streak_and_a_split_run_decides_alike(scripted,
+                                                                                                 tmp_path):
+    """No loss is read between log steps (the skip itself happens on the device): NaN at steps 1-3 with a log
+    step every 6 fall back after step 5, not 3. A run cut at step 2 or 4 (inside that window, its losses saved
+    unread) falls back at the same step and ends with the same weights."""
+    cfg = spec(optim={"precision": "bf16", "nonfinite_patience": 3, "max_steps": 9, "log_every_steps": 6})
+    scripted.nan_steps = {1, 2, 3}
+    whole = run_session(cfg, tmp_path / "whole")
+    modes = [(s, m) for s, _, m in scripted.calls if s != "preflight"]
+    assert modes == [(s, "bfloat16") for s in range(6) for _ in (0, 1)] + [(s, "fp32") for s in (6, 7, 8) for _ in (0, 1)]
+    assert (whole["precision"], final_state(tmp_path / "whole")["relay"]["skipped_steps"]) == ("fp32", 3)
+    for cut in (2, 4):
+        scripted.reset()
+        scripted.nan_steps, scripted.sigterm_at = {1, 2, 3}, (cut - 1, 1)
+        first = run_session(cfg, tmp_path / f"cut{cut}")
+        assert first["global_step"] == cut and first["precision"] == "bf16"
+        scripted.nan_steps, scripted.sigterm_at = {1, 2, 3}, None
+        assert run_session(cfg, tmp_path / f"cut{cut}")["precision"] == "fp32"
+        assert_same_weights(tmp_path / "whole", tmp_path / f"cut{cut}")
 
 
 def test_fewer_than_k_in_a_row_keeps_bf16(scripted, tmp_path):

@@ -106,3 +106,48 @@ def test_a_split_inside_the_window_stops_at_the_uninterrupted_runs_step_with_its
     assert split["stop_reason"] == "diverged" and split["global_step"] == whole["global_step"]
     assert split["sessions"][-1]["diverged"] == whole["sessions"][-1]["diverged"]
     assert len(split["sessions"]) == len(cuts) + 1
+
+
+def test_the_built_in_loop_reads_no_device_value_between_log_steps(tmp_path, monkeypatch):
+    """The Trainer too (one process, no GradScaler): a step's loss stays on the device, a non-finite one is
+    skipped there (the fused AdamW's found_inf), and the window is read at log steps, where the skips are counted
+    and the guard judges. Every way a tensor reaches the host is counted, with the step it happens in."""
+    from conftest import load_toy_spec
+    from relay.kernel.run import run_session
+    from relay.kernel.session.loop import Trainer
+
+    now = {"step": None}  # the step being done (its count after it), None outside the loop
+    reads: list = []
+    for name in ("item", "tolist", "__float__", "__bool__", "__int__", "__index__", "numpy", "__format__"):
+        base = getattr(torch.Tensor, name)
+
+        def read(self, *args, _base=base, _name=name, **kwargs):
+            if now["step"] is not None and self.is_floating_point():  # not the batch's indices (host data)
+                reads.append((now["step"], _name, tuple(self.shape)))
+            return _base(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    real_step, real_after = Trainer._step, Trainer._after_step
+
+    def step(self):
+        now["step"] = self.state.global_step + 1
+        try:
+            return real_step(self)
+        finally:
+            now["step"] = None
+
+    def after(self, loss):
+        now["step"] = self.state.global_step
+        try:
+            return real_after(self, loss)
+        finally:
+            now["step"] = None
+
+    monkeypatch.setattr(Trainer, "_step", step)
+    monkeypatch.setattr(Trainer, "_after_step", after)
+    spec = load_toy_spec(optim={"epochs": None, "max_steps": 12, "log_every_steps": 5, "eval_every_steps": 100,
+                                "clip_grad_norm": 1.0},
+                         session={"save_every": 1e9, "stop_on_divergence": True})
+    run_session(spec, tmp_path / "w")
+    assert reads, "no read counted: the probe saw nothing"
+    assert {step for step, *_ in reads} <= {5, 10, 12}, reads  # log steps (and the last, with its eval)

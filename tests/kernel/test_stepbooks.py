@@ -66,3 +66,19 @@ def test_samples_per_s_and_the_insurance_timer():
     assert later.insurance_due()
     later.saved()
     assert not later.insurance_due()
+
+
+def test_the_trainers_window_keeps_each_losss_step_and_phase_through_a_checkpoint():
+    a = books("window")
+    for step, loss, phase in [(1, 2.0, "A"), (2, float("nan"), "A"), (3, 1.5, "B")]:
+        a.add_loss(step, torch.tensor(loss), phase=phase)
+    saved = {"global_step": 3, **a.state_dict()}
+    assert saved["window_phases"] == ["A", "A", "B"]
+    b = books("window")
+    b.load_state_dict(saved)
+    window = b.take_window()
+    assert [(s, p) for s, _, p in window] == [(1, "A"), (2, "A"), (3, "B")] and window[1][1] != window[1][1]
+    assert b.take_window() == [] and "window_phases" not in b.state_dict()
+    old = books("window")  # a window saved without phases takes the phase it is read in
+    old.load_state_dict({"global_step": 2, "window_losses": [1.0, 2.0]})
+    assert [p for *_, p in old.take_window("C")] == ["C", "C"]

@@ -18,12 +18,11 @@ bar is set by what the run gained, not by a ratio to a small number. Calibrated 
 
 The guard's state is part of the run's exact state: both session paths save `state_dict()` in the checkpoint and
 load it back, so a run split into sessions stops, or does not, at the step an uninterrupted run would. Both wire it
-through session/stepbooks.py's StepBooks, whose two modes are the two paths' timings: the built-in Trainer reads
-each step's loss on the host anyway (its non-finite skip) and judges every step; the Session API judges only at
-log steps (multiples of log_every and the last step), from the window's losses read off the device in one go
-(`update_many`), so a step costs no host-device sync. Those steps do not depend on where sessions are cut, and the
-window not yet judged is saved with the checkpoint. A new
-`phase` (a new model of a multi-model recipe, a curriculum stage) and a stop restart the history: losses of a
+through session/stepbooks.py's StepBooks and judge only at log steps (multiples of log_every and the last step),
+from the window's losses read off the device in one go, so a step costs no host-device sync: the Session API
+with `update_many`, the built-in Trainer loss by loss within each loss's phase, after counting its non-finite
+skips. Those steps do not depend on where sessions are cut, and the window not yet judged is saved with the
+checkpoint. A new `phase` (a new model of a multi-model recipe, a curriculum stage) and a stop restart the history: losses of a
 new phase do not compare with the last one's, and a run resumed after a stop is judged from where it stands.
 """
 from __future__ import annotations

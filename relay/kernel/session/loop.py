@@ -17,7 +17,7 @@ import contextlib
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -77,6 +77,7 @@ class Trainer:
         self.train_set = recipe.train_dataset()
         self._batches: Optional[Iterator] = None
         self._shown: Optional[dict] = None  # what recipe.on_step last reported (e.g. the curriculum stage)
+        self._logged_loss = float("nan")  # the last train record's mean loss, for the progress bar
 
     @property
     def state(self) -> RunBook:
@@ -172,12 +173,15 @@ class Trainer:
                 self._after_step(loss)
                 bar.update(1)
                 if st.global_step % self.spec.optim.log_every_steps == 0:  # ~40 us: not every step
-                    bar.set_postfix(loss=f"{loss:.4f}", left=f"{self.clock.remaining():.0f}s", refresh=False)
+                    bar.set_postfix(loss=f"{self._logged_loss:.4f}", left=f"{self.clock.remaining():.0f}s",
+                                    refresh=False)
         finally:
             bar.close()
 
-    def _step(self) -> float:
-        """One optimizer step over `grad_accum` micro-batches (or a fit stage's step). Returns the mean loss."""
+    def _step(self) -> Any:
+        """One optimizer step over `grad_accum` micro-batches (or a fit stage's step). Returns the mean loss: a
+        float with several processes (agreed on at every step) and in a fit stage, else a device tensor that is
+        read with its window at the next log step."""
         if self.span.stage.fit:
             return self._fit_step()
         st, opt = self.state, self.optimizer
@@ -199,27 +203,49 @@ class Trainer:
             if not (self.world.active and memory.is_oom(err)):
                 raise
             oom = err
-        mean_loss = (total / st.grad_accum).item()  # the one host sync per optimizer step
+        mean = total / st.grad_accum
         if self.world.active:  # one small all-reduce: did any rank run out of memory, and the mean loss
-            n_oom, loss_sum = distributed.agree(self.world, [oom is not None, 0.0 if oom else mean_loss], self.device)
+            n_oom, loss_sum = distributed.agree(self.world, [oom is not None, 0.0 if oom else mean.item()],
+                                                self.device)
             if n_oom:
                 raise oom or _peer_oom()
-            mean_loss = loss_sum / self.world.size
+            loss = loss_sum / self.world.size
             distributed.average_gradients(self.model, self.world)
-        if math.isfinite(mean_loss):
-            st.nonfinite_streak = 0
-            if self.spec.optim.clip_grad_norm:
-                self.scaler.unscale_(opt)
-                nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.optim.clip_grad_norm)
-            self.scaler.step(opt)
-            self.scaler.update()
-        else:
-            self._non_finite(mean_loss)
+            if math.isfinite(loss):
+                st.nonfinite_streak = 0
+                self._optimizer_step(opt)
+            else:
+                self._non_finite(loss, st.global_step)
+        elif self._skips_on_device():
+            # No host read: the fused optimizer skips a non-finite step on the device (its found_inf, as a
+            # GradScaler tells it), and the skip is counted when the loss is read, at the next log step.
+            opt.found_inf = (~torch.isfinite(mean)).to(torch.float32)
+            try:
+                self._optimizer_step(opt)
+            finally:
+                del opt.found_inf
+            loss = mean
+        else:  # fp16's GradScaler: a non-finite loss must not reach its step and scale update
+            loss = mean
+            if math.isfinite(mean.item()):
+                self._optimizer_step(opt)
         self.scheduler.step()  # per optimizer step, skipped or not: lr stays a function of the step
         opt.zero_grad(set_to_none=True)
         st.global_step += 1
         self._record_step(t0)
-        return mean_loss
+        return loss
+
+    def _optimizer_step(self, opt: torch.optim.Optimizer) -> None:
+        if self.spec.optim.clip_grad_norm:
+            self.scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.optim.clip_grad_norm)
+        self.scaler.step(opt)
+        self.scaler.update()
+
+    def _skips_on_device(self) -> bool:
+        """A non-finite step can be skipped without reading the loss: no GradScaler (its step reads nothing of
+        ours), and an optimizer that takes found_inf (the fused AdamW this loop builds)."""
+        return not self.scaler.is_enabled() and getattr(self.optimizer, "_step_supports_amp_scaling", False)
 
     def _fit_step(self) -> float:
         t0 = time.perf_counter()
@@ -239,9 +265,11 @@ class Trainer:
     def diverged(self) -> Optional[str]:
         return self.step_books.diverged
 
-    def _after_step(self, loss: float) -> None:
+    def _after_step(self, loss: Any) -> None:
         st, spec = self.state, self.spec
-        if math.isfinite(loss):
+        if self.step_books.mode == "window":  # judged when read, at the log step (_read_window)
+            self.step_books.add_loss(st.global_step, loss, phase=self._phase)
+        elif math.isfinite(loss):  # several processes: the agreed loss, judged now
             self.step_books.add_loss(st.global_step, loss, phase=self._phase)
         if st.global_step % spec.optim.log_every_steps == 0 or st.global_step == self.total_steps:
             self._log_train()
@@ -254,12 +282,31 @@ class Trainer:
             self.save("best")
             return
 
+    def _read_window(self) -> list[float]:
+        """The window's losses read off the device at once (one sync per log step), taken in step order: a
+        non-finite one counts as a skipped step (its update was skipped on the device; enough in a row fall back
+        to fp32, or stop in fp32), a finite one resets that count and is judged by the divergence guard within
+        its phase. Log steps do not depend on where sessions are cut, and a save carries the window unread, so a
+        split run decides as the uninterrupted one. Returns the finite losses, what the train record averages."""
+        if self.step_books.mode != "window":
+            return self.step_books.end_window()
+        finite = []
+        for step, loss, phase in self.step_books.take_window(self._phase):
+            if math.isfinite(loss):
+                self.state.nonfinite_streak = 0
+                finite.append(loss)
+                self.step_books.judge(step, loss, phase)
+            else:
+                self._non_finite(loss, step - 1)  # the window holds the step count after it
+        return finite
+
     def _log_train(self) -> None:
         st = self.state
-        losses = self.step_books.end_window()
+        losses = self._read_window()
+        self._logged_loss = sum(losses) / max(1, len(losses))
         record = {
             "kind": "train", "step": st.global_step, "epoch": self.schedule.epoch_of(max(0, st.global_step - 1)),
-            "loss": sum(losses) / max(1, len(losses)),
+            "loss": self._logged_loss,
             "lr": self.scheduler.get_last_lr()[0] if self.scheduler else 0.0,
             "samples_per_s": self.samples_per_s(),
             "micro_batch": self._stage_micro_batch(), "grad_accum": st.grad_accum, **(self._shown or {}),
@@ -315,17 +362,18 @@ class Trainer:
         return self.track_best and self.state.score(metric, self.recipe.metric_mode, metrics.get(metric))
 
     # -- failure handling -----------------------------------------------------------------------
-    def _non_finite(self, loss: float) -> None:
+    def _non_finite(self, loss: float, step: int) -> None:
+        """Step `step` (0-based) had a non-finite loss and was skipped: count it; `nonfinite_patience` in a row
+        fall back to fp32, or stop a run already in fp32."""
         st = self.state
         st.nonfinite_streak += 1
         st.skipped_steps += 1
-        log.warning("non-finite loss %s at step %d: step skipped (%d in a row)", loss, st.global_step,
-                    st.nonfinite_streak)
+        log.warning("non-finite loss %s at step %d: step skipped (%d in a row)", loss, step, st.nonfinite_streak)
         if st.nonfinite_streak < self.spec.optim.nonfinite_patience:
             return
         if st.precision == "fp32":
             raise NonFiniteLossError(
-                f"loss was non-finite for {st.nonfinite_streak} steps in a row in fp32 at step {st.global_step};"
+                f"loss was non-finite for {st.nonfinite_streak} steps in a row in fp32 at step {step};"
                 " lower optim.lr or check the data")
         log.warning("falling back from %s to fp32 after %d non-finite losses", st.precision,
                     st.nonfinite_streak)

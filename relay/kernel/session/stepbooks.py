@@ -3,14 +3,15 @@ Trainer (session/loop.py) drives it: the step times and samples (the clock's ste
 logging window of losses, the divergence guard's wiring (session/divergence.py) and the insurance-save timer,
 with what of them goes into the checkpoint's `relay` dict.
 
-The two loops read the loss at different times and so keep their window in one of two modes, each with its own
-keys in the checkpoint (as they were before the books were one):
+The loss reaches the books in one of two modes, each with its own keys in the checkpoint:
 
-- "step" (the Trainer): the loss is a float already read on the host (its non-finite skip), judged by the guard at
-  every step; the checkpoint holds `window_losses` and `divergence` (None with no guard).
-- "window" (the Session API): the loss is kept as given, a device tensor unread, and the window is read off the
-  device at once at a log step, where the guard judges it (`update_many`), so a step costs no host-device sync;
-  the checkpoint holds `window_losses`, `window_steps` and, with a guard, `divergence`.
+- "window" (a script's loop, and the built-in Trainer in one process): the loss is kept as given, a device
+  tensor unread, and the window is read off the device at once at a log step, so a step costs no host-device
+  sync; there the Session API's guard judges it (`update_many`), and the Trainer counts its non-finite skips and
+  judges each loss within its phase (take_window, judge). The checkpoint holds `window_losses`, `window_steps`,
+  the Trainer's `window_phases` and, with a guard, `divergence`.
+- "step" (the Trainer with several processes): the loss is a float every rank agreed on, added as it comes (no
+  guard judges it); the checkpoint holds `window_losses` and `divergence` (None).
 
 Either way the guard's history and the unjudged window are part of the run's exact state: a run split into
 sessions logs the uninterrupted run's means and stops, or not, at its step.
@@ -26,7 +27,7 @@ from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.divergence import DivergenceGuard
 
 MODES = ("step", "window")
-KEYS = ("window_losses", "window_steps", "divergence")  # what the books own in the checkpoint's `relay` dict
+KEYS = ("window_losses", "window_steps", "window_phases", "divergence")  # what the books own in the checkpoint's `relay` dict
 
 
 class StepBooks:
@@ -38,6 +39,7 @@ class StepBooks:
         self.diverged: Optional[str] = None  # why the session stops itself on a diverging loss
         self.losses: list = []  # the losses since the last log step ("window": as given, device tensors unread)
         self.steps: list[int] = []  # "window": the step of each, what the guard's reason names
+        self.phases: list = []  # "window" given phases (the Trainer's): the phase of each, which the guard compares within
         self.samples = 0  # this session's samples and training seconds: its samples/s
         self.seconds = 0.0
         self.last_save = time.monotonic()
@@ -62,6 +64,8 @@ class StepBooks:
         self.losses.append(loss)
         if self.mode == "window":
             self.steps.append(step)
+            if phase is not None:
+                self.phases.append(phase)
         elif self.guard is not None and self.diverged is None:
             self.diverged = self.guard.update(step, loss, phase=phase)
 
@@ -69,10 +73,25 @@ class StepBooks:
         """A log step: the window's losses as floats (one device read) and a new window. "window" mode judges them
         here unless `judge` is False (several processes: the losses are agreed on, not judged)."""
         losses, steps = read_losses(self.losses) if self.mode == "window" else self.losses, self.steps
-        self.losses, self.steps = [], []
+        self.losses, self.steps, self.phases = [], [], []
         if judge and self.mode == "window" and losses and self.guard is not None and self.diverged is None:
             self.diverged = self.guard.update_many(steps, losses)
         return losses
+
+    def take_window(self, phase: Optional[str] = None) -> list[tuple[int, float, Optional[str]]]:
+        """"window": the window read off the device at once, each loss with its step and phase, in step order, and
+        a new window; the caller judges them (judge()). A window saved before phases were kept takes `phase`."""
+        losses = read_losses(self.losses)
+        phases = self.phases if len(self.phases) == len(losses) else [phase] * len(losses)
+        window = list(zip(self.steps, losses, phases))
+        self.losses, self.steps, self.phases = [], [], []
+        return window
+
+    def judge(self, step: int, loss: float, phase: Optional[str] = None) -> None:
+        """One finite loss to the divergence guard, within its phase (a stage's losses compare only with each
+        other), unless the run already diverged."""
+        if self.guard is not None and self.diverged is None:
+            self.diverged = self.guard.update(step, loss, phase=phase)
 
     # -- the insurance save -----------------------------------------------------------------------------
     def insurance_due(self) -> bool:
@@ -102,6 +121,7 @@ class StepBooks:
         if self.mode == "step":
             return {"window_losses": list(self.losses), "divergence": guard}
         return {"window_losses": list(self.losses), "window_steps": list(self.steps),
+                **({"window_phases": list(self.phases)} if self.phases else {}),
                 **({"divergence": guard} if guard is not None else {})}
 
     def load_state_dict(self, relay: dict) -> None:
@@ -113,6 +133,7 @@ class StepBooks:
         if self.mode == "window":
             step = int(relay.get("global_step", 0))
             self.steps = list(relay.get("window_steps") or range(step - len(self.losses) + 1, step + 1))
+            self.phases = list(relay.get("window_phases") or [])
 
 
 def read_losses(values: list) -> list[float]:
