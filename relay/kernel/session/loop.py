@@ -41,9 +41,6 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
-TrainState = RunBook  # its name before both session paths kept one book
-
-
 class Trainer:
     """The built-in loop, a driver of one Session (session/api.py), as a user's loop is: the session holds the
     run's book, restores and saves the registered model, optimizer, scheduler and scaler with the RNGs, decides
@@ -261,15 +258,11 @@ class Trainer:
     def samples_per_s(self) -> float:
         return self.step_books.samples_per_s() or 0.0
 
-    @property
-    def diverged(self) -> Optional[str]:
-        return self.step_books.diverged
-
     def _after_step(self, loss: Any) -> None:
         st, spec = self.state, self.spec
-        if self.step_books.mode == "window":  # judged when read, at the log step (_read_window)
-            self.step_books.add_loss(st.global_step, loss, phase=self._phase)
-        elif math.isfinite(loss):  # several processes: the agreed loss, judged now
+        # one process: a device tensor, counted and judged when read at the log step (_read_window); several: the
+        # agreed float, a non-finite one already counted in _step
+        if self.step_books.mode == "window" or math.isfinite(loss):
             self.step_books.add_loss(st.global_step, loss, phase=self._phase)
         if st.global_step % spec.optim.log_every_steps == 0 or st.global_step == self.total_steps:
             self._log_train()

@@ -66,8 +66,8 @@ class StepBooks:
             self.steps.append(step)
             if phase is not None:
                 self.phases.append(phase)
-        elif self.guard is not None and self.diverged is None:
-            self.diverged = self.guard.update(step, loss, phase=phase)
+        else:
+            self.judge(step, loss, phase)
 
     def end_window(self, judge: bool = True) -> list[float]:
         """A log step: the window's losses as floats (one device read) and a new window. "window" mode judges them
