@@ -16,6 +16,12 @@ CUDA, the pre-flight against the session (`run_preflight`, issue 48): `relay tra
 session record, the pre-flight's figure, and its ratio to the trained peak (1.0-1.1 is the goal).
 Run: `python bench/bench_vqa.py [--steps N --repeats N]`; `run()` returns the named figures;
 `python bench/bench_vqa.py --preflight [--out DIR]` only the pre-flight check (a few minutes on an H100).
+
+CUDA, the back-off (`run_backoff`, issue 48 part 2): the same student as a T4 at micro-batch 24 x 1 without
+activation checkpointing, more than 15 GB hold, through `relay verify-resume --steps 6 --cut-at 3` (one session
+killed mid-save): the micro-batch each session backs off to, and whether the split run ends identical to the
+straight one. `python bench/bench_vqa.py --backoff [--out DIR]`; on CPU (`--spec vqa-tiny.yaml --micro 8
+--emulate none`) the same path runs with nothing to back off from.
 """
 from __future__ import annotations
 
@@ -172,6 +178,36 @@ PHASES = ("setup", "preflight_train", "preflight_eval", "train", "eval", "save")
 TRAINED = ("setup", "train", "eval", "save")  # what the session itself ran; the pre-flight must bound their peak
 
 
+def _env() -> dict:
+    path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))  # carried wheels stay
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1"}
+
+
+RELAY = [sys.executable, "-m", "relay"]
+
+
+def _data(tmp: Path, env: dict) -> str | None:
+    """240 train questions (26 steps an epoch at 9), 8 val: the eval is the real one at answer length, 2 batches.
+    None when made, else what went wrong (said, not raised: the caller prints it)."""
+    made = subprocess.run([*RELAY, "data", "vqa", "--out", str(tmp / "data"), "--val", "8", "--test", "4"],
+                          env=env, capture_output=True, text=True, cwd=REPO)
+    return f"rc={made.returncode}: {(made.stdout + made.stderr)[-1500:]}" if made.returncode else None
+
+
+def _spec(spec_file: str, tmp: Path, name: str, optim: dict, session: dict | None = None) -> Path:
+    """examples/`spec_file` with `optim` and `session` changes, one save kept (no second multi-GB write) and no
+    best checkpoint, written to tmp/`name`.yaml."""
+    raw = yaml.safe_load((REPO / "examples" / spec_file).read_text())
+    raw["params"]["data_dir"] = str(tmp / "data")
+    raw.setdefault("optim", {}).update(optim)
+    raw.setdefault("session", {}).update(session or {})
+    raw.setdefault("checkpoints", {}).update(keep_best=False, keep_last=1)
+    spec = tmp / f"{name}.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    return spec
+
+
 def run_preflight(steps: int = 12, out_dir: Path | None = None, modes: tuple[str, ...] = ("none", "t4"),
                   spec_file: str = "vqa-t4.yaml") -> dict:
     """The real-size VQA student trained by `relay train` for `steps` steps (an eval at steps/2 and at the end,
@@ -183,26 +219,16 @@ def run_preflight(steps: int = 12, out_dir: Path | None = None, modes: tuple[str
         tmp = Path(tmp)
         logs = Path(out_dir) if out_dir else tmp
         logs.mkdir(parents=True, exist_ok=True)
-        path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))  # carried wheels stay
-        env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "PYTHONUNBUFFERED": "1"}
-        relay = [sys.executable, "-m", "relay"]
-        # 240 train questions (26 steps an epoch), 8 val: the eval is the real one at answer length, 2 batches
-        made = subprocess.run([*relay, "data", "vqa", "--out", str(tmp / "data"), "--val", "8", "--test", "4"],
-                              env=env, capture_output=True, text=True, cwd=REPO)
-        if made.returncode:  # said, not raised: the caller prints what went wrong
-            return {"vqa_preflight_data_failed": f"rc={made.returncode}: {(made.stdout + made.stderr)[-1500:]}"}
-        raw = yaml.safe_load((REPO / "examples" / spec_file).read_text())
-        raw.setdefault("optim", {})["eval_every_steps"] = max(1, steps // 2)
-        # one save, the final one: the save phase is measured without a second 3.6 GB write
-        raw.setdefault("checkpoints", {}).update(keep_best=False, keep_last=1)
-        spec = tmp / "vqa-real.yaml"
-        spec.write_text(yaml.safe_dump(raw))
+        env = _env()
+        failed = _data(tmp, env)
+        if failed:
+            return {"vqa_preflight_data_failed": failed}
+        spec = _spec(spec_file, tmp, "vqa-real", {"eval_every_steps": max(1, steps // 2)})
         procs = {}
         for mode in modes:
             log = open(logs / f"vqa-preflight-{mode}.log", "w")
             procs[mode] = (subprocess.Popen(
-                [*relay, "train", str(spec), "--workdir", str(tmp / f"w-{mode}"), "--budget", "none",
+                [*RELAY, "train", str(spec), "--workdir", str(tmp / f"w-{mode}"), "--budget", "none",
                  "--max-steps", str(steps), "--data", str(tmp / "data")],
                 env={**env, "RELAY_EMULATE_GPU": mode}, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), log)
         for mode, (proc, log) in procs.items():
@@ -232,6 +258,49 @@ def run_preflight(steps: int = 12, out_dir: Path | None = None, modes: tuple[str
     return out
 
 
+def run_backoff(steps: int = 6, micro: int = 24, out_dir: Path | None = None, spec_file: str = "vqa-t4.yaml",
+                emulate: str = "t4") -> dict:
+    """The OOM ladder on a T4's memory and the exact resume after it (issue 48 part 2): the real-size VQA student
+    at micro-batch `micro` x 1 without activation checkpointing (more than a T4's 15 GB hold, so the pre-flight
+    backs off), as a T4 (session.emulate), through `relay verify-resume --steps N --cut-at N/2`: N steps
+    straight against sessions cut at N/2, the second killed mid-save. Figures: per session of each run the
+    micro-batch it trained at, the rungs it took, its pre-flight figure and peak; the verdict."""
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        logs = Path(out_dir) if out_dir else tmp
+        logs.mkdir(parents=True, exist_ok=True)
+        env = _env()
+        failed = _data(tmp, env)
+        if failed:
+            return {"vqa_backoff_data_failed": failed}
+        spec = _spec(spec_file, tmp, "vqa-backoff",
+                     {"micro_batch": micro, "grad_accum": 1, "activation_checkpointing": False,
+                      "eval_every_steps": steps},
+                     {"emulate": None if emulate == "none" else emulate})
+        env.pop("RELAY_EMULATE_GPU", None)  # the spec's session.emulate decides
+        t0 = time.monotonic()
+        done = subprocess.run([*RELAY, "verify-resume", str(spec), "--steps", str(steps), "--cut-at",
+                               str(steps // 2), "--workdir", str(tmp / "verify")],
+                              env=env, capture_output=True, text=True, cwd=REPO)
+        (logs / "vqa-backoff.log").write_text(done.stdout + done.stderr)
+        out["vqa_backoff_rc"] = done.returncode
+        out["vqa_backoff_verdict"] = done.stdout.strip()[-600:] or done.stderr.strip()[-1500:]
+        out["vqa_backoff_seconds"] = round(time.monotonic() - t0, 1)
+        for run in ("straight", "split"):
+            progress = tmp / "verify" / run / "progress.json"
+            if not progress.exists():
+                continue
+            p = json.loads(progress.read_text())
+            out[f"vqa_backoff_{run}"] = {
+                "precision": p.get("precision"), "steps": p.get("global_step"), "emulate": emulate,
+                "ends_at": f"micro-batch {p.get('micro_batch')} x {p.get('grad_accum')}",
+                "sessions": [{k: s.get(k) for k in ("step_start", "step_end", "stop_reason", "memory_rungs",
+                                                      "preflight_mb", "peak_mem_mb", "emulated")}
+                             for s in p.get("sessions", [])]}
+    return out
+
+
 def print_preflight(figures: dict) -> None:
     """One compact table per mode: phase, peak allocated / reserved MB, and the pre-flight's ratio."""
     for key, f in figures.items():
@@ -244,6 +313,20 @@ def print_preflight(figures: dict) -> None:
             print(f"  {phase:16s} {f['phases_mb'][phase]!s:>9} MB alloc  {f['reserved_mb'][phase]!s:>9} MB reserved")
         print(f"  pre-flight {f['preflight_mb']} MB / trained peak {f['trained_peak_mb']} MB = ratio {f['ratio']} "
               "(goal 1.0-1.1)")
+
+
+def print_backoff(figures: dict) -> None:
+    """The verdict, then a line per session of each run: its steps, the micro-batch rungs it took, its peaks."""
+    print(f"vqa back-off: rc={figures.get('vqa_backoff_rc')} {figures.get('vqa_backoff_seconds')} s; verdict: "
+          + str(figures.get("vqa_backoff_verdict", figures)).replace("\n", " /"))
+    for run in ("straight", "split"):
+        f = figures.get(f"vqa_backoff_{run}")
+        if not f:
+            continue
+        print(f"  {run}: {f['precision']} as {f['emulate']}, {f['steps']} steps, ends at {f['ends_at']}")
+        for s in f["sessions"]:
+            print(f"    {s['step_start']}->{s['step_end']} ({s['stop_reason']}): rungs {s['memory_rungs'] or []},"
+                  f" pre-flight {s['preflight_mb']} MB, peak {s['peak_mem_mb']} MB, as {s['emulated'] or 'itself'}")
 
 
 def run(steps: int = 20, repeats: int = 3) -> dict:
@@ -259,10 +342,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--preflight", action="store_true", help="only the pre-flight vs session peaks (CUDA)")
-    ap.add_argument("--out", type=Path, default=None, help="folder for the sessions' logs (--preflight)")
+    ap.add_argument("--backoff", action="store_true",
+                    help="only the OOM back-off on a T4's memory and the exact resume after it (CUDA)")
+    ap.add_argument("--spec", default="vqa-t4.yaml", help="the example spec of --preflight and --backoff")
+    ap.add_argument("--micro", type=int, default=24, help="--backoff: the micro-batch it starts at (x 1)")
+    ap.add_argument("--emulate", default="t4", help="--backoff: the GPU to run as (none: as itself)")
+    ap.add_argument("--out", type=Path, default=None, help="folder for the sessions' logs")
     a = ap.parse_args()
     if a.preflight:
-        print_preflight(run_preflight(out_dir=a.out))
+        print_preflight(run_preflight(out_dir=a.out, spec_file=a.spec))
+        return
+    if a.backoff:
+        print_backoff(run_backoff(micro=a.micro, out_dir=a.out, spec_file=a.spec, emulate=a.emulate))
         return
     print(json.dumps(run(a.steps, a.repeats), indent=1))
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA paths on a lent GPU machine (no CI runs there): every tiny spec trained by `relay train`, the
 # plain-loop example with AMP relayed over sessions by `relay verify-resume`, the HF and Lightning examples likewise.
-# Run from the repo root: `bash bench/gpu_check.sh OUT_DIR [SECTION ...]`, sections `tiny vqa loop exact` (all by
-# default; the whole takes over 10 minutes on an H100, so a lent machine's one call picks some). Each run's
+# Run from the repo root: `bash bench/gpu_check.sh OUT_DIR [SECTION ...]`, sections `tiny vqa backoff loop exact`
+# (all by default; the whole takes over 10 minutes on an H100, so a lent machine's one call picks some: issue 48's
+# figures are `vqa backoff loop`, vqa and backoff running at once, then loop on a quiet GPU). Each run's
 # progress.json summary and wall time are printed; logs go to OUT_DIR. On a CPU-only machine the same commands take
 # the CPU paths.
 set -uo pipefail
@@ -16,7 +17,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 out=${1:-/tmp/gpu-check}
 mkdir -p "$out"
 sections=("${@:2}")
-[ ${#sections[@]} -eq 0 ] && sections=(tiny vqa loop exact)
+[ ${#sections[@]} -eq 0 ] && sections=(tiny vqa backoff loop exact)
 want() { [[ " ${sections[*]} " == *" $1 "* ]]; }
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -64,10 +65,23 @@ fi
 # The pre-flight's figure against the session's peak per phase (issue 48): the real-size VQA student
 # (examples/vqa-t4.yaml on `relay data vqa` data) for 12 steps with an eval and a save, as this GPU and as a T4
 # (RELAY_EMULATE_GPU=t4: 15102 MiB cap, fp16 + GradScaler), both sessions at once (~2-3 min on an H100).
+# The OOM ladder on a T4's memory and the exact resume after it (issue 48 part 2): the same student as a T4 at
+# micro-batch 24 x 1 without activation checkpointing, split by verify-resume (one session killed mid-save), in the
+# background beside the pre-flight sessions (each process is capped at 15 GB; their speeds are not the figures).
+if want backoff; then
+  (t0=$SECONDS
+   "$py" bench/bench_vqa.py --backoff --out "$out" >"$out/vqa-backoff.out" 2>"$out/vqa-backoff.err"
+   echo "rc=$? $((SECONDS - t0)) s" >>"$out/vqa-backoff.out") &
+  backoff_pid=$!
+fi
 if want vqa; then
   t0=$SECONDS
   "$py" bench/bench_vqa.py --preflight --out "$out" 2>"$out/vqa-preflight.err" || { echo "vqa pre-flight: FAILED"; tail -5 "$out/vqa-preflight.err"; }
   echo "vqa pre-flight vs session peaks: $((SECONDS - t0)) s (logs $out/vqa-preflight-*.log)"
+fi
+if want backoff; then
+  wait "$backoff_pid"
+  cat "$out/vqa-backoff.out"; tail -5 "$out/vqa-backoff.err"
 fi
 
 # What the Session API's step costs beside a hand-written loop's (issue 48: <= 1.03x at ~2 ms steps), ~70 s.
