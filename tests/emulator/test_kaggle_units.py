@@ -16,7 +16,8 @@ from relay.orchestrator.kaggle import KaggleHTTPError, RetriesExhausted, RetryPo
 from relay.orchestrator.kaggle.bundle import build_bundle
 from relay.orchestrator.kaggle.credentials import resolve
 from relay.orchestrator.kaggle.kernel_source import render, run_id_marker
-from relay.orchestrator.kaggle.retry import call, is_transient
+from relay.orchestrator.kaggle.retry import call, is_transient, unless_absent
+from relay.orchestrator.kaggle.types import NotFound
 from relay.shared.errors import InputError
 from relay.shared.session_plan import SessionPlan
 
@@ -47,6 +48,23 @@ def test_retry_honours_retry_after_and_is_bounded():
     with pytest.raises(KaggleHTTPError, match="^missing: HTTP 404$") as answered:  # an answer, not a glitch:
         call(lambda: asked.append(1) or (_ for _ in ()).throw(http_error(404)), policy, "missing")  # one line,
     assert len(asked) == 1 and answered.value.response.status_code == 404  # asked once, the response kept
+
+
+def test_a_404_is_the_absent_answer_and_any_other_error_goes_up():
+    def fails(exc):
+        def call():
+            raise exc
+        return call
+
+    assert unless_absent(lambda: "there", None) == "there"
+    assert unless_absent(fails(http_error(404)), None) is None
+    assert unless_absent(fails(http_error(200, body=b'{"code": 404}')), "absent") == "absent"  # 404 in a 200's body
+    with pytest.raises(NotFound, match="^kernel a/b: not found$") as raised:
+        unless_absent(fails(http_error(404)), NotFound("kernel a/b: not found"))
+    assert raised.value.__cause__.response.status_code == 404  # the answer kept
+    for other in (http_error(403), http_error(500), requests.ConnectionError("reset")):
+        with pytest.raises(type(other)):
+            unless_absent(fails(other), None)
 
 
 def test_transient_classification_reads_json_error_code_on_http_200():

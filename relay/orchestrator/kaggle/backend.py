@@ -19,7 +19,7 @@ from relay.orchestrator.kaggle.bundle import build_bundle
 from relay.orchestrator.kaggle.client import KaggleClient
 from relay.orchestrator.kaggle.credentials import KaggleCredentials, resolve
 from relay.orchestrator.kaggle.datasets import DatasetPublisher, list_dataset_files
-from relay.orchestrator.kaggle.retry import RetryPolicy, http_status
+from relay.orchestrator.kaggle.retry import RetryPolicy, http_status, unless_absent
 from relay.shared.errors import InputError
 from relay.shared.spec import DEFAULT_GPU_SHAPE
 from relay.orchestrator.kaggle.types import (DatasetFile, KaggleError, KernelState, KernelStatus, NotFound, PublishResult,
@@ -182,12 +182,7 @@ class ClientBackend:
             request.user_name, request.kernel_slug = owner, f"{slug}/{version}" if version else slug
             return kaggle.kernels.kernels_api_client.get_kernel(request)
 
-        try:
-            return self.client.sdk(f"get kernel {owner}/{slug}", get)
-        except Exception as exc:  # noqa: BLE001
-            if http_status(exc) == 404:
-                return None
-            raise
+        return unless_absent(lambda: self.client.sdk(f"get kernel {owner}/{slug}", get), None)
 
     # -- what the relay observes (it keeps no state of its own) ----------------------------------
     @property
@@ -238,13 +233,11 @@ class ClientBackend:
         ref = f"{dataset}/{version}" if version else dataset  # the client reads owner/slug/N as version N
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
-        try:
-            self.client.run(f"download {ref}/{name}",
-                            lambda api: api.dataset_download_file(ref, name, path=str(dest), force=True))
-        except Exception as exc:  # noqa: BLE001
-            if http_status(exc) == 404:
-                raise NotFound(f"dataset {dataset}: no file {name}") from exc
-            raise
+        def download(api):
+            return api.dataset_download_file(ref, name, path=str(dest), force=True)
+
+        unless_absent(lambda: self.client.run(f"download {ref}/{name}", download),
+                      NotFound(f"dataset {dataset}: no file {name}"))
         return dest / name
 
     def kernel_status(self, kernel: str, version: Optional[int] = None) -> KernelStatus:
@@ -285,12 +278,9 @@ class ClientBackend:
             request.user_name, request.kernel_slug = owner, slug
             return kaggle.kernels.kernels_api_client.delete_kernel(request)
 
-        try:
-            response = self.client.sdk(f"delete kernel {kernel}", delete)
-        except Exception as exc:  # noqa: BLE001
-            if http_status(exc) == 404:
-                return False
-            raise
+        response = unless_absent(lambda: self.client.sdk(f"delete kernel {kernel}", delete), None)
+        if response is None:
+            return False
         if response.error_message:
             raise KaggleError(f"delete kernel {kernel}: {response.error_message}")
         return True

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from relay.orchestrator.kaggle.client import KaggleClient
-from relay.orchestrator.kaggle.retry import http_status
+from relay.orchestrator.kaggle.retry import http_status, unless_absent
 from relay.orchestrator.kaggle.types import DatasetFile, KaggleError, NotFound, PublishError, PublishResult
 from relay.shared.errors import InputError
 
@@ -53,12 +53,8 @@ def list_dataset_files(client: KaggleClient, dataset: str, version: Optional[int
     files: List[DatasetFile] = []
     token: Optional[str] = None
     while True:
-        try:
-            response = client.run(f"files of {ref}", lambda api, t=token: api.dataset_list_files(ref, t, 200))
-        except Exception as exc:  # noqa: BLE001
-            if http_status(exc) == 404:
-                raise NotFound(f"dataset {ref}: not found") from exc
-            raise
+        response = unless_absent(lambda t=token: client.run(
+            f"files of {ref}", lambda api: api.dataset_list_files(ref, t, 200)), NotFound(f"dataset {ref}: not found"))
         if getattr(response, "error_message", None):
             raise KaggleError(f"dataset {ref}: {response.error_message}")
         files += [DatasetFile(f.name, int(f.total_bytes or 0), str(f.creation_date or "")) for f in response.files]
@@ -127,12 +123,9 @@ class DatasetPublisher:
             request.owner_slug, request.dataset_slug = dataset.split("/", 1)
             return kaggle.datasets.dataset_api_client.get_dataset(request)
 
-        try:
-            response = self.client.sdk(f"get dataset {dataset}", get)
-        except Exception as exc:  # noqa: BLE001
-            if http_status(exc) == 404:
-                return None
-            raise
+        response = unless_absent(lambda: self.client.sdk(f"get dataset {dataset}", get), None)
+        if response is None:
+            return None
         notes = {v.version_number: v.version_notes or "" for v in response.versions or []}
         return {"current": response.current_version_number or 0, "description": response.description or "",
                 "notes": notes}
@@ -219,12 +212,9 @@ class DatasetPublisher:
             delay = min(self.poll_s, delay * 2)
 
     def _status(self, dataset: str) -> str:
-        try:
-            return str(self.client.run(f"status of {dataset}", lambda api: api.dataset_status(dataset))).lower()
-        except Exception as exc:  # noqa: BLE001
-            if http_status(exc) == 404:
-                return "absent"
-            raise
+        status = unless_absent(lambda: self.client.run(f"status of {dataset}", lambda api: api.dataset_status(dataset)),
+                               "absent")
+        return str(status).lower()
 
     def _verify(self, dataset: str, version: int, files: Dict[str, dict]) -> None:
         listed = {f.name: f.size for f in self._files_of_new_version(dataset, version)}

@@ -17,8 +17,7 @@ from typing import Any, List, Optional, Tuple
 
 from relay.orchestrator.kaggle.client import KaggleClient
 from relay.orchestrator.kaggle.kernel_source import MARKER_FILE
-from relay.orchestrator.kaggle.retry import call, request_timeout
-from relay.orchestrator.kaggle.retry import http_status
+from relay.orchestrator.kaggle.retry import call, request_timeout, unless_absent
 from relay.orchestrator.kaggle.types import KaggleError, NotFound, SessionOutput
 from relay.shared.errors import InputError
 
@@ -44,12 +43,8 @@ def list_output(client: KaggleClient, owner: str, slug: str,
                 request.version_label = f"v{version}"
             return kaggle.kernels.kernels_api_client.list_kernel_session_output(request)
 
-        try:
-            response = client.sdk(f"output of {owner}/{slug}", page)
-        except Exception as exc:  # noqa: BLE001
-            if http_status(exc) == 404:
-                raise NotFound(f"kernel {owner}/{slug}: not found") from exc
-            raise
+        response = unless_absent(lambda: client.sdk(f"output of {owner}/{slug}", page),
+                                 NotFound(f"kernel {owner}/{slug}: not found"))
         files += [(f.file_name, f.url) for f in response.files or []]
         log_text = response.log or log_text
         token = response.next_page_token or ""

@@ -93,6 +93,19 @@ def http_status(exc: BaseException) -> Optional[int]:
     return status
 
 
+def unless_absent(call: Callable[[], T], absent):
+    """call()'s answer; on Kaggle's 404 (no such kernel, dataset or file) `absent` instead: raised if it is an
+    exception (a NotFound naming what was asked), else returned (None, False, "absent")."""
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - a 404 is an answer; anything else goes up as it came
+        if http_status(exc) != 404:
+            raise
+        if isinstance(absent, BaseException):
+            raise absent from exc
+        return absent
+
+
 def is_transient(exc: BaseException) -> bool:
     """429, 5xx, connection-level failures and timeouts, and answers that are not JSON where JSON was due
     (a front end's error page); a 4xx other than 408/429 is an answer, not a glitch."""
