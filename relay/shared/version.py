@@ -10,7 +10,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]  # relay/
 # `python -m relay train` enters by, and the public surface the user's code imports (docs/your-code.md), the
 # paths documented before the package split included. The orchestrator and the emulator stay home: changing
 # them changes no code version.
-KERNEL_PARTS = ("__init__.py", "__main__.py", "cli.py", "front_door.py", "shared", "kernel",
+KERNEL_PARTS = ("__init__.py", "__main__.py", "cli.py", "commands.py", "front_door.py", "shared", "kernel",
                 "hf.py", "lightning.py", "accelerate.py", "recipes.py", "integrations")
 
 

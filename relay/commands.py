@@ -1,0 +1,261 @@
+"""What each `relay` subcommand does, given its parsed arguments (relay/cli.py parses them): a thin shell over
+the library function that does the work, importing it only when the subcommand runs (an orchestrator-only
+install has no training stack, and `relay status` should not pay for torch's import)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Optional
+
+from relay.shared import accelerators
+from relay.shared.errors import InputError
+
+UNSET = object()  # a flag not given, told apart from one given as 'none' (None)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from relay.kernel.run import run_session
+    from relay.front_door import load_spec
+
+    from relay.shared.session_plan import SessionPlan
+
+    # the session's plan (the kernel script writes it: relay/shared/session_plan.py), trusted as it is; a flag
+    # given beside it wins, and the flags alone (by hand, the kernels pushed before the plan) work as they did
+    plan = SessionPlan.read(args.plan) if args.plan else SessionPlan()
+    overrides = {}
+    if args.budget is not UNSET:
+        overrides["session.budget"] = args.budget
+    if args.max_steps is not UNSET:
+        overrides["session.max_steps"] = args.max_steps
+    spec = load_spec(args.spec, overrides)
+    budget = plan.budget if plan.budget is not None and args.budget is UNSET else spec.session.budget
+    deadline = args.deadline if args.deadline is not None else plan.deadline
+    resume_from = args.resume_from or list(plan.resume_from)
+    data = args.data or plan.data
+    features = args.features or list(plan.features)
+    run_id = args.run_id or plan.run_id
+    if spec.code is not None and spec.code.entry:  # the user's own loop (relay/kernel/entry.py)
+        from relay.kernel import entry
+
+        from relay.kernel.session.settings import SessionSettings
+
+        config = SessionSettings.from_spec(
+            spec, Path(args.workdir), budget=budget, deadline=deadline,
+            max_steps=spec.session.max_steps, resume_from=resume_from, data_dir=data,
+            feature_dirs=features, run_id=run_id)
+        progress = entry.run_entry(spec, config)
+        print(f"relay: {progress['status']} at step {progress['global_step']}/{progress['total_steps']}"
+              f" (session {len(progress['sessions'])}, stop: {progress['stop_reason']});"
+              f" weights {(progress['weights_sha256'] or '?')[:16]}")
+        return 0
+    progress = run_session(
+        spec, Path(args.workdir), budget=budget, deadline=deadline,
+        resume_from=[Path(p) for p in resume_from], data_dir=Path(data) if data else None,
+        feature_dirs=[Path(p) for p in features], run_id=run_id,
+    )
+    m = progress["metrics"]
+    metric = ", ".join(f"{k}={v:.4g}" for k, v in m.items() if k != "step")
+    print(f"relay: {progress['status']} at step {progress['global_step']}/{progress['total_steps']}"
+          f" (epoch {progress['epoch']}, session {len(progress['sessions'])}, stop: {progress['stop_reason']})"
+          f"{' ' + metric if metric else ''}; weights {progress['weights_sha256'][:16]}")
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from relay.kernel.recipes import legal_data, price_data, recsys_data, temporal_data, vqa_data
+
+    generators = {"price-model": price_data.main, "vqa": vqa_data.main, "legal": legal_data.main,
+                  "temporal": temporal_data.main, "recsys": recsys_data.main}
+    return generators[args.workload](args.rest) or 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from datetime import datetime, timezone
+
+    from relay.orchestrator import measured, plan as planner, policy
+    from relay.front_door import load_spec
+
+    spec = load_spec(args.spec)
+    progress = _load_progress(args.progress) if args.progress else {}
+    # start-up, save and hand-over: the flags, else measured over this run's records (--progress) or a previous
+    # relay's (--from NAME: its published progress.json, read from Kaggle), else the spec's and the defaults
+    measured_from = _previous_relay(args.from_relay, args.credentials_block) if args.from_relay else progress
+    figures = measured.overheads(spec, measured_from, startup=args.startup, save=args.save, handover=args.handover)
+    total = None
+    if not progress:
+        if spec.optim.max_steps:
+            total = spec.optim.max_steps
+        elif args.train_samples:
+            total = spec.optim.epochs * (args.train_samples // (spec.optim.micro_batch * spec.optim.grad_accum))
+        if total is None:
+            raise InputError("relay plan: the run's length is unknown before its first session:"
+                             " pass --train-samples N (the training set size) or set optim.max_steps")
+        if args.step_seconds is None:
+            raise InputError("relay plan: no session has measured a step yet: pass --step-seconds S")
+    now = datetime.now(timezone.utc)
+    ledger = [(s["started"], s.get("seconds", 0.0)) for s in progress.get("sessions", [])]
+    quota = planner.quota_from_ledger(ledger, now, total_allowed_s=spec.kaggle.weekly_gpu_quota)
+    limits = policy.plan_limits(spec, figures)
+    try:
+        plan = planner.plan_from_progress(progress, quota, now, limits=limits, step_seconds_estimate=args.step_seconds,
+                                          total_steps=total, steps_per_epoch=progress.get("steps_per_epoch"))
+    except planner.PlanError as err:
+        raise InputError(f"relay plan: {err} (see relay plan --help)") from None
+    print(planner.format_plan(plan))
+    print(measured.goodput_line(measured.expected_goodput(plan.sessions, figures, spec.session.save_every), figures,
+                                spec.kaggle.weekly_gpu_quota)
+          + (f"; figures of relay {args.from_relay}" if args.from_relay else ""))
+    procs = spec.session.devices if spec.session.devices != "auto" else accelerators.gpus_of(spec.kaggle.machine_shape)
+    if spec.recipe is not None:
+        from relay.kernel.usercode import recipe_params  # a user recipe's Params are in its own module
+
+        fit_only = recipe_params(spec).fit_only
+    else:
+        fit_only = False
+    why = f"recipe {spec.recipe} is made only of fit stages" if fit_only else f"machine {spec.kaggle.machine_shape}"
+    print(f"processes per session: {1 if fit_only else procs} (session.devices: {spec.session.devices}, {why});"
+          " step times are of one optimizer step with all of them")
+    return 0
+
+
+def _previous_relay(name: str, credentials_block: Optional[str]) -> dict:
+    """The published progress.json of relay NAME (its sessions' and charges' records), read from Kaggle."""
+    from relay.orchestrator import status
+
+    found = status.find_relay(name, lambda: _backend(credentials_block), "relay plan --from")
+    if not (found[4].published or {}).get("sessions"):
+        raise InputError(f"relay plan --from {name}: the relay has handed no session over yet: nothing measured")
+    return found[4].published
+
+
+def _backend(credentials_block: Optional[str]):
+    """Kaggle (or the emulator at RELAY_KAGGLE_ENDPOINT) with the account of a Prefect Secret block, or of the
+    environment / ~/.kaggle without one."""
+    if credentials_block:
+        from tasks.relay_step import make_backend
+
+        return make_backend(credentials_block)
+    from relay.orchestrator.kaggle import from_env
+
+    return from_env()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from relay.orchestrator import report
+
+    if not Path(args.dir).is_dir():  # a relay name or a spec: read from Kaggle
+        from relay.orchestrator import status
+
+        _, run_spec = status.resolve_name(args.dir)
+        block = args.credentials_block or run_spec.kaggle.credentials_block
+        return status.report(args.dir, lambda: _backend(block), Path(args.out) if args.out else None)
+    progress = _load_progress(args.dir)
+    print(report.format_table(report.session_table(progress)))
+    best = progress.get("best") or {}
+    print(f"\n{progress['status']}: step {progress['global_step']}/{progress['total_steps']},"
+          f" last eval {progress.get('metrics')}, best {best.get('metric')}={best.get('value')}")
+    out = Path(args.dir) if Path(args.dir).is_dir() else Path(args.dir).parent
+    if report.read_metrics(out):  # a folder the relay wrote may hold progress.json without metrics.jsonl
+        print(f"curves: {report.plot_curves(out, out / 'curves.png', progress=progress)}")
+    else:
+        print(f"curves: none (no metrics.jsonl records under {out})")
+    if progress.get("sessions"):
+        print(f"timeline: {report.plot_timeline(progress['sessions'], out / 'timeline.png')}")
+    return 0
+
+
+def _load_progress(path: str) -> dict:
+    from relay.orchestrator import report
+
+    try:
+        return report.load_progress(path)
+    except (FileNotFoundError, ValueError) as err:  # none there, or one that is not JSON
+        raise InputError(f"{err}; expected a workdir or harvested outputs with a progress.json") from None
+
+
+def _relay_backend(args: argparse.Namespace):
+    """The backend factory for the relay that NAME|SPEC names: --credentials-block, else the spec's
+    kaggle.credentials_block, else the environment or ~/.kaggle (the account `relay run` used)."""
+    from relay.orchestrator import status
+
+    _, run_spec = status.resolve_name(args.target, f"relay {args.command}")
+    block = args.credentials_block or run_spec.kaggle.credentials_block
+    return lambda: _backend(block)
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from relay.orchestrator import control
+
+    return control.stop(args.target, _relay_backend(args), now=args.now, yes=args.yes, why=args.why)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from relay.orchestrator import control
+
+    return control.resume(args.target, _relay_backend(args))
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from relay.orchestrator import logs
+
+    def write(line: str) -> None:
+        print(line, flush=True)
+
+    return logs.logs(args.target, _relay_backend(args), session=args.session, follow=args.follow, write=write)
+
+
+def cmd_verify_resume(args: argparse.Namespace) -> int:
+    from relay.kernel.verify import parse_cuts, verify_resume
+
+    verdict = verify_resume(Path(args.spec), args.steps, seed=args.seed,
+                            workdir=Path(args.workdir) if args.workdir else None,
+                            cut_at=parse_cuts(args.cut_at) if args.cut_at is not None else None)
+    print(verdict.text())
+    return 0 if verdict.identical else 1
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from relay import launch
+
+    return launch.run(args.spec, args.out, tick=args.tick, poll_seconds=args.poll, submit=args.submit,
+                      credentials_block=args.credentials_block)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from relay import doctor
+    from relay.orchestrator.kaggle import from_env
+
+    return doctor.run(args.spec, from_env, timeout_s=args.timeout, poll_s=args.poll)
+
+
+def cmd_emulator(args: argparse.Namespace) -> int:
+    from relay.emulator.serve_command import main as emulator_main
+
+    return emulator_main(args.rest) or 0
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from relay import __version__
+    from relay.front_door import load_spec
+    from relay.orchestrator import repo_init
+
+    root = Path(args.path)
+    files = repo_init.plan(root, args.entry, __version__, name=args.name, spec=args.spec,
+                           wheel=Path(args.wheel) if args.wheel else None, git=args.git)
+    # the skeleton through the front door (the entry exists, a notebook's cells run) before anything is written;
+    # the draft sits at the root (code.folder "."), so no folder of the spec's path is made for it
+    with tempfile.NamedTemporaryFile("w", dir=root, prefix=".relay-init-", suffix=".yaml") as draft:
+        draft.write(files.draft)
+        draft.flush()
+        try:
+            load_spec(draft.name)
+        except InputError as err:  # named as the file it would be
+            raise InputError(str(err).replace(draft.name, args.spec)) from None
+    written = repo_init.write(files)
+    print(f"relay init: wrote {', '.join(written)} in {root}; the workflow installs {files.install}")
+    print(f"next: the Session API in your code (docs/your-code.md), `relay verify-resume {args.spec} --steps 60`,"
+          " the repository secrets KAGGLE_USERNAME and KAGGLE_KEY, then commit and push: the workflow ticks every"
+          " 15 minutes (or run it from the Actions tab)")
+    return 0
