@@ -10,6 +10,10 @@ boundaries, so no half-accumulated gradient is ever lost.
 The Trainer adds what a recipe's training needs: the stages (session/stages.py), the step over micro-batches
 with the non-finite guard, the OOM ladder, eval and the best checkpoint; the pre-flight is session/preflight.py,
 the optimizer and precision session/optim.py.
+
+Longer than most modules (~480 lines): the step, the OOM ladder that retries it (the same batches, the same
+dropout masks) and the loss window read at log steps share one step's state, the Trainer's; cut apart they would
+pass it back and forth.
 """
 from __future__ import annotations
 
