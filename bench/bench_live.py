@@ -45,7 +45,7 @@ def run(steps: int = 150, step_s: float = 1.0, progress_every_s: float = 30.0, l
     for d in ("home", "tmp"):
         (root / d).mkdir()
     os.environ.update(HOME=str(root / "home"), TMPDIR=str(root / "tmp"), KAGGLE_USERNAME="bench",
-                      KAGGLE_KEY="bench-key", HF_HUB_OFFLINE="1")
+                      KAGGLE_KEY="bench-key", HF_HUB_OFFLINE="1", PREFECT_SERVER_ANALYTICS_ENABLED="false")
     from relay.emulator import Emulator, EmulatorConfig
 
     emulator = Emulator(root / "emulator", EmulatorConfig(users={"bench": "bench-key"}, kernel_env={

@@ -104,6 +104,9 @@ def _run(spec: str, out: Optional[str], tick: bool, poll_seconds: Optional[float
     embedded = not os.environ.get("PREFECT_API_URL")
     if embedded:  # a fresh machine (every GitHub Actions tick) starts its Prefect in ~20-60 s when busy
         os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(EMBEDDED_STARTUP_S))
+        # The embedded server is ours, for this run only: it sends Prefect no usage heartbeat (which, on its
+        # SQLite busy with the flow's writes, can also fail with a traceback that says nothing about the relay)
+        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # A supervisor or a CI cancel stops us with SIGTERM: leave as Ctrl-C does, so that the embedded Prefect
     # server (a child process, stopped at exit) ends with us instead of running on orphaned.
     signal.signal(signal.SIGTERM, _interrupt)
