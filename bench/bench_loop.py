@@ -17,7 +17,12 @@ model construction are outside every timing:
 Rounds rotate the order (each loop runs first, second and third equally often); the ratios are medians of
 per-round ratios (relay and the other loop of the same round ran back to back, under the same load), with
 their spread (min-max); one warm-up round is dropped.
-Run: `python bench/bench_loop.py [--steps N --repeats N]`; `run()` returns the named figures.
+`--device cuda` (on a GPU; `bash bench/gpu_check.sh OUT loop`): the same three loops on the GPU, where a step of this
+model takes ~1-2 ms and whatever the loop adds on the host shows: the model and every batch on the device (pinned
+host memory, non-blocking copies, as the relay does), the hand-written loop with the fused AdamW the relay builds
+(so the ratio is the loop's own cost), a CUDA sync at each timing's ends; the ratios use wall seconds there (a
+process waiting on the GPU spins, so its CPU seconds are its wall seconds).
+Run: `python bench/bench_loop.py [--steps N --repeats N] [--device cuda]`; `run()` returns the named figures.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ from relay.kernel.recipes.toy import ToyParams, ToyRecipe
 from relay.kernel.run import run_session
 from relay.kernel.session import loop as loop_mod
 from relay.shared import spec as spec_mod
+from relay.shared.environment import DEVICE
 
 TARGET_VS_HAND = 1.05
 TARGET_VS_HF = 1.0
@@ -62,7 +68,12 @@ def _recipe() -> ToyRecipe:
 
 
 # -- relay -----------------------------------------------------------------------------------------
-def time_relay(steps: int, workdir: Path) -> tuple[float, float]:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_relay(steps: int, workdir: Path, device: str = "cpu") -> tuple[float, float]:
     spec = spec_mod.validate({
         "name": "bench-loop", "recipe": "toy", "seed": SEED, "params": PARAMS,
         "optim": {"micro_batch": MICRO, "grad_accum": ACCUM, "lr": LR, "weight_decay": WD, "precision": "fp32",
@@ -77,31 +88,38 @@ def time_relay(steps: int, workdir: Path) -> tuple[float, float]:
     real_fit = loop_mod.Trainer.fit
 
     def timed_fit(self):
+        _sync(device)
         t0, c0 = time.perf_counter(), time.process_time()
         try:
             return real_fit(self)
         finally:
+            _sync(device)
             timings.append((time.perf_counter() - t0, time.process_time() - c0))
 
     loop_mod.Trainer.fit = timed_fit
+    os.environ[DEVICE] = device  # the session's device: the other loops' (else CUDA wherever there is one)
     try:
         progress = run_session(spec, workdir, budget=None)
     finally:
         loop_mod.Trainer.fit = real_fit
+        del os.environ[DEVICE]
     assert progress["status"] == "done" and progress["global_step"] == steps
     return timings[0]
 
 
 # -- hand-written ------------------------------------------------------------------------------------
-def time_hand(steps: int) -> tuple[float, float]:
+def time_hand(steps: int, device: str = "cpu") -> tuple[float, float]:
     recipe = _recipe()
     torch.manual_seed(SEED)
-    model = recipe.build_model()
+    model = recipe.build_model().to(device)
+    cuda = device == "cuda"
     loader = torch.utils.data.DataLoader(recipe.train_dataset(), batch_size=MICRO, shuffle=True, drop_last=True,
-                                         collate_fn=recipe.collate, generator=torch.Generator().manual_seed(SEED))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+                                         collate_fn=recipe.collate, generator=torch.Generator().manual_seed(SEED),
+                                         pin_memory=cuda)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, **({"fused": True} if cuda else {}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, loop_mod.lr_lambda("linear", WARMUP, steps))
     model.train()
+    _sync(device)
     t0, c0 = time.perf_counter(), time.process_time()
     step, micro, batches = 0, 0, iter(loader)
     while step < steps:
@@ -110,7 +128,8 @@ def time_hand(steps: int) -> tuple[float, float]:
         except StopIteration:
             batches = iter(loader)
             continue
-        loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
+        x, y = batch["x"].to(device, non_blocking=True), batch["y"].to(device, non_blocking=True)
+        loss = nn.functional.mse_loss(model(x), y)
         (loss / ACCUM).backward()
         micro += 1
         if micro == ACCUM:
@@ -119,6 +138,7 @@ def time_hand(steps: int) -> tuple[float, float]:
             sched.step()
             opt.zero_grad(set_to_none=True)
             micro, step = 0, step + 1
+    _sync(device)
     return time.perf_counter() - t0, time.process_time() - c0
 
 
@@ -148,7 +168,7 @@ def _stack(items: list[dict]) -> dict:
     return {k: torch.stack([it[k] for it in items]) for k in items[0]}
 
 
-def time_hf(steps: int, workdir: Path) -> tuple[float, float]:
+def time_hf(steps: int, workdir: Path, device: str = "cpu") -> tuple[float, float]:
     import transformers
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -160,16 +180,18 @@ def time_hf(steps: int, workdir: Path) -> tuple[float, float]:
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
+            _sync(device)
             marks["begin"], marks["cpu_begin"] = time.perf_counter(), time.process_time()
 
         def on_train_end(self, args, state, control, **kw):
+            _sync(device)
             marks["end"], marks["cpu_end"] = time.perf_counter(), time.process_time()
 
     args = TrainingArguments(
         output_dir=str(workdir), per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM,
         max_steps=steps, learning_rate=LR, weight_decay=WD, warmup_steps=WARMUP, lr_scheduler_type="linear",
         max_grad_norm=CLIP, logging_steps=50, save_strategy="no", eval_strategy="no", report_to=[],
-        use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, dataloader_drop_last=True, seed=SEED,
+        use_cpu=device == "cpu", disable_tqdm=True, dataloader_num_workers=0, dataloader_drop_last=True, seed=SEED,
         remove_unused_columns=False,
     )
     trainer = Trainer(model=model, args=args, train_dataset=_Items(recipe.train_dataset()),
@@ -180,7 +202,7 @@ def time_hf(steps: int, workdir: Path) -> tuple[float, float]:
 
 
 # -- driver ------------------------------------------------------------------------------------------
-def run(steps: int = 400, repeats: int = 5, workdir: Path | None = None) -> dict:
+def run(steps: int = 400, repeats: int = 5, workdir: Path | None = None, device: str = "cpu") -> dict:
     torch.set_num_threads(1)
     logging.getLogger("relay").setLevel(logging.WARNING)
     os.environ.setdefault("TQDM_DISABLE", "1")  # relay's bar still runs its code path; nothing is printed
@@ -191,8 +213,8 @@ def run(steps: int = 400, repeats: int = 5, workdir: Path | None = None) -> dict
     with tempfile.TemporaryDirectory(dir=workdir, prefix="bench-loop-") as tmp:
         tmp = Path(tmp)
         for r in range(repeats + 1):
-            fns = [("relay", lambda: time_relay(steps, tmp / f"relay{r}")), ("hand", lambda: time_hand(steps)),
-                   ("hf", lambda: time_hf(steps, tmp / f"hf{r}"))]
+            fns = [("relay", lambda: time_relay(steps, tmp / f"relay{r}", device)),
+                   ("hand", lambda: time_hand(steps, device)), ("hf", lambda: time_hf(steps, tmp / f"hf{r}", device))]
             k = r % 3
             for name, fn in fns[k:] + fns[:k]:
                 w, c = fn()
@@ -200,6 +222,7 @@ def run(steps: int = 400, repeats: int = 5, workdir: Path | None = None) -> dict
                     wall[name].append(w)
                     cpu[name].append(c)
     figures = {
+        "loop_device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
         "loop_steps": steps,
         "loop_repeats": repeats,
         "loop_samples_per_step": MICRO * ACCUM,
@@ -208,10 +231,13 @@ def run(steps: int = 400, repeats: int = 5, workdir: Path | None = None) -> dict
     }
     # CPU seconds of this process (one torch thread, no loader workers) are the work each loop does, robust
     # to other tenants of a shared machine preempting us: the ratios use them. Wall seconds are what a user
-    # would see on this machine at this moment.
-    for samples, seconds, rate, ratio in ((cpu, "cpu_s", "steps_per_cpu_s", ""), (wall, "s", "steps_per_s", "_wall")):
+    # would see on this machine at this moment. On CUDA the unsuffixed ratios are of wall seconds too (a process
+    # waiting on the GPU spins: its CPU seconds say nothing the wall does not).
+    primary = wall if device == "cuda" else cpu
+    for samples, seconds, rate, ratio in ((cpu, "cpu_s", "steps_per_cpu_s", "_cpu"), (wall, "s", "steps_per_s", "_wall"),
+                                          (primary, None, None, "")):
         medians = {name: statistics.median(v) for name, v in samples.items()}
-        for name in ("relay", "hand", "hf"):
+        for name in ("relay", "hand", "hf") if seconds else ():
             figures[f"loop_samples_{name}_{seconds}"] = [round(x, 3) for x in samples[name]]
             figures[f"loop_{name}_{seconds}"] = round(medians[name], 3)
             figures[f"loop_{name}_{rate}"] = round(steps / medians[name], 1)
@@ -230,8 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
-    figures = run(args.steps, args.repeats)
+    figures = run(args.steps, args.repeats, device=args.device)
     print(json.dumps(figures, indent=1))
     print(describe())
     return 0 if figures["loop_meets_target"] else 1

@@ -84,12 +84,18 @@ if want backoff; then
   cat "$out/vqa-backoff.out"; tail -5 "$out/vqa-backoff.err"
 fi
 
-# What the Session API's step costs beside a hand-written loop's (issue 48: <= 1.03x at ~2 ms steps), ~70 s.
+# What the Session API's step costs beside a hand-written loop's (issue 48: <= 1.03x at ~2 ms steps), ~70 s;
+# then the built-in loop's.
 if want loop; then
   t0=$SECONDS
   "$py" bench/bench_step_overhead.py --device cuda >"$out/step-overhead.log" 2>&1
   echo "step overhead, Session API vs hand-written: rc=$? $((SECONDS - t0)) s:"
   grep -E '^(GPU|tiny|mlp|transformer)|process' "$out/step-overhead.log"
+  # the built-in loop against the same loop by hand and HF's Trainer on the GPU (~1-2 ms steps), ~1 min
+  t0=$SECONDS
+  "$py" bench/bench_loop.py --device cuda >"$out/loop-builtin.log" 2>&1
+  echo "built-in loop vs hand-written and HF Trainer on CUDA: rc=$? $((SECONDS - t0)) s:"
+  grep -E '"loop_(device|relay_vs_(hand|hf)(_wall|_cpu)?|(relay|hand|hf)_s)"' "$out/loop-builtin.log"
 fi
 
 # The plain loop with fp16 autocast + GradScaler, split into sessions (one killed mid-save) vs one run.
