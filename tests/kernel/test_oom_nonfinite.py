@@ -27,6 +27,7 @@ class Script:
         self.oom_above = None  # raise OOM when the micro-batch is larger than this...
         self.oom_skip_calls = 0  # ...but only after this many oversized calls went through
         self.nan_steps: set[int] = set()  # global steps whose loss is NaN
+        self.nan_gradients = True  # ...and so are its gradients (loss x NaN); False: they stay finite (loss + NaN)
         self.sigterm_at = None  # (global step, micro-batch index): send SIGTERM during it
         self.step = None  # the global step of the running Trainer._step; None outside it (the pre-flight)
         self.micro = 0
@@ -54,7 +55,7 @@ class ScriptedRecipe(ToyRecipe):
                 raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (simulated: micro-batch {n})")
         loss = super().loss(model, batch)
         if SCRIPT.step in SCRIPT.nan_steps:
-            loss = loss * float("nan")
+            loss = loss * float("nan") if SCRIPT.nan_gradients else loss + torch.tensor(float("nan"))
         return loss
 
 
@@ -194,19 +195,28 @@ def test_other_errors_are_not_mistaken_for_oom(scripted, tmp_path, monkeypatch):
 
 
 # -- non-finite guard -------------------------------------------------------------------------------
-def test_nonfinite_steps_are_skipped_without_touching_weights(scripted, tmp_path):
-    """Step 5 (the last) is NaN: the final weights and optimizer moments equal a 5-step run's."""
-    scripted.nan_steps = {1, 3, 5}
-    progress = run_session(spec(optim={"max_steps": 6}), tmp_path / "nan")
-    assert progress["status"] == "done" and progress["precision"] == "fp32"
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("nan_gradients", [True, False], ids=["nan-gradients", "finite-gradients"])
+def test_nonfinite_steps_are_skipped_without_touching_weights(scripted, tmp_path, monkeypatch, precision,
+                                                              nan_gradients):
+    """Step 5 (the last) is NaN: the final weights and optimizer moments equal a 5-step run's, whether the NaN
+    loss's gradients are NaN too or finite. Under fp16 (a T4's, with a GradScaler; taken here on CPU) the scaler
+    skips the step on the device, from its gradients, which a NaN loss poisons when they are finite."""
+    if precision == "fp16":
+        from relay.kernel.session import loop
+
+        monkeypatch.setattr(loop, "resolve_precision", lambda requested, device: "fp16")
+    scripted.nan_steps, scripted.nan_gradients = {1, 3, 5}, nan_gradients
+    progress = run_session(spec(optim={"max_steps": 6, "precision": precision}), tmp_path / "nan")
+    assert progress["status"] == "done" and progress["precision"] == precision
     trainer = final_state(tmp_path / "nan")["relay"]
     assert trainer["skipped_steps"] == 3 and trainer["nonfinite_streak"] == 1
     assert all(torch.isfinite(v).all() for v in final_state(tmp_path / "nan")["objects"]["model"].values())
     losses = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["loss"] == r["loss"] for r in losses if r.get("kind") == "train")  # skipped steps not averaged in
     scripted.reset()
-    scripted.nan_steps = {1, 3}
-    run_session(spec(optim={"max_steps": 5}), tmp_path / "ref")
+    scripted.nan_steps, scripted.nan_gradients = {1, 3}, nan_gradients
+    run_session(spec(optim={"max_steps": 5, "precision": precision}), tmp_path / "ref")
     assert_same_weights(tmp_path / "nan", tmp_path / "ref")
 
 
@@ -224,22 +234,32 @@ def test_k_nonfinite_in_a_row_under_bf16_falls_back_to_fp32(scripted, tmp_path, 
     assert (trainer["precision"], trainer["skipped_steps"], trainer["nonfinite_streak"]) == ("fp32", 3, 0)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_the_fallback_comes_at_the_log_step_that_reads_the_streak_and_a_split_run_decides_alike(scripted,
-                                                                                                 tmp_path):
+                                                                                                 tmp_path,
+                                                                                                 monkeypatch,
+                                                                                                 precision):
     """No loss is read between log steps (the skip itself happens on the device): NaN at steps 1-3 with a log
     step every 6 fall back after step 5, not 3. A run cut at step 2 or 4 (inside that window, its losses saved
-    unread) falls back at the same step and ends with the same weights."""
-    cfg = spec(optim={"precision": "bf16", "nonfinite_patience": 3, "max_steps": 9, "log_every_steps": 6})
+    unread) falls back at the same step and ends with the same weights. fp16 takes a GradScaler, which skips the
+    NaN steps itself (and lowers its scale, a state the split run saves and restores); it is a CUDA precision,
+    run here on CPU, where torch has fp16 autocast and a GradScaler too."""
+    if precision == "fp16":
+        from relay.kernel.session import loop
+
+        monkeypatch.setattr(loop, "resolve_precision", lambda requested, device: "fp16")
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}[precision]
+    cfg = spec(optim={"precision": precision, "nonfinite_patience": 3, "max_steps": 9, "log_every_steps": 6})
     scripted.nan_steps = {1, 2, 3}
     whole = run_session(cfg, tmp_path / "whole")
     modes = [(s, m) for s, _, m in scripted.calls if s != "preflight"]
-    assert modes == [(s, "bfloat16") for s in range(6) for _ in (0, 1)] + [(s, "fp32") for s in (6, 7, 8) for _ in (0, 1)]
+    assert modes == [(s, dtype) for s in range(6) for _ in (0, 1)] + [(s, "fp32") for s in (6, 7, 8) for _ in (0, 1)]
     assert (whole["precision"], final_state(tmp_path / "whole")["relay"]["skipped_steps"]) == ("fp32", 3)
     for cut in (2, 4):
         scripted.reset()
         scripted.nan_steps, scripted.sigterm_at = {1, 2, 3}, (cut - 1, 1)
         first = run_session(cfg, tmp_path / f"cut{cut}")
-        assert first["global_step"] == cut and first["precision"] == "bf16"
+        assert first["global_step"] == cut and first["precision"] == precision
         scripted.nan_steps, scripted.sigterm_at = {1, 2, 3}, None
         assert run_session(cfg, tmp_path / f"cut{cut}")["precision"] == "fp32"
         assert_same_weights(tmp_path / "whole", tmp_path / f"cut{cut}")

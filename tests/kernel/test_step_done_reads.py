@@ -108,13 +108,19 @@ def test_a_split_inside_the_window_stops_at_the_uninterrupted_runs_step_with_its
     assert len(split["sessions"]) == len(cuts) + 1
 
 
-def test_the_built_in_loop_reads_no_device_value_between_log_steps(tmp_path, monkeypatch):
-    """The Trainer too (one process, no GradScaler): a step's loss stays on the device, a non-finite one is
-    skipped there (the fused AdamW's found_inf), and the window is read at log steps, where the skips are counted
-    and the guard judges. Every way a tensor reaches the host is counted, with the step it happens in."""
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_the_built_in_loop_reads_no_device_value_between_log_steps(tmp_path, monkeypatch, precision):
+    """The Trainer too (one process): a step's loss stays on the device, a non-finite one is skipped there (the
+    fused AdamW's found_inf; under fp16, the GradScaler's), and the window is read at log steps, where the skips
+    are counted and the guard judges. Every way a tensor reaches the host is counted, with the step it happens
+    in. fp16 + GradScaler is a T4's precision: CUDA only in a real run, taken here on CPU (torch has both there)."""
     from conftest import load_toy_spec
     from relay.kernel.run import run_session
+    from relay.kernel.session import loop
     from relay.kernel.session.loop import Trainer
+
+    if precision == "fp16":
+        monkeypatch.setattr(loop, "resolve_precision", lambda requested, device: "fp16")
 
     now = {"step": None}  # the step being done (its count after it), None outside the loop
     reads: list = []
@@ -148,6 +154,7 @@ def test_the_built_in_loop_reads_no_device_value_between_log_steps(tmp_path, mon
     spec = load_toy_spec(optim={"epochs": None, "max_steps": 12, "log_every_steps": 5, "eval_every_steps": 100,
                                 "clip_grad_norm": 1.0},
                          session={"save_every": 1e9, "stop_on_divergence": True})
-    run_session(spec, tmp_path / "w")
+    progress = run_session(spec, tmp_path / "w")
+    assert progress["precision"] == precision and progress["status"] == "done"
     assert reads, "no read counted: the probe saw nothing"
     assert {step for step, *_ in reads} <= {5, 10, 12}, reads  # log steps (and the last, with its eval)

@@ -11,7 +11,7 @@ The Trainer adds what a recipe's training needs: the stages (session/stages.py),
 with the non-finite guard, the OOM ladder, eval and the best checkpoint; the pre-flight is session/preflight.py,
 the optimizer and precision session/optim.py.
 
-Longer than most modules (~480 lines): the step, the OOM ladder that retries it (the same batches, the same
+Longer than most modules (~500 lines): the step, the OOM ladder that retries it (the same batches, the same
 dropout masks) and the loss window read at log steps share one step's state, the Trainer's; cut apart they would
 pass it back and forth.
 """
@@ -140,7 +140,7 @@ class Trainer:
 
     # -- state ----------------------------------------------------------------------------------
     def _new_scaler(self) -> torch.amp.GradScaler:
-        enabled = self.state.precision == "fp16" and self.device.type == "cuda"
+        enabled = self.state.precision == "fp16"  # only on CUDA (resolve_precision), or resumed from there
         self.scaler = self.slots["scaler"].current = torch.amp.GradScaler(self.device.type, enabled=enabled)
         return self.scaler
 
@@ -218,15 +218,21 @@ class Trainer:
             else:
                 self._non_finite(loss, st.global_step)
         elif self._skips_on_device():
-            # No host read: the fused optimizer skips a non-finite step on the device (its found_inf, as a
-            # GradScaler tells it), and the skip is counted when the loss is read, at the next log step.
-            opt.found_inf = (~torch.isfinite(mean)).to(torch.float32)
-            try:
+            # No host read: the fused optimizer skips a non-finite step on the device, and the skip is counted
+            # when the loss is read, at the next log step. Without a GradScaler we hand it the loss's found_inf;
+            # fp16's GradScaler computes its own from the gradients, which a non-finite loss is made to poison,
+            # so that it skips the step and lowers its scale as it does for an overflow.
+            if self.scaler.is_enabled():
+                _poison_gradients(opt, mean)
                 self._optimizer_step(opt)
-            finally:
-                del opt.found_inf
+            else:
+                opt.found_inf = (~torch.isfinite(mean)).to(torch.float32)
+                try:
+                    self._optimizer_step(opt)
+                finally:
+                    del opt.found_inf
             loss = mean
-        else:  # fp16's GradScaler: a non-finite loss must not reach its step and scale update
+        else:  # an optimizer that cannot skip a step on the device: the loss is read to decide
             loss = mean
             if math.isfinite(mean.item()):
                 self._optimizer_step(opt)
@@ -244,9 +250,9 @@ class Trainer:
         self.scaler.update()
 
     def _skips_on_device(self) -> bool:
-        """A non-finite step can be skipped without reading the loss: no GradScaler (its step reads nothing of
-        ours), and an optimizer that takes found_inf (the fused AdamW this loop builds)."""
-        return not self.scaler.is_enabled() and getattr(self.optimizer, "_step_supports_amp_scaling", False)
+        """A non-finite step can be skipped without reading the loss: the optimizer takes found_inf (the fused
+        AdamW this loop builds; a GradScaler then passes it its own, reading nothing)."""
+        return getattr(self.optimizer, "_step_supports_amp_scaling", False)
 
     def _fit_step(self) -> float:
         t0 = time.perf_counter()
@@ -474,6 +480,15 @@ class Trainer:
         return data.make_loader(self.train_set, sampler, self.recipe.collate, num_workers=d.num_workers,
                                 pin_memory=pin, prefetch_factor=d.prefetch_factor,
                                 persistent_workers=d.persistent_workers, seed=self.spec.seed + start_step)
+
+
+def _poison_gradients(opt: torch.optim.Optimizer, mean: torch.Tensor) -> None:
+    """NaN into one gradient when the step's loss is non-finite, on the device: the GradScaler's check then finds
+    it, as it would in nearly every such step anyway (a NaN loss whose gradients stay finite is rare, not
+    impossible), and skips the step. Adds 0 otherwise."""
+    grad = next((p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None), None)
+    if grad is not None:  # its first element, a view (a whole-tensor add would cost a pass over the gradient)
+        grad[(0,) * grad.dim()].add_(torch.where(torch.isfinite(mean), 0.0, float("nan")).to(grad.dtype))
 
 
 def _peer_oom() -> RuntimeError:
