@@ -26,6 +26,7 @@ straight one. `python bench/bench_vqa.py --backoff [--out DIR]`; on CPU (`--spec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -187,12 +188,19 @@ def _env() -> dict:
 RELAY = [sys.executable, "-m", "relay"]
 
 
-def _data(tmp: Path, env: dict) -> str | None:
-    """240 train questions (26 steps an epoch at 9), 8 val: the eval is the real one at answer length, 2 batches.
-    None when made, else what went wrong (said, not raised: the caller prints it)."""
-    made = subprocess.run([*RELAY, "data", "vqa", "--out", str(tmp / "data"), "--val", "8", "--test", "4"],
-                          env=env, capture_output=True, text=True, cwd=REPO)
-    return f"rc={made.returncode}: {(made.stdout + made.stderr)[-1500:]}" if made.returncode else None
+@contextlib.contextmanager
+def _workspace(out_dir: Path | None):
+    """(a temporary folder holding `relay data vqa` data, the logs' folder, the children's environment, None), or
+    what went wrong as the last item when the data could not be made (said, not raised: the caller prints it).
+    The data: 240 train questions (26 steps an epoch at 9), 8 val (the real eval at answer length, 2 batches)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        logs = Path(out_dir) if out_dir else tmp
+        logs.mkdir(parents=True, exist_ok=True)
+        env = _env()
+        made = subprocess.run([*RELAY, "data", "vqa", "--out", str(tmp / "data"), "--val", "8", "--test", "4"],
+                              env=env, capture_output=True, text=True, cwd=REPO)
+        yield tmp, logs, env, f"rc={made.returncode}: {(made.stdout + made.stderr)[-1500:]}" if made.returncode else None
 
 
 def _spec(spec_file: str, tmp: Path, name: str, optim: dict, session: dict | None = None) -> Path:
@@ -215,12 +223,7 @@ def run_preflight(steps: int = 12, out_dir: Path | None = None, modes: tuple[str
     cap is per process). Per mode: each phase's peak allocated and reserved MB, the pre-flight's figure and
     `ratio` = figure / the trained peak (setup, train, eval, save): >= 1 the pre-flight bounds the session."""
     out: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        logs = Path(out_dir) if out_dir else tmp
-        logs.mkdir(parents=True, exist_ok=True)
-        env = _env()
-        failed = _data(tmp, env)
+    with _workspace(out_dir) as (tmp, logs, env, failed):
         if failed:
             return {"vqa_preflight_data_failed": failed}
         spec = _spec(spec_file, tmp, "vqa-real", {"eval_every_steps": max(1, steps // 2)})
@@ -266,12 +269,7 @@ def run_backoff(steps: int = 6, micro: int = 24, out_dir: Path | None = None, sp
     straight against sessions cut at N/2, the second killed mid-save. Figures: per session of each run the
     micro-batch it trained at, the rungs it took, its pre-flight figure and peak; the verdict."""
     out: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        logs = Path(out_dir) if out_dir else tmp
-        logs.mkdir(parents=True, exist_ok=True)
-        env = _env()
-        failed = _data(tmp, env)
+    with _workspace(out_dir) as (tmp, logs, env, failed):
         if failed:
             return {"vqa_backoff_data_failed": failed}
         spec = _spec(spec_file, tmp, "vqa-backoff",
