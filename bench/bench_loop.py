@@ -17,11 +17,11 @@ model construction are outside every timing:
 Rounds rotate the order (each loop runs first, second and third equally often); the ratios are medians of
 per-round ratios (relay and the other loop of the same round ran back to back, under the same load), with
 their spread (min-max); one warm-up round is dropped.
-`--device cuda` (on a GPU; `bash bench/gpu_check.sh OUT loop`): the same three loops on the GPU, where a step of this
-model takes ~1-2 ms and whatever the loop adds on the host shows: the model and every batch on the device (pinned
-host memory, non-blocking copies, as the relay does), the hand-written loop with the fused AdamW the relay builds
-(so the ratio is the loop's own cost), a CUDA sync at each timing's ends; the ratios use wall seconds there (a
-process waiting on the GPU spins, so its CPU seconds are its wall seconds).
+`--device cuda` (on a GPU; `bash bench/gpu_check.sh OUT loop`): the same three loops on the GPU, where this small
+model's step is short (not yet measured there), so whatever a loop adds on the host shows: the model and every
+batch on the device (pinned host memory, non-blocking copies, as the relay does), the hand-written loop with the
+fused AdamW the relay builds (so the ratio is the loop's own cost), a CUDA sync at each timing's ends; the ratios
+use wall seconds there (a process waiting on the GPU spins, so its CPU seconds are its wall seconds).
 Run: `python bench/bench_loop.py [--steps N --repeats N] [--device cuda]`; `run()` returns the named figures.
 """
 from __future__ import annotations
@@ -47,6 +47,7 @@ except ImportError:  # run as a script from a checkout without an installed pack
 import torch
 
 from machine import describe, spread  # noqa: E402  (bench/machine.py)
+from sandbox import environment  # noqa: E402  (bench/sandbox.py: the variables as they were, after)
 from torch import nn
 
 from relay.kernel.recipes.toy import ToyParams, ToyRecipe
@@ -97,12 +98,11 @@ def time_relay(steps: int, workdir: Path, device: str = "cpu") -> tuple[float, f
             timings.append((time.perf_counter() - t0, time.process_time() - c0))
 
     loop_mod.Trainer.fit = timed_fit
-    os.environ[DEVICE] = device  # the session's device: the other loops' (else CUDA wherever there is one)
     try:
-        progress = run_session(spec, workdir, budget=None)
+        with environment(**{DEVICE: device}):  # the session's device: the other loops' (else CUDA wherever there is)
+            progress = run_session(spec, workdir, budget=None)
     finally:
         loop_mod.Trainer.fit = real_fit
-        del os.environ[DEVICE]
     assert progress["status"] == "done" and progress["global_step"] == steps
     return timings[0]
 

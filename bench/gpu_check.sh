@@ -91,7 +91,7 @@ if want loop; then
   "$py" bench/bench_step_overhead.py --device cuda >"$out/step-overhead.log" 2>&1
   echo "step overhead, Session API vs hand-written: rc=$? $((SECONDS - t0)) s:"
   grep -E '^(GPU|tiny|mlp|transformer)|process' "$out/step-overhead.log"
-  # the built-in loop against the same loop by hand and HF's Trainer on the GPU (~1-2 ms steps), ~1 min
+  # the built-in loop against the same loop by hand and HF's Trainer on the GPU (a small model's short steps)
   t0=$SECONDS
   "$py" bench/bench_loop.py --device cuda >"$out/loop-builtin.log" 2>&1
   echo "built-in loop vs hand-written and HF Trainer on CUDA: rc=$? $((SECONDS - t0)) s:"

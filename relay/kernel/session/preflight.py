@@ -83,10 +83,10 @@ class PreFlight:
         """One training step as _step runs it after the session's first: AdamW's state (2x the weights) already
         on the device while the forward/backward runs (a fresh step allocates it only after its backward, so the
         activations never meet it there, while every later step's do), with grad_accum > 1 the previous
-        micro-batches' gradients held through the
-        forward (its first micro-batch grows them as activations are freed; the later ones carry all of them),
-        the loss scaled by a GradScaler, unscaled and clipped as _step does, then the optimizer step. One
-        forward/backward: the held gradients are zeros standing for the earlier micro-batches'."""
+        micro-batches' gradients held through the forward (its first micro-batch grows them as activations are
+        freed; the later ones carry all of them), the loss scaled by a GradScaler, unscaled and clipped as _step
+        does, then the optimizer step. One forward/backward: the held gradients are zeros standing for the
+        earlier micro-batches'."""
         t = self.t
         st, opt = t.state, t.optimizer
         idx = data.rank_indices(t.stage_schedule, st.global_step, t.world.rank,
