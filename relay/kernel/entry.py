@@ -114,7 +114,7 @@ def launch_entry(spec, config: SessionSettings, world_size: int) -> dict:
 def _entry_rank(rank: int, world_size: int, port: int, errors, spec, config: SessionSettings) -> None:
     """One rank (a process of its own): the torchrun environment, then the single-process entry runner."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world_size), **distributed.rank_environment(port))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:

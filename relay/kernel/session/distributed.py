@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -84,10 +83,17 @@ def rank_seed(seed: int, rank: int) -> int:
     return seed + 1_000_003 * rank
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store(world_size: int) -> "dist.TCPStore":
+    """The ranks' rendezvous store, hosted by the launcher as torchrun's agent hosts it: bound to a port the OS picks
+    and held until the ranks are done. (A port found free, released and bound again by rank 0 could be taken in
+    between by any other process: EADDRINUSE, seen when two test suites ran on one machine.)"""
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+
+
+def rank_environment(port: int) -> dict[str, str]:
+    """What a rank's env:// rendezvous reads: the launcher's store (every rank a client of it, torchrun's agent
+    store), for the relay's init() and for a user's script that calls init_process_group itself."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def launch(worker: Callable[..., Any], world_size: int, args: Sequence[Any]) -> None:
@@ -104,7 +110,8 @@ def launch(worker: Callable[..., Any], world_size: int, args: Sequence[Any]) -> 
     _socket_dir()
     method.set_forkserver_preload(["__main__", "torch", worker.__module__])
     errors = method.SimpleQueue()
-    context = mp.start_processes(worker, args=(world_size, free_port(), errors, *args), nprocs=world_size,
+    store = rendezvous_store(world_size)  # held, listening, until the ranks are joined below
+    context = mp.start_processes(worker, args=(world_size, store.port, errors, *args), nprocs=world_size,
                                  join=False, start_method="forkserver")
 
     def forward(signum, frame):  # Kaggle may signal only this process: every rank must see the SIGTERM
@@ -124,6 +131,7 @@ def launch(worker: Callable[..., Any], world_size: int, args: Sequence[Any]) -> 
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+        del store
     if not errors.empty():
         raise InputError(errors.get())
 
@@ -144,7 +152,7 @@ def _socket_dir() -> None:
 
 
 def init(rank: int, size: int, port: int, device_type: str) -> World:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(rank_environment(port))
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(rank)
