@@ -301,7 +301,10 @@ class VQAStudentRecipe(Recipe):
         for batch in self._chunks(batches):
             labels = batch["labels"][:, : self.answer_cap]
             logits = model(batch["pixel_values"], batch["question_ids"], batch["question_mask"], labels).float()
-            loss_sum += float(F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100)) * len(labels)
+            # the mean by hand: cross_entropy's own over a (batch, vocab, length) input adds across CUDA blocks with
+            # atomics, so the same eval came out 1 ulp apart in two processes (an exact resume compares it too)
+            ce = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
+            loss_sum += float(ce.sum() / (labels != -100).sum()) * len(labels)
             for row, pred in zip(batch["row"].tolist(), self.generate(model, batch)):
                 ref = self.reference(row)
                 em += float(normalize(pred) == normalize(ref))

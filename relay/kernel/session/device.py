@@ -23,7 +23,11 @@ def configure_backends(spec: RunSpec, device: torch.device) -> None:
         # One TF32 API only: after a write through torch's newer fp32_precision API, reads of allow_tf32 raise.
         torch.backends.cuda.matmul.allow_tf32 = spec.optim.tf32
         torch.backends.cudnn.allow_tf32 = spec.optim.tf32
-        torch.backends.cudnn.benchmark = True
+        # Exact resume over speed: benchmark mode times cuDNN's algorithms afresh in each process, within the
+        # memory free at that moment, so a resumed session could compute the same convolution another way;
+        # deterministic: no atomics in a convolution's backward.
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
     emulate_gpu(spec, device)
 
 
