@@ -9,9 +9,10 @@ microseconds, (session loop - bare loop) / N, median over rounds, in process CPU
 work is all on the host, and a shared machine's load moves wall time far more).
 
 `--device cuda`: the issue's three loops, each hand-written and under the Session API (`open_session`,
-`batches`, `step_done(loss=loss.detach())`, saves off, log_every default), on the same pre-made device batches,
-rounds alternating (hand first, then session first, ...), median of `--rounds` rounds of N steps, N sized from a step
-time measured in the same run so that one round of one loop takes ~`--target-s` seconds:
+`batches`, `step_done(loss=loss.detach())`, saves off, log_every default), each step on a fresh batch of noise
+made on the device, every timed run from the same model and AdamW state (lr 1e-5), rounds alternating (hand first,
+then session first, ...), median of `--rounds` rounds of N steps, N sized from a step time measured in the same run
+so that one round of one loop takes ~`--target-s` seconds:
     tiny       MLP 64-256-256-1, batch 16, fp32
     mlp        MLP 1024-4096-4096-1, batch 512, bf16 autocast
     transformer  6-layer encoder d384 (6 heads, ff 1536), seq 256, batch 32, bf16 autocast, LM head over 1000 tokens
