@@ -3,7 +3,8 @@
 # plain-loop example with AMP relayed over sessions by `relay verify-resume`, the HF and Lightning examples likewise.
 # Run from the repo root: `bash bench/gpu_check.sh OUT_DIR [SECTION ...]`, sections `tiny vqa backoff loop exact`
 # (all by default; the whole takes over 10 minutes on an H100, so a lent machine's one call picks some: issue 48's
-# figures are `vqa backoff loop`, vqa and backoff running at once, then loop on a quiet GPU). Each run's
+# figures are `vqa backoff loop`, vqa and backoff running at once, then loop on a quiet GPU: ~3 + ~2 minutes on an
+# H200). Each run's
 # progress.json summary and wall time are printed; logs go to OUT_DIR. On a CPU-only machine the same commands take
 # the CPU paths.
 set -uo pipefail
@@ -96,6 +97,8 @@ if want loop; then
   "$py" bench/bench_loop.py --device cuda >"$out/loop-builtin.log" 2>&1
   echo "built-in loop vs hand-written and HF Trainer on CUDA: rc=$? $((SECONDS - t0)) s:"
   grep -E '"loop_(device|relay_vs_(hand|hf)(_wall|_cpu)?|(relay|hand|hf)_s)"' "$out/loop-builtin.log"
+  # where either loop waits on the GPU: host-device syncs per step by relay line (only log steps, saves, evals)
+  "$py" bench/gpu_syncs.py 2>"$out/gpu-syncs.err" | grep -v relay-progress
 fi
 
 # The plain loop with fp16 autocast + GradScaler, split into sessions (one killed mid-save) vs one run.
