@@ -15,7 +15,7 @@ rose by 3 standard deviations of its noise, and by at least a tenth of itself) a
 not finite for `nonfinite_patience` steps in a row stops at once. Noise near a loss of zero does not trigger it in
 a run that got there: the bar is set by what the run gained, not by a ratio to a small number. A history that
 begins already there can be (a model trained to a loss of ~1e-7 on 8 batches, then trained on in a fresh workdir:
-AdamW's spikes to ~1e-5 gave back more than its nothing gained, and bench_step_overhead's session "diverged").
+AdamW's spikes there gave back more than its nothing gained, and bench_step_overhead's session "diverged").
 Calibrated on the project's own runs (docs/benchmarks.md, `bench/bench_divergence.py`).
 
 The guard's state is part of the run's exact state: both session paths save `state_dict()` in the checkpoint and
