@@ -191,20 +191,20 @@ class Trainer:
         self._step_rng = self._torch_rng()  # an OOM retry replays the same dropout masks
         self._recipe_step(st.global_step)
         t0 = time.perf_counter()
-        total = torch.zeros((), device=self.device)
+        total = None  # the micro-batches' loss sum, on the device (no zeros() to add to: a launch fewer a step)
         oom = None
         try:
             for _ in range(st.grad_accum):
                 batch = data.to_device(next(self._batches), self.device, self.spec.data.non_blocking)
                 with self._autocast():
                     loss = self.recipe.loss(self.model, batch)
-                total += loss.detach().float()
+                total = loss.detach().float() if total is None else total + loss.detach().float()
                 self.scaler.scale(loss / st.grad_accum).backward()
         except Exception as err:  # noqa: BLE001 - an OOM on one rank is agreed on below, the rest re-raised
             if not (self.world.active and memory.is_oom(err)):
                 raise
             oom = err
-        mean = total / st.grad_accum
+        mean = total / st.grad_accum if total is not None and st.grad_accum > 1 else total  # None: an OOM came first
         if self.world.active:  # one small all-reduce: did any rank run out of memory, and the mean loss
             n_oom, loss_sum = distributed.agree(self.world, [oom is not None, 0.0 if oom else mean.item()],
                                                 self.device)
@@ -416,9 +416,9 @@ class Trainer:
             return
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        torch.set_rng_state(self._step_rng[0])
+        torch.default_generator.set_state(self._step_rng[0])
         if self._step_rng[1] is not None:
-            torch.cuda.set_rng_state_all(self._step_rng[1])
+            self._cuda_generator().set_state(self._step_rng[1])
         self._batches = None  # rebuilt at the same step with the new micro-batch
 
     # -- helpers --------------------------------------------------------------------------------
@@ -454,8 +454,14 @@ class Trainer:
     def _torch_rng(self) -> tuple:
         """The generators a forward/backward draws from (dropout): ~3 us, against ~150 us for the full
         rng_state (numpy's get_state dominates), taken every step. Recipes keep numpy/python randomness
-        out of loss(), deriving it from (seed, epoch, index) in their datasets."""
-        return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None)
+        out of loss(), deriving it from (seed, epoch, index) in their datasets. On CUDA only this session's
+        device's generator, read directly (get_rng_state_all visits every device under a device guard)."""
+        return torch.default_generator.get_state(), (
+            self._cuda_generator().get_state() if self.device.type == "cuda" else None)
+
+    def _cuda_generator(self) -> torch.Generator:
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
 
     def _alive(self, batches: Iterator) -> Iterator:
         """The batches, each a sign of progress for the stall watchdog (a long eval is not a stall)."""
