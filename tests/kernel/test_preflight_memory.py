@@ -84,7 +84,7 @@ def test_a_phase_past_the_preflight_is_one_line_naming_it_and_the_step(caplog):
         book.enter("train", step=3)  # eval passes it too: still one line
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1, lines
-    assert "7050 MB (train at step 2) passed its pre-flight's 4731 MB by 49%" in lines[0]
+    assert "7050 MB (train at step 2) passed its pre-flight's 4731 MB by 2319.0 MB (49.0%)" in lines[0]
     assert book.session_peak_mb() == 7100.0
 
 
@@ -129,7 +129,7 @@ def test_a_session_past_its_preflight_says_so_once(data_dir, tmp_path, monkeypat
         record = _session(data_dir, tmp_path, monkeypatch, table)
     lines = [r.getMessage() for r in caplog.records if "pre-flight" in r.getMessage()]
     # the scripted train peak shows as training begins (a real one grows over the first steps)
-    assert len(lines) == 1 and "1350 MB (train at step 0) passed its pre-flight's 900 MB by 50%" in lines[0]
+    assert len(lines) == 1 and "1350 MB (train at step 0) passed its pre-flight's 900 MB by 450.0 MB (50.0%)" in lines[0]
     assert record["peak_mem_mb"] == 1350.0 and record["preflight_mb"] == 900.0
 
 
