@@ -47,13 +47,13 @@ from torch import nn  # noqa: E402
 from machine import describe  # noqa: E402
 
 
-def _open(workdir: Path, total_steps: int):
+def _open(workdir: Path, total_steps: int, log_every: int | None = None):
     import relay
 
     shutil.rmtree(workdir, ignore_errors=True)
     # saves off: the figure is the per-step cost, not the insurance save's (bench_checkpoint measures that)
     session = relay.open_session(total_steps=total_steps, workdir=str(workdir), save_every=1e12,
-                                 safety_margin=0.0)
+                                 safety_margin=0.0, log_every=log_every)
     return session
 
 
@@ -144,7 +144,8 @@ def _models(device: torch.device) -> dict:
     }
 
 
-def gpu_loops(device: torch.device, rounds: int, target_s: float, only: list | None = None) -> dict:
+def gpu_loops(device: torch.device, rounds: int, target_s: float, only: list | None = None,
+              log_every: int | None = None) -> dict:
     logging.getLogger("relay").setLevel(logging.WARNING)
     work = Path(tempfile.mkdtemp(prefix="bench-step-gpu-"))
     out = {}
@@ -187,7 +188,7 @@ def gpu_loops(device: torch.device, rounds: int, target_s: float, only: list | N
                     return _relayed(n, k)
 
             def _relayed(n, k):
-                session = _open(work / f"{name}-{k}", n)
+                session = _open(work / f"{name}-{k}", n, log_every)
                 session.register(model=model, optimizer=opt)
                 session.restore()
                 sync()
@@ -261,6 +262,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="rounds (default 5)")
     ap.add_argument("--target-s", type=float, default=1.5, help="CUDA: seconds per round per loop")
     ap.add_argument("--only", default="", help="CUDA: comma-separated subset of tiny,mlp,transformer")
+    ap.add_argument("--log-every", type=int, default=None,
+                    help="CUDA: the sessions' log_every (default the API's): what the log steps' read and line cost")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     os.environ.pop("RELAY_SESSION", None)  # run by hand: the arguments here, not a relay's settings
@@ -282,7 +285,7 @@ def main() -> None:
         print(" ".join(torch.cuda.list_gpu_processes(device).split()), flush=True)
     except Exception as err:  # noqa: BLE001 - pynvml missing or the driver's answer refused: only a hint
         print(f"GPU processes: unknown ({err})", flush=True)
-    f = gpu_loops(device, a.rounds or 5, a.target_s, [s for s in a.only.split(",") if s] or None)
+    f = gpu_loops(device, a.rounds or 5, a.target_s, [s for s in a.only.split(",") if s] or None, a.log_every)
     print(json.dumps(f))
 
 
