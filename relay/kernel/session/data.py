@@ -57,7 +57,7 @@ class StepSchedule:
     @functools.lru_cache(maxsize=2)
     def permutation(self, epoch: int) -> np.ndarray:
         """Epoch `epoch`'s order: torch's randperm (the order every relay version drew), kept as numpy, whose
-        slice and tolist() cost a step ~1 us where a tensor's cost ~5 (a launch-bound GPU loop waits on each)."""
+        slice and tolist() cost a step ~1 us less than a tensor's (a launch-bound GPU loop waits on each)."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.n_samples, generator=g).numpy()
 
