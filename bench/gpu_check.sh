@@ -4,9 +4,8 @@
 # Run from the repo root: `bash bench/gpu_check.sh OUT_DIR [SECTION ...]`, sections `tiny vqa backoff loop exact`
 # (all by default; the whole takes over 10 minutes on an H100, so a lent machine's one call picks some: issue 48's
 # figures are `vqa backoff loop`, vqa and backoff running at once, then loop on a quiet GPU: ~3 + ~2 minutes on an
-# H200). Each run's
-# progress.json summary and wall time are printed; logs go to OUT_DIR. On a CPU-only machine the same commands take
-# the CPU paths.
+# H200). Each run's progress.json summary and wall time are printed; logs go to OUT_DIR. On a CPU-only machine the
+# same commands take the CPU paths.
 set -uo pipefail
 # The lent GPU image lacks pydantic: carry its wheels (`.whl/`, ignored by git; fetched with `pip download --no-deps
 # --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl pydantic==2.14.4

@@ -135,7 +135,7 @@ class SessionCore:
             self.record["loss_end"] = record.get("loss")
         if not self.world.main:
             return
-        if self._metrics is None:  # held open: inside a real loop an open/append/close cost ~110 us, a write ~50
+        if self._metrics is None:  # held open: a line is one write, not an open, append and close (a log step's I/O)
             self._metrics = open(self.metrics_path, "a", buffering=1)  # line-buffered: each line is written whole
         self._metrics.write(json.dumps(record) + "\n")
         shown_record = {**record, **shown} if shown else record

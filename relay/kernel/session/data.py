@@ -62,9 +62,8 @@ class StepSchedule:
         return torch.randperm(self.n_samples, generator=g).numpy()
 
     def indices(self, step: int) -> list[int]:
-        per_epoch = self.n_samples // self.effective_batch
-        start = (step % per_epoch) * self.effective_batch
-        return self.permutation(step // per_epoch)[start : start + self.effective_batch].tolist()
+        start = (step % self.steps_per_epoch) * self.effective_batch
+        return self.permutation(self.epoch_of(step))[start : start + self.effective_batch].tolist()
 
 
 def rank_indices(schedule: StepSchedule, step: int, rank: int = 0, world_size: int = 1) -> list[int]:

@@ -191,20 +191,20 @@ class Trainer:
         self._step_rng = self._torch_rng()  # an OOM retry replays the same dropout masks
         self._recipe_step(st.global_step)
         t0 = time.perf_counter()
-        total = None  # the micro-batches' loss sum, on the device (no zeros() to add to: a launch fewer a step)
+        total = torch.zeros((), device=self.device)
         oom = None
         try:
             for _ in range(st.grad_accum):
                 batch = data.to_device(next(self._batches), self.device, self.spec.data.non_blocking)
                 with self._autocast():
                     loss = self.recipe.loss(self.model, batch)
-                total = loss.detach().float() if total is None else total + loss.detach().float()
+                total += loss.detach().float()
                 self.scaler.scale(loss / st.grad_accum).backward()
         except Exception as err:  # noqa: BLE001 - an OOM on one rank is agreed on below, the rest re-raised
             if not (self.world.active and memory.is_oom(err)):
                 raise
             oom = err
-        mean = total / st.grad_accum if total is not None and st.grad_accum > 1 else total  # None: an OOM came first
+        mean = total / st.grad_accum
         if self.world.active:  # one small all-reduce: did any rank run out of memory, and the mean loss
             n_oom, loss_sum = distributed.agree(self.world, [oom is not None, 0.0 if oom else mean.item()],
                                                 self.device)

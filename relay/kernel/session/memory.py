@@ -162,8 +162,9 @@ class PeakBook:
             step = step if step is not None or self.step_of is None else self.step_of()
             where = self.phase if step is None else f"{self.phase} at step {step}"
             self.passed = (f"memory: the session's peak {peak:.0f} MB ({where}) passed its pre-flight's "
-                           f"{figure:.0f} MB by {peak - figure:.1f} MB ({peak / figure - 1:.1%}): the pre-flight misses what {self.phase} "
-                           "allocates, and on a smaller GPU this session would run out of memory there")
+                           f"{figure:.0f} MB by {peak - figure:.1f} MB ({peak / figure - 1:.1%}): the pre-flight "
+                           f"misses what {self.phase} allocates, and on a smaller GPU this session would run out of"
+                           " memory there")
             log.warning(self.passed)
 
     def fields(self) -> dict:
