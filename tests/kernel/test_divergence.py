@@ -154,14 +154,15 @@ def test_a_session_stops_itself_on_divergence_and_the_relay_says_why(relay_env, 
         relay_env.run_flow(monkeypatch)
     # 1.0 for 40 steps, then 1000: the 20-step average is over the bar from step 41, for 20 steps in a row
     assert "session 1 stopped itself: the loss diverged at step 60: its 20-step average was over 1" in str(failed.value)
-    assert "Its checkpoint at step 60 is handed over" in str(failed.value)
+    # judged the step after the log step 60 (the window's read started at 60): the session stops after 61
+    assert "Its checkpoint at step 61 is handed over" in str(failed.value)
     assert len(relay_env.kernel_runs()) == 1  # no second session spent on it
     progress = relay_env.published_progress()
-    assert progress["stop_reason"] == "diverged" and progress["global_step"] == 60
+    assert progress["stop_reason"] == "diverged" and progress["global_step"] == 61
     assert json.dumps(progress["sessions"][-1]["diverged"])
 
 
-@pytest.mark.parametrize("cut", [10, 50], ids=["in-warmup", "over-the-bar"])
+@pytest.mark.parametrize("cut", [10, 50, 60], ids=["in-warmup", "over-the-bar", "at-the-log-step"])
 def test_the_session_api_split_inside_the_judging_span_stops_at_the_same_step(relay_cli, tmp_path, cut):
     import yaml
 
@@ -174,5 +175,5 @@ def test_the_session_api_split_inside_the_judging_span_stops_at_the_same_step(re
     relay_cli.train(spec, tmp_path / "split", "none", "--max-steps", "none")
     whole, split = (json.loads((tmp_path / w / "progress.json").read_text()) for w in ("whole", "split"))
     assert whole["stop_reason"] == split["stop_reason"] == "diverged"
-    assert split["global_step"] == whole["global_step"] == 60
+    assert split["global_step"] == whole["global_step"] == 61  # judged the step after the log step 60
     assert split["weights_sha256"] == whole["weights_sha256"]

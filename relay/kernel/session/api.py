@@ -225,7 +225,7 @@ class Session:
         if s is None or s.effective_batch != batch_size or s.n_samples != n_samples or s.seed != seed:
             api_distributed.rank_batch(self.world, batch_size)  # checked once per schedule, not every step
             self._schedule = s = data.StepSchedule(n_samples, batch_size, seed, setting="batch_size")
-        indices = data.rank_indices(s, self.step, self.world.rank, self.world.size)
+        indices = data.rank_indices(s, self.book.global_step, self.world.rank, self.world.size)
         if self._trace:
             self._trace.batch(indices)
         return indices
@@ -251,7 +251,7 @@ class Session:
         """True when the work is done, the session's step cap is reached, a SIGTERM came, or one more step
         plus the final save would not fit before the deadline. With several processes every rank gets the
         same answer: a SIGTERM to any rank, rank 0's clock for the budget."""
-        reason = self.core.stop_reason(self.step, self.diverged)
+        reason = self.core.stop_reason(self.book.global_step, self.step_books.diverged)  # every step: no properties
         if reason not in books.RANK_INDEPENDENT and self.world.size > 1:  # the same on every rank
             reason = self._agreement.stop_reason(self.step, reason)
         self.stop_reason = reason
@@ -267,33 +267,50 @@ class Session:
         self.step_books.count(time.perf_counter() - self._mark, samples)
         if self._trace:
             self._trace.step_done(self, loss, sys._getframe(1))
-        self.step = step = self.step + 1
+        self.book.global_step = step = self.book.global_step + 1  # self.step, without its property's call
         if loss is not None:
             # Kept as given: a CUDA tensor is not read here (float() would make the CPU wait for the GPU every
-            # step instead of queueing the next), but with its window at the next log step, all at once.
+            # step instead of queueing the next), but with its window, all at once, its copy started at a log step.
             self.step_books.add_loss(step, loss)
         if self.world.size > 1:
             return self._step_done_together(save, metrics)
+        if self.step_books.closed is not None:  # the last log step's window: its copy is done by now
+            self._judge_closed_window()
         if step % self.config.log_every == 0 or step == self.total_steps:
-            self._end_window(metrics)
+            self.step_books.close_window(step, metrics)
+            if step == self.total_steps:  # no next step to judge it at
+                self._judge_closed_window()
         # not at the step the session stops after: close() saves then, with what the loop runs after step_done
         # (an eval's RNG draws)
-        if save and self.insurance_due() and self.step_books.insure_now(
+        if save and self.step_books.insurance_due() and self.step_books.insure_now(
                 stopping=self.core.stop_reason(self.step, self.diverged) is not None):
             self.save("periodic")
         self._mark = time.perf_counter()
 
-    def _end_window(self, metrics: dict) -> None:
-        """A log step: the window's losses read off the device at once, judged by the divergence guard, logged.
-        The guard judges only here, at steps that do not depend on where sessions are cut (multiples of log_every,
-        the last step); a save between them carries the unjudged window (window_losses, window_steps) and the
-        guard's history as of the last log step, so a split run stops, or not, at the uninterrupted run's step."""
-        losses = self.step_books.end_window()
-        if losses or metrics:
-            self.log("train", loss=sum(losses) / len(losses) if losses else None, **metrics)
+    def _judge_closed_window(self) -> None:
+        """The step after a log step: the window closed there, read off the device (its copy started at the log
+        step, so the host did not wait for the step it had just queued), judged by the divergence guard, and
+        logged at its log step. The guard judges only here, at steps that do not depend on where sessions are cut
+        (one after each multiple of log_every, the last step); a save carries the unjudged windows and the guard's
+        history, so a split run stops, or not, at the uninterrupted run's step."""
+        window = self.step_books.take_closed()
+        if not window.logged:
+            self._log_window(window)
+
+    def _log_window(self, window) -> None:
+        losses, step = window.read(), window.at
+        if losses or window.metrics:
+            values = {"loss": sum(losses) / len(losses) if losses else None, **window.metrics}
+            self.core.log({"kind": "train", "step": step, "epoch": self._schedule.epoch_of(step) if self._schedule
+                           else 0, **values}, shown=self._train_extras(self.step_books.samples_per_s()))
+        window.logged = True
 
     def _step_done_together(self, save: bool, metrics: dict) -> None:
         """step_done's logging and insurance save, agreed by every rank in one all-reduce."""
+        if self.step_books.closed is not None:  # closed by one process before a resume with several: logged only
+            window = self.step_books.take_closed(judge=False)
+            if not window.logged:
+                self._log_window(window)
         log_due = self.step % self.config.log_every == 0 or self.step == self.total_steps
         clock_reason = None if self.step >= self.total_steps else self.clock.should_stop()
         insure = save and self.step < self.total_steps and self.insurance_due()  # at a stop: close() saves
@@ -356,6 +373,9 @@ class Session:
         its own checkpoint that this one packs; the clock plans the final save with both phases. `background`:
         the state is serialized now and committed while training goes on (None is returned)."""
         t0 = time.perf_counter() if started is None else started
+        closed = self.step_books.closed
+        if closed is not None and not closed.logged:  # a save reads the device anyway: the line goes before the
+            self._log_window(closed)                   # checkpoint (a resume writes only lines after its step)
         self._update_record(reason)
         self.book.threads = torch.get_num_threads()
         rngs = rng.capture(self.world, self._device())

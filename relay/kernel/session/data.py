@@ -33,7 +33,7 @@ class StepSchedule:
                 f" training set ({self.n_samples} samples)"
             )
 
-    @property
+    @functools.cached_property  # read every step: computed once (into __dict__, which a frozen dataclass allows)
     def steps_per_epoch(self) -> int:
         # The tail that does not fill an optimizer step is dropped (it differs each epoch: nothing is lost).
         return self.n_samples // self.effective_batch
@@ -54,20 +54,27 @@ class StepSchedule:
         return StepSchedule(self.n_samples, self.effective_batch * k, self.seed,
                             setting=f"{where}{self.setting} x batch_scale {k}")
 
-    @functools.lru_cache(maxsize=2)
     def permutation(self, epoch: int) -> np.ndarray:
-        """Epoch `epoch`'s order: torch's randperm (the order every relay version drew), kept as numpy, whose
-        slice and tolist() cost a step ~1 us less than a tensor's (a launch-bound GPU loop waits on each)."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.n_samples, generator=g).numpy()
+        return epoch_order(self.n_samples, self.seed, epoch)
 
     def indices(self, step: int) -> list[int]:
-        start = (step % self.steps_per_epoch) * self.effective_batch
-        return self.permutation(self.epoch_of(step))[start : start + self.effective_batch].tolist()
+        epoch, position = divmod(step, self.steps_per_epoch)
+        start = position * self.effective_batch
+        return epoch_order(self.n_samples, self.seed, epoch)[start : start + self.effective_batch].tolist()
+
+
+@functools.lru_cache(maxsize=4)  # keyed by plain ints, hashed in C (a frozen dataclass's hash runs Python each step)
+def epoch_order(n_samples: int, seed: int, epoch: int) -> np.ndarray:
+    """Epoch `epoch`'s order: torch's randperm (the order every relay version drew), kept as numpy, whose
+    slice and tolist() cost a step ~1 us less than a tensor's (a launch-bound GPU loop waits on each)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n_samples, generator=g).numpy()
 
 
 def rank_indices(schedule: StepSchedule, step: int, rank: int = 0, world_size: int = 1) -> list[int]:
     """Rank `rank`'s equal slice of optimizer step `step`'s effective batch (all of it with one process)."""
+    if world_size == 1:
+        return schedule.indices(step)
     share = schedule.effective_batch // world_size
     return schedule.indices(step)[rank * share : (rank + 1) * share]
 
