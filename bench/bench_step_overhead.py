@@ -17,7 +17,11 @@ so that one round of one loop takes ~`--target-s` seconds:
     mlp        MLP 1024-4096-4096-1, batch 512, bf16 autocast
     transformer  6-layer encoder d384 (6 heads, ff 1536), seq 256, batch 32, bf16 autocast, LM head over 1000 tokens
 AdamW (fused on CUDA) in all. Figure: session ms/step / hand-written ms/step (a sync before and after each round;
-no loss read by the hand-written loop, so any host-device sync the relay adds shows as a ratio above 1).
+no loss read by the hand-written loop, so any host-device sync the relay adds shows as a ratio above 1), against
+two hand-written loops: one that draws no batch indices at all, and one that draws the same shuffled batches the
+way such a loop does (an epoch's torch.randperm, a tensor slice a step), which is the loop batches() replaces.
+Before each timed run, of every loop: os.sync() (the last session's checkpoint written out, not competing with
+the run) and gc.collect().
 Run: `python bench/bench_step_overhead.py [--device cuda] [--rounds 5] [--target-s 1.5]`; ~70 s on an H100.
 The JSON line has every round's (hand, session) ms/step: rounds that disagree mean the machine was not quiet.
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import io
 import json
 import logging
@@ -175,10 +180,32 @@ def gpu_loops(device: torch.device, rounds: int, target_s: float, only: list | N
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
 
-            def hand(n):
+            def quiet():
+                """Before each timed run: the last session's checkpoint on disk (its writeback would compete with
+                the next run for the host) and the garbage collected, for every loop alike."""
+                os.sync()
+                gc.collect()
                 sync()
+
+            def hand(n):
+                quiet()
                 t0 = time.perf_counter()
                 for i in range(n):
+                    train_step(i)
+                sync()
+                return (time.perf_counter() - t0) / n
+
+            def hand_drawing(n):
+                """The hand-written loop that draws the same shuffled batches itself, as such a loop does: an epoch's
+                randperm, a slice of it per step (a tensor: the cheaper form; batches() gives a list)."""
+                quiet()
+                t0 = time.perf_counter()
+                perm, epoch = None, -1
+                for i in range(n):
+                    e, pos = divmod(i, 8)
+                    if e != epoch:
+                        perm, epoch = torch.randperm(8 * batch, generator=torch.Generator().manual_seed(e)), e
+                    idx = perm[pos * batch:(pos + 1) * batch]  # noqa: F841 - the batch is noise, as in the others
                     train_step(i)
                 sync()
                 return (time.perf_counter() - t0) / n
@@ -191,7 +218,7 @@ def gpu_loops(device: torch.device, rounds: int, target_s: float, only: list | N
                 session = _open(work / f"{name}-{k}", n, log_every)
                 session.register(model=model, optimizer=opt)
                 session.restore()
-                sync()
+                quiet()
                 t0 = time.perf_counter()
                 for idx in session.batches(8 * batch, batch):
                     loss = train_step(session.step)
@@ -215,23 +242,28 @@ def gpu_loops(device: torch.device, rounds: int, target_s: float, only: list | N
             n = max(50, int(target_s / probe))
             fresh()
             relayed(min(n, 200), "warm")
-            h, s = [], []
+            h, d, s = [], [], []
+            loops = ((h, hand), (d, hand_drawing), (s, lambda k: relayed(k, len(s))))
             for r in range(rounds):  # which loop goes first alternates too: a drift in the machine cancels out
-                for session_loop in ((False, True) if r % 2 == 0 else (True, False)):
+                for times, loop in (loops if r % 2 == 0 else loops[::-1]):
                     fresh()
-                    if session_loop:
-                        s.append(relayed(n, r))
-                    else:
-                        h.append(hand(n))
+                    times.append(loop(n))
             ratios = sorted(b / a for a, b in zip(h, s))
+            drawn = sorted(b / a for a, b in zip(d, s))
             out[name] = {"steps": n, "hand_ms": round(statistics.median(h) * 1e3, 3),
+                         "hand_drawing_ms": round(statistics.median(d) * 1e3, 3),
                          "session_ms": round(statistics.median(s) * 1e3, 3),
                          "ratio": round(statistics.median(ratios), 3),
                          "spread": [round(ratios[0], 3), round(ratios[-1], 3)],
-                         "rounds_ms": [[round(a * 1e3, 3), round(b * 1e3, 3)] for a, b in zip(h, s)]}
-            print(f"{name:12s} {n} steps x {rounds} rounds: hand {out[name]['hand_ms']} ms/step, session "
-                  f"{out[name]['session_ms']} ms/step, session/hand {out[name]['ratio']:.3f} "
-                  f"(spread {out[name]['spread'][0]}-{out[name]['spread'][1]})", flush=True)
+                         "ratio_drawing": round(statistics.median(drawn), 3),
+                         "spread_drawing": [round(drawn[0], 3), round(drawn[-1], 3)],
+                         "rounds_ms": [[round(a * 1e3, 3), round(c * 1e3, 3), round(b * 1e3, 3)]
+                                       for a, c, b in zip(h, d, s)]}
+            o = out[name]
+            print(f"{name:12s} {n} steps x {rounds} rounds: hand {o['hand_ms']} ms/step, hand drawing its batches "
+                  f"{o['hand_drawing_ms']}, session {o['session_ms']}; session/hand {o['ratio']:.3f} "
+                  f"(spread {o['spread'][0]}-{o['spread'][1]}), session/hand drawing {o['ratio_drawing']:.3f} "
+                  f"(spread {o['spread_drawing'][0]}-{o['spread_drawing'][1]})", flush=True)
             del model, opt
             if device.type == "cuda":
                 torch.cuda.empty_cache()

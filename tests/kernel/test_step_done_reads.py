@@ -84,6 +84,11 @@ def test_a_save_inside_a_window_reads_it_once_and_the_log_step_does_not_read_it_
     assert [step for step, _ in CountingLoss.reads] == [5, 10], CountingLoss.reads
 
 
+def _train_lines(workdir):
+    return [(r["step"], r["loss"]) for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "train"]
+
+
 def _blow_up(workdir, cuts, log_every=7):
     """1.0 until step 40, then 1000: the guard's trigger falls at step 60, inside the window 57-63."""
     done, progress = 0, None
@@ -110,6 +115,10 @@ def test_a_split_inside_the_window_stops_at_the_uninterrupted_runs_step_with_its
     assert split["stop_reason"] == "diverged" and split["global_step"] == whole["global_step"]
     assert split["sessions"][-1]["diverged"] == whole["sessions"][-1]["diverged"]
     assert len(split["sessions"]) == len(cuts) + 1
+    # each window's line once, as in the uninterrupted run: a session that stops at a log step writes its line
+    # (the save reads the window anyway) and the next one judges that window without writing it again
+    assert _train_lines(tmp_path / "split") == _train_lines(tmp_path / "whole")
+    assert [step for step, _ in _train_lines(tmp_path / "whole")] == list(range(7, 64, 7))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])

@@ -112,7 +112,7 @@ class Session:
         self.stop_reason: Optional[str] = None
         self.closed = False
         self.book = books.RunBook()  # the run's book: the step, the sessions, the last eval and best, ...
-        # the loss window (device tensors read at log steps), samples/s, the insurance timer, the divergence guard
+        # the loss window (device tensors read once a window), samples/s, the insurance timer, the divergence guard
         self.step_books = step_books or StepBooks(self.clock, config.save_every, guard=config.stop_on_divergence,
                                                   mode="window")
         self._mark = time.perf_counter()

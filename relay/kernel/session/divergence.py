@@ -20,11 +20,12 @@ Calibrated on the project's own runs (docs/benchmarks.md, `bench/bench_divergenc
 
 The guard's state is part of the run's exact state: both session paths save `state_dict()` in the checkpoint and
 load it back, so a run split into sessions stops, or does not, at the step an uninterrupted run would. Both wire it
-through session/stepbooks.py's StepBooks and judge only at log steps (multiples of log_every and the last step),
-from the window's losses read off the device in one go, so a step costs no host-device sync: the Session API
-with `update_many`, the built-in Trainer loss by loss within each loss's phase, after counting its non-finite
-skips. Those steps do not depend on where sessions are cut, and the window not yet judged is saved with the
-checkpoint. A new `phase` (a new model of a multi-model recipe, a curriculum stage) and a stop restart the history: losses of a
+through session/stepbooks.py's StepBooks and judge only once a window, from its losses read off the device in one
+go, so a step costs no host-device sync: the built-in Trainer at its log steps (multiples of log_every and the last
+step), loss by loss within each loss's phase, after counting its non-finite skips; the Session API with
+`update_many` at the step after each log step (the window's copy started at the log step, so the host does not
+wait for it) and at the last step. Those steps do not depend on where sessions are cut, and the windows not yet
+judged are saved with the checkpoint. A new `phase` (a new model of a multi-model recipe, a curriculum stage) and a stop restart the history: losses of a
 new phase do not compare with the last one's, and a run resumed after a stop is judged from where it stands.
 """
 from __future__ import annotations
@@ -105,7 +106,7 @@ class DivergenceGuard:
 
     def update_many(self, steps: list[int], losses: list[float], phase: Optional[str] = None) -> Optional[str]:
         """A window of losses at once, in step order (the Session API reads its losses from the device together,
-        at a log step, and judges them there): the reason at the first loss that stops the run, else None. The
+        once a window, and judges them then): the reason at the first loss that stops the run, else None. The
         losses after it are not counted: the run stops at the window's end, and a run resumed after a stop is
         judged from where it stands (a fresh history, as update() leaves it)."""
         for step, loss in zip(steps, losses):
