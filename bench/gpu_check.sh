@@ -97,8 +97,12 @@ if want loop; then
   "$py" bench/bench_loop.py --device cuda >"$out/loop-builtin.log" 2>&1
   echo "built-in loop vs hand-written and HF Trainer on CUDA: rc=$? $((SECONDS - t0)) s:"
   grep -E '"loop_(device|relay_vs_(hand|hf)(_wall|_cpu)?|(relay|hand|hf)_s)"' "$out/loop-builtin.log"
-  # where either loop waits on the GPU: host-device syncs per step by relay line (only log steps, saves, evals)
+  # where either loop waits on the GPU: host-device syncs per step by relay line (saves, evals; the built-in
+  # loop's log steps)
   "$py" bench/gpu_syncs.py 2>"$out/gpu-syncs.err" | grep -v relay-progress
+  # where the Session API's step goes at ~2 ms steps: hand-written forms with a sync or a window read, and the
+  # host's microseconds inside the relay's calls (~1 min)
+  "$py" bench/step_split.py --device cuda --only mlp 2>"$out/step-split.err" | grep -v '^{'
 fi
 
 # The plain loop with fp16 autocast + GradScaler, split into sessions (one killed mid-save) vs one run.
