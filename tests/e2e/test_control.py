@@ -176,12 +176,13 @@ def test_stop_hands_the_session_over_every_orchestrator_obeys_and_resume_ends_id
 def test_stop_now_deletes_the_kernel_after_asking_and_resume_goes_on_from_the_published_checkpoint(
         make_emulator, tmp_path, reference, spawns_processes):  # noqa: F811
     gate = tmp_path / "gate-2"
-    emulator = make_emulator(kernel_env={**KERNEL_ENV, "CONTROL_TEST_GATE": f"40:{gate}"})
+    # held after step 41: the line of the log step 40 is written at the step after it
+    emulator = make_emulator(kernel_env={**KERNEL_ENV, "CONTROL_TEST_GATE": f"41:{gate}"})
     project = _project(tmp_path)
     reference.start(project / "spec.yaml")
     relay = _start_relay(tmp_path, emulator, project, "run-1.log")
 
-    def at_step_40() -> bool:  # session 2 logged step 40 and blocks there
+    def at_step_40() -> bool:  # session 2 logged step 40 and blocks after the next
         entries = emulator.runner.live_log(KERNEL, 2) or []
         return any((progress_line.parse(e["data"]) or {}).get("step") == 40 for e in entries)
     wait_for(at_step_40, 900, "session 2 to reach step 40")
@@ -204,7 +205,7 @@ def test_stop_now_deletes_the_kernel_after_asking_and_resume_goes_on_from_the_pu
     assert relay.returncode == 0 and "stopped by the user (relay stop) at step 30" in out, out[-3000:]
     assert KERNEL not in emulator.store.kernels  # nothing pushed after the delete
 
-    gate.touch()  # the next attempt of session 2 passes step 40
+    gate.touch()  # the next attempt of session 2 passes step 41
     _ok(relay_in_shell(tmp_path, emulator, project, "resume", NAME))
     out = _ok(relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3", env_extra=SLOW_START))
     assert "done: step 60/60, 2 session(s) handed over" in out, out[-3000:]

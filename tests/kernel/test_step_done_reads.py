@@ -69,6 +69,26 @@ def test_step_done_reads_the_loss_only_at_log_steps(tmp_path):
     assert [(r["step"], r["loss"]) for r in train] == [(5, sum(values[:5]) / 5), (10, sum(values[5:]) / 5)]
 
 
+def test_an_eval_after_a_log_step_writes_the_windows_line_first_and_the_guard_still_judges_at_the_next_step(
+        tmp_path):
+    session = relay.open_session(total_steps=100, workdir=str(tmp_path / "w"), log_every=5, save_every=1e9,
+                                 stop_on_divergence=True)
+    session.register(model=torch.nn.Linear(2, 1))
+    session.restore()
+    for k, _ in zip(range(5), session.batches(64, 8)):
+        session.step_done(loss=torch.tensor(float(k)))
+    session.log("eval", loss=0.5)  # what a script's eval at its log step records
+    metrics = tmp_path / "w" / "metrics.jsonl"
+    assert [(r["kind"], r["step"]) for r in map(json.loads, metrics.read_text().splitlines())] == [
+        ("train", 5), ("eval", 5)]
+    assert session.step_books.guard.h.n == 0  # judged at step 6, whether or not its line is written
+    next(iter(session.batches(64, 8)))
+    session.step_done(loss=torch.tensor(5.0))
+    assert session.step_books.guard.h.n == 5
+    session.close()
+    assert [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"] == [5]
+
+
 def test_a_save_inside_a_window_reads_it_once_and_the_log_step_does_not_read_it_again(tmp_path):
     CountingLoss.reads = []
     session = relay.open_session(total_steps=100, workdir=str(tmp_path / "w"), log_every=10, save_every=1e9)

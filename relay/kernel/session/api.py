@@ -350,7 +350,12 @@ class Session:
         return self.step_books.diverged
 
     def log(self, kind: str = "train", **values: Any) -> None:
-        """One metrics.jsonl record at the current step; `kind="eval"` records become progress metrics."""
+        """One metrics.jsonl record at the current step; `kind="eval"` records become progress metrics. A window
+        closed at a log step and not yet written goes first: an eval after that step (its own reads waited for the
+        GPU) shows its train line before its own, not after it."""
+        closed = self.step_books.closed
+        if closed is not None and not closed.logged:
+            self._log_window(closed)
         if kind == "eval":
             self.book.last_eval = {"step": self.step, **values}
         self.core.log({"kind": kind, "step": self.step, "epoch": self.epoch, **values},
