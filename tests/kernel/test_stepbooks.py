@@ -39,6 +39,26 @@ def test_a_window_cut_by_a_save_resumes_with_its_losses_steps_and_guard_history(
     assert old.steps == [9, 10]
 
 
+def test_a_closed_window_resumes_unjudged_with_its_metrics_and_whether_its_line_is_written():
+    a = books("window")
+    for step in range(1, 11):
+        a.add_loss(step, torch.tensor(float(step)))
+    a.close_window(10, {"acc": torch.tensor(0.5), "note": "x"})
+    a.add_loss(11, torch.tensor(11.0))
+    a.closed.logged = True  # what a save does first (Session.save)
+    saved = {"global_step": 11, **a.state_dict()}
+    assert set(KEYS) >= set(saved) - {"global_step"}
+    assert (saved["closed_at"], saved["closed_steps"], saved["closed_losses"]) == (10, list(range(1, 11)),
+                                                                                   [float(s) for s in range(1, 11)])
+    assert saved["closed_metrics"] == {"acc": 0.5, "note": "x"} and saved["closed_logged"] is True
+    assert saved["window_losses"] == [11.0] and a.guard.h.n == 0  # nothing judged yet
+    b = books("window")
+    b.load_state_dict(saved)
+    assert b.closed == a.closed and b.steps == [11]
+    assert b.take_closed().logged and b.closed is None and b.guard.h.n == 10
+    assert a.take_closed() is not None and b.guard.state_dict() == a.guard.state_dict()
+
+
 def test_step_mode_judges_each_loss_and_window_mode_at_the_window_end():
     step, window = books("step"), books("window")
     for s in range(1, 4):
@@ -82,3 +102,25 @@ def test_the_trainers_window_keeps_each_losss_step_and_phase_through_a_checkpoin
     old = books("window")  # a window saved without phases takes the phase it is read in
     old.load_state_dict({"global_step": 2, "window_losses": [1.0, 2.0]})
     assert [p for *_, p in old.take_window("C")] == ["C", "C"]
+
+
+def test_a_closed_cuda_window_is_read_only_after_its_copy_is_done():
+    """On CUDA a log step copies its window into pinned memory behind the step's kernels, with an event after the
+    copy; the values may be read only once that event is done. This machine has no CUDA: the event and the pinned
+    tensor are stand-ins (mocked because they cannot run here) that record the order of the wait and the read."""
+    from relay.kernel.session.stepbooks import ClosedWindow
+
+    order = []
+
+    class Event:
+        def synchronize(self):
+            order.append("wait")
+
+    class Pinned(torch.Tensor):
+        def tolist(self):
+            order.append("read")
+            return super().tolist()
+
+    window = ClosedWindow(10, list(range(1, 11)), (torch.arange(10.0).as_subclass(Pinned), Event()))
+    assert window.read() == [float(k) for k in range(10)] and order == ["wait", "read"]
+    assert window.read() == [float(k) for k in range(10)] and order == ["wait", "read"]  # read once, then kept
