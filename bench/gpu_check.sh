@@ -3,8 +3,8 @@
 # plain-loop example with AMP relayed over sessions by `relay verify-resume`, the HF and Lightning examples likewise.
 # Run from the repo root: `bash bench/gpu_check.sh OUT_DIR [SECTION ...]`, sections `tiny vqa backoff loop exact`
 # (all by default; the whole takes over 10 minutes on an H100, so a lent machine's one call picks some: issue 48's
-# figures are `vqa backoff loop`, vqa and backoff running at once, then loop on a quiet GPU: ~3 + ~2 minutes on an
-# H200). Each run's progress.json summary and wall time are printed; logs go to OUT_DIR. On a CPU-only machine the
+# figures are `vqa backoff loop`, vqa and backoff running at once, then loop on a quiet GPU: ~3 + ~3.5 minutes on an
+# H200; `exact` alone took 5.5 minutes there, so run it in a call of its own). Each run's progress.json summary and wall time are printed; logs go to OUT_DIR. On a CPU-only machine the
 # same commands take the CPU paths.
 set -uo pipefail
 # The lent GPU image lacks pydantic: carry its wheels (`.whl/`, ignored by git; fetched with `pip download --no-deps
@@ -85,7 +85,7 @@ if want backoff; then
   "$py" bench/gpu_eval_determinism.py  # why the VQA eval sums its loss by hand: cross_entropy's mean uses atomics
 fi
 
-# What the Session API's step costs beside a hand-written loop's (issue 48: <= 1.03x at ~2 ms steps), ~70 s;
+# What the Session API's step costs beside two hand-written loops' (issue 48: <= 1.03x at ~2 ms steps), ~1.5 min;
 # then the built-in loop's.
 if want loop; then
   t0=$SECONDS
