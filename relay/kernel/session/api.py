@@ -35,7 +35,8 @@ from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.core import SessionCore
 from relay.kernel.session.device import pick_device, seed_everything
 from relay.kernel.session.settings import SessionSettings
-from relay.kernel.session.stepbooks import StepBooks, read_losses  # noqa: F401 - read_losses: its old home
+from relay.kernel.session.stepbooks import (ClosedWindow, StepBooks,  # noqa: F401 - read_losses: its old home
+                                            read_losses)
 from relay.shared import environment
 from relay.shared.environment import SessionEnvironment
 from relay.shared.errors import InputError
@@ -293,11 +294,13 @@ class Session:
         logged at its log step. The guard judges only here, at steps that do not depend on where sessions are cut
         (one after each multiple of log_every, the last step); a save carries the unjudged windows and the guard's
         history, so a split run stops, or not, at the uninterrupted run's step."""
-        window = self.step_books.take_closed()
-        if not window.logged:
-            self._log_window(window)
+        self._write_window_line(self.step_books.take_closed())
 
-    def _log_window(self, window) -> None:
+    def _write_window_line(self, window: Optional[ClosedWindow]) -> None:
+        """A closed window's train line, at its log step, unless it is written already (once per window: the next
+        step, a save or an explicit log, whichever comes first, writes it)."""
+        if window is None or window.logged:
+            return
         losses, step = window.read(), window.at
         if losses or window.metrics:
             values = {"loss": sum(losses) / len(losses) if losses else None, **window.metrics}
@@ -308,9 +311,7 @@ class Session:
     def _step_done_together(self, save: bool, metrics: dict) -> None:
         """step_done's logging and insurance save, agreed by every rank in one all-reduce."""
         if self.step_books.closed is not None:  # closed by one process before a resume with several: logged only
-            window = self.step_books.take_closed(judge=False)
-            if not window.logged:
-                self._log_window(window)
+            self._write_window_line(self.step_books.take_closed(judge=False))
         log_due = self.step % self.config.log_every == 0 or self.step == self.total_steps
         clock_reason = None if self.step >= self.total_steps else self.clock.should_stop()
         insure = save and self.step < self.total_steps and self.insurance_due()  # at a stop: close() saves
@@ -353,9 +354,7 @@ class Session:
         """One metrics.jsonl record at the current step; `kind="eval"` records become progress metrics. A window
         closed at a log step and not yet written goes first: an eval after that step (its own reads waited for the
         GPU) shows its train line before its own, not after it."""
-        closed = self.step_books.closed
-        if closed is not None and not closed.logged:
-            self._log_window(closed)
+        self._write_window_line(self.step_books.closed)
         if kind == "eval":
             self.book.last_eval = {"step": self.step, **values}
         self.core.log({"kind": kind, "step": self.step, "epoch": self.epoch, **values},
@@ -378,9 +377,9 @@ class Session:
         its own checkpoint that this one packs; the clock plans the final save with both phases. `background`:
         the state is serialized now and committed while training goes on (None is returned)."""
         t0 = time.perf_counter() if started is None else started
-        closed = self.step_books.closed
-        if closed is not None and not closed.logged:  # a save reads the device anyway: the line goes before the
-            self._log_window(closed)                   # checkpoint (a resume writes only lines after its step)
+        # a save reads the device anyway: a closed window's line goes before the checkpoint (a resume writes only
+        # lines after its step)
+        self._write_window_line(self.step_books.closed)
         self._update_record(reason)
         self.book.threads = torch.get_num_threads()
         rngs = rng.capture(self.world, self._device())

@@ -80,7 +80,7 @@ class SessionClock:
         """Seconds to finish one more step (and an eval if due) and still save before the deadline."""
         save = self.save_seconds if self.save_seconds is not None else self.estimated_save_seconds
         return (
-            (max(self._step_times) if self._step_times else 0.0)  # step_estimate()
+            self.step_estimate()
             + (self.eval_seconds if eval_due else 0.0)
             + SAVE_SAFETY_FACTOR * save
             + self.safety_margin
@@ -92,8 +92,8 @@ class SessionClock:
             return "sigterm"
         if self.max_steps is not None and self.steps_taken >= self.max_steps:
             return "steps"
-        if self.limit - (time.monotonic() - self._t0) < self.time_needed(eval_due):  # remaining(), inlined:
-            return "budget"                                                     # asked before every step
+        if self.remaining() < self.time_needed(eval_due):
+            return "budget"
         return None
 
     # -- signals ----------------------------------------------------------------------------

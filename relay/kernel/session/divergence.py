@@ -25,8 +25,9 @@ go, so a step costs no host-device sync: the built-in Trainer at its log steps (
 step), loss by loss within each loss's phase, after counting its non-finite skips; the Session API with
 `update_many` at the step after each log step (the window's copy started at the log step, so the host does not
 wait for it) and at the last step. Those steps do not depend on where sessions are cut, and the windows not yet
-judged are saved with the checkpoint. A new `phase` (a new model of a multi-model recipe, a curriculum stage) and a stop restart the history: losses of a
-new phase do not compare with the last one's, and a run resumed after a stop is judged from where it stands.
+judged are saved with the checkpoint. A new `phase` (a new model of a multi-model recipe, a curriculum stage) and a
+stop restart the history: losses of a new phase do not compare with the last one's, and a run resumed after a stop
+is judged from where it stands.
 """
 from __future__ import annotations
 

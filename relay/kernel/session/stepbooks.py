@@ -15,8 +15,8 @@ The loss reaches the books in one of two modes, each with its own keys in the ch
   window is judged and logged at the next step (`take_closed`), when the copy is long done: the host never waits
   for the step it just queued (on an H200, a hand-written loop that read a 10-step window at its log step ran 1.4 %
   slower at 1.7 ms steps and 2.9 % at 1.3 ms than one that read nothing, 0.5 % and 2.8 % when it copied the window
-  without a wait and read it later; bench/step_split.py). The closed window and whether its line is written yet go into the checkpoint
-  too (`closed_*`); a save writes its line first.
+  without a wait and read it later; bench/step_split.py). The closed window and whether its line is written yet go
+  into the checkpoint too (`closed_*`); a save or an explicit log writes its line first.
 - "step" (the Trainer with several processes): the loss is a float every rank agreed on, added as it comes (no
   guard judges it); the checkpoint holds `window_losses` and `divergence` (None).
 
@@ -102,8 +102,8 @@ class StepBooks:
         here unless `judge` is False (several processes: the losses are agreed on, not judged)."""
         losses, steps = read_losses(self.losses) if self.mode == "window" else self.losses, self.steps
         self.losses, self.steps, self.phases = [], [], []
-        if judge and self.mode == "window" and losses and self.guard is not None and self.diverged is None:
-            self.diverged = self.guard.update_many(steps, losses)
+        if judge and self.mode == "window":
+            self._judge_many(steps, losses)
         return losses
 
     def close_window(self, step: int, metrics: dict) -> None:
@@ -115,10 +115,13 @@ class StepBooks:
     def take_closed(self, judge: bool = True) -> ClosedWindow:
         """The closed window, read (waiting only for a copy not yet done) and judged by the guard."""
         window, self.closed = self.closed, None
-        losses = window.read()
-        if judge and losses and self.guard is not None and self.diverged is None:
-            self.diverged = self.guard.update_many(window.steps, losses)
+        if judge:
+            self._judge_many(window.steps, window.read())
         return window
+
+    def _judge_many(self, steps: list[int], losses: list[float]) -> None:
+        if losses and self.guard is not None and self.diverged is None:
+            self.diverged = self.guard.update_many(steps, losses)
 
     def take_window(self, phase: Optional[str] = None) -> list[tuple[int, float, Optional[str]]]:
         """"window": the window read off the device at once, each loss with its step and phase, in step order, and
