@@ -11,18 +11,21 @@ model construction are outside every timing:
   relay         `relay.kernel.run.run_session` (budget none, periodic saves effectively off, no best save,
                 eval only at the last step on 8 samples); the time of `Trainer.fit()`, i.e. every optimizer
                 step with relay's data loading, deadline checks, logging and tqdm, plus the final tiny eval
-  hand-written  the loop below, from the first batch to the last optimizer step
+  hand-written  the loop below, from the first batch to the last optimizer step, with the fused AdamW the relay
+                builds (so the ratio is the loop's own cost, not the fused optimizer's gain over torch's default)
   HF Trainer    `transformers.Trainer.train()` between the `on_train_begin` and `on_train_end` callbacks
                 (no saving, no eval, logging every 50 steps, tqdm off)
 Rounds rotate the order (each loop runs first, second and third equally often); the ratios are medians of
 per-round ratios (relay and the other loop of the same round ran back to back, under the same load), with
 their spread (min-max); one warm-up round is dropped.
 `--device cuda` (on a GPU; `bash bench/gpu_check.sh OUT loop`): the same three loops on the GPU, where this small
-model's step is short (not yet measured there), so whatever a loop adds on the host shows: the model and every
-batch on the device (pinned host memory, non-blocking copies, as the relay does), the hand-written loop with the
-fused AdamW the relay builds (so the ratio is the loop's own cost), a CUDA sync at each timing's ends; the ratios
+model's step is short, so whatever a loop adds on the host shows: the model and every batch on the device (pinned
+host memory, non-blocking copies, as the relay does), a CUDA sync at each timing's ends; the ratios
 use wall seconds there (a process waiting on the GPU spins, so its CPU seconds are its wall seconds).
-Run: `python bench/bench_loop.py [--steps N --repeats N] [--device cuda]`; `run()` returns the named figures.
+`--hidden 8`: the MLP shrunk until a step is nearly all host work (collation, launches, the loop's Python), as a
+launch-bound GPU step is: what a loop adds on the host shows in full, on a CPU too.
+Run: `python bench/bench_loop.py [--steps N --repeats N] [--device cuda] [--hidden N]`; `run()` returns the
+named figures.
 """
 from __future__ import annotations
 
@@ -116,7 +119,7 @@ def time_hand(steps: int, device: str = "cpu") -> tuple[float, float]:
     loader = torch.utils.data.DataLoader(recipe.train_dataset(), batch_size=MICRO, shuffle=True, drop_last=True,
                                          collate_fn=recipe.collate, generator=torch.Generator().manual_seed(SEED),
                                          pin_memory=cuda)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, **({"fused": True} if cuda else {}))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)  # as the relay builds it
     sched = torch.optim.lr_scheduler.LambdaLR(opt, loop_mod.lr_lambda("linear", WARMUP, steps))
     model.train()
     _sync(device)
@@ -202,7 +205,10 @@ def time_hf(steps: int, workdir: Path, device: str = "cpu") -> tuple[float, floa
 
 
 # -- driver ------------------------------------------------------------------------------------------
-def run(steps: int = 400, repeats: int = 5, workdir: Path | None = None, device: str = "cpu") -> dict:
+def run(steps: int = 400, repeats: int = 5, workdir: Path | None = None, device: str = "cpu",
+        hidden: int = PARAMS["hidden"]) -> dict:
+    global PARAMS
+    PARAMS = {**PARAMS, "hidden": hidden}
     torch.set_num_threads(1)
     logging.getLogger("relay").setLevel(logging.WARNING)
     os.environ.setdefault("TQDM_DISABLE", "1")  # relay's bar still runs its code path; nothing is printed
@@ -224,6 +230,7 @@ def run(steps: int = 400, repeats: int = 5, workdir: Path | None = None, device:
     figures = {
         "loop_device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
         "loop_steps": steps,
+        "loop_hidden": hidden,
         "loop_repeats": repeats,
         "loop_samples_per_step": MICRO * ACCUM,
         "loop_target_vs_hand": TARGET_VS_HAND,
@@ -257,8 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--hidden", type=int, default=PARAMS["hidden"], help="the MLP's width (8: host-bound)")
     args = parser.parse_args(argv)
-    figures = run(args.steps, args.repeats, device=args.device)
+    figures = run(args.steps, args.repeats, device=args.device, hidden=args.hidden)
     print(json.dumps(figures, indent=1))
     print(describe())
     return 0 if figures["loop_meets_target"] else 1

@@ -28,6 +28,7 @@ class Script:
         self.oom_skip_calls = 0  # ...but only after this many oversized calls went through
         self.nan_steps: set[int] = set()  # global steps whose loss is NaN
         self.nan_gradients = True  # ...and so are its gradients (loss x NaN); False: they stay finite (loss + NaN)
+        self.bad = float("nan")  # what those steps' loss is made (inf and -inf: non-finite too)
         self.sigterm_at = None  # (global step, micro-batch index): send SIGTERM during it
         self.step = None  # the global step of the running Trainer._step; None outside it (the pre-flight)
         self.micro = 0
@@ -55,7 +56,7 @@ class ScriptedRecipe(ToyRecipe):
                 raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (simulated: micro-batch {n})")
         loss = super().loss(model, batch)
         if SCRIPT.step in SCRIPT.nan_steps:
-            loss = loss * float("nan") if SCRIPT.nan_gradients else loss + torch.tensor(float("nan"))
+            loss = loss * SCRIPT.bad if SCRIPT.nan_gradients else loss + torch.tensor(SCRIPT.bad)
         return loss
 
 
@@ -218,6 +219,26 @@ def test_nonfinite_steps_are_skipped_without_touching_weights(scripted, tmp_path
     scripted.nan_steps, scripted.nan_gradients = {1, 3}, nan_gradients
     run_session(spec(optim={"max_steps": 5, "precision": precision}), tmp_path / "ref")
     assert_same_weights(tmp_path / "nan", tmp_path / "ref")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf")], ids=["inf", "-inf"])
+def test_an_infinite_loss_with_finite_gradients_is_skipped_as_a_nan_one(scripted, tmp_path, monkeypatch, precision,
+                                                                        bad):
+    """loss + inf: the gradients stay finite, so only the loss tells. The step's skip is decided on the device from
+    mean * 0 (NaN exactly when the mean is NaN or infinite): the fused AdamW's found_inf in fp32, the gradient
+    poison that makes fp16's GradScaler skip. The weights equal a run without that step."""
+    if precision == "fp16":
+        from relay.kernel.session import loop
+
+        monkeypatch.setattr(loop, "resolve_precision", lambda requested, device: "fp16")
+    scripted.nan_steps, scripted.nan_gradients, scripted.bad = {2}, False, bad
+    run_session(spec(optim={"max_steps": 3, "precision": precision}), tmp_path / "inf")
+    assert final_state(tmp_path / "inf")["relay"]["skipped_steps"] == 1
+    scripted.reset()
+    scripted.nan_steps, scripted.nan_gradients, scripted.bad = {2}, True, float("nan")
+    run_session(spec(optim={"max_steps": 3, "precision": precision}), tmp_path / "ref")
+    assert_same_weights(tmp_path / "inf", tmp_path / "ref")
 
 
 def test_k_nonfinite_in_a_row_under_bf16_falls_back_to_fp32(scripted, tmp_path, caplog):

@@ -191,20 +191,19 @@ class Trainer:
         self._step_rng = self._torch_rng()  # an OOM retry replays the same dropout masks
         self._recipe_step(st.global_step)
         t0 = time.perf_counter()
-        total = torch.zeros((), device=self.device)
-        oom = None
+        losses, oom = [], None
         try:
             for _ in range(st.grad_accum):
                 batch = data.to_device(next(self._batches), self.device, self.spec.data.non_blocking)
                 with self._autocast():
                     loss = self.recipe.loss(self.model, batch)
-                total += loss.detach().float()
+                losses.append(loss.detach())
                 self.scaler.scale(loss / st.grad_accum).backward()
         except Exception as err:  # noqa: BLE001 - an OOM on one rank is agreed on below, the rest re-raised
             if not (self.world.active and memory.is_oom(err)):
                 raise
             oom = err
-        mean = total / st.grad_accum
+        mean = _mean(losses) if losses else None
         if self.world.active:  # one small all-reduce: did any rank run out of memory, and the mean loss
             n_oom, loss_sum = distributed.agree(self.world, [oom is not None, 0.0 if oom else mean.item()],
                                                 self.device)
@@ -226,7 +225,7 @@ class Trainer:
                 _poison_gradients(opt, mean)
                 self._optimizer_step(opt)
             else:
-                opt.found_inf = (~torch.isfinite(mean)).to(torch.float32)
+                opt.found_inf = mean.mul(0).ne_(0)  # 1.0 if the loss is NaN or infinite (then x * 0 is NaN), else 0.0
                 try:
                     self._optimizer_step(opt)
                 finally:
@@ -494,7 +493,13 @@ def _poison_gradients(opt: torch.optim.Optimizer, mean: torch.Tensor) -> None:
     impossible), and skips the step. Adds 0 otherwise."""
     grad = next((p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None), None)
     if grad is not None:  # its first element, a view (a whole-tensor add would cost a pass over the gradient)
-        grad[(0,) * grad.dim()].add_(torch.where(torch.isfinite(mean), 0.0, float("nan")).to(grad.dtype))
+        grad[(0,) * grad.dim()].add_(mean.mul(0).to(grad.dtype))  # x * 0: NaN for a NaN or infinite x, else 0
+
+
+def _mean(losses: list[torch.Tensor]) -> torch.Tensor:
+    """The step's mean loss in fp32, on the device: one launch per step at most (a launch-bound GPU step waits on
+    each; zeros, an add per micro-batch and a division were grad_accum + 2)."""
+    return losses[0].float() if len(losses) == 1 else torch.stack(losses).float().mean()
 
 
 def _peer_oom() -> RuntimeError:
