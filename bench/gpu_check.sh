@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The CUDA paths on a lent GPU machine (no CI runs there): every tiny spec trained by `relay train`, the
 # plain-loop example with AMP relayed over sessions by `relay verify-resume`, the HF and Lightning examples likewise.
-# Run from the repo root: `bash bench/gpu_check.sh OUT_DIR [SECTION ...]`, sections `tiny vqa backoff loop exact`
-# (all by default; the whole takes over 10 minutes on an H100, so a lent machine's one call picks some: issue 48's
-# figures are `vqa backoff loop`, vqa and backoff running at once, then loop on a quiet GPU: ~3 + ~3.5 minutes on an
-# H200; `exact` alone took 5.5 minutes there, so run it in a call of its own). Each run's progress.json summary and wall time are printed; logs go to OUT_DIR. On a CPU-only machine the
+# Run from the repo root: `bash bench/gpu_check.sh OUT_DIR [SECTION ...]`, sections `tiny vqa backoff ratio loop
+# exact` (all but `ratio`, which `loop` includes, by default; the whole takes over 10 minutes on an H100, so a lent
+# machine's one call picks some: issue 48's figures are `ratio` (~1.5 min, alone on a quiet GPU), `vqa backoff`
+# (running at once, ~3 min on an H200), `loop` (~3.5 min); `exact` alone took 5.5 minutes there: a call of its own). Each run's progress.json summary and wall time are printed; logs go to OUT_DIR. On a CPU-only machine the
 # same commands take the CPU paths.
 set -uo pipefail
 # The lent GPU image lacks pydantic: carry its wheels (`.whl/`, ignored by git; fetched with `pip download --no-deps
@@ -86,12 +86,15 @@ if want backoff; then
 fi
 
 # What the Session API's step costs beside two hand-written loops' (issue 48: <= 1.03x at ~2 ms steps), ~1.5 min;
-# then the built-in loop's.
-if want loop; then
+# `ratio` runs this alone (the first thing to run on a lent GPU: nothing else on it while it runs), `loop` runs it
+# and then the built-in loop's figures.
+if want ratio || want loop; then
   t0=$SECONDS
   "$py" bench/bench_step_overhead.py --device cuda >"$out/step-overhead.log" 2>&1
   echo "step overhead, Session API vs hand-written: rc=$? $((SECONDS - t0)) s:"
   grep -E '^(GPU|tiny|mlp|transformer)|process' "$out/step-overhead.log"
+fi
+if want loop; then
   # the built-in loop against the same loop by hand and HF's Trainer on the GPU (a small model's short steps)
   t0=$SECONDS
   "$py" bench/bench_loop.py --device cuda >"$out/loop-builtin.log" 2>&1
