@@ -83,6 +83,7 @@ def report(summary: dict) -> int:
     print(f"final SMAPE: {smape:.2f} %  (best {progress['best']['value']:.2f} % at step {progress['best']['step']})")
     print(f"loss curves: {local / 'curves.png'}")
     print(f"timeline:    {local / 'timeline.png'}")
+    print(f"goodput:     {local / 'goodput.png'}")
     print(f"final model: dataset {USER}/price-demo-model (emulator state {RUN / 'emulator'});"
           f" kernel output {local / 'outputs'}")
     ref = json.loads((RUN / "reference" / "progress.json").read_text())

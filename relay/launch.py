@@ -174,7 +174,7 @@ def _outputs(emit, name: str, local: Path, summary: Optional[dict], account: Opt
              f" {len(progress.get('sessions') or [])} session(s) handed over")
     if progress is not None:
         emit(report.format_table(report.session_table(progress)))
-    for png in ("curves.png", "timeline.png"):
+    for png in ("curves.png", "timeline.png", "goodput.png"):
         if (local / png).is_file():
             emit(f"{png.split('.')[0]}: {local / png}")
     if (summary["state"] if summary is not None else (progress or {}).get("status")) == "done":

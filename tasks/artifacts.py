@@ -11,13 +11,14 @@ from prefect import task
 from prefect.artifacts import create_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from relay.orchestrator import goodput, report
+from relay.orchestrator import goodput, goodput_chart, report
 from relay.shared import progress_line
 
 
 _TITLES = {"curves": "Loss curves", "timeline": "Sessions timeline"}
 _CAPTIONS = {"curves": "Training loss (and eval metrics) by global step; each session shaded, the running one included",
-             "timeline": "Each session: when it ran, for how long, and how it ended"}
+             "timeline": "Each session: when it ran, for how long, and how it ended",
+             "goodput": "Each session's charged GPU time by where it went: training kept, and what was lost"}
 
 
 def _key(name: str, what: str) -> str:
@@ -97,6 +98,9 @@ def publish_report(name: str, progress: dict, local: Path, metrics: Optional[Pat
         images["curves"] = report.plot_curves(metrics, local / "curves.png", progress=progress) or local / "curves.png"
     if progress.get("sessions"):
         images["timeline"] = report.plot_timeline(progress["sessions"], local / "timeline.png") or local / "timeline.png"
+        ledger = goodput.from_progress(progress, save_every_s)
+        if ledger.charged_s > 0:
+            images["goodput"] = goodput_chart.plot_goodput(ledger, local / "goodput.png") or local / "goodput.png"
     _markdown(summary_markdown(name, progress, images, plan_text, state, links, save_every_s), _key(name, "summary"),
               f"{name}: plan, ETA and curves")
     return {k: str(v) for k, v in images.items()}
@@ -126,13 +130,18 @@ def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_te
         fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", plan_text)), default=0))
         md.append(f"## Plan and ETA\n\n{fence}text\n{plan_text.strip(chr(10))}\n{fence}")
     ledger = goodput.from_progress(progress, save_every_s)
-    if ledger.attempts:  # where the GPU time charged went (relay/orchestrator/goodput.py)
-        md.append(f"## Goodput\n\n{ledger.line()}\n\n{ledger.table()}")
+    if ledger.attempts:  # where the GPU time charged went (relay/orchestrator/goodput.py), drawn and in figures
+        chart = f"\n\n{_image('goodput', images['goodput'])}" if "goodput" in images else ""
+        md.append(f"## Goodput\n\n{ledger.line()}{chart}\n\n{ledger.table()}")
     for label, png in images.items():
-        data = base64.b64encode(Path(png).read_bytes()).decode()
-        md.append(f"## {_TITLES.get(label, label)}\n\n![{label}](data:image/png;base64,{data})\n\n"
-                  f"*{_CAPTIONS.get(label, label)}*")
+        if label != "goodput":
+            md.append(f"## {_TITLES.get(label, label)}\n\n{_image(label, png)}")
     return "\n\n".join(md) + "\n"
+
+
+def _image(label: str, png: Path) -> str:
+    data = base64.b64encode(Path(png).read_bytes()).decode()
+    return f"![{label}](data:image/png;base64,{data})\n\n*{_CAPTIONS.get(label, label)}*"
 
 
 def publish_running(name: str, progress: dict, records: list, local: Path, metrics: Optional[Path], text: str,

@@ -12,6 +12,6 @@ from relay.orchestrator import report
 from relay.orchestrator.kaggle.client import kaggle_api_class
 
 kaggle_api_class()
-report._matplotlib()
+report.quiet_matplotlib()
 import matplotlib.backends.backend_agg  # noqa: E402,F401 - what a figure draws with
 import matplotlib.figure  # noqa: E402,F401

@@ -222,7 +222,7 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 # ---------------------------------------------------------------- plots
 
-def _matplotlib() -> None:
+def quiet_matplotlib() -> None:
     import logging
 
     # its font cache, built on a fresh HOME, is announced at INFO: not a line a person running `relay` needs
@@ -242,7 +242,7 @@ def _fixed_margins(fig, hspace: float) -> None:
                         bottom=m["bottom"] / height, hspace=hspace)
 
 
-def _save(fig, out_png: str | Path, measure_layout: bool = True) -> Path:
+def save_figure(fig, out_png: str | Path, measure_layout: bool = True) -> Path:
     if measure_layout:
         fig.tight_layout()
     out_png = Path(out_png)
@@ -308,7 +308,7 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
                 title: str = "Training across sessions") -> Path:
     """Training loss (top) and the eval metric (bottom) against the global step, one PNG, with
     vertical lines where each session started. `metrics`: metrics.jsonl path(s), a folder or records."""
-    _matplotlib()
+    quiet_matplotlib()
     records = dedupe_metrics(_coerce_records(metrics))
     if not records:
         raise ValueError("plot_curves: no metrics records to draw")
@@ -376,7 +376,7 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
     fig.suptitle(f"{title} ({n_sessions} session{'s' if n_sessions != 1 else ''}, dashed lines = session starts"
                  f"{dotted})", fontsize=13)
     _fixed_margins(fig, hspace=0.08)
-    return _save(fig, out_png, measure_layout=False)
+    return save_figure(fig, out_png, measure_layout=False)
 
 
 OUTCOME_COLORS = {  # stop reason or status -> (legend label, color)
@@ -408,7 +408,7 @@ def plot_timeline(sessions: Iterable[Mapping[str, Any]], out_png: str | Path, *,
     """Sessions as bars over wall time, colored by outcome; gaps between them (quota waits, handoffs)
     are shaded and labelled. With `plan`, its future sessions are drawn as grey planned bars and the
     quota refreshes as dotted lines. A session without "ended" is running and drawn up to `now`."""
-    _matplotlib()
+    quiet_matplotlib()
     import matplotlib.dates as mdates
 
     bars = []  # (label, start, end, outcome, waited_for_quota)
@@ -476,4 +476,4 @@ def plot_timeline(sessions: Iterable[Mapping[str, Any]], out_png: str | Path, *,
     ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="center left", fontsize=9,
               bbox_to_anchor=(1.01, 0.5), ncol=1, frameon=False)
     ax.set_title(title, fontsize=13)
-    return _save(fig, out_png)
+    return save_figure(fig, out_png)

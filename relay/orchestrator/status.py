@@ -83,7 +83,7 @@ def find_relay(target: str, backend_factory: Callable, command: str = "relay sta
 
 def report(target: str, backend_factory: Callable, out_dir: Path | None = None, emit=print,
            follow_s: float = FOLLOW_S) -> int:
-    from relay.orchestrator import chain, goodput, handoff, live_progress, policy, report as rep
+    from relay.orchestrator import chain, goodput, goodput_chart, handoff, live_progress, policy, report as rep
     from relay.orchestrator.kaggle import KaggleError, NotFound
 
     name, run_spec, backend, names, obs = find_relay(target, backend_factory)
@@ -110,8 +110,9 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
         rows = rows + [row] if row is not None else rows
     if rows:
         emit(rep.format_table(rows))  # with what each session ran on, and what changed from the one before
-    if progress.get("sessions"):  # where the GPU time charged went, session by session
-        emit(goodput.from_progress(progress, run_spec.session.save_every).line())
+    ledger = goodput.from_progress(progress, run_spec.session.save_every)  # where the GPU time charged went
+    if progress.get("sessions"):
+        emit(ledger.line())
     drift = policy.environment_change(progress)
     if drift:
         emit(f"warning: {drift}")
@@ -135,6 +136,8 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
         except NotFound:
             metrics = None
         emit(f"timeline: {rep.plot_timeline(progress['sessions'], out / 'timeline.png')}")
+        if ledger.charged_s > 0:
+            emit(f"goodput: {goodput_chart.plot_goodput(ledger, out / 'goodput.png')}")
         if metrics is not None and rep.read_metrics(metrics):
             emit(f"curves: {rep.plot_curves(metrics, out / 'curves.png', progress=progress)}")
     return 0

@@ -89,8 +89,8 @@ def test_uninterrupted_run_marks_the_stage_change_evaluates_and_exports(uninterr
 def test_loss_curve_png_draws_the_stage_change(uninterrupted, monkeypatch):
     """A dotted line at the stage change on both panels, labelled with the new stage (the figure inspected
     before it is saved; one session, so no dashed session lines)."""
-    workdir, figures, save = uninterrupted["workdir"], [], report._save
-    monkeypatch.setattr(report, "_save", lambda fig, out, **kw: figures.append(fig) or save(fig, out, **kw))
+    workdir, figures, save = uninterrupted["workdir"], [], report.save_figure
+    monkeypatch.setattr(report, "save_figure", lambda fig, out, **kw: figures.append(fig) or save(fig, out, **kw))
     png = report.plot_curves(workdir / "metrics.jsonl", workdir / "curves.png", metric="f1", metric_mode="max")
     assert png.stat().st_size > 10_000
     ax_loss, ax_metric = figures[0].axes[:2]

@@ -15,7 +15,7 @@ import pytest
 from markdown_it import MarkdownIt
 
 from conftest import load_toy_spec
-from relay.orchestrator import report
+from relay.orchestrator import goodput, goodput_chart, report
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,8 @@ def run(tmp_path_factory):
     progress = run_session(spec, workdir)
     assert len(progress["sessions"]) == 2 and progress["status"] == "done"
     images = {"curves": report.plot_curves(workdir / "metrics.jsonl", workdir / "curves.png", progress=progress),
-              "timeline": report.plot_timeline(progress["sessions"], workdir / "timeline.png")}
+              "timeline": report.plot_timeline(progress["sessions"], workdir / "timeline.png"),
+              "goodput": goodput_chart.plot_goodput(goodput.from_progress(progress), workdir / "goodput.png")}
     return spec, workdir, progress, images
 
 
@@ -50,7 +51,9 @@ def parse(markdown: str):
 
 
 def assert_images_render(images, expected: dict[str, Path]) -> None:
-    assert [image.content for image in images] == list(expected)  # alt text: curves, timeline
+    """In the page's order: the goodput chart in its section, above the curves and the timeline."""
+    expected = {k: expected[k] for k in sorted(expected, key=lambda k: k != "goodput")}
+    assert [image.content for image in images] == list(expected)  # alt text: goodput, curves, timeline
     for image, png in zip(images, expected.values()):
         src = image.attrGet("src")
         assert src.startswith("data:image/png;base64,")
@@ -69,9 +72,11 @@ def test_summary_has_image_nodes_and_the_plan(run):
     assert len(fences) == 1 and fences[0].type == "fence" and fences[0].content == plan.strip("\n") + "\n"
     assert not any("base64" in f.content or "![" in f.content for f in fences)  # nothing swallowed by the fence
     assert headings == [f"{spec.name}: done", "Plan and ETA", "Goodput", "Loss curves", "Sessions timeline"]
-    assert "goodput " in markdown and "| **all** |" in markdown  # where the GPU time went (issue 47)
+    assert "goodput " in markdown and "| **all** |" in markdown  # where the GPU time went (issue 47), drawn too
+    goodput_section = markdown.split("## Goodput")[1].split("## Loss curves")[0]
+    assert "![goodput](data:image/png;base64," in goodput_section and "| **all** |" in goodput_section
     html = MarkdownIt("commonmark").render(markdown)
-    assert html.count('<img src="data:image/png;base64,') == 2 and "![" not in html
+    assert html.count('<img src="data:image/png;base64,') == 3 and "![" not in html
     assert f"step <strong>{progress['global_step']} / {progress['total_steps']}</strong>" in html
 
 

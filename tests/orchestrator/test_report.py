@@ -168,7 +168,13 @@ def test_a_reused_figure_draws_the_pixels_of_a_new_one(tmp_path):
     timelines = [lambda out: plot_timeline(SESSIONS, out, plan=plan_sessions(10_000, 10.0, quota, now), now=now),
                  lambda out: plot_timeline(SESSIONS[:1], out), lambda out: plot_timeline(SESSIONS, out),
                  lambda out: plot_timeline(SESSIONS[:2], out, title="Relays timeline")]
-    for i, draw in enumerate(curves + timelines):
+    from test_goodput_chart import CLEAN, FAULTED
+
+    from relay.orchestrator.goodput_chart import plot_goodput
+
+    ledgers = [lambda out: plot_goodput(FAULTED, out), lambda out: plot_goodput(CLEAN, out),
+               lambda out: plot_goodput(FAULTED, out)]
+    for i, draw in enumerate(curves + timelines + ledgers):
         reused = draw(tmp_path / f"reused-{i}.png")
         vars(canvas._HELD).clear()  # noqa: SLF001 - the next drawing on a new figure
         new = draw(tmp_path / f"new-{i}.png")
