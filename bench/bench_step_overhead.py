@@ -10,26 +10,26 @@ work is all on the host, and a shared machine's load moves wall time far more).
 
 `--device cuda`: the issue's three loops, each hand-written and under the Session API (`open_session`,
 `batches`, `step_done(loss=loss.detach())`, saves off, log_every default), each step on a fresh batch of noise
-made on the device, every timed run from the same model and AdamW state (lr 1e-5), rounds alternating (hand first,
-then session first, ...), median of `--rounds` rounds of N steps, N sized from a step time measured in the same run
+made on the device, median of `--rounds` rounds of N steps, N sized from a step time measured in the same run
 so that one round of one loop takes ~`--target-s` seconds:
     tiny       MLP 64-256-256-1, batch 16, fp32
     mlp        MLP 1024-4096-4096-1, batch 512, bf16 autocast
     transformer  6-layer encoder d384 (6 heads, ff 1536), seq 256, batch 32, bf16 autocast, LM head over 1000 tokens
-AdamW (fused on CUDA) in all. Figure: session ms/step / hand-written ms/step (a sync before and after each round;
-no loss read by the hand-written loop, so any host-device sync the relay adds shows as a ratio above 1), against
-two hand-written loops: one that draws no batch indices at all, and one that draws the same shuffled batches the
-way such a loop does (an epoch's torch.randperm, a tensor slice a step), which is the loop batches() replaces.
-Before each timed run, of every loop: os.sync() (the last session's checkpoint written out, not competing with
-the run) and gc.collect().
-Run: `python bench/bench_step_overhead.py [--device cuda] [--rounds 5] [--target-s 1.5]`; ~70 s on an H100.
+AdamW (fused on CUDA) in all. In a round the three loops take turns of TURN steps (who goes first rotates; a CUDA
+sync at each turn's ends), training the same model in turn, so a change in the machine's speed during the round
+falls on all three alike: whole runs in turn moved their hand-written loop's own time by up to 30 % between rounds
+on a lent H200 (issue 48). Before each round: os.sync() (the last session's checkpoint written out) and
+gc.collect(). Figure: session ms/step / hand-written ms/step per round (no loss read by the hand-written loop, so
+any host-device sync the relay adds shows as a ratio above 1), median and spread over rounds, against two
+hand-written loops: one that draws no batch indices at all, and one that draws the same shuffled batches the way
+such a loop does (an epoch's torch.randperm, a tensor slice a step), which is the loop batches() replaces.
+Run: `python bench/bench_step_overhead.py [--device cuda] [--rounds 5] [--target-s 1.5]`; ~70 s on an H100 (before the turns).
 The JSON line has every round's (hand, session) ms/step: rounds that disagree mean the machine was not quiet.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import gc
 import io
 import json
@@ -149,6 +149,9 @@ def _models(device: torch.device) -> dict:
     }
 
 
+TURN = 50  # steps of one loop before the next one's turn (~0.1 s at the issue's ~2 ms steps)
+
+
 def gpu_loops(device: torch.device, rounds: int, target_s: float, only: list | None = None,
               log_every: int | None = None) -> dict:
     logging.getLogger("relay").setLevel(logging.WARNING)
@@ -187,70 +190,70 @@ def gpu_loops(device: torch.device, rounds: int, target_s: float, only: list | N
                 gc.collect()
                 sync()
 
-            def hand(n):
-                quiet()
-                t0 = time.perf_counter()
-                for i in range(n):
-                    train_step(i)
-                sync()
-                return (time.perf_counter() - t0) / n
+            def steps_hand(k, _state):
+                for _ in range(k):
+                    train_step(0)
 
-            def hand_drawing(n):
+            def steps_drawing(k, state):
                 """The hand-written loop that draws the same shuffled batches itself, as such a loop does: an epoch's
                 randperm, a slice of it per step (a tensor: the cheaper form; batches() gives a list)."""
-                quiet()
-                t0 = time.perf_counter()
-                perm, epoch = None, -1
-                for i in range(n):
-                    e, pos = divmod(i, 8)
-                    if e != epoch:
-                        perm, epoch = torch.randperm(8 * batch, generator=torch.Generator().manual_seed(e)), e
-                    idx = perm[pos * batch:(pos + 1) * batch]  # noqa: F841 - the batch is noise, as in the others
-                    train_step(i)
-                sync()
-                return (time.perf_counter() - t0) / n
+                for _ in range(k):
+                    e, pos = divmod(state["i"], 8)
+                    if e != state["epoch"]:
+                        state["perm"] = torch.randperm(8 * batch, generator=torch.Generator().manual_seed(e))
+                        state["epoch"] = e
+                    idx = state["perm"][pos * batch:(pos + 1) * batch]  # noqa: F841 - the batch is noise, as in the others
+                    train_step(state["i"])
+                    state["i"] += 1
 
-            def relayed(n, k):
+            def steps_session(k, state):
+                for _ in range(k):
+                    next(state["batches"])  # this step's indices (the batch itself is noise, as in the others)
+                    state["session"].step_done(loss=train_step(0).detach())
+
+            loops = {"hand": steps_hand, "drawing": steps_drawing, "session": steps_session}
+
+            def round_(n, r):
+                """Seconds a step of each loop over n steps, the loops taking turns of TURN steps (a sync at each
+                turn's ends): a change in the machine's speed during the round falls on the three alike. The loops
+                train the same model in turn; each step's cost does not depend on its weights."""
                 with contextlib.redirect_stdout(io.StringIO()):  # the session's relay-progress lines
-                    return _relayed(n, k)
-
-            def _relayed(n, k):
-                session = _open(work / f"{name}-{k}", n, log_every)
+                    session = _open(work / f"{name}-round{r}", n, log_every)
                 session.register(model=model, optimizer=opt)
                 session.restore()
+                states = {"hand": {}, "drawing": {"i": 0, "epoch": -1},
+                          "session": {"session": session, "batches": iter(session.batches(8 * batch, batch))}}
                 quiet()
-                t0 = time.perf_counter()
-                for idx in session.batches(8 * batch, batch):
-                    loss = train_step(session.step)
-                    session.step_done(loss=loss.detach())
-                sync()
-                seconds = (time.perf_counter() - t0) / n
+                spent, done, turn = dict.fromkeys(loops, 0.0), 0, r
+                while done < n:
+                    k = min(TURN, n - done)
+                    order = list(loops)[turn % 3:] + list(loops)[:turn % 3]  # who goes first rotates
+                    for loop in order:
+                        sync()
+                        t0 = time.perf_counter()
+                        loops[loop](k, states[loop])
+                        sync()
+                        spent[loop] += time.perf_counter() - t0
+                    done, turn = done + k, turn + 1
                 if session.step != n:
                     raise RuntimeError(f"the session stopped at step {session.step} of {n}: {session.stop_reason}")
-                session.close()  # its final save is outside the timing
-                return seconds
+                with contextlib.redirect_stdout(io.StringIO()):
+                    session.close()  # its final save is outside the timing
+                return {loop: seconds / n for loop, seconds in spent.items()}
 
-            hand(10)  # kernels, cuBLAS handles, the optimizer state
-            # each timed run trains from this state: the same steps for both loops, whatever ran before
-            start = copy.deepcopy((model.state_dict(), opt.state_dict()))
-
-            def fresh():
-                model.load_state_dict(start[0])
-                opt.load_state_dict(start[1])
-
-            probe = hand(max(10, int(0.3 / max(hand(5), 1e-5))))
-            n = max(50, int(target_s / probe))
-            fresh()
-            relayed(min(n, 200), "warm")
-            h, d, s = [], [], []
-            loops = ((h, hand), (d, hand_drawing), (s, lambda k: relayed(k, len(s))))
-            for r in range(rounds):  # which loop goes first alternates too: a drift in the machine cancels out
-                for times, loop in (loops if r % 2 == 0 else loops[::-1]):
-                    fresh()
-                    times.append(loop(n))
+            steps_hand(10, None)  # kernels, cuBLAS handles, the optimizer state
+            sync()
+            t0 = time.perf_counter()
+            steps_hand(5, None)
+            sync()
+            probe = (time.perf_counter() - t0) / 5
+            n = max(2 * TURN, int(target_s / max(probe, 1e-5)))
+            round_(min(n, 4 * TURN), -1)  # a first session's costs (its files, its first window) out of the rounds
+            rounds_s = [round_(n, r) for r in range(rounds)]
+            h, d, s = ([x[loop] for x in rounds_s] for loop in loops)
             ratios = sorted(b / a for a, b in zip(h, s))
             drawn = sorted(b / a for a, b in zip(d, s))
-            out[name] = {"steps": n, "hand_ms": round(statistics.median(h) * 1e3, 3),
+            out[name] = {"steps": n, "turn": TURN, "hand_ms": round(statistics.median(h) * 1e3, 3),
                          "hand_drawing_ms": round(statistics.median(d) * 1e3, 3),
                          "session_ms": round(statistics.median(s) * 1e3, 3),
                          "ratio": round(statistics.median(ratios), 3),
@@ -260,10 +263,10 @@ def gpu_loops(device: torch.device, rounds: int, target_s: float, only: list | N
                          "rounds_ms": [[round(a * 1e3, 3), round(c * 1e3, 3), round(b * 1e3, 3)]
                                        for a, c, b in zip(h, d, s)]}
             o = out[name]
-            print(f"{name:12s} {n} steps x {rounds} rounds: hand {o['hand_ms']} ms/step, hand drawing its batches "
-                  f"{o['hand_drawing_ms']}, session {o['session_ms']}; session/hand {o['ratio']:.3f} "
-                  f"(spread {o['spread'][0]}-{o['spread'][1]}), session/hand drawing {o['ratio_drawing']:.3f} "
-                  f"(spread {o['spread_drawing'][0]}-{o['spread_drawing'][1]})", flush=True)
+            print(f"{name:12s} {n} steps x {rounds} rounds in turns of {TURN}: hand {o['hand_ms']} ms/step, hand "
+                  f"drawing its batches {o['hand_drawing_ms']}, session {o['session_ms']}; session/hand "
+                  f"{o['ratio']:.3f} (spread {o['spread'][0]}-{o['spread'][1]}), session/hand drawing "
+                  f"{o['ratio_drawing']:.3f} (spread {o['spread_drawing'][0]}-{o['spread_drawing'][1]})", flush=True)
             del model, opt
             if device.type == "cuda":
                 torch.cuda.empty_cache()
