@@ -1,7 +1,7 @@
 """The goodput ledger (relay/orchestrator/goodput.py, issue 47) of a clean and a faulted relay, against the
 emulator's own quota ledger.
 
-    python bench/bench_goodput.py [--keep]      # prints both ledgers; run() returns the figures
+    python bench/bench_goodput.py [--keep] [--charts DIR]   # prints both ledgers (and draws them into DIR)
 
 The same toy relay (relay/kernel/recipes/toy.py, one CPU thread: 600 optimizer steps in sessions of 150,
 `session.max_steps`, so the work is a count of steps on any machine) is run to its end twice, one after the other,
@@ -186,8 +186,9 @@ def _figures(prefix: str, r: dict) -> dict:
     return f
 
 
-def run(keep: bool = False) -> dict:
-    """The clean and the faulted relay; returns flat figures (goodput_clean_*, goodput_faulted_*, goodput_*)."""
+def run(keep: bool = False, charts: Path | None = None) -> dict:
+    """The clean and the faulted relay; returns flat figures (goodput_clean_*, goodput_faulted_*, goodput_*).
+    `charts`: a folder for both published ledgers drawn (goodput-clean.png, goodput-faulted.png)."""
     sys.path.insert(0, str(ROOT))
     from prefect.testing.utilities import prefect_test_harness
 
@@ -227,6 +228,11 @@ def run(keep: bool = False) -> dict:
         "goodput_faulted_published_table": faulted["published"].table(),
         "goodput_clean_per_run": _per_run(clean), "goodput_faulted_per_run": _per_run(faulted),
     })
+    if charts is not None:  # the ledgers as `relay status` and the summary artifact draw them
+        from relay.orchestrator.goodput_chart import plot_goodput
+
+        for label, r in (("clean", clean), ("faulted", faulted)):
+            figures[f"goodput_{label}_chart"] = str(plot_goodput(r["published"], Path(charts) / f"goodput-{label}.png"))
     figures["goodput_meets_target"] = bool(
         all(abs(figures[f"goodput_{p}_exact_minus_emulator_s"]) <= TOLERANCE_S
             and not figures[f"goodput_{p}_unlisted_runs"] for p in ("clean", "faulted"))
@@ -275,7 +281,8 @@ def format_lines(f: dict) -> list:
 
 
 if __name__ == "__main__":
-    figures = run(keep="--keep" in sys.argv)
+    charts = sys.argv[sys.argv.index("--charts") + 1] if "--charts" in sys.argv else None
+    figures = run(keep="--keep" in sys.argv, charts=Path(charts) if charts else None)
     print("\n".join(format_lines(figures)))
     if "--json" in sys.argv:
         print(json.dumps(figures, indent=1))
