@@ -161,6 +161,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"curves: none (no metrics.jsonl records under {out})")
     if progress.get("sessions"):
         print(f"timeline: {report.plot_timeline(progress['sessions'], out / 'timeline.png')}")
+    if progress.get("charges"):  # a relay's published progress: what Kaggle charged each attempt, as it saw it
+        from relay.orchestrator import goodput, goodput_chart
+
+        ledger = goodput.from_progress(progress)
+        print(ledger.line())
+        print(f"goodput chart: {goodput_chart.plot_goodput(ledger, out / 'goodput.png')}")
     return 0
 
 

@@ -137,7 +137,7 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
             metrics = None
         emit(f"timeline: {rep.plot_timeline(progress['sessions'], out / 'timeline.png')}")
         if ledger.charged_s > 0:
-            emit(f"goodput: {goodput_chart.plot_goodput(ledger, out / 'goodput.png')}")
+            emit(f"goodput chart: {goodput_chart.plot_goodput(ledger, out / 'goodput.png')}")
         if metrics is not None and rep.read_metrics(metrics):
             emit(f"curves: {rep.plot_curves(metrics, out / 'curves.png', progress=progress)}")
     return 0

@@ -45,6 +45,8 @@ def test_status_by_name_and_by_spec_reads_the_relay_from_kaggle(relay_env, monke
     assert "2 session(s) handed over" in out and "next: done" in out
     assert "toy-relay-s002-a1" in out  # the session table's second row
     assert (tmp_path / "status" / "curves.png").stat().st_size > 0
+    assert "goodput " in out and "goodput chart: " in out  # the ledger's line and its picture
+    assert (tmp_path / "status" / "goodput.png").stat().st_size > 0
 
     # `relay status DIR` on every folder the orchestrator wrote: a table, never a traceback
     from relay import cli
@@ -52,6 +54,7 @@ def test_status_by_name_and_by_spec_reads_the_relay_from_kaggle(relay_env, monke
     local = relay_env.root / "tick" / "toy-relay"
     for folder in (local, local / "published"):
         assert cli.main(["status", str(folder)]) == 0
+    assert (local / "published" / "goodput.png").stat().st_size > 0  # the published progress carries the charges
 
 
 def test_status_refuses_what_is_neither_a_folder_a_spec_nor_a_name(tmp_path):
