@@ -152,32 +152,56 @@ def _models(device: torch.device) -> dict:
 TURN = 50  # steps of one loop before the next one's turn (~0.1 s at the issue's ~2 ms steps)
 
 
+def trainer(device: torch.device, name: str):
+    """(one training step on a fresh batch of noise, returning its loss unread; the batch size) of model `name`."""
+    build, make, loss_fn, dtype, batch = _models(device)[name]
+    torch.manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
+    # A fresh batch of noise each step, made on the device (no loader in any loop): the loss stays near its noise
+    # floor (lr 1e-5: at 1e-4 chasing the noise lifts it ~10 % in 400 steps). Eight batches reused made the wide MLP
+    # memorize them to a loss near zero within a few hundred steps, where AdamW's spikes tripped the divergence
+    # guard: the session stopped, "diverged" (an H200, issue 48).
+    model = build().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+
+    def train_step():
+        x, y = make(g)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    train_step.model, train_step.opt = model, opt
+    return train_step, batch
+
+
+def drawing_steps(k: int, state: dict, batch: int, train_step) -> None:
+    """k steps of the hand-written loop that draws its shuffled batches itself, as such a loop does: an epoch's
+    randperm, a slice of it per step (a tensor: the cheaper form; batches() gives a list). `state`: {"i": 0,
+    "epoch": -1} at the start, carried from turn to turn."""
+    for _ in range(k):
+        e, pos = divmod(state["i"], 8)
+        if e != state["epoch"]:
+            state["perm"] = torch.randperm(8 * batch, generator=torch.Generator().manual_seed(e))
+            state["epoch"] = e
+        idx = state["perm"][pos * batch:(pos + 1) * batch]  # noqa: F841 - the batch is noise, as in the others
+        train_step()
+        state["i"] += 1
+
+
 def gpu_loops(device: torch.device, rounds: int, target_s: float, only: list | None = None,
               log_every: int | None = None) -> dict:
     logging.getLogger("relay").setLevel(logging.WARNING)
     work = Path(tempfile.mkdtemp(prefix="bench-step-gpu-"))
     out = {}
     try:
-        for name, (build, make, loss_fn, dtype, batch) in _models(device).items():
+        for name in _models(device):
             if only and name not in only:
                 continue
-            torch.manual_seed(0)
-            g = torch.Generator(device=device).manual_seed(0)
-            # A fresh batch of noise each step, made on the device (no loader in either loop): the loss stays near
-            # its noise floor (lr 1e-5: at 1e-4 chasing the noise lifts it ~10 % in 400 steps). Eight batches reused
-            # made the wide MLP memorize them to a loss near zero within a few hundred steps, where AdamW's spikes
-            # tripped the divergence guard: the session stopped, "diverged" (an H200, issue 48).
-            model = build().to(device)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
-
-            def train_step(i):
-                x, y = make(g)
-                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                    loss = loss_fn(model(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                return loss
+            train_step, batch = trainer(device, name)
+            model, opt = train_step.model, train_step.opt
 
             def sync():
                 if device.type == "cuda":
@@ -192,24 +216,15 @@ def gpu_loops(device: torch.device, rounds: int, target_s: float, only: list | N
 
             def steps_hand(k, _state):
                 for _ in range(k):
-                    train_step(0)
+                    train_step()
 
             def steps_drawing(k, state):
-                """The hand-written loop that draws the same shuffled batches itself, as such a loop does: an epoch's
-                randperm, a slice of it per step (a tensor: the cheaper form; batches() gives a list)."""
-                for _ in range(k):
-                    e, pos = divmod(state["i"], 8)
-                    if e != state["epoch"]:
-                        state["perm"] = torch.randperm(8 * batch, generator=torch.Generator().manual_seed(e))
-                        state["epoch"] = e
-                    idx = state["perm"][pos * batch:(pos + 1) * batch]  # noqa: F841 - the batch is noise, as in the others
-                    train_step(state["i"])
-                    state["i"] += 1
+                drawing_steps(k, state, batch, train_step)
 
             def steps_session(k, state):
                 for _ in range(k):
                     next(state["batches"])  # this step's indices (the batch itself is noise, as in the others)
-                    state["session"].step_done(loss=train_step(0).detach())
+                    state["session"].step_done(loss=train_step().detach())
 
             loops = {"hand": steps_hand, "drawing": steps_drawing, "session": steps_session}
 
@@ -267,7 +282,7 @@ def gpu_loops(device: torch.device, rounds: int, target_s: float, only: list | N
                   f"drawing its batches {o['hand_drawing_ms']}, session {o['session_ms']}; session/hand "
                   f"{o['ratio']:.3f} (spread {o['spread'][0]}-{o['spread'][1]}), session/hand drawing "
                   f"{o['ratio_drawing']:.3f} (spread {o['spread_drawing'][0]}-{o['spread_drawing'][1]})", flush=True)
-            del model, opt
+            del model, opt, train_step
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     finally:

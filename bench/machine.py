@@ -44,3 +44,17 @@ def spread(samples: list) -> dict:
         q = statistics.quantiles(s, n=4)
         out["p25"], out["p75"] = q[0], q[2]
     return out
+
+
+def bench_device(name: str):
+    """The torch device a step bench runs on, with the machine printed: one torch thread on a CPU (the step's work is
+    the host's there, and a shared machine's other cores would vary it), the GPU's name on CUDA."""
+    import torch
+
+    device = torch.device(name)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    print(describe(), flush=True)
+    if device.type == "cuda":
+        print(torch.cuda.get_device_name(device), "torch", torch.__version__, flush=True)
+    return device

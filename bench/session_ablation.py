@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_step_overhead import _models, _open  # noqa: E402
-from machine import describe  # noqa: E402
+from bench_step_overhead import _open, drawing_steps, trainer  # noqa: E402
+from machine import bench_device  # noqa: E402
 
 TURN = 50
 LOOPS = ("hand", "session", "no_log_steps", "no_batches", "no_guard", "no_lines", "no_file", "hand2")
@@ -50,20 +50,8 @@ class _Memory(io.StringIO):
 
 
 def measure(name: str, device: torch.device, steps: int, rounds: int, work: Path) -> dict:
-    build, make, loss_fn, dtype, batch = _models(device)[name]
-    torch.manual_seed(0)
-    g = torch.Generator(device=device).manual_seed(0)
-    model = build().to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
-
-    def train_step():
-        x, y = make(g)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    train_step, batch = trainer(device, name)
+    model, opt = train_step.model, train_step.opt
 
     def sync():
         if device.type == "cuda":
@@ -86,14 +74,7 @@ def measure(name: str, device: torch.device, steps: int, rounds: int, work: Path
 
     def run(loop: str, state: dict, k: int) -> None:
         if loop.startswith("hand"):
-            for _ in range(k):
-                e, pos = divmod(state["i"], 8)
-                if e != state["epoch"]:
-                    state["perm"] = torch.randperm(8 * batch, generator=torch.Generator().manual_seed(e))
-                    state["epoch"] = e
-                idx = state["perm"][pos * batch:(pos + 1) * batch]  # noqa: F841 - the batch is noise, as in the others
-                train_step()
-                state["i"] += 1
+            drawing_steps(k, state, batch, train_step)
             return
         s, batches = state["s"], state["batches"]
         for _ in range(k):
@@ -138,12 +119,7 @@ def main() -> None:
     a = ap.parse_args()
     logging.getLogger("relay").setLevel(logging.WARNING)
     os.environ.pop("RELAY_SESSION", None)  # run by hand: the arguments here, not a relay's settings
-    device = torch.device(a.device)
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    print(describe(), flush=True)
-    if device.type == "cuda":
-        print(torch.cuda.get_device_name(device), "torch", torch.__version__, flush=True)
+    device = bench_device(a.device)
     out = {}
     # the sessions' relay-progress lines (due at a session's first line, then every 30 s) to /dev/null, not the report
     with tempfile.TemporaryDirectory(prefix="bench-ablation-") as work, open(os.devnull, "w") as null:

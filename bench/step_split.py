@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import torch  # noqa: E402
 
 from bench_step_overhead import _models, _open  # noqa: E402
-from machine import describe  # noqa: E402
+from machine import bench_device  # noqa: E402
 
 WINDOW = 10  # the hand-written forms' window, the sessions' default log_every
 
@@ -219,12 +219,7 @@ def main() -> None:
     a = ap.parse_args()
     logging.getLogger("relay").setLevel(logging.WARNING)
     os.environ.pop("RELAY_SESSION", None)  # run by hand: the arguments here, not a relay's settings
-    device = torch.device(a.device)
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    print(describe(), flush=True)
-    if device.type == "cuda":
-        print(torch.cuda.get_device_name(device), "torch", torch.__version__, flush=True)
+    device = bench_device(a.device)
     work = Path(tempfile.mkdtemp(prefix="bench-step-split-"))
     out = {}
     for name in a.only.split(","):
