@@ -153,7 +153,8 @@ TURN = 50  # steps of one loop before the next one's turn (~0.1 s at the issue's
 
 
 def trainer(device: torch.device, name: str):
-    """(one training step on a fresh batch of noise, returning its loss unread; the batch size) of model `name`."""
+    """(one training step on a fresh batch of noise, returning its loss unread; the batch size; the model; its
+    optimizer) of model `name`."""
     build, make, loss_fn, dtype, batch = _models(device)[name]
     torch.manual_seed(0)
     g = torch.Generator(device=device).manual_seed(0)
@@ -173,8 +174,24 @@ def trainer(device: torch.device, name: str):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    train_step.model, train_step.opt = model, opt
-    return train_step, batch
+    return train_step, batch, model, opt
+
+
+def in_turns(loops: dict, states: dict, steps: int, sync, first: int = 0) -> dict:
+    """Seconds a step of each loop over `steps` steps, the loops taking turns of TURN steps (who goes first rotates
+    from `first`; a sync at each turn's ends), so a change in the machine's speed falls on all alike. `loops`: name
+    -> f(k, state) running k steps; `states`: name -> what f carries from turn to turn."""
+    names, spent, done, turn = list(loops), dict.fromkeys(loops, 0.0), 0, first
+    while done < steps:
+        k = min(TURN, steps - done)
+        for loop in names[turn % len(names):] + names[:turn % len(names)]:
+            sync()
+            t0 = time.perf_counter()
+            loops[loop](k, states[loop])
+            sync()
+            spent[loop] += time.perf_counter() - t0
+        done, turn = done + k, turn + 1
+    return {loop: seconds / steps for loop, seconds in spent.items()}
 
 
 def drawing_steps(k: int, state: dict, batch: int, train_step) -> None:
@@ -200,16 +217,15 @@ def gpu_loops(device: torch.device, rounds: int, target_s: float, only: list | N
         for name in _models(device):
             if only and name not in only:
                 continue
-            train_step, batch = trainer(device, name)
-            model, opt = train_step.model, train_step.opt
+            train_step, batch, model, opt = trainer(device, name)
 
             def sync():
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
 
             def quiet():
-                """Before each timed run: the last session's checkpoint on disk (its writeback would compete with
-                the next run for the host) and the garbage collected, for every loop alike."""
+                """Before each round: the last session's checkpoint on disk (its writeback would compete with the
+                round for the host) and the garbage collected."""
                 os.sync()
                 gc.collect()
                 sync()
@@ -229,9 +245,8 @@ def gpu_loops(device: torch.device, rounds: int, target_s: float, only: list | N
             loops = {"hand": steps_hand, "drawing": steps_drawing, "session": steps_session}
 
             def round_(n, r):
-                """Seconds a step of each loop over n steps, the loops taking turns of TURN steps (a sync at each
-                turn's ends): a change in the machine's speed during the round falls on the three alike. The loops
-                train the same model in turn; each step's cost does not depend on its weights."""
+                """Seconds a step of each loop over n steps, in turns (in_turns). The loops train the same model in
+                turn; each step's cost does not depend on its weights."""
                 with contextlib.redirect_stdout(io.StringIO()):  # the session's relay-progress lines
                     session = _open(work / f"{name}-round{r}", n, log_every)
                 session.register(model=model, optimizer=opt)
@@ -239,22 +254,12 @@ def gpu_loops(device: torch.device, rounds: int, target_s: float, only: list | N
                 states = {"hand": {}, "drawing": {"i": 0, "epoch": -1},
                           "session": {"session": session, "batches": iter(session.batches(8 * batch, batch))}}
                 quiet()
-                spent, done, turn = dict.fromkeys(loops, 0.0), 0, r
-                while done < n:
-                    k = min(TURN, n - done)
-                    order = list(loops)[turn % 3:] + list(loops)[:turn % 3]  # who goes first rotates
-                    for loop in order:
-                        sync()
-                        t0 = time.perf_counter()
-                        loops[loop](k, states[loop])
-                        sync()
-                        spent[loop] += time.perf_counter() - t0
-                    done, turn = done + k, turn + 1
+                seconds = in_turns(loops, states, n, sync, first=r)
                 if session.step != n:
                     raise RuntimeError(f"the session stopped at step {session.step} of {n}: {session.stop_reason}")
                 with contextlib.redirect_stdout(io.StringIO()):
                     session.close()  # its final save is outside the timing
-                return {loop: seconds / n for loop, seconds in spent.items()}
+                return seconds
 
             steps_hand(10, None)  # kernels, cuBLAS handles, the optimizer state
             sync()

@@ -3,8 +3,10 @@
 # plain-loop example with AMP relayed over sessions by `relay verify-resume`, the HF and Lightning examples likewise.
 # Run from the repo root: `bash bench/gpu_check.sh OUT_DIR [SECTION ...]`, sections `tiny vqa backoff ratio loop
 # exact` (all but `ratio`, which `loop` includes, by default; the whole takes over 10 minutes on an H100, so a lent
-# machine's one call picks some: issue 48's figures are `ratio` (~2.5 min, alone on a quiet GPU), `vqa backoff`
-# (running at once, ~3 min on an H200), `loop` (~3.5 min); `exact` alone took 5.5 minutes there: a call of its own). Each run's progress.json summary and wall time are printed; logs go to OUT_DIR. On a CPU-only machine the
+# machine's one call picks some). Issue 48's figures: `ratio` alone on a quiet GPU (~1.5 min measured before the
+# turns, plus ~45 s for the ablation, estimated from its step count), `vqa backoff` (at once, ~3 min on an H200),
+# `loop` (~3.5 min); `exact` alone took 5.5 minutes there: a call of its own. Each run's progress.json summary and
+# wall time are printed; logs go to OUT_DIR. On a CPU-only machine the
 # same commands take the CPU paths.
 set -uo pipefail
 # The lent GPU image lacks pydantic: carry its wheels (`.whl/`, ignored by git; fetched with `pip download --no-deps
@@ -93,7 +95,7 @@ if want ratio || want loop; then
   "$py" bench/bench_step_overhead.py --device cuda >"$out/step-overhead.log" 2>&1
   echo "step overhead, Session API vs hand-written: rc=$? $((SECONDS - t0)) s:"
   grep -E '^(GPU|tiny|mlp|transformer)|process' "$out/step-overhead.log"
-  # what each part of the Session API's step costs at the MLP's ~2 ms step (~45 s)
+  # what each part of the Session API's step costs at the MLP's ~2 ms step (~45 s estimated from its step count)
   "$py" bench/session_ablation.py --device cuda --only mlp --steps 500 --rounds 5 2>"$out/ablation.err" | grep -v '^{'
 fi
 if want loop; then

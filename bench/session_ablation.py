@@ -4,7 +4,8 @@ part of the relay's bookkeeping switched off at a time, against the hand-written
     python bench/session_ablation.py [--device cpu|cuda] [--only tiny,mlp] [--steps N] [--rounds 7]
 
 Loops (bench_step_overhead.py's models, a fresh batch of noise each step), in turns of TURN steps inside each round
-(who goes first rotates; a CUDA sync at each turn's ends) so that a change in the machine's speed falls on all alike:
+(bench_step_overhead.in_turns: who goes first
+rotates, a CUDA sync at each turn's ends) so that a change in the machine's speed falls on all alike:
     hand, hand2    the hand-written loop drawing its batches (an epoch's randperm, a tensor slice a step), twice:
                    their difference is the bench's noise floor
     session        `for idx in session.batches(...): ...; session.step_done(loss=loss.detach())`, saves off
@@ -29,7 +30,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -37,10 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_step_overhead import _open, drawing_steps, trainer  # noqa: E402
+from bench_step_overhead import TURN, _open, drawing_steps, in_turns, trainer  # noqa: E402
 from machine import bench_device  # noqa: E402
 
-TURN = 50
 LOOPS = ("hand", "session", "no_log_steps", "no_batches", "no_guard", "no_lines", "no_file", "hand2")
 
 
@@ -50,8 +49,7 @@ class _Memory(io.StringIO):
 
 
 def measure(name: str, device: torch.device, steps: int, rounds: int, work: Path) -> dict:
-    train_step, batch = trainer(device, name)
-    model, opt = train_step.model, train_step.opt
+    train_step, batch, model, opt = trainer(device, name)
 
     def sync():
         if device.type == "cuda":
@@ -84,25 +82,18 @@ def measure(name: str, device: torch.device, steps: int, rounds: int, work: Path
 
     train_step()
     sync()
+    loops = {loop: (lambda k, state, loop=loop: run(loop, state, k)) for loop in LOOPS}
     per_round = []
     for r in range(rounds + 1):  # round 0 warms up, dropped
         states = {loop: start(loop, r) for loop in LOOPS}
-        spent = dict.fromkeys(LOOPS, 0.0)
         gc.collect()
-        for turn in range(steps // TURN):
-            order = LOOPS[turn % len(LOOPS):] + LOOPS[:turn % len(LOOPS)]
-            for loop in order:
-                sync()
-                t0 = time.perf_counter()
-                run(loop, states[loop], TURN)
-                sync()
-                spent[loop] += time.perf_counter() - t0
+        seconds = in_turns(loops, states, steps, sync)
         for state in states.values():
             if "s" in state:
                 with contextlib.redirect_stdout(io.StringIO()):
                     state["s"].close()
         if r:
-            per_round.append({loop: seconds / (steps // TURN * TURN) * 1e6 for loop, seconds in spent.items()})
+            per_round.append({loop: s * 1e6 for loop, s in seconds.items()})
     hand = statistics.median(x["hand"] for x in per_round)
     return {"hand_us": round(hand, 1),
             "above_hand_us": {loop: round(statistics.median(x[loop] - x["hand"] for x in per_round), 1)

@@ -98,16 +98,17 @@ def publish_report(name: str, progress: dict, local: Path, metrics: Optional[Pat
         images["curves"] = report.plot_curves(metrics, local / "curves.png", progress=progress) or local / "curves.png"
     if progress.get("sessions"):
         images["timeline"] = report.plot_timeline(progress["sessions"], local / "timeline.png") or local / "timeline.png"
-        ledger = goodput.from_progress(progress, save_every_s)
-        if ledger.charged_s > 0:
-            images["goodput"] = goodput_chart.plot_goodput(ledger, local / "goodput.png") or local / "goodput.png"
-    _markdown(summary_markdown(name, progress, images, plan_text, state, links, save_every_s), _key(name, "summary"),
+    ledger = goodput.from_progress(progress, save_every_s)
+    if ledger.charged_s > 0:
+        images["goodput"] = goodput_chart.plot_goodput(ledger, local / "goodput.png") or local / "goodput.png"
+    _markdown(summary_markdown(name, progress, images, plan_text, state, links, ledger=ledger), _key(name, "summary"),
               f"{name}: plan, ETA and curves")
     return {k: str(v) for k, v in images.items()}
 
 
 def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_text: str = "", state: str = "",
-                     links: str = "", save_every_s: Optional[float] = None) -> str:
+                     links: str = "", save_every_s: Optional[float] = None,
+                     ledger: Optional[goodput.Ledger] = None) -> str:
     """The summary as CommonMark the Prefect UI renders: blocks separated by blank lines, the plan in a
     closed fence, each PNG an image node (a data URI: the UI cannot reach files on the worker)."""
     done, total = progress.get("global_step", 0), max(1, progress.get("total_steps", 1))
@@ -129,7 +130,8 @@ def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_te
     if plan_text.strip():
         fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", plan_text)), default=0))
         md.append(f"## Plan and ETA\n\n{fence}text\n{plan_text.strip(chr(10))}\n{fence}")
-    ledger = goodput.from_progress(progress, save_every_s)
+    if ledger is None:  # the caller's, when it drew it
+        ledger = goodput.from_progress(progress, save_every_s)
     if ledger.attempts:  # where the GPU time charged went (relay/orchestrator/goodput.py), drawn and in figures
         chart = f"\n\n{_image('goodput', images['goodput'])}" if "goodput" in images else ""
         md.append(f"## Goodput\n\n{ledger.line()}{chart}\n\n{ledger.table()}")
@@ -164,6 +166,8 @@ def publish_running(name: str, progress: dict, records: list, local: Path, metri
                                                           "step_start": records[0].get("step_start")}]
         images["curves"] = report.plot_curves(previous + live.as_metrics(records), local / "curves-live.png",
                                               progress={**progress, "sessions": sessions})
+    if (local / "goodput.png").is_file():  # the handed-over sessions' ledger, drawn at the last hand-over
+        images["goodput"] = local / "goodput.png"
     md = summary_markdown(name, {**progress, "global_step": last["step"], "total_steps": total}, images,
                           "\n\n".join(p for p in (text, plan_text) if p.strip()),
                           f"session {last.get('session')} {kernel_state}", links)

@@ -121,6 +121,23 @@ def test_the_artifact_prefect_serves_renders(run, prefect_api):
     assert_images_render(image_nodes, {k: Path(v) for k, v in written.items()})
     assert [f.content for f in fences] == [plan.strip("\n") + "\n"]
 
+    # while the next session runs, its live summary keeps the handed-over sessions' goodput chart
+    from tasks.artifacts import publish_running
+
+    records = [{"run_id": "s003-a1", "session": 3, "step_start": 12, "total_steps": 24, "step": 14, "kind": "train",
+                "loss": 0.5, "time": progress["sessions"][-1]["ended"] + 60}]
+
+    @flow(name="artifact-check-running")
+    def running() -> None:
+        publish_running(spec.name, progress, records, out, workdir / "metrics.jsonl", "", "running")
+
+    running()
+    with get_client(sync_client=True) as client:
+        stored = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[
+            f"{spec.name}-summary"])))
+    assert "session 3 running" in stored[0].data
+    assert [image.content for image in parse(stored[0].data)[1]] == ["goodput", "curves"]
+
 
 def test_a_flow_run_keeps_one_artifact_per_key_updated_in_place_and_no_completed_line_per_task(run, prefect_api):
     """Issue 47: a 4-session run had 35 artifact cards (a new version of the summary and the session table at

@@ -497,8 +497,9 @@ def _poison_gradients(opt: torch.optim.Optimizer, mean: torch.Tensor) -> None:
 
 
 def _mean(losses: list[torch.Tensor]) -> torch.Tensor:
-    """The step's mean loss in fp32, on the device: one launch per step at most (a launch-bound GPU step waits on
-    each; zeros, an add per micro-batch and a division were grad_accum + 2)."""
+    """The step's mean loss in fp32, on the device: the loss itself at grad_accum 1, a stack and a mean above it
+    (a launch-bound GPU step waits on each launch; zeros, an add per micro-batch and a division were grad_accum + 2;
+    ops counted with a TorchDispatchMode)."""
     return losses[0].float() if len(losses) == 1 else torch.stack(losses).float().mean()
 
 
