@@ -99,7 +99,7 @@ def test_the_artifact_prefect_serves_renders(run, prefect_api):
     to the same image nodes and plan."""
     from prefect import flow
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     from tasks.artifacts import publish_report
 
@@ -109,14 +109,21 @@ def test_the_artifact_prefect_serves_renders(run, prefect_api):
     out.mkdir(exist_ok=True)
 
     @flow(name="artifact-check")
-    def publish() -> dict:
-        return publish_report(spec.name, progress, out, workdir / "metrics.jsonl", plan_text=plan, state="done")
+    def publish() -> tuple:
+        from prefect.runtime import flow_run
 
-    written = publish()
-    with get_client(sync_client=True) as client:
-        stored = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[
-            f"{spec.name}-summary"])))
-    assert stored and stored[0].type == "markdown"
+        written = publish_report(spec.name, progress, out, workdir / "metrics.jsonl", plan_text=plan, state="done")
+        return written, flow_run.id
+
+    def summary_of(run_id: str) -> list:  # that flow run's version of the key: other runs write it too
+        with get_client(sync_client=True) as client:
+            return client.read_artifacts(artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[f"{spec.name}-summary"]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+
+    written, run_id = publish()
+    stored = summary_of(run_id)
+    assert len(stored) == 1 and stored[0].type == "markdown"
     _, image_nodes, fences, _ = parse(stored[0].data)
     assert_images_render(image_nodes, {k: Path(v) for k, v in written.items()})
     assert [f.content for f in fences] == [plan.strip("\n") + "\n"]
@@ -128,14 +135,14 @@ def test_the_artifact_prefect_serves_renders(run, prefect_api):
                 "loss": 0.5, "time": progress["sessions"][-1]["ended"] + 60}]
 
     @flow(name="artifact-check-running")
-    def running() -> None:
-        publish_running(spec.name, progress, records, out, workdir / "metrics.jsonl", "", "running")
+    def running() -> str:
+        from prefect.runtime import flow_run
 
-    running()
-    with get_client(sync_client=True) as client:
-        stored = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[
-            f"{spec.name}-summary"])))
-    assert "session 3 running" in stored[0].data
+        publish_running(spec.name, progress, records, out, workdir / "metrics.jsonl", "", "running")
+        return flow_run.id
+
+    stored = summary_of(running())
+    assert len(stored) == 1 and "session 3 running" in stored[0].data
     assert [image.content for image in parse(stored[0].data)[1]] == ["goodput", "curves"]
 
 
