@@ -184,7 +184,7 @@ def test_the_ranks_slices_make_up_the_steps_effective_batch(tmp_path):
                                           safety_margin=0.0), world)
         session.clock.restore_signal_handlers()
         session.step = step
-        return session.batch_indices(100, 16)
+        return session.batch_indices(100, 16).tolist()
 
     for step in (0, 7, 70):  # 6 steps per epoch: epochs 0, 1 and 11
         whole = indices(World(0, 1), step)

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+import numpy as np
 import torch
 
 from relay.kernel.session import api_distributed, books, checkpoint, data, distributed, rng, trace
@@ -217,8 +218,9 @@ class Session:
         self.book.world_size = self.world.size
 
     # -- data -------------------------------------------------------------------------------------------
-    def batch_indices(self, n_samples: int, batch_size: int, seed: Optional[int] = None) -> list[int]:
-        """The sample indices of the current step: epoch e is a permutation seeded by (seed, e), so any step's
+    def batch_indices(self, n_samples: int, batch_size: int, seed: Optional[int] = None) -> np.ndarray:
+        """The sample indices of the current step, an int64 numpy array (it indexes a tensor, an array or a
+        DataFrame directly; `.tolist()` for a list): epoch e is a permutation seeded by (seed, e), so any step's
         batch costs one permutation (O(1) in the step), never a replay of the batches before it. With several
         processes, `batch_size` is the effective batch and rank r gets the r-th equal slice of it."""
         seed = self.config.seed if seed is None else seed
@@ -231,7 +233,7 @@ class Session:
             self._trace.batch(indices)
         return indices
 
-    def batches(self, n_samples: int, batch_size: int, seed: Optional[int] = None) -> Iterator[list[int]]:
+    def batches(self, n_samples: int, batch_size: int, seed: Optional[int] = None) -> Iterator[np.ndarray]:
         """The current step's indices, until should_stop(); call step_done() after each."""
         while not self.should_stop():
             yield self.batch_indices(n_samples, batch_size, seed)
@@ -469,7 +471,7 @@ class RunBatchSampler(torch.utils.data.Sampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.session.step, self.session.total_steps):
-            yield data.rank_indices(self.schedule, step, self.session.rank, self.session.world_size)
+            yield data.rank_indices(self.schedule, step, self.session.rank, self.session.world_size).tolist()
 
     def __len__(self) -> int:
         return self.session.total_steps
