@@ -191,3 +191,22 @@ def test_the_built_in_loop_reads_no_device_value_between_log_steps(tmp_path, mon
     assert progress["precision"] == precision and progress["status"] == "done"
     assert reads, "no read counted: the probe saw nothing"
     assert {step for step, *_ in reads} <= {5, 10, 12}, reads  # log steps (and the last, with its eval)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the pinned staging buffer and its event")
+def test_cuda_windows_are_copied_through_one_reused_pinned_buffer(tmp_path):
+    """On a GPU each closed window is copied into the session's one pinned buffer, behind one reused event (no
+    caching-host-allocator block or new event a window), and each window's line has its own losses' mean, though
+    the buffer under it was overwritten by every later window. Runs where a GPU is (bench/gpu_check.sh)."""
+    session = relay.open_session(total_steps=30, workdir=str(tmp_path / "w"), log_every=10, save_every=1e9)
+    session.register(model=torch.nn.Linear(2, 1))
+    session.restore()
+    buffers = set()
+    for k, _ in enumerate(session.batches(64, 8)):
+        session.step_done(loss=torch.tensor(float(k // 10), device="cuda"))
+        if session.step_books.closed is not None and isinstance(session.step_books.closed.losses, tuple):
+            buffers.add((session.step_books.staging.buffer.data_ptr(), id(session.step_books.staging.event)))
+    session.close()
+    lines = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in lines if r.get("kind") == "train"] == [(10, 0.0), (20, 1.0), (30, 2.0)]
+    assert len(buffers) == 1, buffers

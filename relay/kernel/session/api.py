@@ -109,6 +109,7 @@ class Session:
         if self._owns_clock:
             self.clock.install_signal_handlers()
         self.objects: dict[str, Any] = {}
+        self._optimizer: Optional[torch.optim.Optimizer] = None
         self.weights_model: Optional[torch.nn.Module] = None  # whose weights_sha256/export (default: registered)
         self.export_extras: list = []  # objects with save_pretrained() exported beside it (a tokenizer)
         self.stop_reason: Optional[str] = None
@@ -170,6 +171,8 @@ class Session:
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TypeError(f"session.register({name}=...): {type(obj).__name__} has no state_dict/load_state_dict")
             self.objects[name] = obj
+        # the first registered optimizer: its lr goes with each train line (looked up once, not at every line)
+        self._optimizer = next((o for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)), None)
 
     def restore(self) -> int:
         """Load the newest valid checkpoint (own workdir, then the relay's resume folders) into the registered
@@ -365,9 +368,8 @@ class Session:
     def _train_extras(self, speed: Optional[float]) -> dict:
         """What a tracker shows beside a train record: samples/s and the first registered optimizer's lr."""
         extras = {"samples_per_s": speed} if speed else {}
-        opt = next((o for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)), None)
-        if opt is not None and "lr" not in extras:
-            extras["lr"] = float(opt.param_groups[0]["lr"])
+        if self._optimizer is not None:
+            extras["lr"] = float(self._optimizer.param_groups[0]["lr"])
         return extras
 
     # -- saving -----------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ class StepBooks:
         self.steps: list[int] = []  # "window": the step of each, what the guard's reason names
         self.phases: list = []  # "window" given phases (the Trainer's): the phase of each, which the guard compares within
         self.closed: Optional[ClosedWindow] = None  # the Session API's last log step's window, judged at the next step
+        self.staging = HostStaging()  # where each closed CUDA window is copied to
         self.samples = 0  # this session's samples and training seconds: its samples/s
         self.seconds = 0.0
         self.last_save = time.monotonic()
@@ -109,7 +110,9 @@ class StepBooks:
     def close_window(self, step: int, metrics: dict) -> None:
         """A log step of a script's loop: the window's read starts, without a wait; take_closed() at the next step
         judges it."""
-        self.closed = ClosedWindow(step, self.steps, start_read(self.losses), metrics)
+        if self.closed is not None:  # read before its staging buffer is reused (step_done reads it first anyway)
+            self.closed.read()
+        self.closed = ClosedWindow(step, self.steps, start_read(self.losses, self.staging), metrics)
         self.losses, self.steps, self.phases = [], [], []
 
     def take_closed(self, judge: bool = True) -> ClosedWindow:
@@ -193,22 +196,45 @@ def _closed_state(closed: ClosedWindow) -> dict:
             "closed_logged": closed.logged}
 
 
-def start_read(values: list) -> Any:
+def start_read(values: list, staging: Optional["HostStaging"] = None) -> Any:
     """Begin reading a window off the device: one-element CUDA tensors on one device are stacked and copied into
     pinned host memory behind the kernels queued so far, with an event recorded after the copy (ClosedWindow.read
-    waits on it); anything else is read now, which waits for nothing (CPU tensors, floats)."""
+    waits on it); anything else is read now, which waits for nothing (CPU tensors, floats). `staging`: the pinned
+    buffer and event to reuse (one a session), else fresh ones."""
     try:
-        flat = torch.stack(values).reshape(-1) if values else None
+        flat = torch.stack(values) if values else None
     except (TypeError, RuntimeError):  # not all tensors, or on several devices, or of several shapes
         flat = None
     if flat is None or flat.numel() != len(values):
         return read_losses(values)
     if not flat.is_cuda:
-        return flat.tolist()
-    host = flat.to("cpu", non_blocking=True)  # a CUDA -> CPU copy with non_blocking lands in pinned memory
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(flat.device))
-    return host, done
+        return flat.reshape(-1).tolist()
+    return (staging or HostStaging()).copy(flat.reshape(-1))
+
+
+class HostStaging:
+    """One pinned host buffer and one CUDA event, reused by every window a session reads (one is in flight at a
+    time: the step after a log step reads it, before the next log step closes another). `.to("cpu",
+    non_blocking=True)` would take a block from the caching host allocator at each window, which queries its
+    pending events on the way in and records one on the way out, and a new event would be created each time: CUDA
+    calls a launch-bound loop waits on."""
+
+    def __init__(self):
+        self.buffer: Optional[torch.Tensor] = None
+        self.event: Optional[Any] = None
+        self.device: Optional[torch.device] = None
+
+    def copy(self, flat: torch.Tensor) -> tuple:
+        """(a pinned host view that will hold `flat`, the event recorded after its copy)."""
+        n = flat.numel()
+        if self.buffer is None or self.buffer.numel() < n or self.buffer.dtype != flat.dtype or \
+                self.device != flat.device:
+            self.buffer = torch.empty(max(n, 64), dtype=flat.dtype, pin_memory=True)
+            self.event, self.device = torch.cuda.Event(), flat.device
+        host = self.buffer[:n]
+        host.copy_(flat, non_blocking=True)
+        self.event.record(torch.cuda.current_stream(flat.device))
+        return host, self.event
 
 
 def read_losses(values: list) -> list[float]:
