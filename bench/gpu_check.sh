@@ -3,8 +3,8 @@
 # plain-loop example with AMP relayed over sessions by `relay verify-resume`, the HF and Lightning examples likewise.
 # Run from the repo root: `bash bench/gpu_check.sh OUT_DIR [SECTION ...]`, sections `tiny vqa backoff ratio loop
 # exact` (all but `ratio`, which `loop` includes, by default; the whole takes over 10 minutes on an H100, so a lent
-# machine's one call picks some). Issue 48's figures: `ratio` alone on a quiet GPU (~1.5 min measured before the
-# turns, plus ~45 s for the ablation, estimated from its step count), `vqa backoff` (at once, ~3 min on an H200),
+# machine's one call picks some). Issue 48's figures: `ratio` alone on a quiet GPU (~4 min on an H200: the three
+# models ~2 min, the MLP at log_every 10 ~40 s, the ablation ~70 s), `vqa backoff` (at once, ~3 min on an H200),
 # `loop` (~3.5 min); `exact` alone took 5.5 minutes there: a call of its own. Each run's progress.json summary and
 # wall time are printed; logs go to OUT_DIR. On a CPU-only machine the
 # same commands take the CPU paths.
@@ -87,7 +87,7 @@ if want backoff; then
   "$py" bench/gpu_eval_determinism.py  # why the VQA eval sums its loss by hand: cross_entropy's mean uses atomics
 fi
 
-# What the Session API's step costs beside two hand-written loops' (issue 48: <= 1.03x at ~2 ms steps), ~1.5 min;
+# What the Session API's step costs beside two hand-written loops' (issue 48: <= 1.03x at ~2 ms steps), ~2.5 min;
 # `ratio` runs this alone (the first thing to run on a lent GPU: nothing else on it while it runs), `loop` runs it
 # and then the built-in loop's figures.
 if want ratio || want loop; then
@@ -95,6 +95,11 @@ if want ratio || want loop; then
   "$py" bench/bench_step_overhead.py --device cuda >"$out/step-overhead.log" 2>&1
   echo "step overhead, Session API vs hand-written: rc=$? $((SECONDS - t0)) s:"
   grep -E '^(GPU|tiny|mlp|transformer)|process' "$out/step-overhead.log"
+  # the same at the old default log_every 10 (a window read every 10 steps), the MLP only (~40 s)
+  "$py" bench/bench_step_overhead.py --device cuda --only mlp --log-every 10 >"$out/step-overhead-log10.log" 2>&1
+  echo "  at log_every 10: $(grep -E '^mlp' "$out/step-overhead-log10.log")"
+  # each closed window goes through the session's one pinned buffer and event (the conftest needs Prefect: none)
+  "$py" -m pytest --noconftest -p no:cacheprovider -q tests/kernel/test_step_done_reads.py -k cuda_windows 2>&1 | tail -1
   # what each part of the Session API's step costs at the MLP's ~2 ms step (~45 s estimated from its step count)
   "$py" bench/session_ablation.py --device cuda --only mlp --steps 500 --rounds 5 2>"$out/ablation.err" | grep -v '^{'
 fi

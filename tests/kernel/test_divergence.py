@@ -146,7 +146,7 @@ def test_a_session_stops_itself_on_divergence_and_the_relay_says_why(relay_env, 
     (folder / "train.py").write_text(BLOWING_UP)
     spec = folder / "spec.yaml"
     spec.write_text(yaml.safe_dump({
-        "name": "diverge", "code": {"folder": ".", "entry": "train.py"}, "optim": {"max_steps": 200},
+        "name": "diverge", "code": {"folder": ".", "entry": "train.py"}, "optim": {"max_steps": 200, "log_every_steps": 10},
         "session": {"threads": 1, "max_steps": 100, "safety_margin": "0.5s"},
         "kaggle": {"session_timeout": "5m", "startup_overhead": "1s"}}))
     relay_env.spec = spec
@@ -169,7 +169,8 @@ def test_the_session_api_split_inside_the_judging_span_stops_at_the_same_step(re
     (tmp_path / "train.py").write_text(BLOWING_UP)
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump({"name": "diverge", "code": {"folder": ".", "entry": "train.py"},
-                                    "optim": {"max_steps": 200}, "session": {"threads": 1, "safety_margin": "0.5s"}}))
+                                    "optim": {"max_steps": 200, "log_every_steps": 10},
+                                    "session": {"threads": 1, "safety_margin": "0.5s"}}))
     relay_cli.train(spec, tmp_path / "whole", "none", "--max-steps", "none")
     relay_cli.train(spec, tmp_path / "split", "none", "--max-steps", str(cut))
     relay_cli.train(spec, tmp_path / "split", "none", "--max-steps", "none")
