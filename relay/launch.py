@@ -13,7 +13,6 @@ import signal
 from pathlib import Path
 from typing import Optional
 
-from relay.shared import prefect_logging
 from relay.shared.code_folder import mark_outputs
 from relay.shared.errors import InputError
 from relay.shared.version import PACKAGE_DIR
@@ -108,7 +107,9 @@ def _run(spec: str, out: Optional[str], tick: bool, poll_seconds: Optional[float
         # The embedded server is ours, for this run only: it sends Prefect no usage heartbeat (which, on its
         # SQLite busy with the flow's writes, can also fail with a traceback that says nothing about the relay)
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-        # nor a traceback for a SQLite write its task-run recorder retries by itself (relay.shared.prefect_logging)
+        # nor a traceback for a SQLite write its task-run recorder retries by itself
+        from relay.orchestrator import prefect_logging
+
         if "PREFECT_LOGGING_SETTINGS_PATH" not in os.environ and (quieter := prefect_logging.settings_file(folder)):
             os.environ["PREFECT_LOGGING_SETTINGS_PATH"] = str(quieter)
     # A supervisor or a CI cancel stops us with SIGTERM: leave as Ctrl-C does, so that the embedded Prefect

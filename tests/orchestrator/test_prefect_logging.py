@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from relay.shared import prefect_logging
+from relay.orchestrator import prefect_logging
 
 SERVER = r'''
 import logging, sqlite3
