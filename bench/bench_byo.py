@@ -4,7 +4,7 @@
    0.1; ~300k parameters), AdamW + LambdaLR, batch 64, `steps` optimizer steps over 8192 generated samples.
      plain    indices from a per-epoch torch.randperm, nothing else
      session  `relay.open_session` + register + restore, `session.batches()` (step-derived order, deadline
-              checks) and `session.step_done(loss=...)` (step times, metrics.jsonl every 10 steps); periodic
+              checks) and `session.step_done(loss=...)` (step times, metrics.jsonl every log_every: 50 by default); periodic
               saves off. open_session/restore/close are outside the timing: once per session, not per step.
    The two loops advance together, CHUNK steps of one then CHUNK of the other (which goes first alternating),
    each chunk timed in process CPU (time.process_time): a change in the shared machine's speed over the round

@@ -4,7 +4,7 @@ CPU mode (the default): the null step. A loop that does nothing but
     for idx in session.batches(n, b): session.step_done(loss=t)          (t: a 0-dim tensor)
 against a bare loop of the same length doing the same user-side nothing (`for i in range(N): loss = t`), and
 `step_done` alone (`for _ in range(N): session.step_done(loss=t)`, no batches()), in one process, rounds
-alternating, saves off (save_every huge), log_every at its default (10). Figure: the relay's per-step cost in
+alternating, saves off (save_every huge), log_every at its default (50; `--log-every` sets another). Figure: the relay's per-step cost in
 microseconds, (session loop - bare loop) / N, median over rounds, in process CPU time (time.process_time: the
 work is all on the host, and a shared machine's load moves wall time far more).
 

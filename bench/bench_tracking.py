@@ -37,7 +37,7 @@ def loop(steps: int, workdir: Path, tensorboard: bool) -> float:
     import relay
 
     shutil.rmtree(workdir, ignore_errors=True)
-    session = relay.open_session(total_steps=steps, workdir=str(workdir), save_every=1e9,
+    session = relay.open_session(total_steps=steps, workdir=str(workdir), save_every=1e9, log_every=10,
                                  tracking={"tensorboard": tensorboard})
     x, y, model, opt, sched = _setup()
     session.register(model=model, optimizer=opt, scheduler=sched)

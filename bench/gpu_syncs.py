@@ -65,7 +65,8 @@ def session(steps: int, work: Path) -> None:
     model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x, y = torch.randn(512, 1024, device="cuda"), torch.randn(512, 1, device="cuda")
-    s = relay.open_session(total_steps=steps, workdir=str(work / "session"), save_every=1e12, safety_margin=0.0)
+    s = relay.open_session(total_steps=steps, workdir=str(work / "session"), save_every=1e12, safety_margin=0.0,
+                           log_every=10)
     s.register(model=model, optimizer=opt)
     s.restore()
     for _ in s.batches(512 * 8, 512):

@@ -58,6 +58,10 @@ def main() -> int:
         result = backend.publish_folder(data, f"{USER}/price-data", "Synthetic price data")
         print(f"published {USER}/price-data v{result.version}: {', '.join(sorted(result.files))}")
 
+        if not os.environ.get("PREFECT_API_URL"):  # the relay's own Prefect, set up as `relay run` sets it up
+            from relay.orchestrator import embedded_prefect
+
+            embedded_prefect.configure(RUN / "orchestrator")
         from flows.one_relay import relay
 
         t0 = time.time()

@@ -102,16 +102,10 @@ def _run(spec: str, out: Optional[str], tick: bool, poll_seconds: Optional[float
             return 0
 
     embedded = not os.environ.get("PREFECT_API_URL")
-    if embedded:  # a fresh machine (every GitHub Actions tick) starts its Prefect in ~20-60 s when busy
-        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(EMBEDDED_STARTUP_S))
-        # The embedded server is ours, for this run only: it sends Prefect no usage heartbeat (which, on its
-        # SQLite busy with the flow's writes, can also fail with a traceback that says nothing about the relay)
-        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-        # nor a traceback for a SQLite write its task-run recorder retries by itself
-        from relay.orchestrator import prefect_logging
+    if embedded:  # started here, set up first (a fresh machine, every GitHub Actions tick, starts it in ~20-60 s)
+        from relay.orchestrator import embedded_prefect
 
-        if "PREFECT_LOGGING_SETTINGS_PATH" not in os.environ and (quieter := prefect_logging.settings_file(folder)):
-            os.environ["PREFECT_LOGGING_SETTINGS_PATH"] = str(quieter)
+        embedded_prefect.configure(folder)
     # A supervisor or a CI cancel stops us with SIGTERM: leave as Ctrl-C does, so that the embedded Prefect
     # server (a child process, stopped at exit) ends with us instead of running on orphaned.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -138,9 +132,6 @@ def _run(spec: str, out: Optional[str], tick: bool, poll_seconds: Optional[float
         return 130
     _outputs(emit, run_spec.name, local, summary)
     return 0
-
-
-EMBEDDED_STARTUP_S = 180  # Prefect's own default (20 s) fails 4 first runs in 5 on a busy 2-core machine
 
 
 def _interrupt(signum, frame) -> None:

@@ -59,9 +59,9 @@ class StepSchedule:
 
     def indices(self, step: int) -> np.ndarray:
         """Step `step`'s sample indices, a fresh int64 array (the user's to keep or change: a view would let an
-        in-place edit reorder the cached epoch). Not a list: a list of 512 Python ints costs ~3 us to build and
-        indexing a tensor with it ~30 us more than with an array (tensor_from_sequence reads each element);
-        an array indexes tensors, arrays and frames as fast as a tensor does."""
+        in-place edit reorder the cached epoch). Not a list: torch reads a list index element by element, so a
+        tensor indexed by this step's list cost a loop more than all the rest of the Session API's calls
+        (bench/bench_byo.py's `api_cost`, 64 indices: 11.1 us a step with lists, 3.1 with arrays)."""
         epoch, position = divmod(step, self.steps_per_epoch)
         start = position * self.effective_batch
         return epoch_order(self.n_samples, self.seed, epoch)[start : start + self.effective_batch].copy()
@@ -69,8 +69,8 @@ class StepSchedule:
 
 @functools.lru_cache(maxsize=4)  # keyed by plain ints, hashed in C (a frozen dataclass's hash runs Python each step)
 def epoch_order(n_samples: int, seed: int, epoch: int) -> np.ndarray:
-    """Epoch `epoch`'s order: torch's randperm (the order every relay version drew), kept as numpy, whose
-    slice costs a step ~0.7 us less than a tensor's (a launch-bound GPU loop waits on each)."""
+    """Epoch `epoch`'s order: torch's randperm (the order every relay version drew), kept as numpy: a step's
+    indices are a slice of it copied (StepSchedule.indices)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(n_samples, generator=g).numpy()
 
