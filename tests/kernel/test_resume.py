@@ -333,22 +333,44 @@ def test_a_steps_indices_are_an_array_the_caller_may_change():
 def test_a_checkpoint_written_in_the_built_in_runners_old_layout_resumes_to_the_same_weights(tmp_path):
     """tests/data/old-layout-toy holds a session of 10 steps written by the relay before both session paths saved
     one layout ({model, optimizer, scheduler, scaler, trainer, rng}) and before the divergence guard's history was
-    saved: resumed now, the run ends with the weights of an uninterrupted run."""
+    saved. Its float values are those of the CPU that wrote it (another CPU's kernels round differently), so the
+    bits compared here are written on this machine: this machine's step-10 state, put in the old layout beside the
+    fixture's progress and manifest, resumes to the weights of this machine's uninterrupted run. The fixture
+    itself must still read and run to the end."""
     import shutil
 
     from relay.kernel.run import run_session
     from relay.shared import spec as spec_mod
+    from relay.shared.manifest import file_digest
 
     old = Path(__file__).parents[1] / "data" / "old-layout-toy"
-    saved = torch.load(old / "workdir" / "checkpoints" / "step-00000010" / "state.pt", weights_only=True)
+    old_ckpt = Path("checkpoints") / "step-00000010"
+    saved = torch.load(old / "workdir" / old_ckpt / "state.pt", weights_only=True)
     assert "trainer" in saved and "objects" not in saved and "divergence" not in saved["trainer"]
     spec = spec_mod.load(old / "spec.yaml")
     whole = run_session(spec.model_copy(update={"session": spec.session.model_copy(update={"max_steps": None})}),
                         tmp_path / "whole")
+
+    # This machine's first session, saved in today's layout, rewritten in the old one.
+    run_session(spec, tmp_path / "here")
+    _, state = checkpoint.load_latest(tmp_path / "here" / "checkpoints")
+    books = {key: value for key, value in state["relay"].items() if key in saved["trainer"]}
+    old_state = {**state["objects"], "trainer": books, "rng": state["rng"]}
+    assert set(old_state) == set(saved) and set(books) == set(saved["trainer"])
     shutil.copytree(old / "workdir", tmp_path / "resumed")
-    while (progress := run_session(spec, tmp_path / "resumed"))["status"] != "done":
-        pass
-    assert progress["sessions"][0]["step_end"] == 10 and len(progress["sessions"]) == 3
-    assert progress["weights_sha256"] == whole["weights_sha256"]
-    state = checkpoint.load_latest(tmp_path / "resumed" / "checkpoints")[1]
-    assert set(state) >= {"objects", "relay", "rng"} and "trainer" not in state  # saved in the one layout now
+    torch.save(old_state, tmp_path / "resumed" / old_ckpt / "state.pt")
+    manifest_path = tmp_path / "resumed" / old_ckpt / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    state_file = tmp_path / "resumed" / old_ckpt / "state.pt"
+    manifest["files"]["state.pt"] = {"bytes": state_file.stat().st_size, "crc32": file_digest(state_file, "crc32")}
+    manifest_path.write_text(json.dumps(manifest))
+
+    shutil.copytree(old / "workdir", tmp_path / "fixture")
+    for workdir in ("resumed", "fixture"):
+        while (progress := run_session(spec, tmp_path / workdir))["status"] != "done":
+            pass
+        assert progress["sessions"][0]["step_end"] == 10 and len(progress["sessions"]) == 3
+        state = checkpoint.load_latest(tmp_path / workdir / "checkpoints")[1]
+        assert set(state) >= {"objects", "relay", "rng"} and "trainer" not in state  # saved in the one layout now
+        if workdir == "resumed":  # the fixture's own bits are another CPU's: compared with nothing here
+            assert progress["weights_sha256"] == whole["weights_sha256"]
