@@ -184,9 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     it.add_argument("--spec", default="spec.yaml", help="the spec to write, relative to PATH (default spec.yaml)")
     source = it.add_mutually_exclusive_group()
     source.add_argument("--wheel", metavar="FILE", help="install kaggle-relay from this wheel, copied to"
-                                                        " .github/relay/ (default: kaggle-relay==VERSION from PyPI)")
+                                                        " .github/relay/ and checked by its sha256 (default: the"
+                                                        " git commit of the kaggle-relay checkout running this,"
+                                                        " from its remote)")
     source.add_argument("--git", metavar="URL[@REF]", help="install kaggle-relay from this git repository (REF"
-                                                           " default: the tag vVERSION)")
+                                                           " default: the tag vVERSION; a commit pins it for good)")
     it.set_defaults(func=commands.cmd_init)
 
     e = sub.add_parser("emulator", help="the local Kaggle API emulator (relay emulator serve --help)")

@@ -261,6 +261,8 @@ def cmd_init(args: argparse.Namespace) -> int:
             raise InputError(str(err).replace(draft.name, args.spec)) from None
     written = repo_init.write(files)
     print(f"relay init: wrote {', '.join(written)} in {root}; the workflow installs {files.install}")
+    for note in files.notes:
+        print(f"relay init: note: {note}")
     print(f"next: the Session API in your code (docs/your-code.md), `relay verify-resume {args.spec} --steps 60`,"
           " the repository secrets KAGGLE_USERNAME and KAGGLE_KEY, then commit and push: the workflow ticks every"
           " 15 minutes (or run it from the Actions tab)")

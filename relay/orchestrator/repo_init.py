@@ -3,12 +3,12 @@ into it: a spec skeleton for their entry, and a GitHub Actions workflow that tic
 project's .github/workflows/relay-tick.yml, its way (b): no Prefect server, Kaggle credentials from the
 repository's secrets).
 
-The workflow installs a pinned kaggle-relay, the version that wrote it, without cloning this project: a wheel
-committed beside the workflow (`--wheel`, copied to .github/relay/), a git ref (`--git URL[@REF]`, REF defaulting
-to the version's tag) or PyPI (`kaggle-relay==VERSION`). It checks that the version it got is the one pinned,
-so a moved tag or a stray wheel cannot change the relay under a running run: a session's code version is part
-of what it resumes from. Nothing is overwritten: every file is checked first, and one that exists is one line
-and exit 2, before anything is written.
+The workflow installs a pinned kaggle-relay, the version that wrote it, from something that exists
+(install_source: by default the git commit of the kaggle-relay that runs `relay init`; `--git`; `--wheel`). It
+checks that the version it got is the one pinned, so a moved tag or a stray wheel cannot change the relay under a
+running run: a session's code version is part of what it resumes from. The actions it uses are pinned by commit
+(ACTIONS) and the checkout keeps no token. Nothing is overwritten: every file is checked first, and one that
+exists is one line and exit 2, before anything is written.
 """
 from __future__ import annotations
 
@@ -19,13 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from relay.orchestrator import install_source
 from relay.shared.errors import InputError
 
 WORKFLOW = ".github/workflows/relay.yml"
-WHEEL_DIR = ".github/relay"
 CRON = "*/15 * * * *"  # a tick that finds a session running returns in about a second (docs/benchmarks.md)
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{2,49}$")  # relay.shared.spec's rule for `name:`
-_WHEEL = re.compile(r"^kaggle_relay-([^-]+)-")
+# The actions the workflow runs, pinned by commit (a tag can be moved to other code; a commit cannot), with
+# the tag each was at. From the public record: `git show-ref --tags` in clones of github.com/actions/checkout and
+# github.com/actions/setup-python, their newest release tags, read 2026-11-29. To update: the new tag's commit.
+ACTIONS = {
+    "checkout": ("actions/checkout", "3d3c42e5aac5ba805825da76410c181273ba90b1", "v7.0.1"),
+    "setup-python": ("actions/setup-python", "5fda3b95a4ea91299a34e894583c3862153e4b97", "v7.0.0"),
+}
 
 
 @dataclass
@@ -35,6 +41,7 @@ class InitFiles:
     texts: dict[str, str] = field(default_factory=dict)
     copies: dict[str, Path] = field(default_factory=dict)
     install: str = ""  # the pip requirement the workflow installs
+    notes: list[str] = field(default_factory=list)  # what the user should know of it (e.g. a commit to push)
     draft: str = ""  # the spec as if at the root, for the front door's check before anything is written
 
     def paths(self) -> list[str]:
@@ -42,8 +49,10 @@ class InitFiles:
 
 
 def plan(root: Path, entry: str, version: str, name: Optional[str] = None, spec: str = "spec.yaml",
-         wheel: Optional[Path] = None, git: Optional[str] = None) -> InitFiles:
-    """The files for `root` (nothing written yet); InputError, one line, for a bad option or an existing file."""
+         wheel: Optional[Path] = None, git: Optional[str] = None,
+         checkout: Path = install_source.RUNNING_CHECKOUT) -> InitFiles:
+    """The files for `root` (nothing written yet); InputError, one line, for a bad option or an existing file.
+    Without `wheel` or `git` the workflow installs the kaggle-relay imported from `checkout`, pinned."""
     root = Path(root)
     if not root.is_dir():
         raise InputError(f"PATH: {root} is not a folder (the root of the repository to relay from)")
@@ -62,17 +71,15 @@ def plan(root: Path, entry: str, version: str, name: Optional[str] = None, spec:
     files = InitFiles(root)
     files.texts[spec_path.as_posix()] = spec_text(name, entry.strip(), version, spec_path)
     files.draft = spec_text(name, entry.strip(), version, Path(spec_path.name))
-    if wheel is not None:
-        files.install = _wheel(files, Path(wheel), version)
-    elif git is not None:
-        files.install = _git(git, version)
-    else:
-        files.install = f"kaggle-relay=={version}"
-    files.texts[WORKFLOW] = workflow_text(name, spec_path.as_posix(), files.install, version)
-    existing = [p for p in files.paths() if (root / p).exists()]
+    pin = install_source.from_wheel(Path(wheel), version) if wheel is not None else None
+    existing = [p for p in [*files.texts, WORKFLOW, *(pin.copies if pin else ())] if (root / p).exists()]
     if existing:
         raise InputError(f"{existing[0]}: already exists in {root}; relay init writes only new files (move it"
                          " away, or pick another --spec)")
+    if pin is None:
+        pin = install_source.from_git(git, version) if git is not None else install_source.running(version, checkout)
+    files.install, files.copies, files.notes = pin.requirement, pin.copies, pin.notes
+    files.texts[WORKFLOW] = workflow_text(name, spec_path.as_posix(), files.install, version)
     return files
 
 
@@ -91,28 +98,6 @@ def write(files: InitFiles) -> list[str]:
 def _name_from(root: Path) -> str:
     name = re.sub(r"[^a-z0-9]+", "-", root.resolve().name.lower()).strip("-")[:50].strip("-")
     return name if len(name) >= 3 else f"relay-{name}".strip("-")
-
-
-def _wheel(files: InitFiles, wheel: Path, version: str) -> str:
-    match = _WHEEL.match(wheel.name)
-    if not wheel.is_file() or wheel.suffix != ".whl" or not match:
-        raise InputError(f"--wheel: {wheel} is not a kaggle_relay wheel file (build one with `pip wheel --no-deps"
-                         " .` in a kaggle-relay checkout)")
-    if match.group(1) != version:
-        raise InputError(f"--wheel: {wheel.name} is kaggle-relay {match.group(1)}, this relay is {version}: pin the"
-                         " version that writes the workflow (the wheel of this version, or that version's relay init)")
-    rel = f"{WHEEL_DIR}/{wheel.name}"
-    files.copies[rel] = wheel
-    return f"./{rel}"
-
-
-def _git(git: str, version: str) -> str:
-    url, at, ref = git.rpartition("@")
-    if not at or "/" in ref or ":" in ref:  # an @ inside the URL (ssh://git@host/...), not a ref after it
-        url, ref = git, ""
-    if not re.match(r"^(https|ssh)://\S+/\S+$", url):
-        raise InputError(f"--git: {git!r} is not a repository URL (https://github.com/OWNER/kaggle-relay[@REF])")
-    return f"kaggle-relay @ git+{url}@{ref or 'v' + version}"  # REF: the tag of the version that writes this
 
 
 def spec_text(name: str, entry: str, version: str, spec_path: Path) -> str:
@@ -166,6 +151,7 @@ concurrency:
 
 jobs:
   tick:
+    name: tick
     runs-on: ubuntu-latest
     timeout-minutes: 60       # a hand-over downloads a session's output and publishes a checkpoint dataset
     env:
@@ -175,9 +161,11 @@ jobs:
       PREFECT_SERVER_ANALYTICS_ENABLED: "false"
       DO_NOT_TRACK: "1"
     steps:
-      - uses: actions/checkout@v4
+      - uses: {_uses("checkout")}
+        with:
+          persist-credentials: false   # no token left in .git/config for the steps after it
 
-      - uses: actions/setup-python@v5
+      - uses: {_uses("setup-python")}
         with:
           python-version: "3.11"
 
@@ -186,8 +174,10 @@ jobs:
         run: |
           python -m pip install -q "$RELAY_PACKAGE"
           installed="$(python -c 'import relay; print(relay.__version__)')"
-          test "$installed" = "$RELAY_VERSION" \\
-            || {{ echo "::error::kaggle-relay $installed came from $RELAY_PACKAGE; this workflow pins $RELAY_VERSION"; exit 1; }}
+          if [ "$installed" != "$RELAY_VERSION" ]; then
+            echo "::error::kaggle-relay $installed came from $RELAY_PACKAGE; this workflow pins $RELAY_VERSION"
+            exit 1
+          fi
 
       - name: Tick the relay
         env:
@@ -196,8 +186,15 @@ jobs:
           PREFECT_HOME: ${{{{ runner.temp }}}}/prefect
           RELAY_STATE_DIR: ${{{{ runner.temp }}}}/relay   # a cache only: the relay rebuilds its state from Kaggle
         run: |
-          test -n "$KAGGLE_USERNAME" && test -n "$KAGGLE_KEY" \\
-            || {{ echo "::error::set the repository secrets KAGGLE_USERNAME and KAGGLE_KEY"; exit 1; }}
+          if [ -z "$KAGGLE_USERNAME" ] || [ -z "$KAGGLE_KEY" ]; then
+            echo "::error::set the repository secrets KAGGLE_USERNAME and KAGGLE_KEY"
+            exit 1
+          fi
           set -o pipefail
           relay run "$RELAY_SPEC" --tick --out "$RELAY_STATE_DIR" | tee -a "$GITHUB_STEP_SUMMARY"
 """
+
+
+def _uses(action: str) -> str:
+    repo, commit, tag = ACTIONS[action]
+    return f"{repo}@{commit} # {tag}"
