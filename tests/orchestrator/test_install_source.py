@@ -77,6 +77,9 @@ def test_plan_without_flags_uses_the_running_pin_and_checks_existing_files_first
     files = repo_init.plan(tmp_path / "user", "t.py", "1.2.3", checkout=tmp_path / "src")
     assert files.install == f"kaggle-relay @ git+https://github.com/me/kaggle-relay@{commit}"
     assert f'RELAY_PACKAGE: "{files.install}"' in files.texts[repo_init.WORKFLOW]
+    with pytest.raises(InputError, match="--wheel, --git: give one"):
+        repo_init.plan(tmp_path / "user", "t.py", "1.2.3", wheel=tmp_path / "x.whl", git="https://h/x")
+    assert sorted(p.name for p in (tmp_path / "user").iterdir()) == ["t.py"]  # plan writes nothing
     (tmp_path / "user/spec.yaml").write_text("")
     with pytest.raises(InputError, match="spec.yaml: already exists"):  # before any git question
         repo_init.plan(tmp_path / "user", "t.py", "1.2.3", checkout=tmp_path / "nowhere")
