@@ -6,6 +6,7 @@ persona: no finding above informational. The default install (no --wheel, no --g
 checkout committed to a fresh git repository whose remote is a GitHub URL: `relay init` imported from it pins its
 commit, and the workflow's own install step runs in a fresh venv, git redirected from the GitHub URL to the local
 repository (url.insteadOf), offline (the package itself from that commit, its dependencies from the dev venv).
+A --wheel's install step refuses the committed wheel once its bytes change (its sha256 is in the requirement).
 
 The end-to-end relay test builds this package's wheel, runs `relay init --wheel` in a fresh git repository holding a
 tiny script, checks the workflow's shape, then runs the workflow's own `run:` steps (their text, with their
@@ -313,3 +314,20 @@ def test_init_pins_the_commit_it_runs_from_and_the_workflows_install_step_instal
     where = subprocess.run([str(venv / "bin/python"), "-c", "import relay; print(relay.__file__)"], env=base,
                            cwd=tmp_path, capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(venv)), where  # the relay installed from the pinned commit, not the checkout
+
+
+def test_the_install_step_refuses_a_committed_wheel_whose_bytes_changed(wheel, tmp_path):
+    repo = tmp_path / "my-model"
+    repo.mkdir()
+    (repo / "train.py").write_text(tiny_session_script())
+    assert _init(repo, "--entry", "train.py", "--wheel", str(wheel)).returncode == 0
+    with open(repo / ".github/relay" / wheel.name, "ab") as committed:
+        committed.write(b"\0")  # a zip still readable, but not the wheel `relay init` pinned
+    _, job = _job(repo)
+    (install,) = [s for s in job["steps"] if s.get("name", "").startswith("Install kaggle-relay")]
+    venv = _venv(tmp_path / "runner-venv")
+    base = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path / "home"), "TMPDIR": str(tmp_path),
+            "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_NO_DEPS": "1"}
+    done = _step(install, job["env"], base, tmp_path, repo)
+    assert done.returncode != 0 and "THESE PACKAGES DO NOT MATCH THE HASHES" in done.stderr, done.stderr[-3000:]
+    assert not list((venv / "lib").glob("python3*/site-packages/relay"))
