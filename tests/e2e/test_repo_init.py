@@ -331,3 +331,10 @@ def test_the_install_step_refuses_a_committed_wheel_whose_bytes_changed(wheel, t
     done = _step(install, job["env"], base, tmp_path, repo)
     assert done.returncode != 0 and "THESE PACKAGES DO NOT MATCH THE HASHES" in done.stderr, done.stderr[-3000:]
     assert not list((venv / "lib").glob("python3*/site-packages/relay"))
+
+
+@pytest.mark.parametrize("name", ["ci.yml", "relay-tick.yml"])
+def test_the_projects_own_workflows_lint_clean(name):
+    """The project's own CI and tick workflows meet the bar the generated one does (pinned actions, no persisted
+    checkout token, read-only permissions)."""
+    _lint(REPO / ".github" / "workflows" / name)
