@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from byo_fixtures import copy_example
+from relay import launch
 from relay.kernel.session import hardware
 from relay.orchestrator import chain, policy, report
 from relay.shared import accelerators, runtime
@@ -114,6 +115,11 @@ def test_a_session_on_another_cpu_is_named_in_the_status_the_summary_and_the_fin
     status = relay_cli.run("status", str(workdir))  # `relay status DIR`; `relay status NAME`: test_relay_status_remote
     assert status.returncode == 0 and f"warning: {note}" in status.stdout, status.stdout + status.stderr[-2000:]
     assert f"**warning**: {note}" in summary_markdown(progress["name"], progress, {})  # the flow's summary artifact
+    (tmp_path / "local" / "published").mkdir(parents=True)  # what `relay run` says when the relay ends
+    (tmp_path / "local" / "published" / "progress.json").write_text(json.dumps(progress))
+    said = []
+    launch._outputs(said.append, progress["name"], tmp_path / "local", None, account="someone")
+    assert f"warning: {note}" in said, said
 
     # a final check against an uninterrupted run (make demo's): weights that differ across CPUs are not a bug
     straight = {**_progress(workdir), "sessions": progress["sessions"][:1]}
