@@ -76,11 +76,14 @@ def main() -> int:
 def report(summary: dict) -> int:
     from relay.orchestrator import goodput
     from relay.orchestrator import report as rep
+    from relay.shared import runtime
 
     local = RUN / "orchestrator" / "price-demo"
     progress = json.loads((local / "published" / "progress.json").read_text())
     print()
     print(rep.format_table(rep.session_table(progress)))
+    for note in runtime.change_notes(progress["sessions"]):  # another CPU, GPU, torch, image ...
+        print(f"warning: {note}")
     print()
     print(goodput.from_progress(progress).line())  # where the (emulated) GPU time went, docs/relay.md
     smape = progress["metrics"].get("smape")
@@ -90,14 +93,9 @@ def report(summary: dict) -> int:
     print(f"goodput:     {local / 'goodput.png'}")
     print(f"final model: dataset {USER}/price-demo-model (emulator state {RUN / 'emulator'});"
           f" kernel output {local / 'outputs'}")
-    ref = json.loads((RUN / "reference" / "progress.json").read_text())
-    relayed = progress["weights_sha256"]
-    if relayed == ref["weights_sha256"]:
-        print(f"exact resume: identical ({len(progress['sessions'])} sessions vs 1 uninterrupted;"
-              f" weights sha256 {relayed[:16]})")
-        return 0
-    print(f"exact resume: DIFFERENT: relay {relayed} vs uninterrupted {ref['weights_sha256']}")
-    return 1
+    ok, verdict = runtime.exact_resume(progress, json.loads((RUN / "reference" / "progress.json").read_text()))
+    print(f"exact resume: {verdict}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

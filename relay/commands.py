@@ -142,6 +142,7 @@ def _backend(credentials_block: Optional[str]):
 
 def cmd_status(args: argparse.Namespace) -> int:
     from relay.orchestrator import report
+    from relay.shared import runtime
 
     if not Path(args.dir).is_dir():  # a relay name or a spec: read from Kaggle
         from relay.orchestrator import status
@@ -151,6 +152,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return status.report(args.dir, lambda: _backend(block), Path(args.out) if args.out else None)
     progress = _load_progress(args.dir)
     print(report.format_table(report.session_table(progress)))
+    for note in runtime.change_notes(progress.get("sessions") or []):  # another CPU, GPU, torch, image ...
+        print(f"warning: {note}")
     best = progress.get("best") or {}
     print(f"\n{progress['status']}: step {progress['global_step']}/{progress['total_steps']},"
           f" last eval {progress.get('metrics')}, best {best.get('metric')}={best.get('value')}")

@@ -157,6 +157,7 @@ def _stopped(emit, reason: str) -> int:
 def _outputs(emit, name: str, local: Path, summary: Optional[dict], account: Optional[str] = None) -> None:
     """The outcome and what the run left under `local` (with --submit, when the worker shares this disk)."""
     from relay.orchestrator import report
+    from relay.shared import runtime
 
     progress_file = local / "published" / "progress.json"
     progress = report.load_progress(progress_file) if progress_file.is_file() else None
@@ -170,6 +171,8 @@ def _outputs(emit, name: str, local: Path, summary: Optional[dict], account: Opt
              f" {len(progress.get('sessions') or [])} session(s) handed over")
     if progress is not None:
         emit(report.format_table(report.session_table(progress)))
+        for note in runtime.change_notes(progress.get("sessions") or []):  # another CPU, GPU, torch, image ...
+            emit(f"warning: {note}")
     for png in ("curves.png", "timeline.png", "goodput.png"):
         if (local / png).is_file():
             emit(f"{png.split('.')[0]}: {local / png}")

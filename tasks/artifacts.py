@@ -12,7 +12,7 @@ from prefect.artifacts import create_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from relay.orchestrator import goodput, goodput_chart, report
-from relay.shared import progress_line
+from relay.shared import progress_line, runtime
 
 
 _TITLES = {"curves": "Loss curves", "timeline": "Sessions timeline"}
@@ -125,6 +125,8 @@ def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_te
     if best:
         md.append(f"best {best.get('metric', '')}: {best.get('value', float('nan')):.4g}"
                   f" at step {best.get('step', '-')}")
+    for note in runtime.change_notes(progress.get("sessions") or []):  # another CPU, GPU, torch, image ...
+        md.append(f"**warning**: {note}")
     if links:
         md.append(links)
     if plan_text.strip():

@@ -38,8 +38,9 @@ what its process ended with), or until its kernel is deleted (`calls` 0 or absen
 seconds, like the others.
 machine: what the sessions pushed as the `pushes`-th batch runs (absent: every one) run on, other than asked
 (Kaggle served a P100 for a T4 request; its image changes every few weeks): `image` becomes GIT_COMMIT in the
-session's environment (how Kaggle's image names itself); `gpus`, `torch`, `cuda`, `python` become
-RELAY_TEST_HARDWARE, which replaces what the session sees (CUDA cannot run here).
+session's environment (how Kaggle's image names itself); `gpus` and the other keys a session records of its
+runtime (`torch`, `cuda`, `cudnn`, `python`, `cpu`, `cpu_capability`, `gpu_capability`: relay/shared/runtime.py)
+become RELAY_TEST_HARDWARE, which replaces what the session sees (CUDA and another CPU cannot run here).
 latency: each RPC, file GET and upload PUT is delayed by a draw from [min_s, max_s], half before it is handled
 (the request's way in) and half after (the response's way out), so two orchestrators' check-then-act steps
 interleave as they do over a real network.
@@ -57,6 +58,7 @@ from typing import Dict, Optional
 
 from relay.shared.environment import HARDWARE
 from relay.shared.errors import InputError
+from relay.shared.runtime import RUNTIME_KEYS
 
 KINDS = ("429", "500", "503", "reset", "lost", "slow", "refused", "hang", "html")
 DEFAULT_RATE_KINDS = ("429", "500", "reset", "lost")
@@ -130,10 +132,10 @@ class FaultPlan:
             return None
         told = {k: v for k, v in value.items() if k != "pushes"} if isinstance(value, dict) else {}
         pushes = value.get("pushes") if isinstance(value, dict) else None
-        if not told or set(told) - {"gpus", "torch", "cuda", "python", "image"} or not _pushes_ok(pushes) or \
+        if not told or set(told) - {"gpus", *RUNTIME_KEYS} or not _pushes_ok(pushes) or \
                 not isinstance(told.get("gpus", []), list):
-            raise InputError("faults: machine: expected {\"pushes\": [N, ...], and any of \"gpus\": [names],"
-                             f" \"torch\", \"cuda\", \"python\", \"image\"}} (got {value!r})")
+            raise InputError("faults: machine: expected {\"pushes\": [N, ...], and any of \"gpus\": [names], "
+                             + ", ".join(f'"{k}"' for k in RUNTIME_KEYS) + f"}} (got {value!r})")
         return {"pushes": pushes, "told": told}
 
     def next_push(self) -> int:

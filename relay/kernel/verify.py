@@ -5,7 +5,10 @@ usually do something (the first epoch ends, log and eval steps: a script's work 
 resume goes wrong) and at random steps, or at the steps `--cut-at` names; one of them SIGKILLed in the middle of a checkpoint save (after its state file is written, before the
 manifest commits it: the kill is triggered by that event, not by a timer). Then the two final checkpoints are
 compared tensor by tensor: model, optimizer, scheduler, scaler, RNG, everything the checkpoint holds except the
-session bookkeeping (times, session records). Prints `identical` or the first tensor that differs and by how much.
+session bookkeeping (times, session records). Prints `identical` or the first tensor that differs and by how much,
+and the machine it proved that on (CPU and its kernels, GPUs, torch, CUDA, cuDNN, as the straight run's session
+recorded them: relay/shared/runtime.py): both runs are on this machine, so nothing here proves bit-identity
+across sessions that land on other CPUs or GPUs, as a Kaggle relay's may.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from typing import Any, Iterator, Optional
 import yaml
 
 from relay.kernel.session import trace
-from relay.shared import environment
+from relay.shared import environment, runtime
 from relay.shared.environment import SessionEnvironment
 from relay.shared.errors import InputError
 from relay.shared.version import PACKAGE_DIR
@@ -48,6 +51,7 @@ class Verdict:
     diagnosis: Optional[str] = None  # the first step the runs part, and why (relay.kernel.session.trace)
     lost_files: list = field(default_factory=list)  # written by the script outside its workdir
     cuts: list = field(default_factory=list)  # (step, why it is cut there)
+    machine: Optional[str] = None  # what both runs ran on (runtime.machine), as the straight run recorded it
 
     def text(self) -> str:
         split = ", ".join(f"{a}->{b}{'' if how == 'ok' else ' (' + how + ')'}" for a, b, how in self.sessions)
@@ -59,7 +63,10 @@ class Verdict:
                 " what is written under session.workdir" if self.lost_files else "")
         cuts = ", ".join(f"{step} ({why})" for step, why in self.cuts)
         cuts = f"\n  cut at steps {cuts}" if cuts else ""
-        return f"{head}\n  {self.steps} steps straight vs sessions {split}; {self.seconds:.1f} s{cuts}{why}{lost}"
+        machine = (f"\n  machine: {self.machine}; both runs ran on it: a relay whose sessions land on another CPU,"
+                   " GPU, torch, CUDA or cuDNN is not promised bit-identity across them" if self.machine else "")
+        runs = f"{self.steps} steps straight vs sessions {split}; {self.seconds:.1f} s"
+        return f"{head}\n  {runs}{cuts}{why}{lost}{machine}"
 
 
 def parse_cuts(text: str) -> list[int]:
@@ -139,8 +146,9 @@ def verify_resume(spec_path: Path, steps: Optional[int] = None, *, seed: int = 0
     diffs = list(compare(left, right))
     why = trace.diagnose(_trace_file(a), _trace_file(b)) if diffs else None
     lost = sorted(rel for rel, mtime in _files(code, root).items() if before.get(rel) != mtime)
+    straight = json.loads((a / "progress.json").read_text()).get("sessions") or [{}]
     return Verdict(not diffs, steps, sessions, diffs[0] if diffs else None, len(diffs), time.monotonic() - t0, why,
-                   lost, chosen)
+                   lost, chosen, runtime.machine(straight[0]))
 
 
 def _files(folder: Optional[Path], skip: Path) -> dict:

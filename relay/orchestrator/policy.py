@@ -216,19 +216,12 @@ def limit_warning(spec, progress: Optional[dict]) -> str:
 
 
 def environment_change(progress: Optional[dict]) -> Optional[str]:
-    """What changed between the last two sessions of a progress.json (Kaggle's image, torch, CUDA, the GPUs),
-    as one line for a notification; None when nothing did or fewer than two sessions recorded it. The session
-    itself marked exact resume unproven from its first step (progress.json's `exactness_lost`)."""
+    """What changed between the last two sessions of a progress.json (Kaggle's image, torch, CUDA, the CPU, the
+    GPUs), as one line for a notification; None when nothing did or fewer than two sessions recorded it. The
+    session itself marked exact resume unproven from its first step (progress.json's `exactness_lost`)."""
     sessions = (progress or {}).get("sessions") or []
-    if len(sessions) < 2:
-        return None
-    before, after = sessions[-2], sessions[-1]
-    changed = runtime.changes(before, after)
-    if not changed:
-        return None
-    return (f"{(progress or {}).get('name') or 'the relay'}: session {after.get('index')} ran on another environment"
-            f" than session {before.get('index')}: {', '.join(changed)}; the run is no longer proven bit-identical"
-            f" to an uninterrupted one from step {after.get('step_start')}")
+    note = runtime.change_note(sessions[-2], sessions[-1]) if len(sessions) > 1 else None
+    return f"{(progress or {}).get('name') or 'the relay'}: {note}" if note else None
 
 
 def wedge_notice(name: str, then: chain.Action, published_step: int) -> str:

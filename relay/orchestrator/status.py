@@ -1,5 +1,6 @@
 """`relay status NAME|SPEC`: where a relay stands, read from Kaggle alone (no local state, so it works from any
-machine): the sessions handed over with their table (what each ran on, a change of image or GPUs flagged), the
+machine): the sessions handed over with their table (what each ran on; a session on another CPU, GPU, torch or
+image than the one before is named: bit-identity with an uninterrupted run is not promised across them), the
 kernel's current session, what the relay will do
 next (relay.orchestrator.chain.decide, the very decision a tick would take), the plan and ETA, and the loss-curve and
 timeline PNGs."""
@@ -12,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
-from relay.shared import progress_line
+from relay.shared import progress_line, runtime
 from relay.shared.errors import InputError
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{2,49}$")
@@ -113,9 +114,8 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
     ledger = goodput.from_progress(progress, run_spec.session.save_every)  # where the GPU time charged went
     if progress.get("sessions"):
         emit(ledger.line())
-    drift = policy.environment_change(progress)
-    if drift:
-        emit(f"warning: {drift}")
+    for note in runtime.change_notes(progress.get("sessions") or []):  # another CPU, GPU, torch, image ...
+        emit(f"warning: {note}")
     if obs.kernel_run:
         state = obs.kernel_state or "starting"
         emit(f"kernel: {names.kernel} v{obs.kernel_version or '?'} runs {obs.kernel_run}: {state}"

@@ -1,19 +1,25 @@
 """What a session ran on, as its record in progress.json's `sessions` keeps it, and what changed between two.
 
-A relay of several weeks meets Kaggle's image updates (a new torch, a new CUDA) and accelerator swaps. Each
-session records `gpus` ({"count", "names"}) and `runtime` ({"python", "torch", "cuda", "image", "image_built"};
-the image is the git commit Kaggle's Docker image was built from, None outside Kaggle). The session compares
-itself with the session before it (exactness of resume is unproven from the first step that ran elsewhere), and
-the orchestrator's session table and notifications say the same, from these functions.
+A relay of several weeks meets Kaggle's image updates (a new torch, a new CUDA), accelerator swaps and hosts
+with other CPUs. Each session records `gpus` ({"count", "names"}) and `runtime` ({"python", "torch", "cuda",
+"cudnn", "image", "image_built", "cpu", "cpu_capability", "gpu_capability"}; the image is the git commit
+Kaggle's Docker image was built from, None outside Kaggle; cpu_capability is torch's CPU kernels' instruction set,
+AVX512 or AVX2: relay/kernel/session/hardware.py reads them all). Any of these changes the float results of the
+same math, so an exact resume is proven only between sessions that agree on all of them: the session compares
+itself with the session before it (progress.json's `exactness_lost`), and `relay status`, the summary and the
+notifications say which session changed what, from these functions.
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from relay.shared.accelerators import describe as describe_gpus
 
-RUNTIME_KEYS = ("python", "torch", "cuda", "image")  # image_built goes with image: not compared on its own
-_LABELS = {"python": "Python", "torch": "torch", "cuda": "CUDA", "image": "image"}
+# image_built goes with image: not compared on its own
+RUNTIME_KEYS = ("python", "torch", "cuda", "cudnn", "image", "cpu", "cpu_capability", "gpu_capability")
+_LABELS = {"python": "Python", "torch": "torch", "cuda": "CUDA", "cudnn": "cuDNN", "image": "image", "cpu": "CPU",
+           "cpu_capability": "CPU kernels", "gpu_capability": "GPU compute capability"}
+NOT_PROMISED = "bit-identity with an uninterrupted run is not promised across them"
 
 
 def _gpus(record: Mapping) -> Optional[str]:
@@ -33,6 +39,49 @@ def changes(before: Mapping, after: Mapping) -> list[str]:
     if gpus_old is not None and gpus_new is not None and gpus_old != gpus_new:
         found.append(f"GPUs {gpus_old} -> {gpus_new}")
     return found
+
+
+def change_note(before: Mapping, after: Mapping) -> Optional[str]:
+    """"session 3 ran on another environment than session 2: CPU kernels AVX512 -> AVX2; bit-identity with an
+    uninterrupted run is not promised across them (from step 400)", or None when nothing changed."""
+    changed = changes(before, after)
+    if not changed:
+        return None
+    return (f"session {after.get('index')} ran on another environment than session {before.get('index')}:"
+            f" {', '.join(changed)}; {NOT_PROMISED} (from step {after.get('step_start')})")
+
+
+def change_notes(sessions: Sequence[Mapping]) -> list[str]:
+    """change_note of each session against the one before it, for every session that changed."""
+    return [note for before, after in zip(sessions, sessions[1:]) if (note := change_note(before, after))]
+
+
+def exact_resume(progress: Mapping, reference: Mapping) -> tuple[bool, str]:
+    """(ok, verdict) of a relay's final weights against an uninterrupted run's, from both progress.json: "identical
+    (...)", or weights that differ where a session ran on another environment than the uninterrupted run (other
+    CPU, GPU, torch, ...: other floats, not a resume bug, so ok), or "DIFFERENT" on the same machine."""
+    relayed, straight = progress.get("weights_sha256"), reference.get("weights_sha256")
+    sessions = progress.get("sessions") or []
+    if relayed == straight:
+        return True, f"identical ({len(sessions)} sessions vs 1 uninterrupted; weights sha256 {str(relayed)[:16]})"
+    elsewhere = [f"session {s.get('index')}: {', '.join(changed)}" for s in sessions
+                 if (changed := changes((reference.get("sessions") or [{}])[0], s))]
+    if elsewhere:
+        return True, (f"not comparable: the weights differ (relay {str(relayed)[:16]} vs uninterrupted"
+                      f" {str(straight)[:16]}) and sessions ran on another environment than the uninterrupted run"
+                      f" ({'; '.join(elsewhere)}): {NOT_PROMISED}")
+    return False, f"DIFFERENT: relay {relayed} vs uninterrupted {straight}"
+
+
+def machine(record: Mapping) -> str:
+    """Everything a session's record says decides its float results, in one line: "CPU AMD EPYC (AVX512), no GPU,
+    torch 2.5.1, CUDA -, cuDNN -" (what `relay verify-resume` proved exactness on)."""
+    r = record.get("runtime") or {}
+    gpus = _gpus(record) or "GPUs unknown"
+    if r.get("gpu_capability"):
+        gpus += f" (compute capability {r['gpu_capability']})"
+    return (f"CPU {r.get('cpu') or 'unknown'} ({r.get('cpu_capability') or 'kernels unknown'}), {gpus},"
+            f" torch {r.get('torch') or '?'}, CUDA {r.get('cuda') or '-'}, cuDNN {r.get('cudnn') or '-'}")
 
 
 def describe(record: Mapping) -> Optional[str]:

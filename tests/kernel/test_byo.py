@@ -185,6 +185,12 @@ def test_verify_resume_says_identical(example, relay_cli, tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert out.stdout.startswith("identical"), out.stdout
     assert "(killed mid-save)" in out.stdout
+    import torch
+
+    from relay.kernel.session import hardware
+    # both runs ran here: the machine it proved exactness on, and that other CPUs/GPUs are not promised it
+    assert (f"machine: CPU {hardware.cpu_model()} ({torch.backends.cpu.get_cpu_capability()}), " in out.stdout
+            and "is not promised bit-identity across them" in out.stdout), out.stdout
     torn = list((tmp_path / "v" / "split" / "checkpoints").glob(".tmp-step-*"))
     assert (tmp_path / "v" / "killed").is_file()  # the kill happened inside a save, after its state file
     assert not torn or all(not (t / "manifest.json").exists() for t in torn)

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+from typing import Optional
 
 import pytest
+import torch
 
 from byo_fixtures import copy_example
+from relay import launch
 from relay.kernel.session import hardware
 from relay.orchestrator import chain, policy, report
 from relay.shared import accelerators, runtime
@@ -22,9 +25,10 @@ SHORT = {"optim.max_steps": 40, "session.max_steps": 20}
 P100 = "Tesla P100-PCIE-16GB"
 
 
-def _train(relay_cli, spec, workdir, told: dict) -> subprocess.CompletedProcess:
+def _train(relay_cli, spec, workdir, told: Optional[dict]) -> subprocess.CompletedProcess:
+    told_env = {HARDWARE: json.dumps(told)} if told is not None else {}  # None: what this machine is
     proc = subprocess.run(relay_cli.argv(*relay_cli.train_args(spec, workdir)), cwd=relay_cli.cwd, text=True,
-                          capture_output=True, timeout=300, env={**relay_cli.env, HARDWARE: json.dumps(told)})
+                          capture_output=True, timeout=300, env={**relay_cli.env, **told_env})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -81,8 +85,52 @@ def test_a_new_image_between_sessions_is_flagged_and_exactness_unproven_from_the
     table = report.format_table(rows)
     assert "changed since the session before" in table.splitlines()[0] and changed in table
     assert policy.environment_change(progress) == (
-        f"{progress['name']}: session 2 ran on another environment than session 1: {changed}; the run is no"
-        " longer proven bit-identical to an uninterrupted one from step 20")
+        f"{progress['name']}: session 2 ran on another environment than session 1: {changed}; bit-identity with an"
+        " uninterrupted run is not promised across them (from step 20)")
+
+
+def test_a_session_on_another_cpu_is_named_in_the_status_the_summary_and_the_final_check(relay_cli, tmp_path):
+    """Session 1 records this machine's CPU and the instruction set torch's CPU kernels use here. A different CPU
+    can never run here, so session 2 is told (RELAY_TEST_HARDWARE) it runs on another CPU whose kernels are
+    another instruction set: what it records and what is said of it is the real code; its floats are still this
+    CPU's, so its weights here are those of an uninterrupted run (on another CPU they would not be)."""
+    from tasks.artifacts import summary_markdown
+
+    spec = copy_example("byo-plain", tmp_path / "ex", **SHORT)
+    workdir = tmp_path / "w"
+    _train(relay_cli, spec, workdir, None)  # this machine, as it is
+    here = _progress(workdir)["sessions"][0]["runtime"]
+    assert here["cpu"] == hardware.cpu_model() and here["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    other = {"cpu": "Another CPU (told by the test)", "cpu_capability": "AVX2" if here["cpu_capability"] != "AVX2"
+             else "AVX512"}
+    proc = _train(relay_cli, spec, workdir, other)
+    progress = _progress(workdir)
+    changed = (f"CPU {here['cpu']} -> {other['cpu']}, CPU kernels {here['cpu_capability']} ->"
+               f" {other['cpu_capability']}")
+    why = f"session 2 ran on another environment than session 1: {changed}"
+    note = f"{why}; bit-identity with an uninterrupted run is not promised across them (from step 20)"
+    assert progress["exactness_lost"] == {"step": 20, "why": why} and f"{why}: exact resume is unproven" in proc.stderr
+    assert runtime.change_notes(progress["sessions"]) == [note]
+    assert report.session_table(progress)[1]["changed"] == changed
+    status = relay_cli.run("status", str(workdir))  # `relay status DIR`; `relay status NAME`: test_relay_status_remote
+    assert status.returncode == 0 and f"warning: {note}" in status.stdout, status.stdout + status.stderr[-2000:]
+    assert f"**warning**: {note}" in summary_markdown(progress["name"], progress, {})  # the flow's summary artifact
+    (tmp_path / "local" / "published").mkdir(parents=True)  # what `relay run` says when the relay ends
+    (tmp_path / "local" / "published" / "progress.json").write_text(json.dumps(progress))
+    said = []
+    launch._outputs(said.append, progress["name"], tmp_path / "local", None, account="someone")
+    assert f"warning: {note}" in said, said
+
+    # a final check against an uninterrupted run (make demo's): weights that differ across CPUs are not a bug
+    straight = {**_progress(workdir), "sessions": progress["sessions"][:1]}
+    assert runtime.exact_resume(progress, straight) == (True, "identical (2 sessions vs 1 uninterrupted; weights"
+                                                               f" sha256 {progress['weights_sha256'][:16]})")
+    other_bits = {**straight, "weights_sha256": "0" * 64}
+    ok, verdict = runtime.exact_resume(progress, other_bits)
+    assert ok and verdict.startswith("not comparable: the weights differ") and f"session 2: {changed}" in verdict
+    same_cpu = {**progress, "sessions": progress["sessions"][:1] * 2}
+    assert runtime.exact_resume(same_cpu, other_bits) == (
+        False, f"DIFFERENT: relay {progress['weights_sha256']} vs uninterrupted {'0' * 64}")
 
 
 # -- the pieces, without processes ---------------------------------------------------------------------------
@@ -122,6 +170,11 @@ def test_what_a_session_runs_on_and_kaggles_image_from_its_environment():
     assert runtime.describe(seen).endswith("image 1a2b3c4")
     outside = hardware.observe(SessionEnvironment.read({"GIT_COMMIT": "not-an-image"}))  # a CI's own variable
     assert outside["runtime"]["image"] is None
+    here = seen["runtime"]  # what decides this machine's float results
+    assert here["cpu"] == hardware.cpu_model() and here["cpu"]
+    assert here["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert (here["gpu_capability"] is None) == (not torch.cuda.is_available())
+    assert runtime.machine(seen).startswith(f"CPU {here['cpu']} ({here['cpu_capability']}), ")
     told = hardware.observe(SessionEnvironment.read({HARDWARE: json.dumps({"gpus": [P100], "cuda": "12.8"})}))
     assert told["gpus"] == {"count": 1, "names": [P100]} and told["runtime"]["cuda"] == "12.8"
 
@@ -134,6 +187,28 @@ def test_changes_compare_only_what_both_sessions_recorded():
     assert runtime.changes(old, new) == ["CUDA 12.1 -> 12.8", f"GPUs 2 x Tesla T4 -> 1 x {P100}"]
     assert runtime.changes({"index": 1}, new) == []  # a record from before `runtime` existed claims nothing
     assert policy.environment_change({"sessions": [old]}) is None
+
+
+def test_the_sessions_that_ran_on_another_fingerprint_are_named_with_what_changed():
+    """Records as sessions on other machines would write them (none of these CPUs or GPUs runs here)."""
+    t4 = {"index": 1, "step_start": 0, "gpus": {"count": 1, "names": ["Tesla T4"]},
+          "runtime": {"python": "3.11.9", "torch": "2.5.1", "cuda": "12.4", "cudnn": "90100", "image": "a",
+                      "cpu": "Intel(R) Xeon(R) CPU @ 2.20GHz", "cpu_capability": "AVX512", "gpu_capability": "7.5"}}
+    same = {**t4, "index": 2, "step_start": 100}
+    avx2 = {**t4, "index": 3, "step_start": 200,
+            "runtime": {**t4["runtime"], "cpu": "AMD EPYC 7B12", "cpu_capability": "AVX2"}}
+    p100 = {**avx2, "index": 4, "step_start": 300, "gpus": {"count": 1, "names": [P100]},
+            "runtime": {**avx2["runtime"], "cudnn": "90300", "gpu_capability": "6.0"}}
+    assert runtime.change_notes([t4, same]) == []  # equal fingerprints say nothing
+    assert runtime.change_notes([t4, same, avx2, p100]) == [
+        "session 3 ran on another environment than session 2: CPU Intel(R) Xeon(R) CPU @ 2.20GHz -> AMD EPYC 7B12,"
+        " CPU kernels AVX512 -> AVX2; bit-identity with an uninterrupted run is not promised across them (from step"
+        " 200)",
+        "session 4 ran on another environment than session 3: cuDNN 90100 -> 90300, GPU compute capability 7.5 ->"
+        f" 6.0, GPUs 1 x Tesla T4 -> 1 x {P100}; bit-identity with an uninterrupted run is not promised across them"
+        " (from step 300)"]
+    assert runtime.machine(p100) == (f"CPU AMD EPYC 7B12 (AVX2), 1 x {P100} (compute capability 6.0), torch 2.5.1,"
+                                     " CUDA 12.4, cuDNN 90300")
 
 
 def test_sessions_are_pushed_pinned_to_the_first_sessions_image_unless_the_spec_says_latest():

@@ -21,7 +21,10 @@ def _status(relay_env, target, tmp_path):
 def test_status_by_name_and_by_spec_reads_the_relay_from_kaggle(relay_env, monkeypatch, tmp_path):
     monkeypatch.setenv("KAGGLE_USERNAME", USER)
     monkeypatch.setenv("KAGGLE_KEY", FAKE_KEY)
-    relay_env.start()
+    # session 2 is told it runs on another CPU (the emulator's machine fault: another CPU cannot run here); its
+    # floats are still this CPU's, but the status must say bit-identity is not promised across the two
+    other = {"cpu": "Another CPU (told by the test)", "cpu_capability": "AVX-other"}
+    relay_env.start(faults={"machine": {"pushes": [2], **other}})
     spec = relay_env.write_spec(**{"optim.max_steps": 2 * STEPS_PER_SESSION})
     with pytest.raises(InputError, match=f"no relay named toy-relay for Kaggle user {USER}"):
         status.report("toy-relay", relay_env.backend, tmp_path / "none")
@@ -43,6 +46,10 @@ def test_status_by_name_and_by_spec_reads_the_relay_from_kaggle(relay_env, monke
     assert relay_env.run_flow(monkeypatch, mode="watch", state_dir="tick")["state"] == "done"
     out = _status(relay_env, str(spec), tmp_path)  # by spec: the same relay
     assert "2 session(s) handed over" in out and "next: done" in out
+    here = relay_env.published_progress()["sessions"][0]["runtime"]
+    assert (f"warning: session 2 ran on another environment than session 1: CPU {here['cpu']} -> {other['cpu']},"
+            f" CPU kernels {here['cpu_capability']} -> {other['cpu_capability']}; bit-identity with an uninterrupted"
+            f" run is not promised across them (from step {STEPS_PER_SESSION})") in out, out
     assert "toy-relay-s002-a1" in out  # the session table's second row
     assert (tmp_path / "status" / "curves.png").stat().st_size > 0
     assert "goodput " in out and "goodput chart: " in out  # the ledger's line and its picture
