@@ -82,6 +82,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     measured_from = _previous_relay(args.from_relay, args.credentials_block) if args.from_relay else progress
     figures = measured.overheads(spec, measured_from, startup=args.startup, save=args.save, handover=args.handover)
     total = None
+    step_seconds = args.step_seconds if args.step_seconds is not None else spec.session.step_seconds
     if not progress:
         if spec.optim.max_steps:
             total = spec.optim.max_steps
@@ -90,14 +91,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if total is None:
             raise InputError("relay plan: the run's length is unknown before its first session:"
                              " pass --train-samples N (the training set size) or set optim.max_steps")
-        if args.step_seconds is None:
-            raise InputError("relay plan: no session has measured a step yet: pass --step-seconds S")
+        if step_seconds is None:
+            raise InputError("relay plan: no session has measured a step yet: pass --step-seconds S"
+                             " or set session.step_seconds in the spec")
     now = datetime.now(timezone.utc)
     ledger = [(s["started"], s.get("seconds", 0.0)) for s in progress.get("sessions", [])]
     quota = planner.quota_from_ledger(ledger, now, total_allowed_s=spec.kaggle.weekly_gpu_quota)
     limits = policy.plan_limits(spec, figures)
     try:
-        plan = planner.plan_from_progress(progress, quota, now, limits=limits, step_seconds_estimate=args.step_seconds,
+        plan = planner.plan_from_progress(progress, quota, now, limits=limits, step_seconds_estimate=step_seconds,
                                           total_steps=total, steps_per_epoch=progress.get("steps_per_epoch"))
     except planner.PlanError as err:
         raise InputError(f"relay plan: {err} (see relay plan --help)") from None

@@ -9,13 +9,17 @@ and end, when Kaggle showed it ended, whether it was wedged; on the emulator a t
 One attempt's charged time, from Kaggle's start (else its push: the queue counts, the safe side) to Kaggle's end
 (else when the relay saw it end, else the process's end), is split, in this order and each at most what is left:
 - start-up: to the session's clock start (the image, the kernel bundle, imports; restore is inside the clock);
-- saving: the session's saves (its measured save time x the saves its save cadence implies, at least one);
+- saving: what training waited for in the session's saves, as the kernel measured it (`saving_s`, summed over
+  the saves its record covers); a record written before that was measured: its save time x the saves its cadence
+  implies, at least one;
 - training kept / training redone: the rest of the clock, per step; redone are the steps a later session trained
   again (it resumed below this one's recorded end: a corrupt version, a kill mid-save);
 - after the last save until the process ended: redone for a session that did not end cleanly (killed, stalled:
   its steps since the save are trained again), the final tail otherwise (the last metrics, the export, exit);
 - after the process ended until Kaggle ended it: wedged for a wedged session (until Kaggle or the relay's delete
   ended it), shut-down otherwise (Kaggle's own, plus how late the relay looked);
+- an attempt that handed nothing over: failed attempt, until its last sign of life (its `end` line, else its newest
+  progress line) when it was wedged, and wedged from there to when Kaggle or the relay's delete ended it;
 - other: what is left (clock differences, estimates).
 Goodput = training kept / charged.
 """
@@ -97,11 +101,19 @@ def ledger(sessions: Sequence[Mapping], charges: Iterable[Mapping] = (), save_ev
     handed = {s.get("run_id") for s in sessions}
     for c in charges:
         if c.get("run_id") not in handed and c.get("failed"):
-            start = _first(c.get("kaggle_start"), c.get("pushed_at"), c.get("kaggle_end_seen"))
-            end = max(start, _first(c.get("kaggle_end"), c.get("kaggle_end_seen"), c.get("process_end"), start))
-            out.append((start, AttemptLedger(str(c.get("run_id")), end - start,
-                                             {k: (end - start if k == "failed attempt" else 0.0) for k in CATEGORIES})))
+            out.append(_failed_attempt(c))
     return Ledger([attempt for _, attempt in sorted(out, key=lambda pair: pair[0])])
+
+
+def _failed_attempt(c: Mapping) -> tuple:
+    """(start, ledger) of an attempt that handed nothing over: all of it lost; a wedged one's time after its last
+    sign of life (its `end` line, else its newest progress line, else its start) is charged to wedged."""
+    start = _first(c.get("kaggle_start"), c.get("pushed_at"), c.get("kaggle_end_seen"))
+    end = max(start, _first(c.get("kaggle_end"), c.get("kaggle_end_seen"), c.get("process_end"), start))
+    seconds = {k: 0.0 for k in CATEGORIES}
+    alive = min(end, max(start, _first(c.get("process_end"), c.get("last_line"), start))) if c.get("wedged") else end
+    seconds["failed attempt"], seconds["wedged"] = alive - start, end - alive
+    return start, AttemptLedger(str(c.get("run_id")), end - start, seconds)
 
 
 def _attempt(s: Mapping, c: Mapping, next_start: Optional[int], save_every_s: Optional[float]) -> AttemptLedger:
@@ -124,9 +136,11 @@ def _attempt(s: Mapping, c: Mapping, next_start: Optional[int], save_every_s: Op
     seconds: Dict[str, float] = {c_: 0.0 for c_ in CATEGORIES}
     seconds["start-up"] = take(started - start)
     clock = max(0.0, min(ended, end) - max(started, start))
-    save = _num(s.get("save_seconds"))
-    saves = 1 if not save_every_s else 1 + int(clock // save_every_s)
-    seconds["saving"] = take(min(clock, save * saves))
+    if s.get("saving_s") is not None:
+        saving = _num(s.get("saving_s"))
+    else:  # a record from before the kernel measured it: the estimate
+        saving = _num(s.get("save_seconds")) * (1 if not save_every_s else 1 + int(clock // save_every_s))
+    seconds["saving"] = take(min(clock, saving))
     train = max(0.0, clock - seconds["saving"])
     step_start, step_end = int(s.get("step_start") or 0), int(s.get("step_end") or 0)
     steps = max(0, step_end - step_start)

@@ -39,9 +39,10 @@ def session_need(spec, progress: Optional[dict]) -> Optional[float]:
     """Seconds of training the next session needs when its steps are known (session.max_steps, or the run's
     steps left): the steps at the slowest step time any recorded session measured (its wall time less its
     saves: start-up and restore inside it included, the safe side), with STEP_SLACK, plus the slowest save and
-    session.safety_margin. A session bounded by steps without a measured step: FIRST_SESSION_S. None where it
-    cannot be told (a session bounded by time, a run of unknown length). A session slower than this stops at
-    this budget and saves (stop reason `budget`), and the next one goes on, measured."""
+    session.safety_margin. Before a session measured a step: the same at the user's session.step_seconds, else
+    (nothing known) FIRST_SESSION_S for a session bounded by steps. None where it cannot be told (a session bounded
+    by time, a run of unknown length). A session slower than this stops at this budget and saves (stop reason
+    `budget`), and the next one goes on, measured."""
     progress = progress or {}
     total = progress.get("total_steps") or _spec_steps(spec)
     left = None if total is None else max(0, int(total) - int(progress.get("global_step") or 0))
@@ -51,7 +52,7 @@ def session_need(spec, progress: Optional[dict]) -> Optional[float]:
     sessions = progress.get("sessions") or []
     per_step = [((s.get("seconds") or 0) - (s.get("save_seconds") or 0)) / steps_of
                 for s in sessions if (steps_of := (s.get("step_end") or 0) - (s.get("step_start") or 0)) > 0]
-    per_step = [x for x in per_step if x > 0]
+    per_step = [x for x in per_step if x > 0] or ([spec.session.step_seconds] if spec.session.step_seconds else [])
     if not per_step:
         return FIRST_SESSION_S if spec.session.max_steps is not None else None
     train = steps * max(per_step)
@@ -106,7 +107,8 @@ def forecast(spec, progress: Optional[dict], quota, now: datetime, running=None)
     figures = measured.overheads(spec, progress, running_started=running.started_at if running else None)
     head, not_before, measured_steps = "", None, _measured_sessions(progress)
     step_source = (f"measured over {measured_steps} session{'s' if measured_steps > 1 else ''}" if measured_steps
-                   else "measured in the running session" if running is not None else "estimate")
+                   else "measured in the running session" if running is not None
+                   else "your estimate, session.step_seconds")
     if running is not None:
         start, end = (datetime.fromtimestamp(t, timezone.utc) for t in (running.started_at, running.session_ends_at))
         head = (f"running: session {running.session}, started {planner.when(start)}, ends ~{planner.when(end)}"
@@ -126,7 +128,8 @@ def forecast(spec, progress: Optional[dict], quota, now: datetime, running=None)
              planner.quota_from_ledger([(s["started"], s.get("seconds", 0)) for s in (progress or {}).get("sessions", [])],
                                        now, total_allowed_s=spec.kaggle.weekly_gpu_quota))
         p = planner.plan_from_progress(progress or {}, q, now, limits=plan_limits(spec, figures),
-                                       step_seconds_estimate=1 / running.steps_per_s if running else None,
+                                       step_seconds_estimate=(1 / running.steps_per_s if running
+                                                              else spec.session.step_seconds),
                                        total_steps=(progress or {}).get("total_steps") or _spec_steps(spec),
                                        steps_per_epoch=(progress or {}).get("steps_per_epoch"),
                                        not_before=not_before,
@@ -135,8 +138,9 @@ def forecast(spec, progress: Optional[dict], quota, now: datetime, running=None)
                         + limit_warning(spec, progress), p.finish, figures)
     except (planner.PlanError, KeyError, TypeError, ValueError) as err:
         if running is None and not (progress or {}).get("sessions"):  # nothing measured a step yet
-            err = ("the first session's progress lines bring its step time"
-                   " (`relay plan SPEC --step-seconds S` plans from your estimate)")
+            err = ("no step time known: the first session asks Kaggle for"
+                   f" {planner.format_duration(FIRST_SESSION_S)} and its progress lines bring its step time"
+                   " (set session.step_seconds, or `relay plan SPEC --step-seconds S`, to plan from your estimate)")
         return Forecast(head + f"(no plan yet: {err})" + limit_warning(spec, progress), None, figures)
 
 

@@ -115,6 +115,11 @@ class SessionConfig(_Section):
         "Optimizer steps per session (stop reason `steps`): a bound no machine speed changes. `relay train "
         "--max-steps N|none` overrides."))
     save_every: float = Field(1800.0, description="Periodic save, insurance against a SIGKILL (duration).")
+    step_seconds: Optional[float] = Field(None, description=(
+        "Your estimate of one optimizer step on the pushed accelerator (a duration: `0.4s`), until a session has"
+        " measured one: the first push asks Kaggle for the steps it needs at this pace (with the slack a"
+        " measured one gets), and `relay plan` and `relay status` plan from it; none: the first session of"
+        " a relay bounded by steps asks for 2 h. `relay plan --step-seconds` overrides it."))
     safety_margin: float = Field(60.0, description=(
         "Reserved before the deadline on top of the measured save time (duration)."))
     empty_cache_every_steps: Optional[PositiveInt] = Field(50, description=(
@@ -144,7 +149,7 @@ class SessionConfig(_Section):
         " session's first step, 10m at least: it compiles, starts workers); none"
         " turns the watchdog off (Kaggle's session timeout is then the only bound)."))
 
-    @field_validator("budget", "save_every", "safety_margin", mode="before")
+    @field_validator("budget", "save_every", "step_seconds", "safety_margin", mode="before")
     @classmethod
     def _duration(cls, value: Any) -> Optional[float]:
         return parse_duration(value)
@@ -163,6 +168,8 @@ class SessionConfig(_Section):
     def _check(self) -> "SessionConfig":
         if self.save_every is None or self.save_every <= 0:
             raise ValueError("session.save_every: must be a positive duration")
+        if self.step_seconds is not None and self.step_seconds <= 0:
+            raise ValueError("session.step_seconds: must be a duration > 0 or none")
         if self.safety_margin is None or self.safety_margin < 0:
             raise ValueError("session.safety_margin: must be a duration >= 0")
         if self.budget is not None and self.budget <= self.safety_margin:

@@ -72,13 +72,18 @@ def test_a_steps_bounded_session_is_pushed_with_what_it_needs_not_the_12_h_cap()
     # the first session: nothing measured yet, the stated default
     first = push_budget(spec, None, None)
     assert first == FIRST_SESSION_S and kaggle_timeout_s(spec, first) == FIRST_SESSION_S + 120 + 5
+    # ... unless the user stated a step time (session.step_seconds): its 100 steps at that pace, with the slack a
+    # measured step gets; a measured step then replaces the estimate
+    stated = spec_mod.validate({**spec_mod.to_dict(spec), "session": {**spec_mod.to_dict(spec)["session"],
+                                                                      "step_seconds": "0.5s"}})
+    assert push_budget(stated, None, None) == pytest.approx(100 * 0.5 + 300 + 0 + 5)
     # then its 100 steps at the slowest step time measured so far (session 1: 2 s a step, session 2: 3 s, its
     # 8 s save excluded), with 25 % slack (at least 5 min), the slowest save and the safety margin
     sessions = [{"step_start": 0, "step_end": 100, "seconds": 204.0, "save_seconds": 4.0},
                 {"step_start": 100, "step_end": 200, "seconds": 308.0, "save_seconds": 8.0}]
     progress = {"global_step": 200, "total_steps": 300, "sessions": sessions}
     need = 100 * 3.0 + 300 + 8 + 5
-    assert push_budget(spec, None, progress) == pytest.approx(need)
+    assert push_budget(spec, None, progress) == pytest.approx(need) == push_budget(stated, None, progress)
     assert kaggle_timeout_s(spec, push_budget(spec, None, progress)) == int(need + 120 + 5 + 0.999)
     # the final session needs only the steps left; slow steps are capped at Kaggle's limit, never past it
     assert push_budget(spec, None, {**progress, "global_step": 290}) == pytest.approx(10 * 3.0 + 300 + 8 + 5)

@@ -113,5 +113,48 @@ def test_a_failed_attempt_that_handed_nothing_over_is_carried_and_listed():
     assert [c["run_id"] for c in progress["charges"]] == ["r-s001-a1", "r-s002-a1", "r-s002-a2", "r-s002-a3"]
     ledger = goodput.from_progress(progress)
     assert [a.run_id for a in ledger.attempts] == ["r-s002-a1", "r-s002-a2", "r-s002-a3"]
-    assert ledger.totals["failed attempt"] == 300.0 + 100.0 and ledger.charged_s == 400.0 + 100.0
-    assert "largest losses: failed attempt 7m" in ledger.line()
+    # the wedged one showed no sign of life (no progress line): all of its time is the wedge's
+    assert ledger.totals["failed attempt"] == 300.0 and ledger.totals["wedged"] == 100.0
+    assert ledger.charged_s == 400.0 + 100.0
+    assert "largest losses: failed attempt 5m, wedged 2m" in ledger.line()
+
+
+def test_a_wedged_attempt_is_charged_to_wedged_from_its_last_sign_of_life():
+    """A wedged attempt deleted without a harvest: lost training until its newest progress line, wedged after it
+    until the relay's delete; a killed (not wedged) one is all failed attempt."""
+    line = {"run_id": "r-s003-a1", "step": 40, "time": 130.0}
+    log = json.dumps([{"stream_name": "stdout", "time": 1.0, "data": "relay-progress " + json.dumps(line) + "\n"}])
+    plan = {"run_id": "r-s003-a1", "pushed_at": 100.0}
+    wedged = goodput.ledger([], [goodput.failed_charge("r-s003-a1", log, plan, 200.0, "wedged", wedged=True)])
+    seconds = wedged.attempts[0].seconds
+    assert seconds["failed attempt"] == 30.0 and seconds["wedged"] == 70.0 and wedged.charged_s == 100.0
+    killed = goodput.ledger([], [goodput.failed_charge("r-s003-a1", log, plan, 200.0, "killed")])
+    assert killed.attempts[0].seconds["failed attempt"] == 100.0 and killed.attempts[0].seconds["wedged"] == 0
+
+
+def test_saving_is_what_the_kernel_measured_not_its_cadence_times_one_save():
+    """A session whose record carries its measured wait in saves (`saving_s`) is charged that as saving; one long
+    save no longer multiplies into the whole clock (a record without it keeps the estimate)."""
+    session = {"run_id": "r-s002-a1", "started": 10.0, "ended": 18.0, "seconds": 8.0, "step_start": 150,
+               "step_end": 265, "save_seconds": 2.0, "stop_reason": "steps"}
+    charge = {"run_id": "r-s002-a1", "pushed_at": 10.0, "process_end": 18.0, "kaggle_end_seen": 18.0}
+    estimated = goodput.ledger([session], [charge], save_every_s=1.0).attempts[0].seconds
+    assert estimated["saving"] == 8.0 and estimated["training kept"] == 0  # 2 s x 9 saves, capped at the clock
+    measured = goodput.ledger([dict(session, saving_s=0.5, saves=8)], [charge], save_every_s=1.0).attempts[0].seconds
+    assert measured["saving"] == 0.5 and measured["training kept"] == 7.5
+
+
+def test_a_session_records_what_its_saves_made_training_wait(tmp_path):
+    """The kernel measures the saving the ledger charges: each save's wait summed into its record (`saving_s`,
+    `saves`); the checkpoint's copy counts the saves before it, progress.json's every save."""
+    from conftest import toy_spec_dict
+    from relay.kernel.run import run_session
+    from relay.shared import spec as spec_mod
+
+    spec = spec_mod.RunSpec.model_validate(toy_spec_dict(session={"max_steps": 10}))
+    run_session(spec, tmp_path / "work")  # one session of 10 steps: its final save
+    progress = run_session(spec, tmp_path / "work")  # the second session, resumed from the first's save
+    record = progress["sessions"][-1]
+    assert record["saves"] >= 1 and 0 < record["saving_s"] <= record["seconds"], record
+    led = goodput.ledger([record]).attempts[0].seconds
+    assert led["saving"] == record["saving_s"]

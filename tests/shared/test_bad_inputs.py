@@ -214,6 +214,8 @@ CASES = [
          "params.n_train: Input should be a valid integer (got 'lots')"),
     Case("params-float-string", toy(**{"params.dropout": "0.1"}),
          "params.dropout: Input should be a valid number (got '0.1')"),
+    Case("session-step-seconds-zero", toy(**{"session.step_seconds": "0s"}),
+         "session.step_seconds: must be a duration > 0 or none"),
     # the CLI's own arguments
     Case("cli-budget-words", toy_args("--budget", "three hours"),
          "relay train: error: argument --budget: expected seconds or a duration like '11h30m' (got 'three hours')",
@@ -243,7 +245,8 @@ CASES = [
          "{root}/progress.json: unreadable progress.json"),
     Case("cli-plan-no-step-time",
          lambda root: ["plan", toy_text(root, TOY_YAML.replace("  epochs: 2\n", "  max_steps: 10\n"))[1]],
-         "relay plan: no session has measured a step yet: pass --step-seconds S"),
+         "relay plan: no session has measured a step yet: pass --step-seconds S or set session.step_seconds in the"
+         " spec"),
     Case("cli-plan-negative-step-time",
          lambda root: ["plan", toy_text(root, TOY_YAML.replace("  epochs: 2\n", "  max_steps: 10\n"))[1],
                        "--step-seconds", "-1"],
@@ -395,3 +398,10 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(monkeypatch, cap
     example = Path(__file__).resolve().parents[2] / "examples/recsys-t4.yaml"
     assert relay_main(["plan", str(example), "--step-seconds", "60"]) == 141
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_relay_plan_plans_from_the_specs_step_time_before_any_session(tmp_path, capsys):
+    """session.step_seconds stands in for --step-seconds until a session measured a step."""
+    spec = toy_text(tmp_path, TOY_YAML.replace("  epochs: 2\n", "  max_steps: 10\n") + "  step_seconds: 0.5s\n")[1]
+    assert relay_main(["plan", spec]) == 0
+    assert "10 steps at 0.5 s/step" in capsys.readouterr().out

@@ -181,6 +181,11 @@ class SessionCore:
             besides_bytes=disk_besides(self.workdir, self.ckpt_root, model, reason, exports),
             background=background, on_commit=committed)
         ckpt = None if background else pending.result()
+        # what training waited for, measured (a background commit runs on beside it): the goodput ledger's
+        # "saving" (relay/orchestrator/goodput.py), summed over the session's saves. This save's own wait lands
+        # in the record after its state was packed, so a checkpoint's record counts the saves before it.
+        self.record["saving_s"] = round(self.record.get("saving_s", 0.0) + time.perf_counter() - t0, 3)
+        self.record["saves"] = self.record.get("saves", 0) + 1
         distributed.barrier(self.world)
         return ckpt
 
