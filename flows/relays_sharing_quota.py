@@ -5,8 +5,8 @@ Each round takes every relay's step (tasks/relay_step.py, the one the `relay` fl
 over finished sessions and recover from their failures, notify, show the running ones; no slot or quota needed),
 then fills the free slots of the account's session cap (tasks/account_slots.py, the scheduler the `relay` flow
 uses with one relay: `cap` sessions in flight here, and the account's Prefect limit), given fairly to the
-relays waiting to push (fewest sessions so far first, then the one whose last session ended earliest, then the
-name). Every new session's budget is an equal share of the quota left among the unfinished relays (capped by
+relays waiting to push in the order they became ready (first come, first served; one that just handed over goes
+to the back), as across every flow run on the server (tasks/slot_queue.py). Every new session's budget is an equal share of the quota left among the unfinished relays (capped by
 its spec), so one relay cannot spend the week alone. When the quota is spent, every waiting relay waits for
 the same refresh (one wait for all), while sessions already running are still handed over.
 
@@ -128,8 +128,8 @@ def _ts(value) -> float:
 
 
 def run_round(backend, relays: List[Relay], slots: AccountSessions, logger) -> Round:
-    """Every relay's step, then the ready ones pushed into the free slots, fewest sessions first, each with an
-    equal share of the quota left."""
+    """Every relay's step, then the ready ones pushed into the free slots in the order they became ready, each
+    with an equal share of the quota left."""
     rnd = Round()
     for relay in relays:
         if relay.failed:
@@ -170,14 +170,16 @@ def _failed(relay: Relay, why: str, slots: AccountSessions, logger=None) -> None
 
 
 def _fill_slots(backend, relays: List[Relay], slots: AccountSessions, rnd: Round, logger) -> None:
-    """Push the ready relays into the free slots: fewest sessions first (then the one whose last session ended
-    earliest), each session's budget an equal share of the quota left among the unfinished relays."""
+    """Push the ready relays into the free slots in the order they became ready (first come, first served, as
+    across flow runs: tasks/slot_queue.py), each session's budget an equal share of the quota left among the
+    unfinished relays."""
     ready = [r for r in relays if not r.failed and r.state is State.READY]
     if not ready or len(slots.in_flight) >= slots.sessions:
         return
     quota = relay_tasks.read_quota(backend)
     unfinished = [r for r in relays if r.state not in FINAL]
-    ready.sort(key=lambda r: (r.step.obs.handed_over, r.last_end, r.name))
+    turns = slots.in_turn([r.name for r in ready])
+    ready.sort(key=lambda r: turns.index(r.name))
     for relay in ready:
         budget = push_budget(relay.ctx.spec, quota, relay.step.progress)  # no longer than it needs
         if quota is not None and quota.allowed_s > 0:
