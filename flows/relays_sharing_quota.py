@@ -132,7 +132,7 @@ def run_round(backend, relays: List[Relay], slots: AccountSessions, logger) -> R
     with an equal share of the quota left."""
     rnd = Round()
     for relay in relays:
-        if relay.failed:
+        if relay.failed or relay.state is State.DONE:  # nothing left to do: no step, no lock, no write
             continue
         try:
             _advance(relay, rnd, slots)
@@ -270,7 +270,7 @@ def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int 
     for r in all_relays:
         if r.ctx is not None:
             slots.add(r.name, r.ctx.spec.kaggle.session_timeout + r.ctx.spec.kaggle.startup_overhead)
-    run_labels.label(add_tags=[tag for r in all_relays if r.ctx for tag in run_labels.tags(r.name, r.ctx.names.owner)])
+    run_labels.label(add_tags=run_labels.account_tags(r.ctx.names.owner for r in all_relays if r.ctx))
     give_up = time.monotonic() + max_hours * 3600
     announced_wait, refused, last_shown = None, 0, None
     while True:
