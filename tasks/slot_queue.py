@@ -8,11 +8,12 @@ flow run last said it still waits (`seen`), and takes a slot only when no live e
 leaves the queue when it takes its slot, so after a hand-over it joins again at the back.
 
 A flow run killed while its relay waits leaves the entry: the relay's next flow run finds it and keeps its place
-(`since`), and until then the others pass it once it has not been refreshed for STALE_S, so a dead relay's place
+(`since`), and until then the others pass it once it has not been refreshed for `stale_s`, so a dead relay's place
 is neither lost nor held for ever. One read of the queue per look; a write only on joining and every REFRESH_S.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Dict, Optional
 
@@ -22,6 +23,11 @@ from tasks.step_lock import delete_record, write_record
 REFRESH_S = 20.0  # a waiting relay says it still waits this often (a write), and ...
 STALE_S = 60.0    # ... the others pass an entry not refreshed for this long (its flow run is gone)
 FORGET_S = 24 * 3600.0  # an entry nobody refreshed for a day is removed by whoever sees it
+
+
+def stale_s() -> float:
+    """STALE_S, or RELAY_SLOT_QUEUE_STALE_S (seconds) where a deployment restarts dead flow runs more slowly."""
+    return float(os.environ.get("RELAY_SLOT_QUEUE_STALE_S") or STALE_S)
 
 
 class SlotQueue:
@@ -35,7 +41,7 @@ class SlotQueue:
 
     def my_turn(self, client) -> bool:
         """Join or keep this relay's place; True when no live entry of the account joined before it."""
-        now = time.time()
+        now, stale = time.time(), stale_s()
         entries = self._entries(client)
         mine = entries.get(self.name)
         if self.since is None:
@@ -49,7 +55,7 @@ class SlotQueue:
             idle = now - float(entry.get("seen", 0))
             if idle > FORGET_S:
                 delete_record(client, name)
-            elif idle < STALE_S and (float(entry.get("since", now)), name) < (self.since, self.name):
+            elif idle < stale and (float(entry.get("since", now)), name) < (self.since, self.name):
                 return False  # a live relay has waited longer
         return True
 
