@@ -187,7 +187,7 @@ def _fill_slots(backend, relays: List[Relay], slots: AccountSessions, rnd: Round
         if budget <= relay.ctx.spec.session.safety_margin or rnd.quota_wait:
             rnd.quota_wait = utc(quota.refresh_time) if quota is not None and quota.refresh_time else None
             break
-        if not slots.take(relay.name):  # every session of the cap runs (here, or by the account's Prefect limit)
+        if not slots.take(relay.name, relay.step.action.run_id):  # every session of the cap runs (here, or by the account's Prefect limit)
             break
         step = relay_step.push(relay.ctx, relay.step, budget, quota)
         slots.stepped(relay.name, step.state)

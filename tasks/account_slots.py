@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from relay.orchestrator.relay_state import State, holds_slot
 from tasks.prefect_writes import soon
@@ -70,16 +70,16 @@ class AccountSessions:
         """`relays` in the order they became ready (first come, first served; the name breaks a tie)."""
         return sorted(relays, key=lambda r: (self.ready_since.get(r, time.time()), r))
 
-    def take(self, relay: str) -> bool:
-        """Before a push: a slot for the relay's next session; False when every session of the cap runs, or a
-        relay that became ready before it waits for one (here, or in any flow run on the server)."""
+    def take(self, relay: str, run_id: Optional[str] = None) -> bool:
+        """Before the push of `run_id`: a slot for the relay's next session; False when every session of the cap
+        runs, or a relay that became ready before it waits for one (here, or in any flow run on the server)."""
         if len([r for r in self.in_flight if r != relay]) >= self.sessions:
             return False
         since = self.ready_since.get(relay)
         if since is not None and any(t < since for r, t in self.ready_since.items()
                                      if r != relay and r not in self.in_flight):
             return False
-        return self.slots[relay].take()
+        return self.slots[relay].take(run_id)
 
     def failed(self, relay: str) -> None:
         """The relay needs a person and pushes nothing until one acts: its slot goes back, unless its session runs
@@ -109,14 +109,21 @@ class AccountSlot:
         self.hold_s = min(MAX_LEASE_S, max(SERVER_LEASE_S, hold_s))
         self.queue = SlotQueue(username, relay_name)
 
-    def take(self) -> bool:
-        """Before a push: the relay's slot (its recorded one, renewed, or a new one) when it is the relay's turn
-        (tasks/slot_queue.py). False when the account's sessions all run or another relay waited longer; True
-        also when there is no Prefect server to count on."""
+    def take(self, run_id: Optional[str] = None) -> bool:
+        """Before the push of `run_id`: the relay's slot when it is the relay's turn (tasks/slot_queue.py), or the
+        one it took for this same push before (a push Kaggle refused, retried), renewed. A recorded slot taken for
+        an earlier session (its flow run died between that session's hand-over and the slot's release) is given
+        back first: the relay joins the queue like any other. False when the account's sessions all run or
+        another relay waited longer; True also when there is no Prefect server to count on."""
         try:
             with _client() as client:
-                if client is None or self._renew(client):
+                if client is None:
                     return True
+                held = read_record(client, self.record)
+                if held is not None and held.get("for") == run_id and self._renew(client):
+                    return True
+                if held is not None and held.get("for") != run_id:
+                    self._give_back(client, held)
                 if not self.queue.my_turn(client):
                     return False
                 ensure_limit(client, self.limit, self.sessions)
@@ -124,7 +131,7 @@ class AccountSlot:
                 if lease is None:
                     return False
                 try:
-                    write_record(client, self.record, {"lease_id": lease})
+                    write_record(client, self.record, {"lease_id": lease, "for": run_id})
                 except Exception:  # a lease no record names could not be given back: give it back now
                     from uuid import UUID
 
@@ -168,22 +175,24 @@ class AccountSlot:
 
     def release(self) -> None:
         """Once no session of the relay runs (handed over, done): the slot is another relay's to take."""
-        from uuid import UUID
-
         try:
             with _client() as client:
                 if client is not None and self.queue.since is not None:
                     self.queue.leave(client)  # done or stopped while it waited: the others' turn
                 record = read_record(client, self.record) if client is not None else None
-                if record is None:
-                    return
-                delete_record(client, self.record)
-                try:
-                    soon(lambda: client.release_concurrency_slots_with_lease(UUID(record["lease_id"])))
-                except Exception:  # noqa: BLE001 - its lease ended already (the repossessor gave it back)
-                    pass
+                if record is not None:
+                    self._give_back(client, record)
         except Exception as err:  # noqa: BLE001 - the lease ends on its own
             log.warning("account limit %s: release failed (%s)", self.limit, err)
+
+    def _give_back(self, client, record: dict) -> None:
+        from uuid import UUID
+
+        delete_record(client, self.record)
+        try:
+            soon(lambda: client.release_concurrency_slots_with_lease(UUID(record["lease_id"])))
+        except Exception:  # noqa: BLE001 - its lease ended already (the repossessor gave it back)
+            pass
 
     def _renew(self, client) -> bool:
         """Renew the relay's recorded lease; False when there is none (or it ended)."""
