@@ -180,15 +180,17 @@ def test_several_workers_run_relays_of_several_accounts_through_a_worker_death(m
                                      worker_env) for name in ("worker-a", "worker-b")}
         t_ready = time.monotonic() - t0
 
-        # ann's slot opens once all three of her relays wait in the queue: a strict order from the first push
-        gate = run_cli([PREFECT, "global-concurrency-limit", "create", "kaggle-account-ann", "--limit", "0"], env, 120)
+        # ann's one slot is held by the test until all three of her relays wait in the queue: a strict order from
+        # the first push
+        gate = run_cli([PREFECT, "global-concurrency-limit", "create", "kaggle-account-ann", "--limit", "1"], env, 120)
         assert gate.returncode == 0, gate.stdout + gate.stderr
+        held = api_post(api_url, "/v2/concurrency_limits/increment-with-lease", {
+            "names": ["kaggle-account-ann"], "slots": 1, "mode": "concurrency", "lease_duration": 900}, attempts=1)
         state_dir = tmp_path / "orchestrator"
         runs = {name: submit(api_url, deployment["id"], spec, state_dir) for name, (spec, _) in specs.items()}
         wait_for(lambda: len(api_post(api_url, "/variables/filter", {"variables": {"name": {
             "like_": "kaggle-queue-ann-"}}})) == 3, 600, "ann's three relays waiting in her queue", interval=0.5)
-        opened = run_cli([PREFECT, "global-concurrency-limit", "update", "kaggle-account-ann", "--limit", "1"], env, 120)
-        assert opened.returncode == 0, opened.stdout + opened.stderr
+        api_post(api_url, "/v2/concurrency_limits/decrement-with-lease", {"lease_id": held["lease_id"]}, attempts=1)
         victim_ckpt = f"{specs[VICTIM][1]}/{VICTIM}-ckpt"
 
         def victim_mid_handover():

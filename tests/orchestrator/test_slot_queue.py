@@ -62,3 +62,14 @@ def test_a_dead_runs_place_is_kept_for_its_relay_and_passed_once_stale(client, c
     assert not second.my_turn(client)
     for q in (reborn, second):
         q.leave(client)
+
+
+def test_a_limit_set_to_zero_pauses_the_account_instead_of_reading_as_no_server(client, request):
+    """A person pauses an account by setting its limit to 0: the take waits (it used to fall back to 'no server
+    to count on' and push)."""
+    from tasks.account_slots import AccountSlot
+
+    user = f"z{abs(hash(request.node.name)) % 10**8}"
+    client.upsert_global_concurrency_limit_by_name(f"kaggle-account-{user}", 0)
+    slot = AccountSlot(user, "paused", sessions=1, hold_s=120)
+    assert slot.take("paused-s001-a1") is False
