@@ -127,7 +127,7 @@ def _push(ctx: RelayContext, ready: Step, slots: Optional[AccountSessions]) -> S
     relay_step.plan(ctx, ready.progress, quota)
     if budget <= ctx.spec.session.safety_margin:
         return relay_step.quota_spent(ctx, ready, quota)
-    if slots is not None and not slots.take(ctx.spec.name):
+    if slots is not None and not slots.take(ctx.spec.name, ready.action.run_id):
         return replace(ready, state=State.WAITING, waits_for=Wait.SLOT, why=slots.full())
     # a push that did not land (a refusal, another orchestrator's claim) keeps the slot for the relay's retry
     return relay_step.push(ctx, ready, budget, quota)

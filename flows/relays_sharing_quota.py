@@ -5,8 +5,8 @@ Each round takes every relay's step (tasks/relay_step.py, the one the `relay` fl
 over finished sessions and recover from their failures, notify, show the running ones; no slot or quota needed),
 then fills the free slots of the account's session cap (tasks/account_slots.py, the scheduler the `relay` flow
 uses with one relay: `cap` sessions in flight here, and the account's Prefect limit), given fairly to the
-relays waiting to push (fewest sessions so far first, then the one whose last session ended earliest, then the
-name). Every new session's budget is an equal share of the quota left among the unfinished relays (capped by
+relays waiting to push in the order they became ready (first come, first served; one that just handed over goes
+to the back), as across every flow run on the server (tasks/slot_queue.py). Every new session's budget is an equal share of the quota left among the unfinished relays (capped by
 its spec), so one relay cannot spend the week alone. When the quota is spent, every waiting relay waits for
 the same refresh (one wait for all), while sessions already running are still handed over.
 
@@ -128,11 +128,11 @@ def _ts(value) -> float:
 
 
 def run_round(backend, relays: List[Relay], slots: AccountSessions, logger) -> Round:
-    """Every relay's step, then the ready ones pushed into the free slots, fewest sessions first, each with an
-    equal share of the quota left."""
+    """Every relay's step, then the ready ones pushed into the free slots in the order they became ready, each
+    with an equal share of the quota left."""
     rnd = Round()
     for relay in relays:
-        if relay.failed:
+        if relay.failed or relay.state is State.DONE:  # nothing left to do: no step, no lock, no write
             continue
         try:
             _advance(relay, rnd, slots)
@@ -170,14 +170,16 @@ def _failed(relay: Relay, why: str, slots: AccountSessions, logger=None) -> None
 
 
 def _fill_slots(backend, relays: List[Relay], slots: AccountSessions, rnd: Round, logger) -> None:
-    """Push the ready relays into the free slots: fewest sessions first (then the one whose last session ended
-    earliest), each session's budget an equal share of the quota left among the unfinished relays."""
+    """Push the ready relays into the free slots in the order they became ready (first come, first served, as
+    across flow runs: tasks/slot_queue.py), each session's budget an equal share of the quota left among the
+    unfinished relays."""
     ready = [r for r in relays if not r.failed and r.state is State.READY]
     if not ready or len(slots.in_flight) >= slots.sessions:
         return
     quota = relay_tasks.read_quota(backend)
     unfinished = [r for r in relays if r.state not in FINAL]
-    ready.sort(key=lambda r: (r.step.obs.handed_over, r.last_end, r.name))
+    turns = slots.in_turn([r.name for r in ready])
+    ready.sort(key=lambda r: turns.index(r.name))
     for relay in ready:
         budget = push_budget(relay.ctx.spec, quota, relay.step.progress)  # no longer than it needs
         if quota is not None and quota.allowed_s > 0:
@@ -185,7 +187,7 @@ def _fill_slots(backend, relays: List[Relay], slots: AccountSessions, rnd: Round
         if budget <= relay.ctx.spec.session.safety_margin or rnd.quota_wait:
             rnd.quota_wait = utc(quota.refresh_time) if quota is not None and quota.refresh_time else None
             break
-        if not slots.take(relay.name):  # every session of the cap runs (here, or by the account's Prefect limit)
+        if not slots.take(relay.name, relay.step.action.run_id):  # every session of the cap runs (here, or by the account's Prefect limit)
             break
         step = relay_step.push(relay.ctx, relay.step, budget, quota)
         slots.stepped(relay.name, step.state)
@@ -268,7 +270,7 @@ def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: int 
     for r in all_relays:
         if r.ctx is not None:
             slots.add(r.name, r.ctx.spec.kaggle.session_timeout + r.ctx.spec.kaggle.startup_overhead)
-    run_labels.label(add_tags=[tag for r in all_relays if r.ctx for tag in run_labels.tags(r.name, r.ctx.names.owner)])
+    run_labels.label(add_tags=run_labels.account_tags(r.ctx.names.owner for r in all_relays if r.ctx))
     give_up = time.monotonic() + max_hours * 3600
     announced_wait, refused, last_shown = None, 0, None
     while True:

@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="run the relay of a spec on Kaggle to the end (or one tick with --tick), on an"
                                     " embedded Prefect; stop it anywhere and run it again to continue")
-    r.add_argument("spec", help="run spec YAML, relative to the current folder (paths inside it: to its folder)")
+    r.add_argument("spec", nargs="+", help="run spec YAML, relative to the current folder (paths inside it: to its"
+                                            " folder); several: one account's relays sharing its session slots")
     r.add_argument("--out", metavar="DIR", help="where the session table, PNGs and Kaggle facts go (default:"
                                                 " relay-runs/ beside the spec)")
     r.add_argument("--tick", action="store_true", help="do what needs no waiting (a hand-over, the next push) and return (cron, GitHub Actions)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 from relay.shared.code_folder import mark_outputs
 from relay.shared.errors import InputError
@@ -48,26 +48,35 @@ def _still_running(run_spec, local: Path) -> Optional[str]:
     return f"session {action.session} ({action.run_id}) {action.reason.removeprefix('kernel ')}"
 
 
-def run(spec: str, out: Optional[str] = None, tick: bool = False, poll_seconds: Optional[float] = None,
-        submit: bool = False, credentials_block: Optional[str] = None, emit=print) -> int:
+def run(spec: Union[str, Sequence[str]], out: Optional[str] = None, tick: bool = False,
+        poll_seconds: Optional[float] = None, submit: bool = False, credentials_block: Optional[str] = None,
+        emit=print) -> int:
+    """One spec: the `relay` flow. Several (`relay run a.yaml b.yaml`): the `relays` flow, one account's relays
+    sharing its session slots."""
     from relay.shared.spec import read_once
 
-    with read_once():  # the spec file is read once: here, and the flow's start, run name and push reuse its bytes
-        return _run(spec, out, tick, poll_seconds, submit, credentials_block, emit)
+    specs = [spec] if isinstance(spec, str) else list(spec)
+    with read_once():  # each spec file is read once: here, and the flow's start, run name and push reuse its bytes
+        if len(specs) > 1:
+            return _run_several(specs, out, tick, poll_seconds, submit, credentials_block, emit)
+        return _run(specs[0], out, tick, poll_seconds, submit, credentials_block, emit)
 
 
-def _run(spec: str, out: Optional[str], tick: bool, poll_seconds: Optional[float], submit: bool,
-         credentials_block: Optional[str], emit) -> int:
-    from relay.front_door import load_spec
-
+def _spec_path(spec: str) -> Path:
     path = Path(spec)
     if not path.is_file():
         raise InputError(f"{spec}: no such spec file (SPEC is relative to the current folder, {Path.cwd()})")
-    if submit and not os.environ.get("PREFECT_API_URL"):
-        raise InputError("--submit: PREFECT_API_URL is not set (the Prefect server to submit to); without"
-                         " --submit the relay runs here")
-    run_spec = load_spec(path)  # a bad spec: one line, exit 2, nothing pushed
-    folder = outputs_dir(path, out)
+    return path
+
+
+def _load(spec: str):
+    from relay.front_door import load_spec
+
+    path = _spec_path(spec)
+    return path, load_spec(path)  # a bad spec: one line, exit 2, nothing pushed
+
+
+def _prepare(run_spec, folder: Path) -> None:
     if run_spec.code is not None and Path(run_spec.code.folder).resolve().is_relative_to(folder.resolve()):
         raise InputError(f"code.folder: {run_spec.code.folder} is inside the relay's output folder {folder};"
                          " point it at the folder of your code (or --out elsewhere)")
@@ -77,6 +86,64 @@ def _run(spec: str, out: Optional[str], tick: bool, poll_seconds: Optional[float
     for name in ("NO_PROXY", "no_proxy"):
         hosts = [h for h in os.environ.get(name, "").split(",") if h]
         os.environ[name] = ",".join(hosts + ["127.0.0.1"] * ("127.0.0.1" not in hosts))
+
+
+def _run_several(specs: Sequence[str], out: Optional[str], tick: bool, poll_seconds: Optional[float],
+                 submit: bool, credentials_block: Optional[str], emit) -> int:
+    """The `relays` flow over every spec, here (on the embedded Prefect, or PREFECT_API_URL's server): at most the
+    smallest kaggle.account_sessions of them at once, each relay's outputs under --out (default: beside the first
+    spec) in a folder of its name."""
+    if submit:
+        raise InputError("--submit takes one spec; several run here through the `relays` flow (with PREFECT_API_URL"
+                         " set, it reports to that server)")
+    loaded = [_load(spec) for spec in specs]
+    names = [run_spec.name for _, run_spec in loaded]
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise InputError(f"name: {', '.join(twice)} named by more than one spec; each relay needs its own name")
+    folder = outputs_dir(loaded[0][0], out)
+    for _, run_spec in loaded:
+        _prepare(run_spec, folder)
+    if poll_seconds is None:
+        poll_seconds = 2.0 if os.environ.get("RELAY_KAGGLE_ENDPOINT") else 30.0
+    if not os.environ.get("PREFECT_API_URL"):
+        from relay.orchestrator import embedded_prefect
+
+        embedded_prefect.configure(folder)
+    signal.signal(signal.SIGTERM, _interrupt)
+    from flows.relays_sharing_quota import relays
+    from relay.orchestrator.kaggle import KaggleUnresponsive
+    from tasks.relay_step import RelayFailed
+
+    cap = min(run_spec.kaggle.account_sessions for _, run_spec in loaded)
+    emit(f"relays {', '.join(names)}: {'one tick' if tick else 'to the end'}, at most {cap} session(s) at once;"
+         f" outputs in {folder}")
+    failed = None
+    try:
+        summary = relays(specs=[str(path.resolve()) for path, _ in loaded], mode="tick" if tick else "watch",
+                         cap=cap, credentials_block=credentials_block, poll_seconds=poll_seconds,
+                         state_dir=str(folder))
+    except RelayFailed as err:
+        summary, failed = None, str(err)
+    except KaggleUnresponsive as err:
+        return _unanswered(emit, ", ".join(names), err)
+    except KeyboardInterrupt:
+        emit("relay: interrupted; nothing is lost: `relay run` again continues from what Kaggle shows")
+        return 130
+    for name in names:
+        emit(f"-- {name}")
+        _outputs(emit, name, folder / name, None)
+    return _stopped(emit, failed) if failed else 0
+
+
+def _run(spec: str, out: Optional[str], tick: bool, poll_seconds: Optional[float], submit: bool,
+         credentials_block: Optional[str], emit) -> int:
+    if submit and not os.environ.get("PREFECT_API_URL") and _spec_path(spec):
+        raise InputError("--submit: PREFECT_API_URL is not set (the Prefect server to submit to); without"
+                         " --submit the relay runs here")
+    path, run_spec = _load(spec)
+    folder = outputs_dir(path, out)
+    _prepare(run_spec, folder)
     local = folder / run_spec.name
 
     if submit:  # a worker of the server runs it: its environment says emulator or Kaggle, and how often to poll

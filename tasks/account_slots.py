@@ -10,7 +10,8 @@ each. The slot is a Prefect lease as long as the session can last on Kaggle (its
   the hand-over: the account's count stays true through a worker's death;
 - two flow runs of one relay (two deployments, a watch beside a schedule) share its one slot;
 - a relay never run again gives its slot back when the lease ends (the server's repossessor service).
-Relays of one account on one Prefect server therefore wait for a slot instead of pushing into Kaggle's refusal;
+Relays of one account on one Prefect server therefore wait for a slot instead of pushing into Kaggle's refusal,
+and take turns: first come, first served, whatever flow run or worker each runs in (tasks/slot_queue.py);
 Kaggle's refusal (the relay waits and tries again) and the claims on Kaggle (relay/orchestrator/kaggle/lease.py)
 stay the guarantee. Slots are taken only with a Prefect server to count on (PREFECT_API_URL set).
 """
@@ -18,10 +19,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from relay.orchestrator.relay_state import State, holds_slot
 from tasks.prefect_writes import soon
+from tasks.slot_queue import SlotQueue
 from tasks.step_lock import SERVER_LEASE_S, delete_record, ensure_limit, read_record, take_slot, write_record
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class AccountSessions:
         self.username, self.sessions, self.limit = username, sessions, limit_name(username)
         self.slots: Dict[str, AccountSlot] = {}
         self.in_flight: List[str] = []  # the relays whose session runs, in the order they were seen
+        self.ready_since: Dict[str, float] = {}  # when each relay without a session became ready: its turn here
 
     def add(self, relay: str, hold_s: float) -> None:
         """A relay of this account, whose session lasts at most `hold_s` on Kaggle (its timeout and start-up)."""
@@ -50,6 +53,10 @@ class AccountSessions:
     def stepped(self, relay: str, state: State) -> None:
         """After a step: a running session's slot lasts; a relay with no session running gives its slot back."""
         holds = holds_slot(state)
+        if state is State.READY:
+            self.ready_since.setdefault(relay, time.time())
+        elif holds is not None or state in (State.FAILED, State.STOPPED):
+            self.ready_since.pop(relay, None)  # pushed, handed over, ended: the next time it is ready, at the back
         if holds and relay not in self.in_flight:
             self.in_flight.append(relay)
         elif not holds and relay in self.in_flight:  # Kaggle counts running sessions only: one waiting for its
@@ -59,16 +66,26 @@ class AccountSessions:
         elif holds is False:
             self.slots[relay].release()
 
-    def take(self, relay: str) -> bool:
-        """Before a push: a slot for the relay's next session; False when every session of the cap runs."""
+    def in_turn(self, relays: List[str]) -> List[str]:
+        """`relays` in the order they became ready (first come, first served; the name breaks a tie)."""
+        return sorted(relays, key=lambda r: (self.ready_since.get(r, time.time()), r))
+
+    def take(self, relay: str, run_id: Optional[str] = None) -> bool:
+        """Before the push of `run_id`: a slot for the relay's next session; False when every session of the cap
+        runs, or a relay that became ready before it waits for one (here, or in any flow run on the server)."""
         if len([r for r in self.in_flight if r != relay]) >= self.sessions:
             return False
-        return self.slots[relay].take()
+        since = self.ready_since.get(relay)
+        if since is not None and any(t < since for r, t in self.ready_since.items()
+                                     if r != relay and r not in self.in_flight):
+            return False
+        return self.slots[relay].take(run_id)
 
     def failed(self, relay: str) -> None:
         """The relay needs a person and pushes nothing until one acts: its slot goes back, unless its session runs
         (kept until its lease ends: max_hours passed, a kernel that runs another session). It is stepped no more,
         so it leaves this run's count at once: the account's limit and Kaggle's refusal count its session."""
+        self.ready_since.pop(relay, None)
         if relay in self.in_flight:
             self.in_flight.remove(relay)
         else:
@@ -90,25 +107,37 @@ class AccountSlot:
         self.limit, self.sessions = limit_name(username), sessions
         self.record = f"kaggle-slot-{username}-{relay_name}"
         self.hold_s = min(MAX_LEASE_S, max(SERVER_LEASE_S, hold_s))
+        self.queue = SlotQueue(username, relay_name)
 
-    def take(self) -> bool:
-        """Before a push: the relay's slot (its recorded one, renewed, or a new one). False when the account's
-        sessions all run; True also when there is no Prefect server to count on."""
+    def take(self, run_id: Optional[str] = None) -> bool:
+        """Before the push of `run_id`: the relay's slot when it is the relay's turn (tasks/slot_queue.py), or the
+        one it took for this same push before (a push Kaggle refused, retried), renewed. A recorded slot taken for
+        an earlier session (its flow run died between that session's hand-over and the slot's release) is given
+        back first: the relay joins the queue like any other. False when the account's sessions all run or
+        another relay waited longer; True also when there is no Prefect server to count on."""
         try:
             with _client() as client:
-                if client is None or self._renew(client):
+                if client is None:
                     return True
+                held = read_record(client, self.record)
+                if held is not None and held.get("for") == run_id and self._renew(client):
+                    return True
+                if held is not None and held.get("for") != run_id:
+                    self._give_back(client, held)
+                if not self.queue.my_turn(client):
+                    return False
                 ensure_limit(client, self.limit, self.sessions)
                 lease = take_slot(client, self.limit, self.hold_s)
                 if lease is None:
                     return False
                 try:
-                    write_record(client, self.record, {"lease_id": lease})
+                    write_record(client, self.record, {"lease_id": lease, "for": run_id})
                 except Exception:  # a lease no record names could not be given back: give it back now
                     from uuid import UUID
 
                     soon(lambda: client.release_concurrency_slots_with_lease(UUID(lease)))
                     raise
+                self.queue.leave(client)
                 return True
         except Exception as err:  # noqa: BLE001 - no server, old server: Kaggle's refusal still guards the cap
             log.warning("account limit %s unavailable (%s); pushing, guarded by Kaggle's cap", self.limit,
@@ -116,15 +145,17 @@ class AccountSlot:
             return True
 
     def wait_free(self, until: float, poll_seconds: float) -> bool:
-        """Wait, looking at the account's limit every `poll_seconds`, until one of its slots is free (True) or
-        `until` (time.monotonic()) has passed (False). One read a look and nothing written: a relay waiting hours
-        for a slot adds no task run or log line per look. True also when there is no server or it cannot answer:
-        the next step tries to take the slot and says why."""
+        """Wait, looking at the account's limit every `poll_seconds`, until one of its slots is free and it is
+        this relay's turn (True) or `until` (time.monotonic()) has passed (False). Two reads a look, and a write
+        every slot_queue.REFRESH_S to keep its place: a relay waiting hours for a slot adds no task run or log
+        line per look. True also when there is no server or it cannot answer: the next step tries to take the
+        slot and says why."""
         try:
             with _client() as client:  # one client for the whole wait (each new one builds its TLS context)
                 while client is not None:
                     found = client.read_global_concurrency_limit_by_name(self.limit)
-                    if found.active_slots < found.limit:
+                    turn = self.queue.my_turn(client)  # and keeps its place while it waits
+                    if turn and found.active_slots < found.limit:
                         break
                     if time.monotonic() + poll_seconds > until:
                         return False
@@ -144,20 +175,24 @@ class AccountSlot:
 
     def release(self) -> None:
         """Once no session of the relay runs (handed over, done): the slot is another relay's to take."""
-        from uuid import UUID
-
         try:
             with _client() as client:
+                if client is not None and self.queue.since is not None:
+                    self.queue.leave(client)  # done or stopped while it waited: the others' turn
                 record = read_record(client, self.record) if client is not None else None
-                if record is None:
-                    return
-                delete_record(client, self.record)
-                try:
-                    soon(lambda: client.release_concurrency_slots_with_lease(UUID(record["lease_id"])))
-                except Exception:  # noqa: BLE001 - its lease ended already (the repossessor gave it back)
-                    pass
+                if record is not None:
+                    self._give_back(client, record)
         except Exception as err:  # noqa: BLE001 - the lease ends on its own
             log.warning("account limit %s: release failed (%s)", self.limit, err)
+
+    def _give_back(self, client, record: dict) -> None:
+        from uuid import UUID
+
+        delete_record(client, self.record)
+        try:
+            soon(lambda: client.release_concurrency_slots_with_lease(UUID(record["lease_id"])))
+        except Exception:  # noqa: BLE001 - its lease ended already (the repossessor gave it back)
+            pass
 
     def _renew(self, client) -> bool:
         """Renew the relay's recorded lease; False when there is none (or it ended)."""

@@ -57,15 +57,24 @@ def relay_run_name() -> str:
 
 
 def relays_run_name() -> str:
-    """The `relays` flow's run name: `relays <a>, <b>: tick` or `... watch`."""
+    """The `relays` flow's run name: `relays <a>, <b>: tick` or `... watch`; past three relays, `relays <a>, <b>,
+    <c> and N more: watch` (a name is not a list of 200 relays)."""
     from prefect.runtime import flow_run
 
     params = flow_run.parameters
-    return f"relays {', '.join(_names_of(params.get('specs') or []))}: {params.get('mode', 'watch')}"
+    names = _names_of(params.get('specs') or [])
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"relays {shown}: {params.get('mode', 'watch')}"
 
 
 def tags(relay: str, account: str) -> List[str]:
     return [f"{RELAY_TAG}{relay}", f"{ACCOUNT_TAG}{account}"]
+
+
+def account_tags(accounts: Iterable[str]) -> List[str]:
+    """A `relays` run's tags: its accounts only. Prefect copies every tag of a run onto each of its events, so a tag
+    per relay made the events table grow with the square of the relays (issue 60: ~23 rows an event at 30)."""
+    return sorted({f"{ACCOUNT_TAG}{account}" for account in accounts})
 
 
 def label(name: Optional[str] = None, add_tags: Iterable[str] = ()) -> None:

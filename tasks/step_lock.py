@@ -114,14 +114,17 @@ class StepLock:
 
 
 def take_slot(client, limit: str, lease_s: float) -> Optional[str]:
-    """One request for a slot of `limit`: its lease id, or None while all its slots are held (HTTP 423)."""
+    """One request for a slot of `limit`: its lease id, or None while all its slots are held (HTTP 423) or it has
+    none (422 "Slots requested is greater than the limit": a limit someone set to 0 pauses it; it used to read as
+    an unreachable server, and the relay pushed)."""
     import httpx
 
     try:
         response = soon(lambda: client.increment_concurrency_slots_with_lease(
             names=[limit], slots=1, mode="concurrency", lease_duration=max(SERVER_LEASE_S, lease_s)))
     except httpx.HTTPStatusError as err:
-        if err.response.status_code == 423:
+        if err.response.status_code == 423 or (err.response.status_code == 422
+                                               and "greater than the limit" in err.response.text):
             return None
         raise
     return str(response.json()["lease_id"])

@@ -1,7 +1,9 @@
 """`relay emulator serve`: run the local Kaggle in the foreground.
 
-It prints, first, the `export` lines that point an unmodified `kaggle` CLI at it, then serves until
-Ctrl-C / SIGTERM. Without --user/--key it creates (once, kept in the state folder) a local user.
+It prints, first, the `export` lines that point an unmodified `kaggle` CLI at it (as its first account), then
+serves until Ctrl-C / SIGTERM. The accounts it accepts: every `--user NAME:KEY` (a team's several accounts), or
+`--user NAME --key KEY`, else the `users` of `--config`, else a local user it creates once and keeps in the state
+folder.
 """
 from __future__ import annotations
 
@@ -29,8 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8765, help="TCP port on 127.0.0.1 (0 = any free port)")
     serve.add_argument("--state", required=True, help="state folder (kept across restarts)")
     serve.add_argument("--config", help="JSON file of EmulatorConfig settings")
-    serve.add_argument("--user", help="username to accept (default: a generated local user)")
-    serve.add_argument("--key", help="API key for --user (default: generated)")
+    serve.add_argument("--user", action="append", metavar="NAME[:KEY]",
+                       help="an account to accept, NAME:KEY; repeat for several (default: --config's users, else a"
+                            " generated local user)")
+    serve.add_argument("--key", help="API key of a single --user NAME")
     serve.add_argument("--time-scale", type=float, help="Kaggle seconds per wall second (3600: 12 h -> 12 s)")
     serve.add_argument("--processing-delay", type=float, help="wall seconds before a dataset version is READY")
     serve.add_argument("--queue-delay", type=float, help="wall seconds a pushed kernel stays QUEUED")
@@ -85,12 +89,30 @@ def load_config(args: argparse.Namespace) -> EmulatorConfig:
     return config.validate()
 
 
-def local_user(state: Path, user: Optional[str], key: Optional[str]) -> tuple:
-    """The user to accept: the flags, or a local user generated once and kept in the state folder."""
-    if user or key:
-        if not (user and key):
-            raise InputError("--user and --key go together")
-        return user, key
+def accounts(state: Path, users: Optional[Sequence[str]], key: Optional[str], configured: dict) -> dict:
+    """username -> key of the accounts to accept, the first the one the export lines name: the flags
+    (`--user NAME:KEY` each, or one `--user NAME --key KEY`), else the config's `users`, else the local user."""
+    if not users:
+        if key:
+            raise InputError("--key KEY needs --user NAME")
+        return dict(configured) if configured else dict([local_user(state)])
+    if key is not None:
+        if len(users) > 1 or ":" in users[0]:
+            raise InputError("--key goes with a single --user NAME; for several accounts use --user NAME:KEY each")
+        return {users[0]: key}
+    out: dict = {}
+    for given in users:
+        name, _, secret = given.partition(":")
+        if not (name and secret):
+            raise InputError(f"--user {given.split(':')[0]!r}: expected NAME:KEY (or --user NAME --key KEY)")
+        if name in out:
+            raise InputError(f"--user {name}: given twice")
+        out[name] = secret
+    return out
+
+
+def local_user(state: Path) -> tuple:
+    """A local user generated once and kept in the state folder: (name, key)."""
     path = state / LOCAL_USER_FILE
     if path.exists():
         data = json.loads(path.read_text())
@@ -116,11 +138,13 @@ def serve(args: argparse.Namespace) -> int:
 
     state = Path(args.state)
     config = load_config(args)
-    user, key = local_user(state, args.user, args.key)
-    config.users = {user: key}
+    config.users = accounts(state, args.user, args.key, config.users)
     emulator = Emulator(state, config, port=args.port)
+    (user, key), *others = config.users.items()
     for line in export_lines(user, key, emulator.port):
         print(line)
+    for name, secret in others:  # the other accounts: a spec names one with kaggle.credentials_block or these
+        print(f"# account {name}: KAGGLE_USERNAME={name} KAGGLE_KEY={secret}")
     print(f"# Kaggle emulator on {emulator.url}, state in {state.resolve()}", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

@@ -5,7 +5,9 @@ Secret block its spec names (kaggle.credentials_block).
 
 Each account may run one GPU session at once (the spec's kaggle.account_sessions: 1; the emulator would allow 2),
 so the relays of one account take turns through the Prefect limit `kaggle-account-<user>`, not through Kaggle's
-refusal. In the middle of one relay's first hand-over (its checkpoint version created, held unprocessed by the
+refusal, and strict turns (tasks/slot_queue.py): ann's three relays are let in once all three wait (the test
+opens ann's limit, created with 0 slots, when the server's queue holds all three: an event), and from then on no
+relay of hers pushes twice while another of hers still has a session to push. In the middle of one relay's first hand-over (its checkpoint version created, held unprocessed by the
 test: an event, not a time) the worker running it is SIGKILLed with its flow run, as a machine that dies. Its
 relay is then submitted again, as the next scheduled run would be, and the surviving worker finishes it.
 
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -34,9 +37,9 @@ from test_deployment import PREFECT, REPO, Processes, api_post, free_port, run_c
 
 pytestmark = pytest.mark.slow
 
-# two accounts are several: their relays run side by side, and each account's two relays take turns
+# two accounts are several: their relays run side by side, and each account's relays take turns
 ACCOUNTS = {"ann": "key-ann-0123456789abcdef", "ben": "key-ben-0123456789abcdef"}
-RELAYS = 4                   # two per account, in turns of one session
+RELAYS = 4                   # ann's three, in turns of one session, and ben's one
 SESSIONS = 2                 # per relay: 300 steps in sessions of 150 (the toy spec's session.max_steps)
 VICTIM = "multi-0"           # the relay whose first hand-over the killed worker was doing
 SAVE_SECRETS = ("import json, os; from prefect.blocks.system import Secret\n"
@@ -49,7 +52,7 @@ def relay_specs(folder: Path) -> dict:
     folder.mkdir()
     users, specs = list(ACCOUNTS), {}
     for i in range(RELAYS):
-        name, user = f"multi-{i}", users[i % len(users)]
+        name, user = f"multi-{i}", users[0] if i < 3 else users[1]
         data = spec_dict(**{"name": name, "optim.max_steps": 300, "kaggle.credentials_block": f"kaggle-{user}",
                             "kaggle.account_sessions": 1})
         path = folder / f"{name}.yaml"
@@ -104,6 +107,20 @@ def flow_states(api_url: str, ids: list) -> dict:
     return {r["id"]: r["state_type"] for r in runs}
 
 
+def pushed_out_of_turn(order: list, sessions: int) -> list:
+    """(i, j, skipped): relay order[i] pushed again at j while a relay with a session left never pushed between."""
+    wrong = []
+    for i, name in enumerate(order):
+        j = next((k for k in range(i + 1, len(order)) if order[k] == name), None)
+        if j is None:
+            continue
+        waiting = {r for r in order if r != name and order[:i].count(r) < sessions}
+        skipped = waiting - set(order[i + 1:j])
+        if skipped:
+            wrong.append((i, j, sorted(skipped)))
+    return wrong
+
+
 def most_at_once(intervals: list) -> int:
     """The most intervals [start, end) that overlap at one moment."""
     edges = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
@@ -156,13 +173,29 @@ def test_several_workers_run_relays_of_several_accounts_through_a_worker_death(m
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         deployment = api_post(api_url, "/deployments/filter", {"deployments": {"name": {"any_": ["run"]}}})[0]
         # the workers know where Kaggle is but hold no credential: each run reads its account's Secret block
-        worker_env = dict(env, RELAY_KAGGLE_ENDPOINT=emu.url, PREFECT_WORKER_QUERY_SECONDS="1")
+        # a dead flow run's place in ann's queue is kept until its relay's next run, however long this machine takes
+        # to start it (the 60-s pass of a place never reclaimed: tests/orchestrator/test_slot_queue.py)
+        worker_env = dict(env, RELAY_KAGGLE_ENDPOINT=emu.url, PREFECT_WORKER_QUERY_SECONDS="1",
+                          RELAY_SLOT_QUEUE_STALE_S="3600")
         workers = {name: procs.start(name, [PREFECT, "worker", "start", "--pool", "relay-pool", "--name", name],
                                      worker_env) for name in ("worker-a", "worker-b")}
         t_ready = time.monotonic() - t0
 
+        # ann's one slot is held by the test until all three of her relays wait in the queue: a strict order from
+        # the first push
+        gate = run_cli([PREFECT, "global-concurrency-limit", "create", "kaggle-account-ann", "--limit", "1"], env, 120)
+        assert gate.returncode == 0, gate.stdout + gate.stderr
+        held = api_post(api_url, "/v2/concurrency_limits/increment-with-lease", {
+            "names": ["kaggle-account-ann"], "slots": 1, "mode": "concurrency", "lease_duration": 900}, attempts=1)
         state_dir = tmp_path / "orchestrator"
         runs = {name: submit(api_url, deployment["id"], spec, state_dir) for name, (spec, _) in specs.items()}
+        wait_for(lambda: len(api_post(api_url, "/variables/filter", {"variables": {"name": {
+            "like_": "kaggle-queue-ann-"}}})) == 3, 600, "ann's three relays waiting in her queue", interval=0.5)
+        release = urllib.request.Request(f"{api_url}/v2/concurrency_limits/decrement-with-lease", method="POST",
+                                         data=json.dumps({"lease_id": held["lease_id"]}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(release, timeout=60) as answer:  # 204: no body
+            assert answer.status < 300
         victim_ckpt = f"{specs[VICTIM][1]}/{VICTIM}-ckpt"
 
         def victim_mid_handover():
@@ -195,6 +228,7 @@ def test_several_workers_run_relays_of_several_accounts_through_a_worker_death(m
 
         want = reference.weights(next(iter(specs.values()))[0])
         pushes_by_account: dict = {user: [] for user in ACCOUNTS}
+        order_by_account: dict = {user: [] for user in ACCOUNTS}
         with emu.store.lock:
             kernels = json.loads(json.dumps(emu.store.kernels))
             datasets = json.loads(json.dumps(emu.store.datasets))
@@ -214,8 +248,13 @@ def test_several_workers_run_relays_of_several_accounts_through_a_worker_death(m
             assert progress["status"] == "done" and progress["global_step"] == 300, (name, progress["status"])
             assert progress["weights_sha256"] == want, name  # bit-identical to one uninterrupted run
             pushes_by_account[user] += [(v["pushed"], v["ended"]) for v in versions]
+            order_by_account[user] += [(v["pushed"], name) for v in versions]
         # a session counts against the account from its push (queued) to its end
-        assert {user: most_at_once(iv) for user, iv in pushes_by_account.items()} == {u: 1 for u in ACCOUNTS}
+        assert {user: most_at_once(iv) for user, iv in pushes_by_account.items()} == {u: 1 for u in ACCOUNTS}, \
+            (sorted(order_by_account["ann"]), sorted(pushes_by_account["ann"]))
+        # ann's relays took strict turns, through the worker's death too
+        ann = [name for _, name in sorted(order_by_account["ann"])]
+        assert len(ann) == 3 * SESSIONS and not pushed_out_of_turn(ann, SESSIONS), ann
         print(f"ready at {t_ready:.0f} s, worker killed at {t_kill:.0f} s with {len(lost)} relays ({', '.join(lost)}),"
               f" all done at {time.monotonic() - t0:.0f} s")
     finally:

@@ -171,3 +171,36 @@ def test_cli_push_refusal_exits_zero_but_says_why(served, tmp_path):
     pushed = run_kaggle(env, "kernels", "push", "-p", str(kern))
     assert pushed.returncode == 0
     assert "Maximum batch GPU session count of 0 reached." in pushed.stdout
+
+
+def test_serve_accepts_several_accounts_from_flags_or_its_config(served, tmp_path):
+    """A team's shape on one emulator: two accounts, each answered as itself (its own quota view), a third refused;
+    the config's `users` are honoured when no --user is given (issue 60)."""
+    start, procs = served
+    env = start("--user", "ann:key-a", "--user", "bob:key-b")
+    assert env["KAGGLE_USERNAME"] == "ann" and env["KAGGLE_KEY"] == "key-a"
+    for user, key in (("ann", "key-a"), ("bob", "key-b")):
+        quota = run_kaggle(dict(env, KAGGLE_USERNAME=user, KAGGLE_KEY=key), "quota")
+        assert quota.returncode == 0 and re.search(r"GPU\s+\d", quota.stdout), quota.stdout + quota.stderr
+    refused = run_kaggle(dict(env, KAGGLE_USERNAME="bob", KAGGLE_KEY="key-a"), "quota")
+    assert refused.returncode != 0 or "401" in refused.stdout + refused.stderr
+    stop_serve(procs.pop())
+    config = tmp_path / "team.json"
+    config.write_text(json.dumps({"users": {"cy": "key-c", "dee": "key-d"}}))
+    env = start("--config", str(config))
+    assert (env["KAGGLE_USERNAME"], env["KAGGLE_KEY"]) == ("cy", "key-c")
+    assert run_kaggle(dict(env, KAGGLE_USERNAME="dee", KAGGLE_KEY="key-d"), "quota").returncode == 0
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--user", "ann"], "--user 'ann': expected NAME:KEY (or --user NAME --key KEY)"),
+    (["--user", "ann:a", "--user", "ann:b"], "--user ann: given twice"),
+    (["--user", "ann:a", "--key", "k"], "--key goes with a single --user NAME; for several accounts use --user"
+                                        " NAME:KEY each"),
+    (["--key", "k"], "--key KEY needs --user NAME"),
+])
+def test_a_wrong_account_flag_is_one_line(tmp_path, flags, error, capsys):
+    from relay.emulator.serve_command import main
+
+    assert main(["serve", "--state", str(tmp_path), *flags]) == 2
+    assert capsys.readouterr().err == f"relay emulator: error: {error}\n"

@@ -1,0 +1,75 @@
+"""An account's queue for its session slots (tasks/slot_queue.py) on a real Prefect server: first come, first
+served; one that takes its slot leaves and joins again at the back; a dead flow run's place is kept for its relay's
+next run and passed by the others once it has not been refreshed for the stale time. The clock is the test's
+(time.time patched in the module): no waits."""
+from __future__ import annotations
+
+import pytest
+
+from tasks import slot_queue
+from tasks.slot_queue import SlotQueue
+
+
+@pytest.fixture
+def client(prefect_api):
+    from prefect import get_client
+
+    with get_client(sync_client=True) as c:
+        yield c
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [1_000_000.0]
+    monkeypatch.setattr(slot_queue.time, "time", lambda: now[0])
+    return now
+
+
+def test_first_come_first_served_and_back_of_the_queue_after_a_turn(client, clock, request):
+    user = f"q{abs(hash(request.node.name)) % 10**8}"
+    a, b, c = (SlotQueue(user, r) for r in ("a", "b", "c"))
+    assert a.my_turn(client)
+    clock[0] += 1
+    assert not b.my_turn(client) and not c.my_turn(client)
+    a.leave(client)  # a took its slot
+    clock[0] += 1
+    assert a.my_turn(client) is False  # ready again: behind b and c
+    assert b.my_turn(client) and not c.my_turn(client)
+    b.leave(client)
+    assert c.my_turn(client) and not a.my_turn(client)
+    c.leave(client)
+    assert a.my_turn(client)
+    a.leave(client)
+
+
+def test_a_dead_runs_place_is_kept_for_its_relay_and_passed_once_stale(client, clock, request, monkeypatch):
+    user = f"q{abs(hash(request.node.name)) % 10**8}"
+    first, second = SlotQueue(user, "first"), SlotQueue(user, "second")
+    assert first.my_turn(client)
+    clock[0] += 5
+    assert not second.my_turn(client)
+    # `first`'s flow run dies: it refreshes no more; `second` keeps its own place fresh
+    clock[0] += slot_queue.stale_s() - 10
+    assert not second.my_turn(client)  # not stale yet
+    clock[0] += 15
+    assert second.my_turn(client)      # passed: its flow run is gone
+    # the relay's next flow run finds its entry and keeps its place
+    reborn = SlotQueue(user, "first")
+    assert reborn.my_turn(client) and reborn.since == first.since
+    assert not second.my_turn(client)
+    monkeypatch.setenv("RELAY_SLOT_QUEUE_STALE_S", "3600")  # a deployment that restarts dead runs slowly
+    clock[0] += 600
+    assert not second.my_turn(client)
+    for q in (reborn, second):
+        q.leave(client)
+
+
+def test_a_limit_set_to_zero_pauses_the_account_instead_of_reading_as_no_server(client, request):
+    """A person pauses an account by setting its limit to 0: the take waits (it used to fall back to 'no server
+    to count on' and push)."""
+    from tasks.account_slots import AccountSlot
+
+    user = f"z{abs(hash(request.node.name)) % 10**8}"
+    client.upsert_global_concurrency_limit_by_name(f"kaggle-account-{user}", 0)
+    slot = AccountSlot(user, "paused", sessions=1, hold_s=120)
+    assert slot.take("paused-s001-a1") is False
