@@ -93,9 +93,9 @@ def _run_several(specs: Sequence[str], out: Optional[str], tick: bool, poll_seco
     """The `relays` flow over every spec, here (on the embedded Prefect, or PREFECT_API_URL's server): at most the
     smallest kaggle.account_sessions of them at once, each relay's outputs under --out (default: beside the first
     spec) in a folder of its name."""
-    if submit:
-        raise InputError("--submit takes one spec; several run here through the `relays` flow (with PREFECT_API_URL"
-                         " set, it reports to that server)")
+    if submit and not os.environ.get("PREFECT_API_URL"):
+        raise InputError("--submit: PREFECT_API_URL is not set (the Prefect server to submit to); without"
+                         " --submit the relays run here")
     loaded = [_load(spec) for spec in specs]
     names = [run_spec.name for _, run_spec in loaded]
     if len(set(names)) < len(names):
@@ -104,6 +104,16 @@ def _run_several(specs: Sequence[str], out: Optional[str], tick: bool, poll_seco
     folder = outputs_dir(loaded[0][0], out)
     for _, run_spec in loaded:
         _prepare(run_spec, folder)
+    cap = min(run_spec.kaggle.account_sessions for _, run_spec in loaded)
+    if submit:  # a worker of the server runs the relays flow (deployment relays/relays)
+        from relay.orchestrator.submit import stop_reason, submit as submit_run
+
+        state, message, account = submit_run([path for path, _ in loaded], folder, tick, poll_seconds,
+                                             credentials_block, emit, cap=cap)
+        for name in names:
+            emit(f"-- {name}")
+            _outputs(emit, name, folder / name, None, account)
+        return 0 if state == "Completed" else _stopped(emit, f"the flow run ended {state}: {stop_reason(message)}")
     if poll_seconds is None:
         poll_seconds = 2.0 if os.environ.get("RELAY_KAGGLE_ENDPOINT") else 30.0
     if not os.environ.get("PREFECT_API_URL"):
@@ -115,7 +125,6 @@ def _run_several(specs: Sequence[str], out: Optional[str], tick: bool, poll_seco
     from relay.orchestrator.kaggle import KaggleUnresponsive
     from tasks.relay_step import RelayFailed
 
-    cap = min(run_spec.kaggle.account_sessions for _, run_spec in loaded)
     emit(f"relays {', '.join(names)}: {'one tick' if tick else 'to the end'}, at most {cap} session(s) at once;"
          f" outputs in {folder}")
     failed = None
@@ -149,7 +158,7 @@ def _run(spec: str, out: Optional[str], tick: bool, poll_seconds: Optional[float
     if submit:  # a worker of the server runs it: its environment says emulator or Kaggle, and how often to poll
         from relay.orchestrator.submit import stop_reason, submit as submit_run
 
-        state, message, account = submit_run(path, folder, tick, poll_seconds, credentials_block, emit)
+        state, message, account = submit_run([path], folder, tick, poll_seconds, credentials_block, emit)
         if state != "Completed":
             return _stopped(emit, f"the flow run ended {state}: {stop_reason(message)}")
         _outputs(emit, run_spec.name, local, None, account)

@@ -1,7 +1,8 @@
 """`relay run SPEC --submit`: a flow run of the one generic deployment, `relay/run`, on the Prefect server at
-PREFECT_API_URL, followed to its end from this terminal.
+PREFECT_API_URL, followed to its end from this terminal; `relay run A B --submit`: one of `relays/relays`, the
+`relays` flow over every spec.
 
-The deployment takes any spec: its parameters are the spec's absolute path and the outputs folder, so the
+The deployments take any spec: their parameters are the specs' absolute paths and the outputs folder, so the
 worker must see the same paths (a process worker on this machine, or a checkout shared at the same path).
 While the run goes on, its log lines are printed as the server receives them; at the end, the outcome, and
 for a failed run the reason the relay stopped (not only "Failed").
@@ -11,18 +12,19 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from relay.shared.errors import InputError
 
 DEPLOYMENT = "relay/run"
-DEPLOY_HINT = "prefect deploy --name run --no-prompt --prefect-file deploy/prefect.yaml (docs/prefect.md)"
+SEVERAL = "relays/relays"  # several specs: the relays flow
 
 
-def submit(spec_path: Path, out: Path, tick: bool, poll_seconds: Optional[float], credentials_block: Optional[str],
-           emit: Callable[[str], None] = print, follow_every_s: float = 2.0) -> tuple[str, str, Optional[str]]:
-    """Create the flow run and follow it; returns (final state name, its message, the Kaggle account the run's
-    tags name: the worker's, None if it never said)."""
+def submit(spec_paths: Sequence[Path], out: Path, tick: bool, poll_seconds: Optional[float],
+           credentials_block: Optional[str], emit: Callable[[str], None] = print, follow_every_s: float = 2.0,
+           cap: Optional[int] = None) -> tuple[str, str, Optional[str]]:
+    """Create the flow run (of relay/run for one spec, relays/relays with `cap` for several) and follow it; returns
+    (final state name, its message, the Kaggle account the run's tags name: the worker's, None if it never said)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
@@ -32,21 +34,25 @@ def submit(spec_path: Path, out: Path, tick: bool, poll_seconds: Optional[float]
     if not url:
         raise InputError("--submit: PREFECT_API_URL is not set (the Prefect server to submit to); without"
                          " --submit the relay runs here")
-    parameters = {"spec": str(spec_path.resolve()), "state_dir": str(out.resolve()),
-                  "mode": "tick" if tick else "watch"}
+    deployment_name = DEPLOYMENT if len(spec_paths) == 1 else SEVERAL
+    paths = [str(Path(p).resolve()) for p in spec_paths]
+    parameters = {"state_dir": str(out.resolve()), "mode": "tick" if tick else "watch",
+                  **({"spec": paths[0]} if len(paths) == 1 else {"specs": paths, "cap": cap or 2})}
     if poll_seconds is not None:
         parameters["poll_seconds"] = poll_seconds
     if credentials_block:
         parameters["credentials_block"] = credentials_block
     with get_client(sync_client=True) as client:
         try:
-            deployment = client.read_deployment_by_name(DEPLOYMENT)
+            deployment = client.read_deployment_by_name(deployment_name)
         except ObjectNotFound:
-            raise InputError(f"--submit: no deployment {DEPLOYMENT} on {url}: deploy it with {DEPLOY_HINT}") from None
+            name = deployment_name.split("/")[1]
+            raise InputError(f"--submit: no deployment {deployment_name} on {url}: deploy it with prefect deploy"
+                             f" --name {name} --no-prompt --prefect-file deploy/prefect.yaml (docs/prefect.md)") from None
         except Exception as err:  # noqa: BLE001 - unreachable, refused, auth: the server's own words
             raise InputError(f"--submit: cannot reach the Prefect server at {url} ({err})") from None
         run = client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
-        emit(f"submitted flow run {run.name} ({run.id}) of {DEPLOYMENT} on {url}; following it (Ctrl-C stops"
+        emit(f"submitted flow run {run.name} ({run.id}) of {deployment_name} on {url}; following it (Ctrl-C stops"
              " following, not the run)")
         seen = 0
         log_filter = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id]))

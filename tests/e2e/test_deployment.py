@@ -191,8 +191,8 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         assert secret.wait(60) == 0, procs.tails()
         deployments = {d["name"]: d for d in api_post(api_url, "/deployments/filter", {})}
-        assert set(deployments) == {"run", "price-model-demo", "byo-plain-demo", "price-model-kaggle", "price-model-tick",
-                                    "relays-kaggle", "relays-tick"}
+        assert set(deployments) == {"run", "relays", "price-model-demo", "byo-plain-demo", "price-model-kaggle",
+                                    "price-model-tick", "relays-kaggle", "relays-tick"}
         assert all(d["work_pool_name"] == "relay-pool" for d in deployments.values())
         tick = deployments["price-model-tick"]
         assert tick["parameters"]["mode"] == "tick"
@@ -223,6 +223,17 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
             "relay: stopped: the flow run ended Failed: session 1 failed with a code error:") and \
             "raised KeyError: 'label'" in stopped[0], failed.stdout[-4000:]
         assert key not in failed.stdout + failed.stderr
+
+        # `relay run A B --submit`: the generic `relays` deployment relays both on the worker (the emulator)
+        team = tmp_path / "team-project"
+        first = copy_example("byo-plain", team, **{"optim.max_steps": 20})
+        for name in ("byo-many-a", "byo-many-b"):
+            (team / f"{name}.yaml").write_text(first.read_text().replace("name: byo-plain", f"name: {name}"))
+        several = subprocess.run([sys.executable, "-m", "relay", "run", "byo-many-a.yaml", "byo-many-b.yaml", "--submit",
+                                  "--poll", "0.3", "--credentials-block", "emulator-credentials"], env=env, cwd=team,
+                                 capture_output=True, text=True, timeout=600)
+        assert several.returncode == 0, several.stdout[-4000:] + several.stderr[-2000:] + procs.tails()
+        assert "of relays/relays" in several.stdout and several.stdout.count("done: step 20/20") == 2, several.stdout
 
         # What Kaggle (the emulator) holds: the checkpoint dataset says done, after SESSIONS sessions.
         progress_file = backend.download_dataset_file("demo/price-deploy-test-ckpt", "progress.json",
