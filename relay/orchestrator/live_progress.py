@@ -139,7 +139,8 @@ def running_row(records: List[dict], kernel_state: str = "running") -> Optional[
             "billed_gpu_s": None, "steps": int(latest["step"]) - int(first.get("step_start", 0)),
             "world_size": None, "samples_per_s": _round(latest.get("samples_per_s"), 1),
             "peak_mem_mb": latest.get("gpu_peak_mb"), "loss_end": _round(losses[-1], 5) if losses else None,
-            "stop_reason": kernel_state if latest.get("kind") != "end" else latest.get("stop_reason"),
+            "stop_reason": kernel_state if latest.get("kind") != "end" else
+            f"process ended ({latest.get('stop_reason')}); Kaggle: {kernel_state}",
             "gpus": None}
 
 
@@ -223,7 +224,13 @@ def session_fraction(records: List[dict], session_max_steps: Optional[int] = Non
 
 
 def eta_text(records: List[dict], session_max_steps: Optional[int] = None) -> str:
-    """This session's end and the run's remaining training time at the measured speed."""
+    """This session's end and the run's remaining training time at the measured speed; once its `end` line came
+    and Kaggle still shows it running, that it waits for Kaggle (wedged if it runs on past its deadline)."""
+    latest = newest(records)
+    if latest is not None and latest.get("kind") == "end":
+        ended = time.strftime("%H:%M UTC", time.gmtime(latest["time"])) if latest.get("time") else "?"
+        return (f"its process ended at step {latest.get('step')} ({latest.get('stop_reason') or 'end'}, {ended});"
+                " waiting for Kaggle to end the session (wedged if it still runs at its deadline)")
     eta = estimate(records, session_max_steps)
     if eta is None:
         return "ETA: after the next progress lines"

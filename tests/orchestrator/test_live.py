@@ -123,3 +123,19 @@ def test_the_flow_log_says_an_eval_at_its_own_step_once(monkeypatch):
     evals = [s for s in said if "eval" in s]
     assert len(evals) == 1, said
     assert evals[0].startswith("ev-s001-a1 step 32 of 120; eval accuracy 0.75"), evals
+
+
+def test_a_session_whose_process_ended_while_kaggle_runs_it_is_named_waiting_not_training():
+    """Issue 61: while a session Kaggle still runs has printed its `end` line (a wedge in the making), the progress
+    card and the sessions table say its process ended and the relay waits for Kaggle, not an ETA of training."""
+    from relay.orchestrator.live_progress import eta_text, running_row
+
+    t0 = 1_800_000_000.0
+    records = [{"kind": "train", "session": 3, "run_id": "r-s003-a1", "step_start": 100, "step": 100 + s,
+                "time": t0 + s, "time_left_s": 600.0 - s, "loss": 1.0} for s in range(1, 21)]
+    assert eta_text(records, 50).startswith("session ends in")
+    ended = records + [{"kind": "end", "session": 3, "run_id": "r-s003-a1", "step_start": 100, "step": 120,
+                        "stop_reason": "steps", "status": "paused", "time": t0 + 21}]
+    text = eta_text(ended, 50)
+    assert text.startswith("its process ended at step 120 (steps, ") and "waiting for Kaggle to end the session" in text
+    assert running_row(ended, "running")["stop_reason"] == "process ended (steps); Kaggle: running"
