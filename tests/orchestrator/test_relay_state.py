@@ -57,7 +57,7 @@ class Recorder:
     def __init__(self, username, relay, sessions, hold_s):
         self.relay = relay
 
-    def take(self):
+    def take(self, run_id=None):
         self.calls.append(("take", self.relay))
         if self.relay not in self.taken and len(self.taken) >= self.limit:
             return False
