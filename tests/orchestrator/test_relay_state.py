@@ -151,3 +151,18 @@ def test_the_relay_flow_is_the_scheduler_with_one_relay(slots, monkeypatch):
     monkeypatch.setattr(one_relay.relay_step, "push", lambda *a: Step(State.READY, a[1].action, obs))
     with pytest.raises(ValueError, match="no move from ready to ready"):  # a step the state machine refuses
         one_relay.drive(ctx, pace, slots)
+
+
+def test_within_one_flow_run_relays_take_turns_in_the_order_they_became_ready(slots):
+    """First come, first served here too (a `relays` run, with or without a server): a relay that became ready
+    later is refused while an earlier one waits; one that just handed over is ready again at the back."""
+    slots.sessions = 1
+    slots.stepped("a", State.READY)
+    slots.stepped("b", State.READY)
+    assert slots.in_turn(["b", "a"]) == ["a", "b"]
+    assert not slots.take("b") and slots.take("a")
+    slots.stepped("a", State.PUSHED)
+    assert not slots.take("b")  # the cap: a's session runs
+    slots.stepped("a", State.HANDED_OVER)
+    slots.stepped("a", State.READY)  # ready again, after b
+    assert slots.in_turn(["a", "b"]) == ["b", "a"] and not slots.take("a") and slots.take("b")
