@@ -9,13 +9,13 @@
   the relay classifies that as a budget set too long;
 - mounts in both layouts (`<input>/<slug>`; `<input>/datasets|notebooks/<owner>/<slug>`), found by the
   session kernel's search;
-- enable_gpu without a machine shape would get a P100: the spec defaults the shape, the backend always sends one.
+- enable_gpu without a machine shape would get a P100: the spec defaults the shape, the backend always sends one;
+  a retired or unknown shape is refused by the spec.
 Every wait is for an event (a file the kernel writes, a state reached), never a sleep tuned to a machine.
 """
 from __future__ import annotations
 
 import json
-import logging
 import re
 import time
 from pathlib import Path
@@ -204,15 +204,18 @@ def test_the_kernel_search_prefers_the_owner_layouts_and_falls_back_to_the_slug(
 
 
 # -- accelerators -------------------------------------------------------------------------------------------
-def test_gpu_without_a_shape_gets_t4_x2_not_a_p100_and_p100_warns(caplog):
+def test_gpu_without_a_shape_gets_t4_x2_and_a_retired_or_unknown_shape_is_refused():
     assert DEFAULT_GPU_SHAPE == "NvidiaTeslaT4"
     assert KaggleConfig().machine_shape == "NvidiaTeslaT4"
     assert KaggleConfig(machine_shape=None).machine_shape == "NvidiaTeslaT4"
     assert KaggleConfig(enable_gpu=False).machine_shape is None
     assert KaggleConfig(machine_shape="NvidiaL4").machine_shape == "NvidiaL4"
-    with caplog.at_level(logging.WARNING, logger="relay.shared.spec"):
-        assert KaggleConfig(machine_shape="NvidiaTeslaP100").machine_shape == "NvidiaTeslaP100"
-    assert "P100s fail on Kaggle's current CUDA 12.8 image" in caplog.text
+    # Kaggle runs a retired shape on another without a word (kaggle-cli PR #1192): the spec refuses it, one line
+    with pytest.raises(ValueError, match="kaggle.machine_shape: NvidiaTeslaP100 is retired: Kaggle runs it on"
+                                         " NvidiaTeslaT4 instead"):
+        KaggleConfig(machine_shape="NvidiaTeslaP100")
+    with pytest.raises(ValueError, match="kaggle.machine_shape: expected one of NvidiaTeslaT4, .*got 'T4x2'"):
+        KaggleConfig(machine_shape="T4x2")
     # the backend never pushes a GPU kernel without a shape, whoever built the SessionKernel
     meta = ClientBackend._metadata(SessionKernel(kernel="u/k", title="Title", spec_text="", run_id="r",
                                                  machine_shape=None))
