@@ -161,3 +161,28 @@ def test_machine_shapes_unknown_refused_retired_run_on_their_replacement(make_em
         assert (len(json.loads(printed)["gpus"]) if seen else printed.strip()) == (seen or "none"), kernel
     tpu_retired = _push_shape(backend, f"{USER}/shape-old-tpu", "TpuV232", gpu=False)
     assert tpu_retired.version_number == 1 and emu.store.kernel_version(f"{USER}/shape-old-tpu")["served_shape"] is None
+
+
+def test_the_access_token_file_is_read_as_the_client_reads_it(make_emulator, isolated_env, monkeypatch):
+    from relay.orchestrator.kaggle.backend import from_env
+    from relay.orchestrator.kaggle.credentials import resolve
+
+    emu = make_emulator(tokens={"tok-from-file": USER})
+    home = isolated_env / "home"
+    (home / ".kaggle").mkdir()
+    with pytest.raises(InputError, match="^no Kaggle credentials: set KAGGLE_API_TOKEN, .*access_token"):
+        resolve(env={"HOME": str(home)})
+    (home / ".kaggle" / "access_token").write_text("")  # an empty file is passed over, as by the client
+    (home / ".kaggle" / "access_token.txt").write_text("tok-from-file\n")
+    monkeypatch.setenv("KAGGLE_USERNAME", USER)
+    monkeypatch.setenv("KAGGLE_KEY", "a-legacy-key-the-token-wins-over")
+    found = resolve()
+    assert (found.username, found.token, found.key) == (USER, "tok-from-file", None)
+    assert found.source == str(home / ".kaggle" / "access_token.txt")
+    assert from_env(emu.url).quota().allowed_s > 0  # sent as a Bearer token, which the emulator takes
+    monkeypatch.delenv("KAGGLE_USERNAME")
+    with pytest.raises(InputError, match=r"^\S+access_token.txt holds a Kaggle access token but no username comes"
+                                         " with it: set KAGGLE_USERNAME$"):
+        resolve()
+    (home / ".kaggle" / "kaggle.json").write_text(json.dumps({"username": USER, "key": "k"}))
+    assert resolve().token == "tok-from-file"  # the username from kaggle.json, the token still first
