@@ -37,7 +37,8 @@ SERVICES = {
                                               "DeleteKernel"}),
     "datasets.DatasetApiService": ("datasets", {"GetDatasetStatus", "GetDataset", "CreateDataset",
                                                 "CreateDatasetVersion", "CreateDatasetVersionById",
-                                                "ListDatasetFiles", "GetDatasetMetadata", "DownloadDataset"}),
+                                                "ListDatasetFiles", "GetDatasetMetadata", "DownloadDataset",
+                                                "DeleteDataset"}),
     "blobs.BlobApiService": ("datasets", {"StartBlobUpload"}),
 }
 
