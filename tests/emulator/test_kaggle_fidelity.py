@@ -88,6 +88,8 @@ def test_a_hidden_kernel_is_403_and_the_relays_first_look_at_its_own_is_absent(m
     with pytest.raises(CredentialsRefused) as refused:
         wrong.current_run(f"{USER}/not-pushed-yet")
     assert str(refused.value) == "Kaggle refuses the credentials of alice (KAGGLE_KEY): HTTP 401"
+    with pytest.raises(CredentialsRefused):
+        wrong.kernel_status(f"{USER}/not-pushed-yet")  # not "not found": the key is what is wrong
 
 
 def test_a_new_kernel_takes_its_slug_from_its_title_and_a_title_in_use_is_refused(make_emulator):

@@ -259,8 +259,8 @@ class ClientBackend:
         label = f" v{version}" if version is not None else ""
         try:
             response = self.client.sdk(f"status {kernel}{label}", get)
-        except Exception as exc:  # noqa: BLE001
-            if http_status(exc) in (401, 403, 404):
+        except Exception as exc:  # noqa: BLE001 - absent (403 on Kaggle, 404) is NotFound; refused credentials say so
+            if kernel_lookup.absent(self.client, exc, owner, slug):
                 raise NotFound(f"kernel {kernel}{label}: not found or not accessible") from exc
             raise
         name = getattr(response.status, "name", str(response.status)).lower()
