@@ -27,6 +27,7 @@ from relay.orchestrator import chain, handoff
 from relay.orchestrator.kaggle import KernelState, Refusal, SessionKernel
 from relay.orchestrator.kaggle.backend import ClientBackend
 from relay.orchestrator.kaggle.kernel_source import _RUNNER
+from relay.shared.errors import InputError
 from relay.shared.spec import DEFAULT_GPU_SHAPE, KaggleConfig
 
 LAG_FOREVER = {"status_lag": {"calls": 10 ** 9}}  # unpinned status/output never see the newest version
@@ -222,6 +223,9 @@ def test_gpu_without_a_shape_gets_t4_x2_and_a_retired_or_unknown_shape_is_refuse
     assert meta["enable_gpu"] is True and meta["machine_shape"] == "NvidiaTeslaT4"
     assert "machine_shape" not in ClientBackend._metadata(
         SessionKernel(kernel="u/k", title="Title", spec_text="", run_id="r", enable_gpu=False))
+    with pytest.raises(InputError, match="^kernel u/k: machine shape NvidiaTeslaP100 is retired"):  # however built
+        ClientBackend._metadata(SessionKernel(kernel="u/k", title="Title", spec_text="", run_id="r",
+                                              machine_shape="NvidiaTeslaP100"))
 
 
 def test_gpus_are_recorded_per_session_and_shown_in_the_table():

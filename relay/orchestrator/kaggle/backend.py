@@ -20,6 +20,7 @@ from relay.orchestrator.kaggle.client import KaggleClient
 from relay.orchestrator.kaggle.credentials import KaggleCredentials, resolve
 from relay.orchestrator.kaggle.datasets import DatasetPublisher, list_dataset_files
 from relay.orchestrator.kaggle.retry import RetryPolicy, http_status, unless_absent
+from relay.shared import accelerators
 from relay.shared.errors import InputError
 from relay.shared.spec import DEFAULT_GPU_SHAPE
 from relay.orchestrator.kaggle.kernel_lookup import landed_ref, slug_of_title
@@ -161,6 +162,9 @@ class ClientBackend:
         }
         if session.enable_gpu:  # without a shape Kaggle gives a P100, which fails on its current image
             meta["machine_shape"] = session.machine_shape or DEFAULT_GPU_SHAPE
+            problem = accelerators.shape_problem(meta["machine_shape"])  # a retired one runs on another machine
+            if problem:
+                raise InputError(f"kernel {session.kernel}: machine shape {problem}")
         return meta
 
     def _active_version(self, kernel: str) -> Optional[Tuple[int, KernelState]]:
