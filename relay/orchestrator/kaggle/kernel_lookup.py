@@ -47,7 +47,7 @@ def absent(client: KaggleClient, exc: BaseException, owner: str, slug: str) -> b
         return True
     if status not in (401, 403):
         return False
-    if owner != client.username:
+    if owner.lower() != client.username.lower():
         raise NotFound(f"kernel {owner}/{slug}: HTTP {status}: not found, or {client.username} may not see it") \
             from exc
     if credentials_work(client):
