@@ -1,9 +1,9 @@
-# Everything a fresh machine needs is installed by these targets (Python >= 3.10 with venv and pip).
-# The venv is made from the system's /usr/bin/python3 when it is >= 3.10 with venv (Debian's and Ubuntu's builds
+# Everything a fresh machine needs is installed by these targets (Python >= 3.11 with venv and pip).
+# The venv is made from the system's /usr/bin/python3 when it is >= 3.11 with venv (Debian's and Ubuntu's builds
 # are profile-guided and link-time optimized: the whole suite took 12 % less CPU on it than on a default pyenv
 # build, docs/benchmarks.md), else from python3 on PATH; `make setup PYTHON=python3.12` picks another.
 SYSTEM_PYTHON := /usr/bin/python3
-PYTHON ?= $(shell $(SYSTEM_PYTHON) -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' \
+PYTHON ?= $(shell $(SYSTEM_PYTHON) -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 11))' \
                   2>/dev/null && echo $(SYSTEM_PYTHON) || echo python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python

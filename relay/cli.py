@@ -174,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("spec", nargs="?", help="run spec YAML (without it: credentials and quota only)")
     dr.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the canary kernel")
     dr.add_argument("--poll", type=float, default=5.0, help="seconds between its status checks")
+    dr.add_argument("--probe", action="store_true", help="check what this account's Kaggle does against what the"
+                    " relay depends on (a CPU kernel and a tiny private dataset, deleted after): a table of"
+                    " expected vs seen, exit 1 on a difference")
+    dr.add_argument("--report", metavar="PATH", help="with --probe: where its JSON report goes (default"
+                    " relay-probe-<time>.json here), to attach to a bug report")
     dr.set_defaults(func=commands.cmd_doctor)
 
     it = sub.add_parser("init", help="make a repository relay itself: a spec skeleton for its entry and a GitHub"

@@ -236,6 +236,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from relay import doctor
     from relay.orchestrator.kaggle import from_env
 
+    if args.probe:
+        if args.spec:
+            raise InputError("relay doctor --probe takes no spec: it checks the account, not a relay")
+        from relay.orchestrator import probe
+
+        return probe.probe(from_env(), report=args.report, timeout_s=args.timeout, poll_s=args.poll)
+    if args.report:
+        raise InputError("relay doctor --report goes with --probe")
     return doctor.run(args.spec, from_env, timeout_s=args.timeout, poll_s=args.poll)
 
 

@@ -62,7 +62,8 @@ def _checks(spec_path, backend_factory, timeout_s, poll_s) -> Iterator[Check]:
         yield Check(OK, "credentials", f"user {creds.username}, from {creds.source}")
     except InputError as err:
         yield Check(FAIL, "credentials", f"{err} -> create a token at kaggle.com > Settings > API and save it"
-                                         " as ~/.kaggle/kaggle.json (chmod 600)")
+                                         " as ~/.kaggle/access_token with KAGGLE_USERNAME set, or a legacy key as"
+                                         " ~/.kaggle/kaggle.json (chmod 600)")
         return
     try:
         backend = backend_factory()

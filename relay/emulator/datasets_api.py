@@ -263,6 +263,19 @@ class DatasetsService:
             os.replace(tmp, archive)
         return archive
 
+    def DeleteDataset(self, call: Call) -> dict:
+        """DeleteDataset (the client's `dataset_delete`): the dataset and every version, at once (how soon Kaggle
+        frees its storage is not in the record). Kaggle has no per-version delete (kagglesdk datasets service)."""
+        ref = self._ref(call)
+        if ref.split("/", 1)[0] != call.user:
+            raise ApiError(403, f"Permission denied: {call.user} cannot delete {ref}")
+        with self.store.lock:
+            self._dataset(ref)  # 404 when absent
+            del self.store.datasets[ref]
+            shutil.rmtree(self.store.root / "datasets" / ref, ignore_errors=True)
+            self.store.save()
+        return {}
+
 
 def _unpack(archive: Path, target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)

@@ -9,11 +9,13 @@ import time
 import urllib.parse
 from typing import Iterator, Optional
 
+from relay.emulator import kernel_rules
 from relay.emulator.config import EmulatorConfig
 from relay.emulator.faults import FaultPlan
 from relay.emulator.protocol import ApiError, Call, duration, file_reply, iso, slug_of, tree_files
 from relay.emulator.runner import KernelRunner, read_log
 from relay.emulator.store import ACTIVE, Store
+from relay.shared.environment import HARDWARE
 
 
 CONCURRENCY_REFUSAL = "Maximum batch GPU session count of {n} reached."
@@ -24,6 +26,10 @@ META_FIELDS = ("language", "kernelType", "isPrivate", "enableGpu", "enableTpu", 
                "dockerImage", "machineShape")
 
 
+class _TitleInUse(Exception):
+    pass
+
+
 class KernelsService:
     def __init__(self, store: Store, config: EmulatorConfig, faults: FaultPlan, runner: KernelRunner):
         self.store, self.config, self.faults, self.runner = store, config, faults, runner
@@ -31,22 +37,32 @@ class KernelsService:
     # -- SaveKernel ------------------------------------------------------------------------------
     def SaveKernel(self, call: Call) -> dict:
         body = call.body
-        ref = self._ref_for_save(call)
-        owner, slug = ref.split("/", 1)
-        if owner != call.user:
-            raise ApiError(403, f"Permission denied: {call.user} cannot push to {owner}'s kernels")
-        title = body.get("newTitle") or slug
-        if len(title) < 5:
+        title = body.get("newTitle") or ""
+        if title and len(title) < 5:
             return {"error": "Title must be at least five characters"}
         language, kernel_type = body.get("language") or "python", body.get("kernelType") or "script"
         if language != "python":
             return {"error": f"The emulator runs python kernels only (got {language})"}
+        shape, refusal = kernel_rules.served_shape(body.get("machineShape"), bool(body.get("enableGpu")),
+                                                   bool(body.get("enableTpu")))
+        if refusal:
+            return {"error": refusal}
         text = body.get("text") or ""
         source = notebook_to_script(text) if kernel_type == "notebook" else text
         quick = str(body.get("kernelExecutionType", "")).upper() in ("QUICK_SAVE", "3")
-        gpu = bool(body.get("enableGpu"))
+        gpu = kernel_rules.is_gpu(shape)  # a retired TPU shape runs on CPU (kernel_rules.RETIRED)
         now = time.time()
         with self.store.lock:
+            try:
+                ref = self._ref_for_save(call, title)
+            except _TitleInUse:
+                return {"error": kernel_rules.title_in_use(title)}
+            owner, slug = ref.split("/", 1)
+            if owner != call.user:
+                raise ApiError(403, f"Permission denied: {call.user} cannot push to {owner}'s kernels")
+            title = title or slug
+            if any(k["title"] == title for r, k in self.store.kernels.items() if r != ref and k["owner"] == owner):
+                return {"error": kernel_rules.title_in_use(title)}
             sources, invalid = self._resolve_sources(body, now)
             if invalid["datasets"] or invalid["kernels"]:
                 return {"error": "Some data sources are missing or not ready",
@@ -66,7 +82,10 @@ class KernelsService:
                        "pushed": now, "enable_gpu": gpu, "enable_internet": body.get("enableInternet", True),
                        "timeout_s": min(float(requested), self.config.session_timeout_s), "sources": sources,
                        "meta": {k: body[k] for k in META_FIELDS if k in body}, "output_key": secrets.token_hex(12),
-                       **self._faults_of_push(quick)}
+                       "served_shape": shape, **self._faults_of_push(quick)}
+            if shape != body.get("machineShape") and shape in kernel_rules.SEEN_GPUS and not version["env"]:
+                # what a session on a substituted shape sees (the `machine` fault, when it applies, wins)
+                version["env"] = {HARDWARE: json.dumps({"gpus": kernel_rules.SEEN_GPUS[shape]})}
             directory = self.store.kernel_dir(ref, number)
             directory.mkdir(parents=True, exist_ok=True)
             (directory / "source.py").write_text(source)
@@ -85,10 +104,18 @@ class KernelsService:
         push = self.faults.next_push()
         return {"wedge": self.faults.wedges(push), "env": self.faults.machine_env(push)}
 
-    def _ref_for_save(self, call: Call) -> str:
+    def _ref_for_save(self, call: Call, title: str) -> str:
+        """The kernel a push lands on: the one its slug (or id) names if that exists; a new kernel takes its slug
+        from the title (kernel_rules.slug_from_title), whatever slug was asked for."""
         if call.body.get("slug"):
             ref = str(call.body["slug"])
-            return ref if "/" in ref else f"{call.user}/{ref}"
+            ref = ref if "/" in ref else f"{call.user}/{ref}"
+            if ref in self.store.kernels or not title:
+                return ref
+            derived = f"{ref.split('/', 1)[0]}/{kernel_rules.slug_from_title(title)}"
+            if derived != ref and derived in self.store.kernels:  # the title is another kernel's
+                raise _TitleInUse(title)
+            return derived
         kernel_id = call.body.get("id")
         for ref, kernel in self.store.kernels.items():
             if kernel["id"] == kernel_id:
@@ -123,22 +150,27 @@ class KernelsService:
     # -- reading ---------------------------------------------------------------------------------
     def _lookup(self, call: Call, lag: bool = False) -> tuple:
         owner = call.body.get("userName") or call.user
-        slug = slug_of(call.body, "kernelSlug")
-        label = call.body.get("versionLabel")
-        if "/" in slug:  # `kernels pull owner/slug/N` sends kernelSlug "slug/N"
-            slug, label = slug.split("/", 1)
-        ref = f"{owner}/{slug}"
-        version = self.store.kernel_version(ref, label)
-        if version is None:
-            raise ApiError(404, f"Kernel {ref} not found" + (f" (version {label})" if label else ""))
+        ref = f"{owner}/{slug_of(call.body, 'kernelSlug')}"
+        kernel = self.store.kernels.get(ref)  # `slug/N` names no kernel: 403, as Kaggle answers it (PR #1201)
+        if kernel is None or not kernel["versions"] or not self._visible(call.user, kernel):
+            raise kernel_rules.hidden(ref)
+        number = kernel_rules.version_number(call.body.get("versionLabel"))
+        version = self.store.kernel_version(ref, f"v{number}" if number else None)
+        if version is None:  # a label naming no version: 404, as for a label Kaggle cannot read (PR #1201)
+            raise ApiError(404, f"Kernel {ref} has no version {number}")
         faults = self.faults
         newest = version is self.store.kernel_version(ref)
-        if lag and (not label or (faults.lag_pinned and newest)) and version["number"] > 1 and \
+        if lag and (not number or (faults.lag_pinned and newest)) and version["number"] > 1 and \
                 faults.lagging(ref, version["number"], version["pushed"], time.time()):
             # status_lag: Kaggle's "latest" (pessimistically: even the newest version asked by its label) still
             # answers the previous version for a while after a push
             version = self.store.kernel_version(ref, f"v{version['number'] - 1}")
         return ref, version
+
+    @staticmethod
+    def _visible(user: str, kernel: dict) -> bool:
+        """A kernel its owner sees, or a public one (pushes default to private: kaggle_api_extended.py)."""
+        return kernel["owner"] == user or not kernel["versions"][-1]["meta"].get("isPrivate", True)
 
     def GetKernelSessionStatus(self, call: Call) -> dict:
         ref, version = self._lookup(call, lag=True)
@@ -267,15 +299,18 @@ class KernelsService:
             raise ApiError(404, "not found")
         return file_reply(self.store.kernel_dir(ref, version["number"]) / "working" / "/".join(rel), headers)
 
-    def log_stream(self, owner: str, slug: str, timeout: float = 600.0) -> tuple[str, Iterator[bytes]]:
+    def log_stream(self, user: str, owner: str, slug: str, timeout: float = 600.0) -> tuple[str, Iterator[bytes]]:
         """GET /api/v1/kernels/logs/stream/<owner>/<slug> as Kaggle serves it: while the session runs, server-sent
         events (one `data: {json}` per log line, replayed from the start on every connection, `data: END_OF_LOG`
         when it ends); once it is done, the stored log as one JSON array (not SSE). The `stream_drop` fault cuts
-        a live stream after some events (a load balancer's idle cut): the client reconnects."""
+        a live stream after some events (a load balancer's idle cut): the client reconnects. It names no version
+        (a version in its path is no route: 404, kaggle-cli PR #1201); a kernel the caller cannot see is 403,
+        as the client's handler reads it (kaggle_api_extended.py kernels_logs_stream, PR #999)."""
         ref = f"{owner}/{slug}"
-        version = self.store.kernel_version(ref)
-        if version is None:
-            raise ApiError(404, f"Kernel {ref} not found")
+        kernel = self.store.kernels.get(ref)
+        if kernel is None or not kernel["versions"] or not self._visible(user, kernel):
+            raise kernel_rules.hidden(ref)
+        version = kernel["versions"][-1]
         if version["status"] not in ACTIVE:
             return "application/json", iter([json.dumps(self._log(ref, version["number"])).encode()])
         return "text/event-stream", self._events(ref, version, timeout)

@@ -37,7 +37,8 @@ SERVICES = {
                                               "DeleteKernel"}),
     "datasets.DatasetApiService": ("datasets", {"GetDatasetStatus", "GetDataset", "CreateDataset",
                                                 "CreateDatasetVersion", "CreateDatasetVersionById",
-                                                "ListDatasetFiles", "GetDatasetMetadata", "DownloadDataset"}),
+                                                "ListDatasetFiles", "GetDatasetMetadata", "DownloadDataset",
+                                                "DeleteDataset"}),
     "blobs.BlobApiService": ("datasets", {"StartBlobUpload"}),
 }
 
@@ -273,16 +274,17 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(error_reply(401, "Unauthenticated"))
             return self._with_faults("download", lambda: self.emu.datasets.dataset_file(segments[2:], headers))
         if segments[:5] == ["api", "v1", "kernels", "logs", "stream"] and len(segments) == 7:
-            if self.emu.authenticate(self.headers.get("Authorization")) is None:
+            user = self.emu.authenticate(self.headers.get("Authorization"))
+            if user is None:
                 return self._send(error_reply(401, "Unauthenticated"))
-            return self._stream(segments[5], segments[6])
+            return self._stream(user, segments[5], segments[6])
         self._send(error_reply(404, f"No such path {path}"))
 
     do_HEAD = do_GET
 
-    def _stream(self, owner: str, slug: str) -> None:
+    def _stream(self, user: str, owner: str, slug: str) -> None:
         try:
-            content_type, chunks = self.emu.kernels.log_stream(owner, slug)
+            content_type, chunks = self.emu.kernels.log_stream(user, owner, slug)
         except ApiError as err:
             return self._send(error_reply(err.status, err.message))
         self.send_response(200)

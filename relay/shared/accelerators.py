@@ -33,6 +33,24 @@ SHAPES = {
 }
 
 
+# The GPU shapes a push may ask for (kaggle-cli docs/kernels.md, "Accelerators available as of Feb 2026"; PR #1198),
+# and the retired ones, which Kaggle does not refuse but "silently runs the session on a replacement" for
+# (kaggle-cli PR #1192): a spec asking for one is refused here instead, naming the replacement. Some current
+# shapes are open only to some competitions or to admins (the same doc): Kaggle then may swap them too.
+GPU_SHAPES = ("NvidiaTeslaT4", "NvidiaL4", "NvidiaL4X1", "NvidiaTeslaA100", "NvidiaH100", "NvidiaRtxPro6000",
+              "NvidiaTeslaT4Highmem")
+RETIRED = {"NvidiaTeslaP100": "NvidiaTeslaT4", "TpuV38": "TpuV5E8", "Tpu1VmV38": "TpuV5E8", "TpuV232": "CPU", "TpuV2256": "CPU"}
+
+
+def shape_problem(shape: str) -> Optional[str]:
+    """Why a relay cannot ask Kaggle for `shape` (one line), None when it can."""
+    if shape in GPU_SHAPES:
+        return None
+    if shape in RETIRED:
+        return f"{shape} is retired: Kaggle runs it on {RETIRED[shape]} instead; ask for one of {', '.join(GPU_SHAPES)}"
+    return f"expected one of {', '.join(GPU_SHAPES)} (a relay trains on GPUs; got {shape!r})"
+
+
 def gpus_of(shape: Optional[str]) -> int:
     """GPUs a shape brings (1 when it is not known): the processes `session.devices: auto` trains with."""
     accelerator = SHAPES.get(shape or "")

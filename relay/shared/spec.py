@@ -30,12 +30,15 @@ class SpecError(InputError):
     """A spec problem, already phrased as one line for the user."""
 
 
-_NAME = r"^[a-z0-9][a-z0-9-]{2,49}$"
+# a name that is its own slug: Kaggle names a kernel after its title (`<name> session`), so a name python-slugify
+# changes (a double or trailing hyphen) would push to a kernel the relay never reads back (kaggle_api_extended.py)
+_NAME = r"^[a-z0-9]+(?:-[a-z0-9]+)*$"
 
 
 class RunSpec(_Section):
-    name: str = Field(pattern=_NAME, description=(
-        "Run name (`[a-z0-9-]`, 3-50), also the stem of the Kaggle kernel and dataset slugs."))
+    name: str = Field(pattern=_NAME, min_length=3, max_length=50, description=(
+        "Run name (`[a-z0-9-]`, 3-50, no double or trailing hyphen), also the stem of the Kaggle kernel and"
+        " dataset slugs."))
     recipe: Optional[str] = Field(None, description=(
         "A built-in recipe (`price_model`, `vqa_student`, `legal_bert`, `temporal`, `recsys`, `toy`) or "
         "`pkg.module:Class` from code.folder."))

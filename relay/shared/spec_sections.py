@@ -2,7 +2,6 @@
 type, default and the description the reference page prints. relay.shared.spec assembles them into RunSpec."""
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any, Literal, Optional, Union
 
@@ -17,6 +16,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from relay.shared import accelerators
 
 # What Kaggle allows (docs/kaggle.md: session limit, output cap): a spec asking for more is refused, not clipped.
 KAGGLE_SESSION_LIMIT_S = 12 * 3600.0  # the longest a GPU session runs
@@ -266,16 +267,15 @@ class KaggleConfig(_Section):
     @classmethod
     def _gpu_shape(cls, data: Any) -> Any:
         # enable_gpu without a shape gets a P100, which fails on Kaggle's current CUDA 12.8 image (#821,
-        # PR #1156): always ask for a shape; warn on an explicit P100
+        # PR #1156): always ask for a shape, and one Kaggle runs as asked (relay/shared/accelerators.py)
         if not isinstance(data, dict) or not data.get("enable_gpu", True):
             return data
         shape = data.get("machine_shape")
         if shape is None:
             return dict(data, machine_shape=DEFAULT_GPU_SHAPE)
-        if isinstance(shape, str) and "p100" in shape.lower():
-            logging.getLogger(__name__).warning(
-                "kaggle.machine_shape %s: P100s fail on Kaggle's current CUDA 12.8 image; use %s",
-                shape, DEFAULT_GPU_SHAPE)
+        problem = accelerators.shape_problem(shape) if isinstance(shape, str) else f"expected a string (got {shape!r})"
+        if problem:
+            raise ValueError(f"kaggle.machine_shape: {problem}")
         return data
 
     @field_validator("dataset_sources")

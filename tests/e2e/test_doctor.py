@@ -116,3 +116,52 @@ def test_the_canary_finds_a_script_import_missing_in_the_kernel(make_emulator, t
 
     assert rc == 1, out
     assert "FAIL    imports        ModuleNotFoundError: train.py imports helpers_not_shipped, not found" in out
+
+
+def test_probe_shows_every_behaviour_as_expected_against_the_emulator_and_cleans_up(
+        make_emulator, tmp_path, monkeypatch, spawns_processes):
+    """`relay doctor --probe`, the command a user runs on their own account, against the emulator: every row as
+    expected (the emulator holds to the record: docs/kaggle.md), its JSON report written, nothing left behind."""
+    import json
+    import os
+
+    emulator = make_emulator()
+    env = {**os.environ, "KAGGLE_USERNAME": USER, "KAGGLE_KEY": FAKE_KEY, "RELAY_KAGGLE_ENDPOINT": emulator.url}
+    report = tmp_path / "probe.json"
+    ran = subprocess.run([sys.executable, "-m", "relay", "doctor", "--probe", "--report", str(report), "--poll",
+                          "0.1", "--timeout", "300"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
+    assert ran.returncode == 0, ran.stdout + ran.stderr[-3000:]
+    rows = json.loads(report.read_text())["rows"]
+    assert [r["behaviour"] for r in rows] == [
+        "absent kernel", "slug of a pushed title", "status through a run", "version addressing", "quota report",
+        "small dataset version", "delete of a running kernel", "cleanup"]
+    assert all(r["ok"] for r in rows), ran.stdout
+    assert all(line.startswith("ok ") for line in ran.stdout.splitlines()[1:-1]), ran.stdout
+    assert "0 difference(s); the report: " + str(report) in ran.stdout
+    seen = {r["behaviour"]: r["seen"] for r in rows}
+    assert seen["absent kernel"] == "403"
+    assert seen["version addressing"] == "v1: version 1; slug/1: 403; '1': 404"
+    assert seen["status through a run"].endswith("complete")
+    assert not emulator.store.kernels and not emulator.store.datasets  # the probe deleted what it made
+    assert FAKE_KEY not in ran.stdout + ran.stderr + report.read_text()
+
+
+def test_probe_says_each_difference_in_one_line_and_exits_1(make_emulator, tmp_path):
+    """An account whose Kaggle answers otherwise (here: the push of the running version refused, as a full
+    session count would) gets the row marked, one line naming the difference, and exit status 1."""
+    import json
+
+    from relay.orchestrator import probe
+
+    emulator = make_emulator(faults={"methods": {"SaveKernel": {"script": ["ok", "ok", "refused"]}}})
+    lines = []
+    rc = probe.probe(backend_for(emulator), report=tmp_path / "r.json", emit=lines.append, poll_s=0.05,
+                     timeout_s=120, stamp="1")
+    assert rc == 1
+    differences = [line for line in lines if line.startswith("difference: ")]
+    assert differences == [line for line in differences if line.startswith("difference: delete of a running"
+                                                                            " kernel: expected it is gone;")]
+    assert len(differences) == 1 and "seen push refused: " in differences[0], lines
+    assert [r["ok"] for r in json.loads((tmp_path / "r.json").read_text())["rows"]].count(False) == 1
+    assert not emulator.store.kernels and not emulator.store.datasets

@@ -73,7 +73,7 @@ def test_gpu_quota_refusal_and_refresh(make_emulator):
     quota = backend.quota()
     assert quota.used_s >= HOUR and quota.remaining_s == 0 and quota.allowed_s == HOUR
 
-    session = SessionKernel(kernel=f"{USER}/toy-quota", title="Toy quota session", spec_text=TOY_SPEC_YAML,
+    session = SessionKernel(kernel=f"{USER}/toy-quota", title="Toy quota", spec_text=TOY_SPEC_YAML,
                             run_id="quota-1")
     refused = backend.push_session(session)
     assert not refused.pushed and refused.refusal is Refusal.QUOTA
@@ -97,7 +97,7 @@ def test_concurrent_gpu_sessions_refused(make_emulator, tmp_path):
     hold = f"import os, time\nwhile not os.path.exists({str(release)!r}): time.sleep(0.05)\n"
     for name in ("gpu-a", "gpu-b"):
         assert not push_script(backend, f"{USER}/{name}", hold).error
-    session = SessionKernel(kernel=f"{USER}/toy-third", title="Toy third session", spec_text=TOY_SPEC_YAML,
+    session = SessionKernel(kernel=f"{USER}/toy-third", title="Toy third", spec_text=TOY_SPEC_YAML,
                             run_id="third-1")
     refused = backend.push_session(session)
     assert refused.refusal is Refusal.CONCURRENCY and refused.message == "Maximum batch GPU session count of 2 reached."
@@ -159,13 +159,13 @@ def test_stale_output_after_failed_run_is_detected(make_emulator, tmp_path):
     emu = make_emulator(faults={"stale_output": True})
     backend = backend_for(emu)
     kernel = f"{USER}/toy-stale"
-    good = SessionKernel(kernel=kernel, title="Toy stale session", spec_text=TOY_SPEC_YAML, run_id="good-1")
+    good = SessionKernel(kernel=kernel, title="Toy stale", spec_text=TOY_SPEC_YAML, run_id="good-1")
     assert backend.push_session(good).pushed
     assert wait_state(backend, kernel, 90).state is KernelState.COMPLETE
     fresh = backend.download_output(kernel, tmp_path / "good", "good-1")
     assert fresh.fresh and fresh.progress["run_id"] == "good-1"
 
-    bad = SessionKernel(kernel=kernel, title="Toy stale session", spec_text="name: broken\nrecipe: nope\n",
+    bad = SessionKernel(kernel=kernel, title="Toy stale", spec_text="name: broken\nrecipe: nope\n",
                         run_id="bad-2")
     assert backend.push_session(bad).version == 2
     status = wait_state(backend, kernel, 60)

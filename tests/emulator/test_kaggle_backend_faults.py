@@ -60,7 +60,7 @@ def test_every_operation_ends_right_under_faults(make_emulator, tmp_path):
     listed = {f.name: f.size for f in backend.list_dataset_files(f"{USER}/relay-ckpt-test")}
     assert listed["weights.bin"] == 300_000 and "checkpoints/step-00000001/state.pt" in listed
 
-    session = SessionKernel(kernel=f"{USER}/toy-session", title="Toy relay session", spec_text=TOY_SPEC_YAML,
+    session = SessionKernel(kernel=f"{USER}/toy-session", title="Toy session", spec_text=TOY_SPEC_YAML,
                             run_id="run-0001", enable_gpu=True)
     # No checkpoint_dataset: the folders above are not relay checkpoints, and a session told to resume from
     # one that is not valid refuses to start (tests/orchestrator/test_relay_corrupt_ckpt.py); this one starts fresh.

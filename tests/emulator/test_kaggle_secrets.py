@@ -44,7 +44,7 @@ def test_no_secret_in_anything_stored_or_logged(make_emulator, isolated_env, tmp
     data.mkdir()
     (data / "x.txt").write_text("payload")
     backend.publish_folder(data, f"{USER}/secret-test-data", "Secret test data", "v1")
-    session = SessionKernel(kernel=f"{USER}/toy-secret", title="Toy secret session", spec_text=TOY_SPEC_YAML,
+    session = SessionKernel(kernel=f"{USER}/toy-secret", title="Toy secret", spec_text=TOY_SPEC_YAML,
                             run_id="secret-1", data_dataset=f"{USER}/secret-test-data")
     assert backend.push_session(session).pushed
     dump_env = "import os, json; json.dump(dict(os.environ), open('env.json', 'w'))\nprint(sorted(os.environ))\n"
@@ -69,11 +69,11 @@ def test_no_secret_in_anything_stored_or_logged(make_emulator, isolated_env, tmp
 def test_push_refuses_a_source_that_contains_the_key(make_emulator):
     emu = make_emulator()
     backend = backend_for(emu)
-    leaky = SessionKernel(kernel=f"{USER}/leaky", title="Leaky session", run_id="leak-1",
+    leaky = SessionKernel(kernel=f"{USER}/leaky-session", title="Leaky session", run_id="leak-1",
                           spec_text=TOY_SPEC_YAML + f"# key: {FAKE_KEY}\n")
     with pytest.raises(KaggleError, match="contains the Kaggle credential"):
         backend.push_session(leaky)
-    assert f"{USER}/leaky" not in emu.store.kernels
+    assert f"{USER}/leaky-session" not in emu.store.kernels
 
 
 def test_credentials_never_in_repr_and_sources():

@@ -17,7 +17,7 @@ from relay.orchestrator.kaggle.bundle import build_bundle
 from relay.orchestrator.kaggle.credentials import resolve
 from relay.orchestrator.kaggle.kernel_source import render, run_id_marker
 from relay.orchestrator.kaggle.retry import call, is_transient, unless_absent
-from relay.orchestrator.kaggle.types import NotFound
+from relay.orchestrator.kaggle.types import KaggleError, NotFound
 from relay.shared.errors import InputError
 from relay.shared.session_plan import SessionPlan
 
@@ -149,3 +149,17 @@ def test_fault_plan_replays_for_a_seed():
     assert [first.decide("SaveKernel").kind for _ in range(2)] == ["lost", "ok"]
     with pytest.raises(InputError, match="unknown kind"):
         FaultPlan({"methods": {"X": {"script": ["boom"]}}})
+
+
+def test_a_kagglesdk_without_the_endpoint_table_is_one_line(monkeypatch):
+    """The emulator's address goes into kagglesdk's private kaggle_env._env_to_endpoint (pyproject.toml pins the
+    versions that keep it); a kagglesdk laid out otherwise (stood in for here: only one version is installed) is
+    one line naming the range, not a call that silently goes to kaggle.com."""
+    from kagglesdk import kaggle_env
+
+    from relay.orchestrator.kaggle import client
+
+    monkeypatch.setattr(kaggle_env, "_env_to_endpoint", None)
+    with pytest.raises(KaggleError, match=r"^kagglesdk: this version keeps no kaggle_env._env_to_endpoint table,"
+                                          r" .*install kagglesdk>=0.1.30,<0.2$"):
+        client._endpoints_per_thread()

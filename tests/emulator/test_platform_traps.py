@@ -9,13 +9,13 @@
   the relay classifies that as a budget set too long;
 - mounts in both layouts (`<input>/<slug>`; `<input>/datasets|notebooks/<owner>/<slug>`), found by the
   session kernel's search;
-- enable_gpu without a machine shape would get a P100: the spec defaults the shape, the backend always sends one.
+- enable_gpu without a machine shape would get a P100: the spec defaults the shape, the backend always sends one;
+  a retired or unknown shape is refused by the spec.
 Every wait is for an event (a file the kernel writes, a state reached), never a sleep tuned to a machine.
 """
 from __future__ import annotations
 
 import json
-import logging
 import re
 import time
 from pathlib import Path
@@ -27,6 +27,7 @@ from relay.orchestrator import chain, handoff
 from relay.orchestrator.kaggle import KernelState, Refusal, SessionKernel
 from relay.orchestrator.kaggle.backend import ClientBackend
 from relay.orchestrator.kaggle.kernel_source import _RUNNER
+from relay.shared.errors import InputError
 from relay.shared.spec import DEFAULT_GPU_SHAPE, KaggleConfig
 
 LAG_FOREVER = {"status_lag": {"calls": 10 ** 9}}  # unpinned status/output never see the newest version
@@ -204,21 +205,27 @@ def test_the_kernel_search_prefers_the_owner_layouts_and_falls_back_to_the_slug(
 
 
 # -- accelerators -------------------------------------------------------------------------------------------
-def test_gpu_without_a_shape_gets_t4_x2_not_a_p100_and_p100_warns(caplog):
+def test_gpu_without_a_shape_gets_t4_x2_and_a_retired_or_unknown_shape_is_refused():
     assert DEFAULT_GPU_SHAPE == "NvidiaTeslaT4"
     assert KaggleConfig().machine_shape == "NvidiaTeslaT4"
     assert KaggleConfig(machine_shape=None).machine_shape == "NvidiaTeslaT4"
     assert KaggleConfig(enable_gpu=False).machine_shape is None
     assert KaggleConfig(machine_shape="NvidiaL4").machine_shape == "NvidiaL4"
-    with caplog.at_level(logging.WARNING, logger="relay.shared.spec"):
-        assert KaggleConfig(machine_shape="NvidiaTeslaP100").machine_shape == "NvidiaTeslaP100"
-    assert "P100s fail on Kaggle's current CUDA 12.8 image" in caplog.text
+    # Kaggle runs a retired shape on another without a word (kaggle-cli PR #1192): the spec refuses it, one line
+    with pytest.raises(ValueError, match="kaggle.machine_shape: NvidiaTeslaP100 is retired: Kaggle runs it on"
+                                         " NvidiaTeslaT4 instead"):
+        KaggleConfig(machine_shape="NvidiaTeslaP100")
+    with pytest.raises(ValueError, match="kaggle.machine_shape: expected one of NvidiaTeslaT4, .*got 'T4x2'"):
+        KaggleConfig(machine_shape="T4x2")
     # the backend never pushes a GPU kernel without a shape, whoever built the SessionKernel
     meta = ClientBackend._metadata(SessionKernel(kernel="u/k", title="Title", spec_text="", run_id="r",
                                                  machine_shape=None))
     assert meta["enable_gpu"] is True and meta["machine_shape"] == "NvidiaTeslaT4"
     assert "machine_shape" not in ClientBackend._metadata(
         SessionKernel(kernel="u/k", title="Title", spec_text="", run_id="r", enable_gpu=False))
+    with pytest.raises(InputError, match="^kernel u/k: machine shape NvidiaTeslaP100 is retired"):  # however built
+        ClientBackend._metadata(SessionKernel(kernel="u/k", title="Title", spec_text="", run_id="r",
+                                              machine_shape="NvidiaTeslaP100"))
 
 
 def test_gpus_are_recorded_per_session_and_shown_in_the_table():

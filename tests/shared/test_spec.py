@@ -80,7 +80,10 @@ BAD = [
     ("disk-budget-0", put("checkpoints.disk_budget_gb", 0),
      "checkpoints.disk_budget_gb: Input should be greater than 0 (got 0)"),
     ("bad-name", put("name", "My Run"),
-     "name: String should match pattern '^[a-z0-9][a-z0-9-]{2,49}$' (got 'My Run')"),
+     "name: String should match pattern '^[a-z0-9]+(?:-[a-z0-9]+)*$' (got 'My Run')"),
+    # Kaggle names the session kernel after its title `<name> session`: a name slugify would change is refused
+    ("name-not-its-own-slug", put("name", "my--run"),
+     "name: String should match pattern '^[a-z0-9]+(?:-[a-z0-9]+)*$' (got 'my--run')"),
     ("bad-kaggle-duration", put("kaggle.session_timeout", "12 h"),
      "kaggle.session_timeout: expected seconds or a duration like '11h30m' (got '12 h')"),
 ]

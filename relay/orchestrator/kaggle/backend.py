@@ -14,16 +14,19 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
 
-from relay.orchestrator.kaggle import kernel_source, output
+from relay.orchestrator.kaggle import kernel_lookup, kernel_source, output
 from relay.orchestrator.kaggle.bundle import build_bundle
 from relay.orchestrator.kaggle.client import KaggleClient
 from relay.orchestrator.kaggle.credentials import KaggleCredentials, resolve
 from relay.orchestrator.kaggle.datasets import DatasetPublisher, list_dataset_files
 from relay.orchestrator.kaggle.retry import RetryPolicy, http_status, unless_absent
+from relay.shared import accelerators
 from relay.shared.errors import InputError
 from relay.shared.spec import DEFAULT_GPU_SHAPE
-from relay.orchestrator.kaggle.types import (DatasetFile, KaggleError, KernelState, KernelStatus, NotFound, PublishResult,
-                                PushResult, Quota, Refusal, SessionKernel, SessionOutput)
+from relay.orchestrator.kaggle.kernel_lookup import landed_ref, slug_of_title
+from relay.orchestrator.kaggle.types import (DatasetFile, KaggleError, KernelState, KernelStatus,
+                                             NotFound, PublishResult, PushResult, Quota, Refusal, SessionKernel,
+                                             SessionOutput)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,10 @@ class ClientBackend:
         owner, slug = split_ref(session.kernel, "kernel")
         if len(session.title) < 5:
             raise InputError(f"kernel title {session.title!r}: Kaggle needs at least 5 characters")
+        if slug_of_title(session.title) != slug:
+            # Kaggle names a new kernel after its title, not the slug pushed (the client only warns)
+            raise InputError(f"kernel title {session.title!r}: Kaggle would make it the kernel"
+                             f" {owner}/{slug_of_title(session.title)}, not {session.kernel}")
         bundle = build_bundle(user_code=session.code_folder, exclude=session.code_exclude)
         source = kernel_source.render(session, bundle)
         for secret in self.client.credentials.secrets:
@@ -130,6 +137,10 @@ class ClientBackend:
             message = error or "push answered without a version number"
             return PushResult(False, refusal=classify_refusal(message), message=message,
                               code_version=bundle.code_version)
+        landed = landed_ref(getattr(response, "ref", "") or "")
+        if landed and landed != session.kernel:
+            raise KaggleError(f"push {session.kernel}: Kaggle put it at {landed} (its slug comes from the title"
+                              f" {session.title!r}): the relay never reads that kernel; delete it on Kaggle")
         log.info("kernel %s: pushed run %s as version %s", session.kernel, session.run_id, version)
         return PushResult(True, version, code_version=bundle.code_version)
 
@@ -151,6 +162,9 @@ class ClientBackend:
         }
         if session.enable_gpu:  # without a shape Kaggle gives a P100, which fails on its current image
             meta["machine_shape"] = session.machine_shape or DEFAULT_GPU_SHAPE
+            problem = accelerators.shape_problem(meta["machine_shape"])  # a retired one runs on another machine
+            if problem:
+                raise InputError(f"kernel {session.kernel}: machine shape {problem}")
         return meta
 
     def _active_version(self, kernel: str) -> Optional[Tuple[int, KernelState]]:
@@ -173,16 +187,8 @@ class ClientBackend:
         return response.metadata.current_version_number if response.metadata else None
 
     def _get_kernel(self, owner: str, slug: str, version: Optional[int] = None) -> Any:
-        """GetKernel's response (metadata + the pushed source; of version `version` as `kaggle kernels pull
-        owner/slug/N` asks), None when the kernel (or that version) does not exist."""
-        def get(kaggle: Any) -> Any:
-            from kagglesdk.kernels.types.kernels_api_service import ApiGetKernelRequest
-
-            request = ApiGetKernelRequest()
-            request.user_name, request.kernel_slug = owner, f"{slug}/{version}" if version else slug
-            return kaggle.kernels.kernels_api_client.get_kernel(request)
-
-        return unless_absent(lambda: self.client.sdk(f"get kernel {owner}/{slug}", get), None)
+        """GetKernel's response (of version `version`, asked as "v<N>"), None when the kernel or version is absent."""
+        return kernel_lookup.get_kernel(self.client, owner, slug, version)
 
     # -- what the relay observes (it keeps no state of its own) ----------------------------------
     @property
@@ -257,8 +263,8 @@ class ClientBackend:
         label = f" v{version}" if version is not None else ""
         try:
             response = self.client.sdk(f"status {kernel}{label}", get)
-        except Exception as exc:  # noqa: BLE001
-            if http_status(exc) in (401, 403, 404):
+        except Exception as exc:  # noqa: BLE001 - absent (403 on Kaggle, 404) is NotFound; refused credentials say so
+            if kernel_lookup.absent(self.client, exc, owner, slug):
                 raise NotFound(f"kernel {kernel}{label}: not found or not accessible") from exc
             raise
         name = getattr(response.status, "name", str(response.status)).lower()

@@ -49,6 +49,15 @@ class _EndpointPerThread(dict):
 def _endpoints_per_thread() -> None:
     from kagglesdk import kaggle_env
 
+    # kagglesdk has no public way to name an endpoint: its private table, read by get_endpoint() each time a client
+    # is built, is the same in 0.1.30-0.1.38 (pyproject.toml's range); another layout is one line, not a call to
+    # kaggle.com
+    table, env = getattr(kaggle_env, "_env_to_endpoint", None), getattr(kaggle_env, "KaggleEnv", None)
+    if not isinstance(table, dict) or getattr(env, "LOCAL", None) not in table:
+        from relay.orchestrator.kaggle.types import KaggleError
+
+        raise KaggleError("kagglesdk: this version keeps no kaggle_env._env_to_endpoint table, so the relay cannot"
+                          " point it at the emulator; install kagglesdk>=0.1.30,<0.2")
     with _TRANSPORT_LOCK:
         if not isinstance(kaggle_env._env_to_endpoint, _EndpointPerThread):
             kaggle_env._env_to_endpoint = _EndpointPerThread(kaggle_env._env_to_endpoint, kaggle_env.KaggleEnv.LOCAL)

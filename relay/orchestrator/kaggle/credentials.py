@@ -1,7 +1,10 @@
 """Kaggle credentials from the places users keep them, held so they never reach a repr, log or file.
 
-Order (the `kaggle` client's own): an access token (KAGGLE_API_TOKEN, value or file path), then a legacy key
-(KAGGLE_USERNAME/KAGGLE_KEY, then kaggle.json in KAGGLE_CONFIG_DIR or ~/.kaggle). A caller may pass its own
+Order (the `kaggle` client's own, kagglesdk kaggle_env.get_access_token_from_env): an access token
+(KAGGLE_API_TOKEN, a value or the path of a file holding it; else the file ~/.kaggle/access_token, or
+~/.kaggle/access_token.txt, under HOME whatever KAGGLE_CONFIG_DIR says), then a legacy key (KAGGLE_USERNAME/
+KAGGLE_KEY, then kaggle.json in KAGGLE_CONFIG_DIR or ~/.kaggle). The client asks Kaggle whose a token is; the
+relay needs the username before its first call, so a token comes with KAGGLE_USERNAME (or kaggle.json's). A caller may pass its own
 source instead: a `KaggleCredentials`, a dict, a JSON string, or any object with `.get()` (a Prefect Secret
 block) or a callable returning one of those, so this package never imports Prefect.
 """
@@ -46,22 +49,45 @@ def resolve(source: Any = None, env: Optional[Mapping[str, str]] = None,
     if source is not None:
         return _from_source(source, username)
     env = os.environ if env is None else env
-    token = env.get("KAGGLE_API_TOKEN")
+    home = Path(env.get("HOME", "~")).expanduser()
+    config_dir = Path(env.get("KAGGLE_CONFIG_DIR") or home / ".kaggle")
+    kaggle_json = config_dir / "kaggle.json"
+    token, where = _token(env, home)
     if token:
-        if Path(token).is_file():
-            token = Path(token).read_text().strip()
-        user = username or env.get("KAGGLE_USERNAME")
+        user = username or env.get("KAGGLE_USERNAME") or _json_username(kaggle_json)
         if not user:
-            raise InputError("KAGGLE_API_TOKEN is set but no username: set KAGGLE_USERNAME too")
-        return KaggleCredentials(user, token=token, source="KAGGLE_API_TOKEN")
+            raise InputError(f"{where} holds a Kaggle access token but no username comes with it: set"
+                             " KAGGLE_USERNAME")
+        return KaggleCredentials(user, token=token, source=where)
     if env.get("KAGGLE_USERNAME") and env.get("KAGGLE_KEY"):
         return KaggleCredentials(env["KAGGLE_USERNAME"], key=env["KAGGLE_KEY"], source="KAGGLE_USERNAME/KAGGLE_KEY")
-    config_dir = Path(env.get("KAGGLE_CONFIG_DIR") or Path(env.get("HOME", "~")).expanduser() / ".kaggle")
-    kaggle_json = config_dir / "kaggle.json"
     if kaggle_json.is_file():
         return _from_mapping(_parse_json(kaggle_json.read_text(), str(kaggle_json)), username, str(kaggle_json))
     raise InputError("no Kaggle credentials: set KAGGLE_API_TOKEN, KAGGLE_USERNAME/KAGGLE_KEY,"
-                     f" or write {kaggle_json}")
+                     f" or write {home / '.kaggle' / 'access_token'} or {kaggle_json}")
+
+
+def _token(env: Mapping[str, str], home: Path) -> tuple:
+    """(the access token, where it was found) as the client finds it, or (None, "")."""
+    value = env.get("KAGGLE_API_TOKEN")
+    if value:
+        if not Path(value).exists():
+            return value.strip(), "KAGGLE_API_TOKEN"
+        token = Path(value).read_text().strip()
+        if not token:
+            raise InputError(f"KAGGLE_API_TOKEN names the file {value}, which is empty: expected the token in it")
+        return token, f"KAGGLE_API_TOKEN ({value})"
+    for path in (home / ".kaggle" / "access_token", home / ".kaggle" / "access_token.txt"):
+        token = path.read_text().strip() if path.is_file() else ""
+        if token:  # an empty file is passed over, as the client passes it over
+            return token, str(path)
+    return None, ""
+
+
+def _json_username(path: Path) -> Optional[str]:
+    if not path.is_file():
+        return None
+    return str(_parse_json(path.read_text(), str(path)).get("username") or "") or None
 
 
 def _from_source(source: Any, username: Optional[str]) -> KaggleCredentials:

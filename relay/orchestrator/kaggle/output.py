@@ -43,8 +43,9 @@ def list_output(client: KaggleClient, owner: str, slug: str,
                 request.version_label = f"v{version}"
             return kaggle.kernels.kernels_api_client.list_kernel_session_output(request)
 
+        # a kernel Kaggle will not show (absent, or not the caller's) lists as 403 (kaggle-cli PR #951)
         response = unless_absent(lambda: client.sdk(f"output of {owner}/{slug}", page),
-                                 NotFound(f"kernel {owner}/{slug}: not found"))
+                                 NotFound(f"kernel {owner}/{slug}: not found or not accessible"), (403, 404))
         files += [(f.file_name, f.url) for f in response.files or []]
         log_text = response.log or log_text
         token = response.next_page_token or ""

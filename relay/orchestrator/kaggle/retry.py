@@ -93,13 +93,14 @@ def http_status(exc: BaseException) -> Optional[int]:
     return status
 
 
-def unless_absent(call: Callable[[], T], absent):
-    """call()'s answer; on Kaggle's 404 (no such kernel, dataset or file) `absent` instead: raised if it is an
-    exception (a NotFound naming what was asked), else returned (None, False, "absent")."""
+def unless_absent(call: Callable[[], T], absent, statuses: Tuple[int, ...] = (404,)):
+    """call()'s answer; on Kaggle's 404 (no such kernel, dataset or file; `statuses` when a call answers absence
+    otherwise) `absent` instead: raised if it is an exception (a NotFound naming what was asked), else returned
+    (None, False, "absent")."""
     try:
         return call()
     except Exception as exc:  # noqa: BLE001 - a 404 is an answer; anything else goes up as it came
-        if http_status(exc) != 404:
+        if http_status(exc) not in statuses:
             raise
         if isinstance(absent, BaseException):
             raise absent from exc

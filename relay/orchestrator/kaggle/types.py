@@ -31,7 +31,11 @@ class KaggleHTTPError(KaggleError):
 
 
 class NotFound(KaggleError):
-    """The kernel or dataset does not exist (HTTP 404)."""
+    """The kernel or dataset does not exist (HTTP 404; for a kernel, 403 too: see backend.ClientBackend._absent)."""
+
+
+class CredentialsRefused(KaggleError):
+    """Kaggle refuses the account's credentials (a call that names nothing of the account's was refused too)."""
 
 
 class PublishError(KaggleError):
