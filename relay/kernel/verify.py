@@ -34,7 +34,6 @@ KILL_MARKER_ENV = environment.KILL_MARKER
 # in this process, so a resume inside a logging window logs a different mean (training state is unaffected)
 _IGNORED_KEYS = {"sessions", "log_history"}
 _IGNORED_FILES = {"training_args.bin"}  # HF's pickled arguments: output_dir differs between the two runs
-_FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".json", ".bin", ".ckpt")
 
 
 @dataclass
@@ -254,9 +253,9 @@ def compare(a: Any, b: Any, path: str = "") -> Iterator[str]:
             where = f"{path}.{key}" if path else str(key)
             if key not in a or key not in b:
                 yield f"{where}: only in the {'split' if key in b else 'straight'} run"
-            elif _is_file(key, a[key]) and _is_file(key, b[key]):  # a trainer's checkpoint file, packed
+            elif trace.is_packed_file(key, a[key]) and trace.is_packed_file(key, b[key]):  # a trainer's file
                 if key not in _IGNORED_FILES:
-                    yield from compare(_decode(key, a[key]), _decode(key, b[key]), where)
+                    yield from compare(trace.decode_packed(key, a[key]), trace.decode_packed(key, b[key]), where)
             else:
                 yield from compare(a[key], b[key], where)
     elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
@@ -274,26 +273,3 @@ def compare(a: Any, b: Any, path: str = "") -> Iterator[str]:
                 yield f"{path}: {int((a != b).sum())} of {a.numel()} values differ"
     elif a != b and not (isinstance(a, float) and isinstance(b, float) and a != a and b != b):
         yield f"{path}: {json.dumps(a, default=str)[:60]} vs {json.dumps(b, default=str)[:60]}"
-
-
-def _is_file(key: Any, value: Any) -> bool:
-    import torch
-
-    return isinstance(key, str) and key.endswith(_FILE_SUFFIXES) and torch.is_tensor(value) and value.dtype == torch.uint8
-
-
-def _decode(name: str, data) -> Any:
-    """A packed file's content, compared by value (a tensor file byte for byte would hide which tensor)."""
-    import io
-
-    import torch
-
-    raw = data.numpy().tobytes()
-    if name.endswith(".safetensors"):
-        from safetensors.torch import load
-
-        return load(raw)
-    if name.endswith(".json"):
-        return json.loads(raw)
-    # the user's own trainer wrote these files in this very verification: trusted, and RNG files hold numpy
-    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)

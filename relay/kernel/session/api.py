@@ -226,15 +226,19 @@ class Session:
         DataFrame directly; `.tolist()` for a list): epoch e is a permutation seeded by (seed, e), so any step's
         batch costs one permutation (O(1) in the step), never a replay of the batches before it. With several
         processes, `batch_size` is the effective batch and rank r gets the r-th equal slice of it."""
+        s = self._schedule_for(n_samples, batch_size, seed)
+        indices = data.rank_indices(s, self.book.global_step, self.world.rank, self.world.size)
+        if self._trace:
+            self._trace.batch(indices, self.book.global_step)
+        return indices
+
+    def _schedule_for(self, n_samples: int, batch_size: int, seed: Optional[int]) -> data.StepSchedule:
         seed = self.config.seed if seed is None else seed
         s = self._schedule
         if s is None or s.effective_batch != batch_size or s.n_samples != n_samples or s.seed != seed:
             api_distributed.rank_batch(self.world, batch_size)  # checked once per schedule, not every step
             self._schedule = s = data.StepSchedule(n_samples, batch_size, seed, setting="batch_size")
-        indices = data.rank_indices(s, self.book.global_step, self.world.rank, self.world.size)
-        if self._trace:
-            self._trace.batch(indices)
-        return indices
+        return s
 
     def batches(self, n_samples: int, batch_size: int, seed: Optional[int] = None) -> Iterator[np.ndarray]:
         """The current step's indices, until should_stop(); call step_done() after each."""
@@ -245,8 +249,7 @@ class Session:
         """A DataLoader batch_sampler for trainers that own the loop (Lightning): each iteration starts at the
         session's current step, in the same step-derived order as batches(); its length is the whole run, so
         a trainer that resumes mid-"epoch" counts the remaining batches right and never starts a second pass."""
-        self.batch_indices(n_samples, batch_size, seed)  # builds the schedule
-        return RunBatchSampler(self, self._schedule)
+        return RunBatchSampler(self, self._schedule_for(n_samples, batch_size, seed))
 
     @property
     def epoch(self) -> int:
@@ -472,8 +475,14 @@ class RunBatchSampler(torch.utils.data.Sampler):
         self.session, self.schedule = session, schedule
 
     def __iter__(self) -> Iterator[list[int]]:
+        trace = self.session._trace  # under verify-resume: each step's batch as it is drawn, after restore()
+        if trace:
+            trace.new_stream()
         for step in range(self.session.step, self.session.total_steps):
-            yield data.rank_indices(self.schedule, step, self.session.rank, self.session.world_size).tolist()
+            indices = data.rank_indices(self.schedule, step, self.session.rank, self.session.world_size)
+            if trace:
+                trace.drawn(indices)
+            yield indices.tolist()
 
     def __len__(self) -> int:
         return self.session.total_steps

@@ -1,16 +1,20 @@
 """Per-step fingerprints that let `relay verify-resume` say WHY a split run left the straight one.
 
 Under `relay verify-resume` (env RELAY_TRACE names a file) the Session API appends one JSON line per step:
-digests of every registered object's state and of the RNGs at the step's start, of the step's batch indices
-(when they come from session.batches), the loss, whether the step was the first after a resume, where the
-script made a DataLoader iterator without generator= (it draws its seed from the global RNG), and, once per
-session, the objects in the script's frame that have a state_dict but were not registered. Nothing is
-recorded otherwise. `diagnose` compares two traces and names the first step and what differed there.
+digests of every registered object's state (whole, and field by field: `optimizer.param_groups[0].lr`) and of
+the RNGs at the step's start, of the batch indices the step trained on as they were drawn (session.batches, or
+each step that session.batch_sampler yields to a DataLoader, in the order drawn, so a loader that fetches ahead
+still pairs each step with its own batch; unknown, and never compared, when the script draws its batches
+otherwise), the loss, whether the step was the first after a resume, where the script made a DataLoader iterator
+without generator= (it draws its seed from the global RNG), and, once per session, the objects in the script's
+frame that have a state_dict but were not registered. Nothing is recorded otherwise. `diagnose` compares two
+traces and names the first step and what differed there.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+from collections import deque
 from pathlib import Path
 from typing import Any, Optional
 from relay.shared import environment
@@ -49,11 +53,66 @@ def _feed(h, value: Any) -> None:
         h.update(repr(value).encode())
 
 
+# a trainer's checkpoint file packed as a registered object's state (Accelerate's save_state, HF's checkpoint-N)
+_FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".json", ".bin", ".ckpt", ".pkl")
+
+
+def is_packed_file(key: Any, value: Any) -> bool:
+    import torch
+
+    return isinstance(key, str) and key.endswith(_FILE_SUFFIXES) and torch.is_tensor(value) and value.dtype == torch.uint8
+
+
+def decode_packed(name: str, data) -> Any:
+    """A packed file's content, compared by value (a tensor file byte for byte would hide which tensor); the
+    bytes themselves when it does not open as its suffix says."""
+    import io
+    import pickle
+
+    import torch
+
+    raw = data.numpy().tobytes()
+    try:
+        if name.endswith(".safetensors"):
+            from safetensors.torch import load
+
+            return load(raw)
+        if name.endswith(".json"):
+            return json.loads(raw)
+        # the user's own trainer wrote these files in this very verification: trusted, and RNG files hold numpy
+        try:
+            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+        except Exception:  # noqa: BLE001 - a .pkl written by pickle itself
+            if name.endswith(".pkl"):
+                return pickle.loads(raw)
+            raise
+    except Exception:  # noqa: BLE001
+        return data
+
+
+def field_digests(value: Any, path: str = "", out: Optional[dict] = None) -> dict:
+    """{field path: digest} of each leaf of a state (`param_groups[0].lr`, `state.0.exp_avg`); a packed trainer
+    file is opened, so a field inside it is named (`random_states_0.pkl.step`)."""
+    out = {} if out is None else out
+    if isinstance(value, dict):
+        for key in sorted(value, key=str):
+            where = f"{path}.{key}" if path else str(key)
+            item = value[key]
+            field_digests(decode_packed(key, item) if is_packed_file(key, item) else item, where, out)
+    elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (dict, list, tuple)) for v in value):
+        for i, item in enumerate(value):
+            field_digests(item, f"{path}[{i}]", out)
+    else:
+        out[path] = digest(value)
+    return out
+
+
 class StepTrace:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._start: dict = {}
-        self._batch: Optional[str] = None
+        self._direct: Optional[tuple[int, str]] = None  # (step, digest) of session.batch_indices' last call
+        self._drawn: deque = deque()  # digests of the steps a batch_sampler yielded, not yet trained
         self._resumed = False
         self._unregistered: Optional[dict] = None
         self._loaders: list = []  # where the step made DataLoader iterators that draw from the global RNG
@@ -75,15 +134,31 @@ class StepTrace:
         self._resumed = resumed
         self._capture(session)
 
-    def batch(self, indices) -> None:
-        self._batch = digest([int(i) for i in indices])
+    def batch(self, indices, step: int) -> None:
+        """session.batch_indices: step `step`'s batch, drawn when the loop is at that step."""
+        self._direct = (step, digest([int(i) for i in indices]))
+
+    def drawn(self, indices) -> None:
+        """A step's batch as a batch_sampler yields it to its DataLoader: the steps train on them in this order."""
+        self._drawn.append(digest([int(i) for i in indices]))
+
+    def new_stream(self) -> None:
+        """A new iterator of a batch_sampler: what an earlier one drew and no step trained on is not trained on."""
+        self._drawn.clear()
+
+    def _step_batch(self, step: int) -> Optional[str]:
+        if self._drawn:
+            return self._drawn.popleft()
+        if self._direct is not None and self._direct[0] == step:
+            return self._direct[1]
+        return None  # not drawn through the session: unknown, never compared
 
     def step_done(self, session, loss: Any, frame) -> None:
         """One line for the step just done (session.step before the increment), then the next step's start."""
         if self._unregistered is None:
             self._unregistered = _unregistered(session, frame)
-        record = {"step": session.step, "resumed": self._resumed, **self._start, "batch": self._batch,
-                  "loss": None if loss is None else float(loss)}
+        record = {"step": session.step, "resumed": self._resumed, **self._start,
+                  "batch": self._step_batch(session.step), "loss": None if loss is None else float(loss)}
         if self._unregistered:
             record["unregistered"] = self._unregistered
             self._unregistered = {}
@@ -91,14 +166,16 @@ class StepTrace:
             record["loaders"], self._loaders = self._loaders, []
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        self._resumed, self._batch = False, None
+        self._resumed = False
         self._capture(session)
 
     def _capture(self, session) -> None:
         from relay.kernel.session.api_distributed import unwrap
         from relay.kernel.session.rng import rng_state
 
-        self._start = {"objects": {n: digest(unwrap(o).state_dict()) for n, o in session.objects.items()},
+        states = {n: unwrap(o).state_dict() for n, o in session.objects.items()}
+        self._start = {"objects": {n: digest(s) for n, s in states.items()},
+                       "fields": {n: field_digests(s) for n, s in states.items()},
                        "rng": digest(rng_state(session._device()))}
 
 
@@ -196,26 +273,43 @@ def diagnose(straight: Path, split: Path) -> Optional[str]:
         ra, rb = a[step], b[step]
         where = f"step {step} ({'the first after a resume' if rb.get('resumed') else 'inside a session'})"
         objects = sorted(n for n in ra["objects"] if ra["objects"][n] != rb["objects"].get(n))
-        if objects or ra["rng"] != rb["rng"] or ra["batch"] != rb["batch"] or ra["loss"] != rb["loss"]:
+        # a batch is compared only when both runs drew it through the session: an unknown one is not a difference
+        batch_known = ra.get("batch") is not None and rb.get("batch") is not None
+        batch_differs = batch_known and ra["batch"] != rb["batch"]
+        if objects or ra["rng"] != rb["rng"] or batch_differs or ra["loss"] != rb["loss"]:
             loader = _loader_cause(a, b, step)
             if loader:  # the runs part here, and the split run's fresh iterators drew from the global RNG
                 return f"{where}: {loader}" + hint
         differ = "differs" if len(objects) == 1 else "differ"
+        named = ", ".join(_named(n, ra, rb) for n in objects)
         if objects and rb.get("resumed"):
-            return (f"{where}: the restored {', '.join(objects)} {differ} from the straight run's: a state_dict /"
+            return (f"{where}: the restored {named} {differ} from the straight run's: a state_dict /"
                     " load_state_dict pair that does not carry all of the object's state." + hint)
         if objects:
-            return (f"{where}: {', '.join(objects)} {differ} at the step's start although step {step - 1} began"
-                    f" equal: the update of step {step - 1} differed, so something that shapes it was not"
-                    " carried across the resume (an unregistered scheduler, scaler or EMA)." + hint)
+            return (f"{where}: {named} {differ} at the step's start although step {step - 1} began"
+                    f" equal: the update of step {step - 1} differed, or the script changed it outside the step"
+                    " (after restore(), before its first step), so something that shapes it was not carried"
+                    " across the resume (an unregistered scheduler, scaler or EMA, a value set after restore())."
+                    + hint)
         if ra["rng"] != rb["rng"]:
             return (f"{where}: the RNG state at the step's start differs: the script draws random numbers"
                     " outside its steps (before restore(), or ahead of the step)." + hint)
-        if ra["batch"] != rb["batch"]:
+        if batch_differs:
             return f"{where}: the batch indices differ: the data order is not a function of the step." + hint
         if ra["loss"] != rb["loss"]:
-            return (f"{where}: the same state, RNG and batch indices gave a different loss ({ra['loss']} vs"
+            same = "state, RNG and batch indices" if batch_known else "state and RNG"
+            return (f"{where}: the same {same} gave a different loss ({ra['loss']} vs"
                     f" {rb['loss']}): the batch itself differs. The script draws from the global RNG outside"
                     " the step: a prefetched batch, drawn before the save and lost with the session; draw each"
                     " step's data inside the step, or derive it from session.batches." + hint)
     return None
+
+
+def _named(name: str, ra: dict, rb: dict, shown: int = 3) -> str:
+    """`optimizer (param_groups[0].lr)`: an object and the first fields of it that differ, when recorded."""
+    fa, fb = (r.get("fields", {}).get(name) or {} for r in (ra, rb))
+    paths = sorted(p for p in set(fa) | set(fb) if fa.get(p) != fb.get(p))
+    if not paths:
+        return name
+    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+    return f"{name} ({', '.join(paths[:shown])}{more})"
