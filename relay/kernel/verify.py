@@ -25,6 +25,7 @@ import yaml
 
 from relay.kernel.session import trace
 from relay.shared import environment
+from relay.shared.code_folder import accelerate_states
 from relay.shared.environment import SessionEnvironment
 from relay.shared.errors import InputError
 from relay.shared.version import PACKAGE_DIR
@@ -47,6 +48,7 @@ class Verdict:
     diagnosis: Optional[str] = None  # the first step the runs part, and why (relay.kernel.session.trace)
     lost_files: list = field(default_factory=list)  # written by the script outside its workdir
     cuts: list = field(default_factory=list)  # (step, why it is cut there)
+    accelerate_states: list = field(default_factory=list)  # Accelerate's save_state folders the script wrote there
 
     def text(self) -> str:
         split = ", ".join(f"{a}->{b}{'' if how == 'ok' else ' (' + how + ')'}" for a, b, how in self.sessions)
@@ -56,6 +58,9 @@ class Verdict:
         lost = (f"\n  warning: the script wrote {', '.join(self.lost_files[:5])}"
                 f"{' ...' if len(self.lost_files) > 5 else ''} in its code folder: a Kaggle session keeps only"
                 " what is written under session.workdir" if self.lost_files else "")
+        if self.accelerate_states:
+            lost += (f"\n  warning: {'/, '.join(self.accelerate_states)}/ in the code folder: Accelerate's save_state"
+                     " output, never shipped (the relay's checkpoint carries that state)")
         cuts = ", ".join(f"{step} ({why})" for step, why in self.cuts)
         cuts = f"\n  cut at steps {cuts}" if cuts else ""
         return f"{head}\n  {self.steps} steps straight vs sessions {split}; {self.seconds:.1f} s{cuts}{why}{lost}"
@@ -138,8 +143,10 @@ def verify_resume(spec_path: Path, steps: Optional[int] = None, *, seed: int = 0
     diffs = list(compare(left, right))
     why = trace.diagnose(_trace_file(a), _trace_file(b)) if diffs else None
     lost = sorted(rel for rel, mtime in _files(code, root).items() if before.get(rel) != mtime)
+    states = [d for d in accelerate_states(code) if any(rel.startswith(d + "/") for rel in lost)] if code else []
+    lost = [rel for rel in lost if not any(rel.startswith(d + "/") for d in states)]
     return Verdict(not diffs, steps, sessions, diffs[0] if diffs else None, len(diffs), time.monotonic() - t0, why,
-                   lost, chosen)
+                   lost, chosen, states)
 
 
 def _files(folder: Optional[Path], skip: Path) -> dict:

@@ -60,9 +60,48 @@ def test_an_optimizer_field_set_after_restore_is_named_not_the_batches(relay_cli
     assert first.startswith("differs: objects.optimizer.param_groups[0].resumed_at: 0 vs "), out.stdout
     assert "(and " not in first, out.stdout  # the only difference
     why = out.stdout.split("why: ", 1)[1]
-    assert why.startswith("step 8 (inside a session): optimizer (param_groups[0].resumed_at) differs"), why
+    assert why.startswith("step 7 (the first after a resume): optimizer (param_groups[0].resumed_at) differs at"
+                          " the step's start, although restore() brought back the straight run's"), why
     assert "batch" not in why, why
     straight, split = (trace.read(tmp_path / "v" / f"{run}.trace.jsonl") for run in ("straight", "split"))
     assert sorted(straight) == sorted(split) == list(range(16))
     assert all(straight[s]["batch"] is not None and straight[s]["batch"] == split[s]["batch"] for s in straight)
     assert split[7]["resumed"]
+
+
+# The seeding rule (docs/your-code.md): a seed before restore() is replaced by the restored RNG in a resumed
+# session and starts both runs alike in a fresh one; a seed after restore() replaces the restored RNG.
+SEEDED_LOOP = '''
+import torch, relay
+session = relay.open_session()
+BEFORE
+g = torch.Generator().manual_seed(0)
+x, y = torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
+model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+session.register(model=model, optimizer=opt)
+session.restore()
+AFTER
+for idx in session.batches(len(x), 8):
+    loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
+    opt.zero_grad(); loss.backward(); opt.step()
+    session.step_done(loss=loss.detach())
+session.close()
+'''
+
+
+def test_a_seed_between_open_session_and_restore_resumes_identically(relay_cli, tmp_path):
+    spec = _spec(tmp_path / "code", SEEDED_LOOP.replace("BEFORE", "torch.manual_seed(1234)").replace("AFTER", ""))
+    out = relay_cli.run("verify-resume", str(spec), "--steps", "16", "--cut-at", "7",
+                        "--workdir", str(tmp_path / "v"), timeout=600)
+    assert out.returncode == 0 and out.stdout.startswith("identical"), out.stdout + out.stderr[-3000:]
+
+
+def test_a_seed_after_restore_breaks_resume_and_the_why_says_so(relay_cli, tmp_path):
+    spec = _spec(tmp_path / "code", SEEDED_LOOP.replace("BEFORE", "").replace("AFTER", "torch.manual_seed(1234)"))
+    out = relay_cli.run("verify-resume", str(spec), "--steps", "16", "--cut-at", "7",
+                        "--workdir", str(tmp_path / "v"), timeout=600)
+    assert out.returncode == 1, out.stdout + out.stderr[-3000:]
+    why = out.stdout.split("why: ", 1)[1]
+    assert why.startswith("step 7 (the first after a resume): the RNG state at the step's start differs, although"
+                          " restore() brought back the straight run's: the script seeds"), why

@@ -114,6 +114,8 @@ class StepTrace:
         self._direct: Optional[tuple[int, str]] = None  # (step, digest) of session.batch_indices' last call
         self._drawn: deque = deque()  # digests of the steps a batch_sampler yielded, not yet trained
         self._resumed = False
+        self._session = None  # set by restore(): its first step's state is taken again at its first draw
+        self._restored: Optional[dict] = None  # digests as restore() left them, when a draw took them again
         self._unregistered: Optional[dict] = None
         self._loaders: list = []  # where the step made DataLoader iterators that draw from the global RNG
 
@@ -130,16 +132,28 @@ class StepTrace:
         self._loaders.append(where)
 
     def start(self, session, resumed: bool) -> None:
-        """After restore(): the state the session's first step starts from."""
+        """After restore(): the state the session's first step starts from, taken again when that step draws its
+        batch (what the script did between restore() and its first step, a seed or a value set, is then in it)."""
         self._resumed = resumed
         self._capture(session)
+        self._session = session
+
+    def _first_draw(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            restored = {"objects": self._start["objects"], "rng": self._start["rng"]}
+            self._capture(session)
+            if restored != {"objects": self._start["objects"], "rng": self._start["rng"]}:
+                self._restored = restored
 
     def batch(self, indices, step: int) -> None:
         """session.batch_indices: step `step`'s batch, drawn when the loop is at that step."""
+        self._first_draw()
         self._direct = (step, digest([int(i) for i in indices]))
 
     def drawn(self, indices) -> None:
         """A step's batch as a batch_sampler yields it to its DataLoader: the steps train on them in this order."""
+        self._first_draw()
         self._drawn.append(digest([int(i) for i in indices]))
 
     def new_stream(self) -> None:
@@ -159,6 +173,9 @@ class StepTrace:
             self._unregistered = _unregistered(session, frame)
         record = {"step": session.step, "resumed": self._resumed, **self._start,
                   "batch": self._step_batch(session.step), "loss": None if loss is None else float(loss)}
+        if self._restored is not None:  # the script changed state after restore(), before this step
+            record["restored"], self._restored = self._restored, None
+        self._session = None
         if self._unregistered:
             record["unregistered"] = self._unregistered
             self._unregistered = {}
@@ -282,6 +299,17 @@ def diagnose(straight: Path, split: Path) -> Optional[str]:
                 return f"{where}: {loader}" + hint
         differ = "differs" if len(objects) == 1 else "differ"
         named = ", ".join(_named(n, ra, rb) for n in objects)
+        restored = rb.get("restored") or {"objects": rb["objects"], "rng": rb["rng"]}  # as restore() left them
+        if objects and rb.get("resumed") and all(restored["objects"].get(n) == ra["objects"][n] for n in objects):
+            return (f"{where}: {named} {differ} at the step's start, although restore() brought back the straight"
+                    f" run's: the script changes {'it' if len(objects) == 1 else 'them'} after restore(), before"
+                    " its first step, where the uninterrupted run did not: set it before restore() (restore() then"
+                    " brings back the saved value), or only on a fresh run (when restore() returns 0)." + hint)
+        if ra["rng"] != rb["rng"] and rb.get("resumed") and restored["rng"] == ra["rng"]:
+            return (f"{where}: the RNG state at the step's start differs, although restore() brought back the"
+                    " straight run's: the script seeds (torch.manual_seed, set_seed) or draws random numbers after"
+                    " restore(), before its first step. Seed before restore() (it replaces the RNGs of a resumed"
+                    " session), or not at all (open_session() seeds from the spec's seed)." + hint)
         if objects and rb.get("resumed"):
             return (f"{where}: the restored {named} {differ} from the straight run's: a state_dict /"
                     " load_state_dict pair that does not carry all of the object's state." + hint)
