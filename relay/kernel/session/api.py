@@ -14,7 +14,7 @@ so the same script runs on a laptop, in the emulator and on Kaggle. A SIGTERM on
 happens at the next step boundary (never inside the handler: Lightning #21406). The stop is decided from
 the measured step and save times (relay.kernel.session.budget.SessionClock), not a fixed lead.
 
-Longer than most modules (~460 lines): the Session class is the API users read, one documented method per
+Longer than most modules (~530 lines): the Session class is the API users read, one documented method per
 thing a script does; what it writes to the workdir is session/core.py's. The built-in Trainer drives it too.
 """
 from __future__ import annotations
