@@ -306,10 +306,16 @@ def diagnose(straight: Path, split: Path) -> Optional[str]:
                     " its first step, where the uninterrupted run did not: set it before restore() (restore() then"
                     " brings back the saved value), or only on a fresh run (when restore() returns 0)." + hint)
         if ra["rng"] != rb["rng"] and rb.get("resumed") and restored["rng"] == ra["rng"]:
-            return (f"{where}: the RNG state at the step's start differs, although restore() brought back the"
-                    " straight run's: the script seeds (torch.manual_seed, set_seed) or draws random numbers after"
-                    " restore(), before its first step. Seed before restore() (it replaces the RNGs of a resumed"
-                    " session), or not at all (open_session() seeds from the spec's seed)." + hint)
+            head = (f"{where}: the RNG state at the step's start differs, although restore() brought back the"
+                    " straight run's: the script")
+            if rb["rng"] == a.get(0, {}).get("rng"):  # the state the straight run's first step began from: a seed
+                return (f"{head} seeds (torch.manual_seed, set_seed) after restore(), before its first step. Seed"
+                        " before restore() (it replaces the RNGs of a resumed session), or not at all (open_session()"
+                        " seeds from the spec's seed)." + hint)
+            return (f"{head} draws random numbers after restore(), before its first step: a prefetched batch (drawn"
+                    " ahead of the loop, so a resumed session draws one the uninterrupted run never did) or another"
+                    " draw the uninterrupted run made only once. Draw each step's data inside the step, or derive it"
+                    " from session.batches." + hint)
         if objects and rb.get("resumed"):
             return (f"{where}: the restored {named} {differ} from the straight run's: a state_dict /"
                     " load_state_dict pair that does not carry all of the object's state." + hint)
