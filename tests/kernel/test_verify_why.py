@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 # A DataLoader over session.batch_sampler (the way in of the loops that own their loader). The script writes
@@ -105,3 +106,24 @@ def test_a_seed_after_restore_breaks_resume_and_the_why_says_so(relay_cli, tmp_p
     why = out.stdout.split("why: ", 1)[1]
     assert why.startswith("step 7 (the first after a resume): the RNG state at the step's start differs, although"
                           " restore() brought back the straight run's: the script seeds"), why
+
+
+def test_an_hf_trainers_batches_are_recorded_as_its_loaders_draw_them(relay_cli, tmp_path):
+    """HF's Trainer makes its own loaders (and a skipping one on a resume): under verify-resume the batches its
+    iterators draw over the train set, gradient_accumulation_steps of them a step, are each step's in both runs."""
+    pytest.importorskip("transformers")
+    from byo_fixtures import copy_example
+    from relay.kernel.session import trace
+
+    spec = copy_example("byo-hf", tmp_path / "ex")
+    script = tmp_path / "ex" / "train.py"
+    script.write_text(script.read_text().replace(  # 128 samples, 8 a micro-batch, 2 a step: 8 steps an epoch
+        "per_device_train_batch_size=16,", "per_device_train_batch_size=8, gradient_accumulation_steps=2,").replace(
+        "Reviews(tokenizer, 512, seed=0)", "Reviews(tokenizer, 128, seed=0)"))
+    out = relay_cli.run("verify-resume", str(spec), "--steps", "20", "--cut-at", "7,16",
+                        "--workdir", str(tmp_path / "v"), timeout=900)
+    assert out.returncode == 0 and out.stdout.startswith("identical"), out.stdout + out.stderr[-3000:]
+    straight, split = (trace.read(tmp_path / "v" / f"{run}.trace.jsonl") for run in ("straight", "split"))
+    assert sorted(straight) == sorted(split) == list(range(20))
+    assert all(straight[s]["batch"] is not None and straight[s]["batch"] == split[s]["batch"] for s in straight)
+    assert len({straight[s]["batch"] for s in straight}) == 20  # each step its own, across 3 epochs

@@ -3,9 +3,9 @@
 Under `relay verify-resume` (env RELAY_TRACE names a file) the Session API appends one JSON line per step:
 digests of every registered object's state (whole, and field by field: `optimizer.param_groups[0].lr`) and of
 the RNGs at the step's start, of the batch indices the step trained on as they were drawn (session.batches, or
-each step that session.batch_sampler yields to a DataLoader, in the order drawn, so a loader that fetches ahead
-still pairs each step with its own batch; unknown, and never compared, when the script draws its batches
-otherwise), the loss, whether the step was the first after a resume, where the script made a DataLoader iterator
+each step that session.batch_sampler yields to a DataLoader, or the batches an HF Trainer's own loaders draw over
+its train set, in the order drawn, so a loader that fetches ahead still pairs each step with its own batch;
+unknown, and never compared, when the script draws its batches otherwise), the loss, whether the step was the first after a resume, where the script made a DataLoader iterator
 without generator= (it draws its seed from the global RNG), and, once per session, the objects in the script's
 frame that have a state_dict but were not registered. Nothing is recorded otherwise. `diagnose` compares two
 traces and names the first step and what differed there.
@@ -116,6 +116,8 @@ class StepTrace:
         self._resumed = False
         self._session = None  # set by restore(): its first step's state is taken again at its first draw
         self._restored: Optional[dict] = None  # digests as restore() left them, when a draw took them again
+        self._watched = None  # a trainer's train set (HF's Trainer makes its loaders): its draws are the steps'
+        self._per_step, self._group, self._seen, self._iterator = 1, [], 0, None  # batches of the step in hand
         self._unregistered: Optional[dict] = None
         self._loaders: list = []  # where the step made DataLoader iterators that draw from the global RNG
 
@@ -151,14 +153,32 @@ class StepTrace:
         self._first_draw()
         self._direct = (step, digest([int(i) for i in indices]))
 
-    def drawn(self, indices) -> None:
+    def drawn(self, indices, first_draw: bool = True) -> None:
         """A step's batch as a batch_sampler yields it to its DataLoader: the steps train on them in this order."""
-        self._first_draw()
+        if first_draw:
+            self._first_draw()
         self._drawn.append(digest([int(i) for i in indices]))
 
     def new_stream(self) -> None:
         """A new iterator of a batch_sampler: what an earlier one drew and no step trained on is not trained on."""
         self._drawn.clear()
+        self._group, self._seen = [], 0
+
+    def watch_dataset(self, dataset, per_step: int) -> None:
+        """A train set whose DataLoaders a trainer makes itself (HF's Trainer, skip_first_batches on a resume):
+        each `per_step` batches its iterators draw are a step's (a step short of them at an epoch's end stays
+        unknown). The state is not taken again at their first draw: the trainer puts its own RNG back then."""
+        self._watched, self._per_step, self._group, self._seen = dataset, max(1, int(per_step)), [], 0
+
+    def _micro_drawn(self, iterator: object, index) -> None:
+        if iterator is not self._iterator:  # a new iterator (a new epoch, a resume's skipping one)
+            self._iterator = iterator
+            self.new_stream()
+        self._group += [int(i) for i in (index if isinstance(index, (list, tuple)) else [index])]
+        self._seen += 1
+        if self._seen == self._per_step:
+            group, self._group, self._seen = self._group, [], 0
+            self.drawn(group, first_draw=False)
 
     def _step_batch(self, step: int) -> Optional[str]:
         if self._drawn:
@@ -220,6 +240,19 @@ def _watch_loaders(trace: StepTrace) -> None:
 
     __iter__._relay_real = real
     tud.DataLoader.__iter__ = __iter__
+
+    # the batches of the train set a trainer iterates itself (StepTrace.watch_dataset), as its iterators draw them
+    base = tud.dataloader._BaseDataLoaderIter
+    real_next = getattr(base._next_index, "_relay_real", base._next_index)
+
+    def _next_index(iterator):
+        index = real_next(iterator)
+        if trace._watched is not None and iterator._dataset is trace._watched:
+            trace._micro_drawn(iterator.__dict__.setdefault("_relay_stream", object()), index)  # not id(): reused
+        return index
+
+    _next_index._relay_real = real_next
+    base._next_index = _next_index
 
 
 def _loader_steps(records: dict, upto: int) -> dict:
