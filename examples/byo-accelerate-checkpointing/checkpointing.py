@@ -86,8 +86,9 @@ def training_function(config, args):
     lr_scheduler = get_linear_schedule_with_warmup(
         optimizer=optimizer,
         num_warmup_steps=10,  # relay: 100 in the original, a run of a few dozen steps here
-        # relay: the run's micro-batches over gradient_accumulation_steps (len(train_dataloader) * num_epochs)
-        num_training_steps=session.total_steps * accelerator.gradient_accumulation_steps // gradient_accumulation_steps,
+        # relay: the run's micro-batches over gradient_accumulation_steps (was len(train_dataloader) * num_epochs)
+        num_training_steps=(session.total_steps * accelerator.gradient_accumulation_steps
+                            // gradient_accumulation_steps),
     )
     model, optimizer, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, eval_dataloader, lr_scheduler
@@ -103,7 +104,8 @@ def training_function(config, args):
         if session.should_stop():  # relay: the session ends at an epoch's end
             break
         model.train()
-        # relay: the batches left in the epoch; `step` counts from where the epoch stands (a relay step is a micro-batch)
+        # relay: the batches left in the epoch; `step` counts from where the epoch stands (by hand, a relay step
+        # is a micro-batch)
         for step, batch in enumerate(train_dataloader, start=session.step_in_epoch):
             batch.to(accelerator.device)
             if args.use_accumulate:

@@ -4,9 +4,10 @@ learning rate), so there is nothing to restore or replay.
 Epoch e visits a permutation seeded by (seed, e); optimizer step s takes the `effective_batch` indices at
 position (s mod steps_per_epoch) of its epoch. The samples left over at an epoch's end (n mod the batch) are
 dropped by default (a different few each epoch: nothing is lost for good); with drop_last=False they are the
-epoch's last, smaller step, as a DataLoader's default drop_last=False gives them. Resuming at step s therefore costs one permutation, not a
-replay of s batches (transformers #11284 spent 28 h skipping). The effective batch (micro x accumulation)
-never changes, so an OOM back-off that halves the micro-batch keeps the same sample order.
+epoch's last, smaller step, as a DataLoader's default drop_last=False gives them. Resuming at step s therefore
+costs one permutation, not a replay of s batches (transformers #11284 spent 28 h skipping). The effective batch
+(micro x accumulation) never changes, so an OOM back-off that halves the micro-batch keeps the same sample
+order.
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ class StepSchedule:
     def steps_per_epoch(self) -> int:
         # The tail that does not fill an optimizer step is dropped (it differs each epoch: nothing is lost),
         # or is the epoch's last step (drop_last=False)
-        return -(-self.n_samples // self.effective_batch) if not self.drop_last else self.n_samples // self.effective_batch
+        whole, left = divmod(self.n_samples, self.effective_batch)
+        return whole + (1 if left and not self.drop_last else 0)
 
     def epoch_of(self, step: int) -> int:
         return step // self.steps_per_epoch
@@ -120,7 +122,7 @@ class RunBatchSampler(Sampler[list[int]]):
     """session.batch_sampler: each iteration from the session's step on (to the run's end, or its epoch's), the
     steps' indices (this rank's slice); under verify-resume each step's as it is drawn goes to the trace."""
 
-    def __init__(self, session, schedule: data.StepSchedule, per_epoch: bool = False):
+    def __init__(self, session, schedule: StepSchedule, per_epoch: bool = False):
         self.session, self.schedule, self.per_epoch = session, schedule, per_epoch
 
     def _end(self, start: int) -> int:

@@ -3,12 +3,13 @@
 Under `relay verify-resume` (env RELAY_TRACE names a file) the Session API appends one JSON line per step:
 digests of every registered object's state (whole, and field by field: `optimizer.param_groups[0].lr`) and of
 the RNGs at the step's start, of the batch indices the step trained on as they were drawn (session.batches, or
-each step that session.batch_sampler yields to a DataLoader, or the batches an HF Trainer's own loaders draw over
-its train set, in the order drawn, so a loader that fetches ahead still pairs each step with its own batch;
-unknown, and never compared, when the script draws its batches otherwise), the loss, whether the step was the first after a resume, where the script made a DataLoader iterator
-without generator= (it draws its seed from the global RNG), and, once per session, the objects in the script's
-frame that have a state_dict but were not registered. Nothing is recorded otherwise. `diagnose` compares two
-traces and names the first step and what differed there.
+each step that session.batch_sampler yields to a DataLoader, or the batches an HF Trainer's own loaders draw
+over its train set, in the order drawn, so a loader that fetches ahead still pairs each step with its own batch;
+unknown, and never compared, when the script draws its batches otherwise), the loss, whether the step was the
+first after a resume, where the script made a DataLoader iterator without generator= (it draws its seed from the
+global RNG), and, once per session, the objects in the script's frame that have a state_dict but were not
+registered. Nothing is recorded otherwise. `diagnose` compares two traces and names the first step and what
+differed there.
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ _FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".json", ".bin", ".ckpt", ".pkl
 def is_packed_file(key: Any, value: Any) -> bool:
     import torch
 
-    return isinstance(key, str) and key.endswith(_FILE_SUFFIXES) and torch.is_tensor(value) and value.dtype == torch.uint8
+    return (isinstance(key, str) and key.endswith(_FILE_SUFFIXES) and torch.is_tensor(value)
+            and value.dtype == torch.uint8)
 
 
 def decode_packed(name: str, data) -> Any:
