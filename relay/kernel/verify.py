@@ -28,6 +28,7 @@ import yaml
 
 from relay.kernel.session import trace
 from relay.shared import environment, runtime
+from relay.shared.code_folder import accelerate_states
 from relay.shared.environment import SessionEnvironment
 from relay.shared.errors import InputError
 from relay.shared.version import PACKAGE_DIR
@@ -37,7 +38,6 @@ KILL_MARKER_ENV = environment.KILL_MARKER
 # in this process, so a resume inside a logging window logs a different mean (training state is unaffected)
 _IGNORED_KEYS = {"sessions", "log_history"}
 _IGNORED_FILES = {"training_args.bin"}  # HF's pickled arguments: output_dir differs between the two runs
-_FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".json", ".bin", ".ckpt")
 
 
 @dataclass
@@ -52,6 +52,7 @@ class Verdict:
     lost_files: list = field(default_factory=list)  # written by the script outside its workdir
     cuts: list = field(default_factory=list)  # (step, why it is cut there)
     machine: Optional[str] = None  # what both runs ran on (runtime.machine), as the straight run recorded it
+    accelerate_states: list = field(default_factory=list)  # Accelerate's save_state folders the script wrote there
 
     def text(self) -> str:
         split = ", ".join(f"{a}->{b}{'' if how == 'ok' else ' (' + how + ')'}" for a, b, how in self.sessions)
@@ -61,6 +62,9 @@ class Verdict:
         lost = (f"\n  warning: the script wrote {', '.join(self.lost_files[:5])}"
                 f"{' ...' if len(self.lost_files) > 5 else ''} in its code folder: a Kaggle session keeps only"
                 " what is written under session.workdir" if self.lost_files else "")
+        if self.accelerate_states:
+            lost += (f"\n  warning: {'/, '.join(self.accelerate_states)}/ in the code folder: Accelerate's save_state"
+                     " output, never shipped (the relay's checkpoint carries that state)")
         cuts = ", ".join(f"{step} ({why})" for step, why in self.cuts)
         cuts = f"\n  cut at steps {cuts}" if cuts else ""
         machine = (f"\n  machine: {self.machine}; both runs ran on it: a relay whose sessions land on another CPU,"
@@ -147,8 +151,10 @@ def verify_resume(spec_path: Path, steps: Optional[int] = None, *, seed: int = 0
     why = trace.diagnose(_trace_file(a), _trace_file(b)) if diffs else None
     lost = sorted(rel for rel, mtime in _files(code, root).items() if before.get(rel) != mtime)
     straight = json.loads((a / "progress.json").read_text()).get("sessions") or [{}]
+    states = [d for d in accelerate_states(code) if any(rel.startswith(d + "/") for rel in lost)] if code else []
+    lost = [rel for rel in lost if not any(rel.startswith(d + "/") for d in states)]
     return Verdict(not diffs, steps, sessions, diffs[0] if diffs else None, len(diffs), time.monotonic() - t0, why,
-                   lost, chosen, runtime.machine(straight[0]))
+                   lost, chosen, runtime.machine(straight[0]), states)
 
 
 def _files(folder: Optional[Path], skip: Path) -> dict:
@@ -262,9 +268,9 @@ def compare(a: Any, b: Any, path: str = "") -> Iterator[str]:
             where = f"{path}.{key}" if path else str(key)
             if key not in a or key not in b:
                 yield f"{where}: only in the {'split' if key in b else 'straight'} run"
-            elif _is_file(key, a[key]) and _is_file(key, b[key]):  # a trainer's checkpoint file, packed
+            elif trace.is_packed_file(key, a[key]) and trace.is_packed_file(key, b[key]):  # a trainer's file
                 if key not in _IGNORED_FILES:
-                    yield from compare(_decode(key, a[key]), _decode(key, b[key]), where)
+                    yield from compare(trace.decode_packed(key, a[key]), trace.decode_packed(key, b[key]), where)
             else:
                 yield from compare(a[key], b[key], where)
     elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
@@ -282,26 +288,3 @@ def compare(a: Any, b: Any, path: str = "") -> Iterator[str]:
                 yield f"{path}: {int((a != b).sum())} of {a.numel()} values differ"
     elif a != b and not (isinstance(a, float) and isinstance(b, float) and a != a and b != b):
         yield f"{path}: {json.dumps(a, default=str)[:60]} vs {json.dumps(b, default=str)[:60]}"
-
-
-def _is_file(key: Any, value: Any) -> bool:
-    import torch
-
-    return isinstance(key, str) and key.endswith(_FILE_SUFFIXES) and torch.is_tensor(value) and value.dtype == torch.uint8
-
-
-def _decode(name: str, data) -> Any:
-    """A packed file's content, compared by value (a tensor file byte for byte would hide which tensor)."""
-    import io
-
-    import torch
-
-    raw = data.numpy().tobytes()
-    if name.endswith(".safetensors"):
-        from safetensors.torch import load
-
-        return load(raw)
-    if name.endswith(".json"):
-        return json.loads(raw)
-    # the user's own trainer wrote these files in this very verification: trusted, and RNG files hold numpy
-    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)

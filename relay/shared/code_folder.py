@@ -6,6 +6,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import os
+import re
 from pathlib import Path
 from relay.shared import environment
 from relay.shared.environment import SessionEnvironment
@@ -23,6 +24,12 @@ _ALWAYS_EXCLUDED = ("__pycache__", "*.pyc", ".*", "relay-run", "relay-runs", "*.
 # spec beside train.py does not ship its earlier sessions' outputs with every later one.
 _TOP_LEVEL_EXCLUDED = ("runs",)
 OUTPUTS_MARKER = ".relay-outputs"
+# Accelerate's own `save_state` output (a script's epoch_0/, step_100/, checkpoint_3/: Accelerate's
+# by_feature/checkpointing.py writes them into the current directory, the code folder): its RNG file beside
+# weights or an optimizer. Never code: left out, with one line (spec.check_code_folder), as the relay's outputs are;
+# under the relay its state travels in the relay's checkpoint (relay.accelerate.RelayAccelerate).
+_ACCELERATE_RNG = re.compile(r"random_states_\d+\.pkl")
+_ACCELERATE_STATE = re.compile(r"(optimizer(_\d+)?\.bin|model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin)")
 
 
 def resolve_folder(spec_path: Path, folder: str) -> Path:
@@ -34,20 +41,47 @@ def resolve_folder(spec_path: Path, folder: str) -> Path:
 
 
 def code_files(folder: Path, exclude: list[str] = ()) -> list[tuple[str, Path]]:
-    """(relative posix path, file) of everything that ships, sorted; hidden files, caches and the relay's
-    own outputs (relay-run/, relay-runs/, a top-level runs/, a folder marked by mark_outputs) never do."""
+    """(relative posix path, file) of everything that ships, sorted; hidden files, caches, the relay's
+    own outputs (relay-run/, relay-runs/, a top-level runs/, a folder marked by mark_outputs) and Accelerate's
+    save_state folders (accelerate_states) never do."""
     patterns = [*_ALWAYS_EXCLUDED, *exclude]
     out = []
     for root, dirs, files in os.walk(folder):
         rel_root = Path(root).relative_to(folder)
         dirs[:] = sorted(d for d in dirs if not _excluded((rel_root / d).as_posix(), d, patterns)
                          and not (rel_root == Path(".") and d in _TOP_LEVEL_EXCLUDED)
-                         and not (Path(root) / d / OUTPUTS_MARKER).is_file())
+                         and not (Path(root) / d / OUTPUTS_MARKER).is_file()
+                         and not is_accelerate_state(Path(root) / d))
         for name in sorted(files):
             rel = (rel_root / name).as_posix()
             if not _excluded(rel, name, patterns):
                 out.append((rel, Path(root) / name))
     return out
+
+
+def is_accelerate_state(folder: Path) -> bool:
+    """`folder` holds what Accelerate's save_state writes: its RNG file beside weights or an optimizer."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return (any(_ACCELERATE_RNG.fullmatch(n) for n in names)
+            and any(_ACCELERATE_STATE.fullmatch(n) for n in names))
+
+
+def accelerate_states(folder: Path, exclude: list[str] = ()) -> list[str]:
+    """The folders under `folder` (relative, posix) that code_files leaves out as Accelerate's save_state output."""
+    patterns = [*_ALWAYS_EXCLUDED, *exclude]
+    found = []
+    for root, dirs, _ in os.walk(folder):
+        rel_root = Path(root).relative_to(folder)
+        for d in list(dirs):
+            if _excluded((rel_root / d).as_posix(), d, patterns) or (Path(root) / d / OUTPUTS_MARKER).is_file():
+                dirs.remove(d)
+            elif is_accelerate_state(Path(root) / d):
+                found.append((rel_root / d).as_posix())
+                dirs.remove(d)
+    return sorted(found)
 
 
 def code_digest(folder: Path, exclude: list[str] = (), spec_path: Path | None = None, spec_raw: bytes = b"") -> str:

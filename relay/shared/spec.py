@@ -6,6 +6,7 @@ Every bad input becomes one line naming the key path and what is expected (`Spec
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import threading
 from contextlib import contextmanager
@@ -17,7 +18,8 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from relay.shared import params as params_mod
-from relay.shared.code_folder import MAX_CODE_BYTES, code_files, outputs_holding, resolve_folder
+from relay.shared.code_folder import (MAX_CODE_BYTES, accelerate_states, code_files, outputs_holding,
+                                      resolve_folder)
 from relay.shared.errors import InputError
 from relay.shared.inputs import DuplicateKey, decode_utf8, load_yaml
 from relay.shared.spec_sections import (  # noqa: F401 (re-exported: the spec's sections and duration helpers)
@@ -129,6 +131,12 @@ def _check_code_section(spec: RunSpec) -> None:
     if outputs is not None:  # it would ship the relay's outputs, and grow with every session
         raise SpecError(f"code.folder: {folder} is inside the relay's output folder {outputs}; point it at"
                         " the folder of your code")
+    left_out = accelerate_states(folder, code.exclude)
+    if left_out:
+        logging.getLogger(__name__).warning(
+            "code.folder: %s/ %s Accelerate's save_state output, left out of what ships (the relay's checkpoint"
+            " carries that state): save it under session.workdir, or delete it", "/, ".join(left_out),
+            "is" if len(left_out) == 1 else "are")
     size = sum(f.stat().st_size for _, f in code_files(folder, code.exclude))
     if size > MAX_CODE_BYTES:
         raise SpecError(f"code.folder: {folder} holds {size / 1e6:.1f} MB to ship; at most {MAX_CODE_BYTES / 1e6:g} MB"

@@ -95,6 +95,7 @@ def test_accelerate_state_travels_in_the_relay_checkpoint_and_a_split_run_ends_a
     assert ("scaler.pt" in packed) == (mixed_precision == "fp16")  # accelerator.scaler, when there is one
     second = _session(tmp_path / "split", mixed_precision=mixed_precision)
     assert second["start"] == 5 and second["progress"]["status"] == "done"
+    assert second["accelerator_step"] == straight["accelerator_step"] == TOTAL * ACCUM  # restored as it was saved
     assert second["counter"] == straight["counter"] == TOTAL  # register_for_checkpointing's object came back
     assert second["scheduler"] == straight["scheduler"] and second["scaler"] == straight["scaler"]
     for name, value in straight["model"].items():

@@ -101,6 +101,28 @@ def test_the_relays_output_folders_beside_the_spec_do_not_ship(tmp_path):
     assert _shipped(spec) == sorted([*before, "pkg/runs/a.py"])
 
 
+def test_accelerates_own_save_state_folders_never_ship_and_loading_the_spec_says_so_in_one_line(tmp_path, caplog):
+    """Accelerate's by_feature/checkpointing.py with --checkpointing_steps epoch writes epoch_0/ into the current
+    folder, the code folder: left out of what ships (the relay's checkpoint carries that state), in one line."""
+    import logging
+
+    from byo_fixtures import copy_example
+
+    spec = copy_example("byo-plain", tmp_path / "ex")
+    before = _shipped(spec)
+    for name, files in {"epoch_0": ("model.safetensors", "optimizer.bin", "random_states_0.pkl", "scheduler.bin"),
+                        "out/step_8": ("pytorch_model.bin", "random_states_0.pkl", "random_states_1.pkl"),
+                        "mine": ("random_states_0.pkl", "notes.txt")}.items():  # no weights beside it: code
+        (spec.parent / name).mkdir(parents=True)
+        for f in files:
+            (spec.parent / name / f).write_bytes(b"x" * 1000)
+    with caplog.at_level(logging.WARNING, logger="relay.shared.spec"):
+        assert _shipped(spec) == sorted([*before, "mine/notes.txt", "mine/random_states_0.pkl"])
+    lines = [r.getMessage() for r in caplog.records if r.name == "relay.shared.spec"]
+    assert lines == ["code.folder: epoch_0/, out/step_8/ are Accelerate's save_state output, left out of what ships"
+                     " (the relay's checkpoint carries that state): save it under session.workdir, or delete it"], lines
+
+
 def test_a_code_folder_inside_the_relays_outputs_is_refused_in_one_line(tmp_path):
     from relay.shared import spec as spec_mod
     from relay.shared.errors import InputError

@@ -63,9 +63,15 @@ def _quiet():
             logger.setLevel(level)
 
 
+GRADIENTS = "relay-gradients"  # not a file: the gradients a loop holds between its micro-batches
+
+
 class AccelerateState:
     """`accelerator.save_state`'s folder as registered state: its files' bytes (uint8 tensors, weights_only safe),
-    keyed by their path in the folder (FSDP writes subfolders)."""
+    keyed by their path in the folder (FSDP writes subfolders). With them, under GRADIENTS, the gradients the
+    prepared models hold when the relay saves, if any: a loop that accumulates by hand (Accelerate's
+    by_feature/checkpointing.py) counts each micro-batch as a relay step, so a session may end inside an
+    optimizer step, and save_state keeps no gradients. Under accumulate() a step ends with zero_grad(): none."""
 
     def __init__(self, accelerator, workdir: Path, rank: int):
         self.accelerator = accelerator
@@ -75,15 +81,36 @@ class AccelerateState:
 
     def state_dict(self) -> dict:
         shutil.rmtree(self.save_to, ignore_errors=True)
+        config = self.accelerator.project_configuration
+        iteration = config.iteration  # save_state counts its calls (automatic_checkpoint_naming): the relay's don't
         try:
             with _quiet():
                 self.accelerator.save_state(str(self.save_to))
-            return {f.relative_to(self.save_to).as_posix(): _as_tensor(f.read_bytes())
-                    for f in sorted(self.save_to.rglob("*")) if f.is_file()}
+            config.iteration = iteration
+            files = {f.relative_to(self.save_to).as_posix(): _as_tensor(f.read_bytes())
+                     for f in sorted(self.save_to.rglob("*")) if f.is_file()}
+            gradients = self._gradients()
+            return {**files, GRADIENTS: gradients} if gradients else files
         finally:
             shutil.rmtree(self.save_to, ignore_errors=True)  # the relay's copy is the checkpoint
 
+    def _parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        for i, model in enumerate(self.accelerator._models):
+            for name, p in self.accelerator.unwrap_model(model).named_parameters():
+                yield f"{i}.{name}", p
+
+    def _gradients(self) -> dict:
+        """The gradients held now, on the CPU (an all-zero one, as zero_grad(set_to_none=False) leaves it, adds
+        nothing to the next backward that a missing one would not)."""
+        return {name: p.grad.detach().to("cpu", copy=True) for name, p in self._parameters()
+                if p.grad is not None and bool(p.grad.any())}
+
     def load_state_dict(self, files: dict) -> None:
+        files = dict(files)
+        gradients = files.pop(GRADIENTS, {})
+        for name, p in self._parameters():
+            saved = gradients.get(name)
+            p.grad = None if saved is None else saved.to(p.device, p.dtype)
         shutil.rmtree(self.restore_to, ignore_errors=True)
         self.restore_to.mkdir(parents=True)
         for name, data in files.items():
@@ -95,8 +122,21 @@ class AccelerateState:
         try:
             with _quiet():
                 self.accelerator.load_state(str(self.restore_to))
+            self.accelerator.step = _saved_step(self.restore_to, self.accelerator.step)
         finally:
             shutil.rmtree(self.restore_to, ignore_errors=True)  # loaded: it would only count against the disk budget
+
+
+def _saved_step(folder: Path, current: int) -> int:
+    """The accelerator's step counter as rank 0 saved it (load_state sets it from this process's own RNG file, and
+    only rank 0's files are packed): what the uninterrupted run held there, whether the loop counts micro-batches
+    with accumulate() or never enters it (Accelerate's by_feature/checkpointing.py accumulates by hand)."""
+    states = folder / "random_states_0.pkl"
+    if not states.is_file():
+        return current
+    # Accelerate's own pickle (numpy RNG states), written by save_state into the relay's verified checkpoint
+    saved = torch.load(states, map_location="cpu", weights_only=False)
+    return int(saved.get("step", current)) if isinstance(saved, dict) else current
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:
@@ -133,23 +173,30 @@ class RelayAccelerate:
         return int(self.accelerator.gradient_accumulation_steps)
 
     def restore(self) -> int:
-        """Restore the session (Accelerate's state through load_state, then the relay's RNGs); the step."""
-        step = self.session.restore()
-        # the micro-batch counter accumulate() syncs on, at a step boundary: rank 0's saved value on every rank
-        self.accelerator.step = step * self.accumulation
-        return step
+        """Restore the session (Accelerate's state through load_state, its step counter as the uninterrupted run
+        held it, then the relay's RNGs); the step."""
+        return self.session.restore()  # accelerator.step too: rank 0's saved counter, on every rank
 
     def train_dataloader(self, dataset, batch_size: int, collate_fn: Optional[Callable] = None,
-                         seed: Optional[int] = None, num_workers: int = 0, **loader_kwargs: Any) -> "StepLoader":
+                         seed: Optional[int] = None, num_workers: int = 0, *, drop_last: bool = True,
+                         per_epoch: bool = False, **loader_kwargs: Any) -> "StepLoader":
         """The run's micro-batches from the session's step on, on accelerator.device, ending when the session
         must stop. `batch_size` is the effective batch of one optimizer step (micro x accumulation x processes),
-        kept when the number of processes changes; the micro-batch is what is left of it per process and step."""
+        kept when the number of processes changes; the micro-batch is what is left of it per process and step.
+        `drop_last` and `per_epoch` as session.batch_sampler's: with per_epoch each iteration ends at the end of
+        the epoch it started in, for a loop over epochs (Accelerate's by_feature/checkpointing.py)."""
         share = batch_size // self.session.world_size
         if batch_size % self.session.world_size or share % self.accumulation:
             raise InputError(f"RelayAccelerate.train_dataloader(batch_size={batch_size}): the effective batch must be"
                              f" divisible by gradient_accumulation_steps ({self.accumulation}) x"
                              f" {self.session.world_size} processes")
-        steps = self.session.batch_sampler(len(dataset), batch_size, seed)  # per rank, from session.step on
+        left = len(dataset) % batch_size
+        if not drop_last and 0 < left < self.accumulation * self.session.world_size:
+            raise InputError(f"RelayAccelerate.train_dataloader(drop_last=False): an epoch's last step would hold"
+                             f" {left} samples, fewer than gradient_accumulation_steps ({self.accumulation}) x"
+                             f" {self.session.world_size} processes; keep drop_last=True or change batch_size")
+        steps = self.session.batch_sampler(len(dataset), batch_size, seed, drop_last=drop_last,  # per rank, from
+                                           per_epoch=per_epoch)                                # session.step on
         self._schedule = steps.schedule
         sampler = MicroBatches(steps, self.accumulation)
         seed = self.session.config.seed if seed is None else seed
@@ -185,8 +232,8 @@ class MicroBatches(torch.utils.data.Sampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         for idx in self.steps:
-            micro = len(idx) // self.accumulation
-            for i in range(self.accumulation):
+            micro = -(-len(idx) // self.accumulation)  # an epoch's smaller last step (drop_last=False): shorter
+            for i in range(self.accumulation):       # micro-batches, the last the shortest
                 yield idx[i * micro:(i + 1) * micro]
 
     def __len__(self) -> int:
@@ -201,9 +248,9 @@ class StepLoader:
         self.owner, self.loader = owner, loader
 
     def __len__(self) -> int:
-        """The micro-batches left in the run (this session may stop sooner)."""
-        session = self.owner.session
-        return (session.total_steps - session.step) * self.owner.accumulation
+        """The micro-batches left in the run, or in the epoch with per_epoch (this session may stop sooner)."""
+        session, steps = self.owner.session, self.loader.batch_sampler.steps
+        return (steps._end(session.step) - session.step) * self.owner.accumulation
 
     def __iter__(self) -> Iterator[Any]:
         session, accumulation = self.owner.session, self.owner.accumulation

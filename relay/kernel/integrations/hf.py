@@ -94,6 +94,8 @@ class RelayCallback(TrainerCallback):
         if isinstance(dataset, torch.utils.data.IterableDataset):  # HF datasets' streaming ones included
             raise InputError("train_dataset: an IterableDataset cannot resume exactly (the Trainer cannot skip a"
                              " stream to a step: transformers #26413); use a map-style Dataset")
+        if self.session._trace is not None and dataset is not None:  # under verify-resume: each step's batch
+            self.session._trace.watch_dataset(dataset, args.gradient_accumulation_steps)
         if args.max_steps != self.session.total_steps:
             raise InputError(f"TrainingArguments.max_steps={args.max_steps}: set it to session.total_steps"
                              f" ({self.session.total_steps}) so every session agrees on the schedule")

@@ -2,9 +2,12 @@
 learning rate), so there is nothing to restore or replay.
 
 Epoch e visits a permutation seeded by (seed, e); optimizer step s takes the `effective_batch` indices at
-position (s mod steps_per_epoch) of its epoch. Resuming at step s therefore costs one permutation, not a
-replay of s batches (transformers #11284 spent 28 h skipping). The effective batch (micro x accumulation)
-never changes, so an OOM back-off that halves the micro-batch keeps the same sample order.
+position (s mod steps_per_epoch) of its epoch. The samples left over at an epoch's end (n mod the batch) are
+dropped by default (a different few each epoch: nothing is lost for good); with drop_last=False they are the
+epoch's last, smaller step, as a DataLoader's default drop_last=False gives them. Resuming at step s therefore
+costs one permutation, not a replay of s batches (transformers #11284 spent 28 h skipping). The effective batch
+(micro x accumulation) never changes, so an OOM back-off that halves the micro-batch keeps the same sample
+order.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ class StepSchedule:
     effective_batch: int
     seed: int
     setting: str = field(default="optim.micro_batch x optim.grad_accum", compare=False)  # named in the error
+    drop_last: bool = True  # the built-in recipes' rule, and the Session API's default (every relay so far)
 
     def __post_init__(self):
         if self.n_samples < self.effective_batch:
@@ -35,11 +39,17 @@ class StepSchedule:
 
     @functools.cached_property  # read every step: computed once (into __dict__, which a frozen dataclass allows)
     def steps_per_epoch(self) -> int:
-        # The tail that does not fill an optimizer step is dropped (it differs each epoch: nothing is lost).
-        return self.n_samples // self.effective_batch
+        # The tail that does not fill an optimizer step is dropped (it differs each epoch: nothing is lost),
+        # or is the epoch's last step (drop_last=False)
+        whole, left = divmod(self.n_samples, self.effective_batch)
+        return whole + (1 if left and not self.drop_last else 0)
 
     def epoch_of(self, step: int) -> int:
         return step // self.steps_per_epoch
+
+    def step_in_epoch(self, step: int) -> int:
+        """Steps done in the epoch that `step` (steps done so far) is in."""
+        return step % self.steps_per_epoch
 
     def is_epoch_end(self, step: int) -> bool:
         """True after the last optimizer step of an epoch (`step` counts completed steps)."""
@@ -52,7 +62,7 @@ class StepSchedule:
             return self
         where = f"stage {stage}: " if stage else ""
         return StepSchedule(self.n_samples, self.effective_batch * k, self.seed,
-                            setting=f"{where}{self.setting} x batch_scale {k}")
+                            setting=f"{where}{self.setting} x batch_scale {k}", drop_last=self.drop_last)
 
     def permutation(self, epoch: int) -> np.ndarray:
         return epoch_order(self.n_samples, self.seed, epoch)
@@ -76,11 +86,15 @@ def epoch_order(n_samples: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def rank_indices(schedule: StepSchedule, step: int, rank: int = 0, world_size: int = 1) -> np.ndarray:
-    """Rank `rank`'s equal slice of optimizer step `step`'s effective batch (all of it with one process)."""
+    """Rank `rank`'s equal slice of optimizer step `step`'s effective batch (all of it with one process); of an
+    epoch's smaller last step (drop_last=False), slices that differ by one sample at most."""
     if world_size == 1:
         return schedule.indices(step)
+    indices = schedule.indices(step)
+    if len(indices) < schedule.effective_batch:
+        return np.array_split(indices, world_size)[rank].copy()
     share = schedule.effective_batch // world_size
-    return schedule.indices(step)[rank * share : (rank + 1) * share]
+    return indices[rank * share : (rank + 1) * share]
 
 
 class MicroBatchSampler(Sampler[list[int]]):
@@ -102,6 +116,60 @@ class MicroBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return (self.end - self.start) * (self.schedule.effective_batch // (self.micro * self.world_size))
+
+
+class RunBatchSampler(Sampler[list[int]]):
+    """session.batch_sampler: each iteration from the session's step on (to the run's end, or its epoch's), the
+    steps' indices (this rank's slice); under verify-resume each step's as it is drawn goes to the trace."""
+
+    def __init__(self, session, schedule: StepSchedule, per_epoch: bool = False):
+        self.session, self.schedule, self.per_epoch = session, schedule, per_epoch
+
+    def _end(self, start: int) -> int:
+        """Where an iteration that starts at step `start` ends: the run's end, or its epoch's."""
+        if not self.per_epoch:
+            return self.session.total_steps
+        return min(self.session.total_steps, (self.schedule.epoch_of(start) + 1) * self.schedule.steps_per_epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        trace = self.session._trace  # under verify-resume: each step's batch as it is drawn, after restore()
+        if trace:
+            trace.new_stream()
+        start = self.session.step
+        for step in range(start, self._end(start)):
+            indices = rank_indices(self.schedule, step, self.session.rank, self.session.world_size)
+            if trace:
+                trace.drawn(indices)
+            yield indices.tolist()
+
+    def __len__(self) -> int:
+        return self.schedule.steps_per_epoch if self.per_epoch else self.session.total_steps
+
+
+class SessionLoader:
+    """session.dataloader: iterating it yields its DataLoader's batches while the session may go on (asked before
+    each fetch, so a loader that fetches ahead still ends at the step the session stops at); len, .dataset and
+    the rest are the DataLoader's."""
+
+    def __init__(self, session, loader: DataLoader):
+        self.session, self.loader = session, loader
+
+    def __iter__(self) -> Iterator:
+        batches = iter(self.loader)
+        while not self.session.should_stop():
+            batch = next(batches, _END)
+            if batch is _END:
+                return
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
+
+
+_END = object()
 
 
 def make_loader(
