@@ -186,6 +186,10 @@ def _wedged(ctx: RelayContext, obs: chain.Observation, wedged: chain.Action) -> 
     except Exception as err:  # noqa: BLE001 - Kaggle may refuse a running session's output: nothing to harvest
         get_run_logger().warning("wedged %s: its output could not be read (%s); nothing harvested", wedged.run_id, err)
     pushed = _current_plan(ctx)  # the wedged attempt's push, read while its kernel is there
+    # recorded on Kaggle before the delete: Kaggle can refuse the retry's push for a while after a delete (the
+    # session count still counts the deleted session, kaggle-cli #185), and every later look (this flow's, a tick's,
+    # another orchestrator's) must decide the same new attempt, never push the deleted run id again
+    relay_tasks.note_deleted(ctx.backend, ctx.names, wedged.run_id)
     relay_tasks.delete_kernel(ctx.backend, ctx.names.kernel)
     ctx.lease.took_effect(key)
     ok = harvested is not None and harvested.ok

@@ -23,6 +23,9 @@ class EmulatorConfig:
     max_gpu_sessions: int = 2
     output_cap_bytes: int = 20 * 1000 ** 3
     dataset_processing_delay: float = 0.0         # wall seconds from CreateDataset(Version) to READY
+    # and one GetDatasetStatus poll per this many bytes of the version (floor; 0: none): Kaggle's processing time
+    # grows with a version's size (its states: kagglesdk datasets/types/dataset_enums.py DatabundleVersionStatus)
+    dataset_processing_bytes_per_poll: int = 1 << 20
     queue_delay: float = 0.0                      # wall seconds a pushed kernel stays QUEUED
     sigterm_grace: float = 5.0                    # wall seconds between SIGTERM and SIGKILL
     # where mounts appear under KAGGLE_INPUT_DIR: "flat" = <slug>/ (older images); "nested" = datasets/<owner>/
@@ -45,6 +48,8 @@ class EmulatorConfig:
             raise InputError(f"time_scale {self.time_scale}: must be > 0")
         if self.mount_layout not in ("flat", "nested"):
             raise InputError(f"mount_layout {self.mount_layout!r}: use flat or nested")
+        if self.dataset_processing_bytes_per_poll < 0:
+            raise InputError("dataset_processing_bytes_per_poll must be >= 0 (0: no polls)")
         if self.max_gpu_sessions < 0 or self.output_cap_bytes <= 0:
             raise InputError("max_gpu_sessions must be >= 0 and output_cap_bytes > 0")
         for name in ("session_timeout_s", "gpu_quota_s", "quota_period_s"):

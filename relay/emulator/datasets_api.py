@@ -14,7 +14,7 @@ from typing import Optional
 from relay.emulator.config import EmulatorConfig
 from relay.emulator.faults import FaultPlan
 from relay.emulator.protocol import ApiError, Call, Reply, file_reply, iso, slug_of, tree_files
-from relay.emulator.store import Store
+from relay.emulator.store import Store, version_state
 
 _CONTENT_RANGE = re.compile(r"^bytes (?:(\d+)-(\d+)|\*)/(\d+)$")
 
@@ -119,7 +119,11 @@ class DatasetsService:
             if dataset["owner"] != call.user:
                 raise ApiError(403, f"Permission denied: {call.user} cannot version {ref}")
             latest = dataset["versions"][-1] if dataset["versions"] else None
-            if latest and (latest["ready_at"] > time.time() or self.faults.refuse_version(ref, latest["number"])):
+            # a new version is refused (403) while the previous one still processes (kagglehub PR #182, #181)
+            if latest and (version_state(latest, time.time()) == "processing" or
+                           self.faults.refuse_version(ref, latest["number"])):
+                latest["polls_left"] = max(0, latest.get("polls_left", 0) - 1)  # the refused attempt polls too
+                self.store.save()
                 raise ApiError(403, f"Dataset {ref} is still processing its latest version; try again later")
             files = self._check_tokens(call.user, body.get("files") or [])
             for key in ("subtitle", "description"):
@@ -156,9 +160,14 @@ class DatasetsService:
             else:
                 shutil.copyfile(source, target / blob["name"])
         now = time.time()
+        files = [list(f) for f in tree_files(target)]
+        unit = self.config.dataset_processing_bytes_per_poll
+        # processing grows with size: one status poll per `unit` bytes (counted in polls, not seconds, so a test
+        # does not depend on the machine's speed); it may end FAILED (kagglesdk DatabundleVersionStatus.FAILED)
         dataset["versions"].append({"number": number, "notes": notes, "created": now,
                                     "ready_at": now + self.config.dataset_processing_delay,
-                                    "files": [list(f) for f in tree_files(target)]})
+                                    "polls_left": sum(size for _, size in files) // unit if unit else 0,
+                                    "failed": self.faults.fails_processing(ref, number), "files": files})
         self.store.save()
 
     # -- reading ---------------------------------------------------------------------------------
@@ -175,9 +184,16 @@ class DatasetsService:
         return self.store.ready_version(ref, time.time())
 
     def GetDatasetStatus(self, call: Call) -> dict:
-        dataset = self._dataset(self._ref(call))
-        latest = dataset["versions"][-1]
-        return {"status": "READY" if latest["ready_at"] <= time.time() else "BLOBS_RECEIVED"}
+        """The newest version's processing (kagglesdk DatabundleVersionStatus: ... READY, FAILED, DELETED,
+        REPROCESSING); each call while it processes is one of the polls its size costs."""
+        with self.store.lock:
+            dataset = self._dataset(self._ref(call))
+            latest = dataset["versions"][-1]
+            state = version_state(latest, time.time())
+            if state == "processing" and latest.get("polls_left", 0) > 0:
+                latest["polls_left"] -= 1
+                self.store.save()
+        return {"status": {"processing": "BLOBS_RECEIVED", "failed": "FAILED", "ready": "READY"}[state]}
 
     def GetDataset(self, call: Call) -> dict:
         ref = self._ref(call)
@@ -190,7 +206,7 @@ class DatasetsService:
                  "licenseName": dataset["license"], "url": f"{call.base}/datasets/{ref}",
                  "lastUpdated": iso(dataset["versions"][-1]["created"]),
                  "versions": [{"versionNumber": v["number"], "versionNotes": v["notes"], "creationDate": iso(v["created"]),
-                               "status": "ready" if v["ready_at"] <= now else "processing"}
+                               "status": version_state(v, now)}
                               for v in reversed(dataset["versions"])]}
         if current:
             reply["currentVersionNumber"] = current["number"]
@@ -202,7 +218,9 @@ class DatasetsService:
         if number:
             found = next((v for v in dataset["versions"] if v["number"] == int(number)), None)
             if found is dataset["versions"][-1] and self.faults.hide_version(ref, found["number"]):
-                found = None  # a new version 404s for a while after its creation
+                found = None  # a new version 404s for a while after its creation (kaggle-cli #890)
+            elif found is not None and version_state(found, time.time()) == "failed":
+                found = None  # processing FAILED: nothing to list or download
         else:
             found = self._current(ref)
         if found is None:

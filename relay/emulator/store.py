@@ -1,6 +1,7 @@
 """The emulator's persistent state: one JSON document plus file trees under the state folder.
 
-  DIR/state.json                          kernels (with versions), datasets (with versions), blobs, quota ledger
+  DIR/state.json                          kernels (with versions), datasets (with versions), blobs, quota ledger,
+                                          ghosts (sessions of deleted kernels that Kaggle still counts)
   DIR/kernels/<owner>/<slug>/v<N>/        source.py, input/<mounts>, working/, log.json
   DIR/datasets/<owner>/<slug>/v<N>/files/ the files of one dataset version (uploaded zips unpacked)
   DIR/blobs/<token>                       upload bytes
@@ -17,6 +18,14 @@ from pathlib import Path
 from typing import Optional
 
 ACTIVE = ("QUEUED", "RUNNING")
+
+
+def version_state(version: dict, now: float) -> str:
+    """A dataset version's processing: "processing" (its wall delay or its status polls not yet spent), then
+    "failed" (the dataset_failed fault) or "ready"."""
+    if version["ready_at"] > now or version.get("polls_left", 0) > 0:
+        return "processing"
+    return "failed" if version.get("failed") else "ready"
 
 
 def write_json(path: Path, data: object) -> None:
@@ -92,14 +101,41 @@ class Store:
         return next((v for v in kernel["versions"] if v["number"] == number), None)
 
     def ready_version(self, ref: str, now: float) -> Optional[dict]:
-        """The newest dataset version whose processing finished: what a kernel would mount."""
+        """The newest dataset version whose processing finished READY: what a kernel would mount."""
         dataset = self.datasets.get(ref)
-        ready = [v for v in (dataset or {}).get("versions", []) if v["ready_at"] <= now]
+        ready = [v for v in (dataset or {}).get("versions", []) if version_state(v, now) == "ready"]
         return ready[-1] if ready else None
 
     def running_gpu_sessions(self, owner: str) -> int:
+        """The owner's GPU sessions Kaggle counts: queued or running ones, and the ghosts of deleted kernels."""
         return sum(1 for ref, k in self.kernels.items() if k["owner"] == owner
-                   for v in k["versions"] if v["status"] in ACTIVE and v.get("enable_gpu"))
+                   for v in k["versions"] if v["status"] in ACTIVE and v.get("enable_gpu")) + \
+            sum(1 for g in self.ghosts if g["owner"] == owner and g["enable_gpu"])
+
+    # -- ghosts: deleted kernels' sessions still counted (faults.py delete_lag; kaggle-cli #185, #937) -------------
+    @property
+    def ghosts(self) -> list:
+        return self.data.setdefault("ghosts", [])
+
+    def add_ghost(self, owner: str, ref: str, number: int, version: dict, deleted: float, calls: int) -> None:
+        """A session whose kernel was deleted: it holds its slot and its GPU time runs on for `calls` more requests
+        of its owner (charged when it ends, from its start, as one ledger entry)."""
+        self.ghosts.append({"owner": owner, "kernel": ref, "version": number, "enable_gpu": bool(version.get("enable_gpu")),
+                            "started": version.get("started"), "deleted": deleted, "calls_left": calls})
+
+    def owner_answered(self, owner: str, now: float, time_scale: float) -> None:
+        """One request of `owner` was answered: its ghosts come one call nearer their end."""
+        with self.lock:
+            mine = [g for g in self.ghosts if g["owner"] == owner]
+            if not mine:
+                return
+            for ghost in mine:
+                ghost["calls_left"] -= 1
+                if ghost["calls_left"] <= 0:
+                    self.ghosts.remove(ghost)
+                    if ghost["enable_gpu"] and ghost["started"]:
+                        self.charge(owner, ghost["kernel"], ghost["version"], ghost["started"], now, time_scale)
+            self.save()
 
     # -- quota -----------------------------------------------------------------------------------
     def quota_window(self, now: float, period_wall: float) -> tuple:
@@ -119,6 +155,9 @@ class Store:
             for v in kernel["versions"]:
                 if v["status"] == "RUNNING" and v.get("enable_gpu") and v.get("started"):
                     used += (now - max(v["started"], start)) * time_scale
+        for ghost in self.ghosts:  # a deleted kernel's session Kaggle still charges
+            if ghost["owner"] == owner and ghost["enable_gpu"] and ghost["started"]:
+                used += (now - max(ghost["started"], start)) * time_scale
         return used
 
     def charge(self, owner: str, ref: str, number: int, started: float, ended: float, time_scale: float) -> None:

@@ -56,7 +56,8 @@ def observe(backend: KaggleBackend, names: Names, local: Path, grace_s: Optional
             deadline = max(deadline, deadline_from_log(backend, names, run, plan, grace_s) or deadline)
     return Observation(published, run, state, failure, features_published=_exists(backend, names.features_dataset),
                        kernel_version=version or None, deadline=deadline, observed_at=time.time(),
-                       stopped_by_user=control_record.stop_line(user), ended_by_user=user.get("ended_run"))
+                       stopped_by_user=control_record.stop_line(user), ended_by_user=user.get("ended_run"),
+                       deleted_run=user.get("deleted_run"))
 
 
 def running_deadline(plan: dict, run_id: Optional[str], grace_s: float) -> Optional[float]:

@@ -8,6 +8,9 @@
   searched for.
 - Done means: status READY, currentVersionNumber moved past the one we started from, and ListDatasetFiles
   shows every file with its size.
+- Kaggle's processing can end a version FAILED (kagglesdk datasets/types/dataset_enums.py DatabundleVersionStatus):
+  the same files are published again as a new version (at most PUBLISH_ATTEMPTS in all); a failed version's
+  marker does not count as published. REPROCESSING, like every state but READY and FAILED, is waited out.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from relay.shared.errors import InputError
 log = logging.getLogger(__name__)
 MANIFEST = "relay-publish.json"
 MAX_TOP_LEVEL = 50  # Kaggle keeps at most 50 top-level files per dataset
+PUBLISH_ATTEMPTS = 3  # versions made of one folder when Kaggle's processing ends FAILED
 
 
 def manifest_of(folder: Path, known_sha256: Optional[Dict[str, str]] = None) -> Dict[str, dict]:
@@ -84,6 +88,20 @@ class DatasetPublisher:
         files = manifest_of(folder, known_sha256)
         marker = "relay-publish:" + hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
 
+        created = False
+        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+            try:
+                return self._publish_once(folder, entries, dataset, title, notes, files, marker, created)
+            except _ProcessingFailed as failed:
+                created = True  # the dataset exists now, whoever made it
+                if attempt == PUBLISH_ATTEMPTS:
+                    raise PublishError(f"dataset {dataset}: processing ended FAILED {attempt} times; last: {failed}")
+                log.warning("dataset %s: %s; publishing the same files again (attempt %d of %d)", dataset, failed,
+                            attempt + 1, PUBLISH_ATTEMPTS)
+        raise AssertionError("unreachable")
+
+    def _publish_once(self, folder: Path, entries: list, dataset: str, title: str, notes: str,
+                      files: Dict[str, dict], marker: str, created_before: bool) -> PublishResult:
         info = self.info(dataset)
         if info is not None and self._marker_version(info, marker):
             log.info("dataset %s: %s already published", dataset, marker)
@@ -107,11 +125,11 @@ class DatasetPublisher:
         finally:
             shutil.rmtree(stage, ignore_errors=True)
         version = self._wait_ready(dataset, marker)
-        files[MANIFEST] = {"bytes": manifest_bytes, "sha256": None}  # ascii: characters are bytes
+        files = dict(files, **{MANIFEST: {"bytes": manifest_bytes, "sha256": None}})  # ascii: characters are bytes
         self._verify(dataset, version, files)
         files.pop(MANIFEST)
         log.info("dataset %s: version %d ready (%d files)", dataset, version, len(files))
-        return PublishResult(dataset, version, info is None, False, files)
+        return PublishResult(dataset, version, info is None and not created_before, False, files)
 
     # -- steps -----------------------------------------------------------------------------------
     def info(self, dataset: str) -> Optional[dict]:
@@ -127,18 +145,22 @@ class DatasetPublisher:
         if response is None:
             return None
         notes = {v.version_number: v.version_notes or "" for v in response.versions or []}
+        failed = sorted(v.version_number for v in response.versions or [] if str(v.status or "").lower() == "failed")
         return {"current": response.current_version_number or 0, "description": response.description or "",
-                "notes": notes}
+                "notes": notes, "failed": failed}
 
     @staticmethod
     def _marker_version(info: dict, marker: str) -> Optional[int]:
         """The version created with `marker`: by its notes, else (a new dataset's first version, whose notes
-        we cannot set) by the description that the same request wrote."""
+        we cannot set) by the description that the same request wrote; a version whose processing FAILED is none."""
+        failed = set(info.get("failed", ()))
         for number, notes in info["notes"].items():
-            if marker in notes:
+            if marker in notes and number not in failed:
                 return number
-        if marker in info["description"]:
-            return max(info["notes"], default=info["current"] or 1)
+        newest = max(info["notes"], default=info["current"] or 1)
+        if marker in info["description"] and newest not in failed and not any(
+                marker in notes for notes in info["notes"].values()):
+            return newest
         return None
 
     def _landed(self, dataset: str, marker: str) -> bool:
@@ -194,17 +216,23 @@ class DatasetPublisher:
             raise _Landed()
 
     def _wait_ready(self, dataset: str, marker: Optional[str]) -> int:
-        """Poll until READY and currentVersionNumber reached the version made with `marker` (any when None)."""
+        """Poll until READY and currentVersionNumber reached the version made with `marker` (any when None).
+        FAILED: _ProcessingFailed for our version; with no marker, nothing processes any more (0: a new version
+        may be made)."""
         deadline = time.monotonic() + self.wait_s
         delay = min(0.2, self.poll_s)
         while True:
             status = self._status(dataset)
+            if status == "failed":
+                if marker is None:
+                    return 0
+                raise _ProcessingFailed(f"Kaggle's processing of the newest version ended FAILED")
             info = self.info(dataset) if status == "ready" else None
             if info is not None:
                 target = self._marker_version(info, marker) if marker else info["current"]
                 if target and info["current"] >= target:
                     return target
-            if status in ("failed", "deleted"):
+            if status == "deleted":
                 raise PublishError(f"dataset {dataset}: processing ended {status}")
             if time.monotonic() > deadline:
                 raise PublishError(f"dataset {dataset}: not ready after {self.wait_s:.0f}s (status {status})")
@@ -244,3 +272,7 @@ class DatasetPublisher:
 
 class _Landed(Exception):
     """An earlier attempt whose response was lost did create the version."""
+
+
+class _ProcessingFailed(Exception):
+    """Kaggle's processing of the version just made ended FAILED: publish the same files again."""
