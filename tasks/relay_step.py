@@ -18,7 +18,7 @@ from typing import Optional
 
 from prefect import get_run_logger
 
-from relay.orchestrator import chain, goodput, handoff, restore
+from relay.orchestrator import chain, goodput, handoff, restore, storage
 from relay.orchestrator.chain import Do
 from relay.orchestrator.relay_state import State, Wait
 from relay.orchestrator.kaggle.backend import KaggleBackend
@@ -115,12 +115,14 @@ class Step:
     refusal: Optional[Refusal] = None      # Kaggle refused the push
     deadline: Optional[float] = None       # running: when it is wedged if still running (look again then)
     waits_for: Optional[Wait] = None       # waiting: for what a flow acts on (a slot of the account's cap, the quota)
+    stored: Optional[dict] = None          # done: what the relay stores on Kaggle (relay/orchestrator/storage.py)
 
     def summary(self) -> dict:
         p = self.progress or {}
         return {"state": self.state.value, "run_id": self.action.run_id, "step": p.get("global_step", 0),
                 "total_steps": p.get("total_steps"), "sessions": len(p.get("sessions", [])),
-                "metrics": p.get("metrics", {}), "weights_sha256": p.get("weights_sha256"), "why": self.why}
+                "metrics": p.get("metrics", {}), "weights_sha256": p.get("weights_sha256"), "why": self.why,
+                **({"stored": self.stored} if self.stored is not None else {})}
 
 
 def advance(ctx: RelayContext) -> Step:
@@ -145,7 +147,7 @@ def advance(ctx: RelayContext) -> Step:
         done = obs.published or {}
         ctx.tell("finished", "finished", f"{ctx.spec.name} finished at step {done.get('global_step')}, last eval"
                  f" {done.get('metrics')}; the final model is the Kaggle dataset {ctx.names.model_dataset}")
-        return Step(State.DONE, action, obs, obs.published)
+        return Step(State.DONE, action, obs, obs.published, stored=_stored(ctx))
     if action.do is Do.FAILED:
         raise RelayFailed(action.reason)
     if action.do is Do.PUSH:
@@ -204,6 +206,17 @@ def _wedged(ctx: RelayContext, obs: chain.Observation, wedged: chain.Action) -> 
     if then.do is Do.HANDED_OVER:
         return Step(State.HANDED_OVER, then, obs, harvested.progress)
     return Step(State.READY, then, obs, obs.published)  # the same session again, from the last published checkpoint
+
+
+def _stored(ctx: RelayContext) -> Optional[dict]:
+    """What the relay stores on Kaggle, said in the flow's log and its summary (None when it cannot be read)."""
+    try:
+        stored = storage.relay_storage(ctx.backend, ctx.names)
+    except Exception as err:  # noqa: BLE001 - a report never stops a relay
+        get_run_logger().info("what the relay stores on Kaggle was not read: %s", err)
+        return None
+    get_run_logger().info("%s", storage.storage_line(stored, ctx.spec.kaggle.checkpoint_versions))
+    return stored
 
 
 def _session_failed(ctx: RelayContext, run_id: str, why: str) -> None:

@@ -26,6 +26,9 @@ class EmulatorConfig:
     # and one GetDatasetStatus poll per this many bytes of the version (floor; 0: none): Kaggle's processing time
     # grows with a version's size (its states: kagglesdk datasets/types/dataset_enums.py DatabundleVersionStatus)
     dataset_processing_bytes_per_poll: int = 1 << 20
+    # a user's private datasets, every version counted: past it a create or a new version is answered with success
+    # and then not kept, the dataset 404s (kaggle-cli #284); the figure is configuration (0: unlimited)
+    private_storage_bytes: int = 100 * 1000 ** 3
     queue_delay: float = 0.0                      # wall seconds a pushed kernel stays QUEUED
     sigterm_grace: float = 5.0                    # wall seconds between SIGTERM and SIGKILL
     # where mounts appear under KAGGLE_INPUT_DIR: "flat" = <slug>/ (older images); "nested" = datasets/<owner>/
@@ -48,6 +51,8 @@ class EmulatorConfig:
             raise InputError(f"time_scale {self.time_scale}: must be > 0")
         if self.mount_layout not in ("flat", "nested"):
             raise InputError(f"mount_layout {self.mount_layout!r}: use flat or nested")
+        if self.private_storage_bytes < 0:
+            raise InputError("private_storage_bytes must be >= 0 (0: unlimited)")
         if self.dataset_processing_bytes_per_poll < 0:
             raise InputError("dataset_processing_bytes_per_poll must be >= 0 (0: no polls)")
         if self.max_gpu_sessions < 0 or self.output_cap_bytes <= 0:

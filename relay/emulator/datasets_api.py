@@ -99,6 +99,10 @@ class DatasetsService:
                 "license": body.get("licenseName") or "unknown", "is_private": bool(body.get("isPrivate", True)),
                 "created": time.time(), "versions": []}
             self._add_version(ref, files, "Initial release")
+            if self._over_storage(call.user):  # answered "ok" all the same, then absent (kaggle-cli #284)
+                self._drop_version(ref)
+                del self.store.datasets[ref]
+                self.store.save()
         return {"ref": ref, "url": f"{call.base}/datasets/{ref}", "status": "ok"}
 
     def CreateDatasetVersion(self, call: Call) -> dict:
@@ -126,11 +130,34 @@ class DatasetsService:
                 self.store.save()
                 raise ApiError(403, f"Dataset {ref} is still processing its latest version; try again later")
             files = self._check_tokens(call.user, body.get("files") or [])
+            self._add_version(ref, files, body.get("versionNotes") or "")
+            # the quota is checked before any old version is deleted (the pessimistic reading: undocumented)
+            if self._over_storage(call.user):  # answered "ok" all the same, never shown (kaggle-cli #284)
+                self._drop_version(ref)
+                return {"ref": ref, "url": f"{call.base}/datasets/{ref}", "status": "ok"}
             for key in ("subtitle", "description"):
                 if body.get(key):
                     dataset[key] = body[key]
-            self._add_version(ref, files, body.get("versionNotes") or "")
+            if body.get("deleteOldVersions"):
+                # the client's `datasets version --delete-old-versions` (kaggle_api_extended.dataset_create_version,
+                # kagglesdk ApiCreateDatasetVersionRequestBody.delete_old_versions): Kaggle's one way to free a
+                # dataset's old versions (no per-version delete); done at once here, the pessimistic reading
+                while len(dataset["versions"]) > 1:
+                    self._drop_version(ref, dataset["versions"][0])
+            self.store.save()
         return {"ref": ref, "url": f"{call.base}/datasets/{ref}", "status": "ok"}
+
+    def _over_storage(self, owner: str) -> bool:
+        """Whether the owner's private datasets, every version counted, exceed the private storage quota."""
+        quota = self.config.private_storage_bytes
+        return bool(quota) and self.store.private_bytes(owner) > quota
+
+    def _drop_version(self, ref: str, version: Optional[dict] = None) -> None:
+        """Forget a version (the newest by default) and its files."""
+        dataset = self.store.datasets[ref]
+        version = version or dataset["versions"][-1]
+        dataset["versions"].remove(version)
+        shutil.rmtree(self.store.dataset_dir(ref, version["number"]).parent, ignore_errors=True)
 
     def _check_tokens(self, user: str, files: list) -> list:
         blobs = []
@@ -148,7 +175,7 @@ class DatasetsService:
     def _add_version(self, ref: str, blobs: list, notes: str) -> None:
         """A new version holds exactly the files uploaded for it; zips are unpacked into a folder."""
         dataset = self.store.datasets[ref]
-        number = len(dataset["versions"]) + 1
+        number = (dataset["versions"][-1]["number"] if dataset["versions"] else 0) + 1  # old ones may be deleted
         target = self.store.dataset_dir(ref, number)
         if target.exists():
             shutil.rmtree(target)

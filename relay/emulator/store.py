@@ -106,6 +106,11 @@ class Store:
         ready = [v for v in (dataset or {}).get("versions", []) if version_state(v, now) == "ready"]
         return ready[-1] if ready else None
 
+    def private_bytes(self, owner: str) -> int:
+        """Bytes the owner's private datasets hold, every version counted (the private storage quota's measure)."""
+        return sum(size for d in self.datasets.values() if d["owner"] == owner and d.get("is_private", True)
+                   for v in d["versions"] for _, size in v["files"])
+
     def running_gpu_sessions(self, owner: str) -> int:
         """The owner's GPU sessions Kaggle counts: queued or running ones, and the ghosts of deleted kernels."""
         return sum(1 for ref, k in self.kernels.items() if k["owner"] == owner

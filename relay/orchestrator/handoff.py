@@ -290,7 +290,7 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
         confirm()
         result = backend.publish_folder(stage, names.checkpoint_dataset, f"{spec.name} checkpoint",
                                         notes=f"run {action.run_id}, step {newest.step}, code {code_version()}",
-                                        known_sha256=known)
+                                        known_sha256=known, keep_versions=spec.kaggle.checkpoint_versions)
         published.insert(0, f"{names.checkpoint_dataset} v{result.version}")
         if spec.tracking.wandb is not None:  # after the publish: a tracker never holds the relay up
             tracking_handoff.sync_session(spec, progress, _fetch_wandb(out, root), before, newest.step,
