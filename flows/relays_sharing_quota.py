@@ -232,7 +232,8 @@ def joint_eta(relays: List[Relay], quota, cap: int, now: datetime) -> Optional[j
     refresh = utc(quota.refresh_time) if quota is not None and quota.refresh_time else planner.next_weekly_reset(now)
     running = [r.name for r in relays if r.state in IN_FLIGHT]
     return joint_plan.plan_jointly(needs, now=now, cap=cap, quota_left_s=left, quota_allowed_s=allowed,
-                                   refresh_at=refresh, done_sessions=done, running=running)
+                                   refresh_at=refresh, done_sessions=done, running=running,
+                                   reserved_s=quota.reserved_s if quota is not None else 0.0)
 
 
 def one_account(specs: List[str]) -> Optional[str]:

@@ -20,6 +20,9 @@ class EmulatorConfig:
     session_timeout_s: float = 12 * 3600          # Kaggle time; a push may ask for less
     gpu_quota_s: float = 30 * 3600                # Kaggle time per quota period
     quota_period_s: float = 7 * 24 * 3600         # Kaggle time
+    # the allowance of each quota period in turn (Kaggle time; past the list: gpu_quota_s): Kaggle's weekly GPU
+    # allowance varies from week to week ("30 hours or sometimes higher", kaggle-benchmarks #79, kaggle.com/docs)
+    gpu_quota_by_period: List[float] = field(default_factory=list)
     max_gpu_sessions: int = 2
     output_cap_bytes: int = 20 * 1000 ** 3
     dataset_processing_delay: float = 0.0         # wall seconds from CreateDataset(Version) to READY
@@ -43,6 +46,10 @@ class EmulatorConfig:
     # modules imported once in a zygote that forks each session (warm_zygote.py); empty: a fresh interpreter each
     warm_modules: List[str] = field(default_factory=list)
 
+    def allowance(self, period: int) -> float:
+        """The GPU allowance (Kaggle seconds) of quota period `period` (0: the first)."""
+        return self.gpu_quota_by_period[period] if period < len(self.gpu_quota_by_period) else self.gpu_quota_s
+
     def wall(self, kaggle_seconds: float) -> float:
         return kaggle_seconds / self.time_scale
 
@@ -60,6 +67,8 @@ class EmulatorConfig:
         for name in ("session_timeout_s", "gpu_quota_s", "quota_period_s"):
             if getattr(self, name) <= 0:
                 raise InputError(f"{name}: must be > 0")
+        if any(not isinstance(q, (int, float)) or q <= 0 for q in self.gpu_quota_by_period):
+            raise InputError(f"gpu_quota_by_period: every allowance must be > 0 (got {self.gpu_quota_by_period!r})")
         return self
 
     @classmethod

@@ -118,7 +118,8 @@ class KernelsService:
                 self.faults.ghost_refused()  # kaggle-cli #185: refused although fewer than N run
             return CONCURRENCY_REFUSAL.format(n=cfg.max_gpu_sessions)
         period = cfg.wall(cfg.quota_period_s)
-        if self.store.gpu_seconds_used(owner, now, period, cfg.time_scale) >= cfg.gpu_quota_s:
+        allowed = cfg.allowance(self.store.quota_period(now, period))
+        if self.store.gpu_seconds_used(owner, now, period, cfg.time_scale) >= allowed:
             return QUOTA_REFUSAL.format(when=iso(self.store.quota_window(now, period)[1]))
         return None
 
@@ -257,11 +258,15 @@ class KernelsService:
         cfg, now = self.config, time.time()
         period = cfg.wall(cfg.quota_period_s)
         used = self.store.gpu_seconds_used(call.user, now, period, cfg.time_scale)
+        # timeReserved: what the running sessions still hold, the rest of each one's timeout (kaggle-cli #1029);
+        # the allowance of this period, which varies from week to week (kaggle-benchmarks #79)
+        reserved = self.store.gpu_seconds_reserved(call.user, now, cfg.time_scale, cfg.wall)
+        allowed = cfg.allowance(self.store.quota_period(now, period))
         has_run = any(e["owner"] == call.user for e in self.store.data["quota"])
         return {"quotaRefreshTime": iso(self.store.quota_window(now, period)[1]),
-                "gpuQuota": {"timeUsed": duration(used), "timeReserved": duration(0),
-                             "totalTimeAllowed": duration(cfg.gpu_quota_s),
-                             "minimumTimeAllowed": duration(cfg.gpu_quota_s), "hasEverRun": has_run},
+                "gpuQuota": {"timeUsed": duration(used), "timeReserved": duration(reserved),
+                             "totalTimeAllowed": duration(allowed),
+                             "minimumTimeAllowed": duration(min(allowed, cfg.gpu_quota_s)), "hasEverRun": has_run},
                 "tpuQuota": {"timeUsed": duration(0), "timeReserved": duration(0),
                              "totalTimeAllowed": duration(20 * 3600), "minimumTimeAllowed": duration(20 * 3600)}}
 

@@ -149,6 +149,23 @@ class Store:
         index = int((now - epoch) // period_wall)
         return epoch + index * period_wall, epoch + (index + 1) * period_wall
 
+    def quota_period(self, now: float, period_wall: float) -> int:
+        """Which quota period `now` falls in (0: the first, from the store's creation)."""
+        return int((now - self.data["created"]) // period_wall)
+
+    def gpu_seconds_reserved(self, owner: str, now: float, time_scale: float, timeout_wall) -> float:
+        """Kaggle seconds the owner's GPU sessions still hold: each queued or running one, the rest of its timeout
+        (GetAcceleratorQuotaStatistics' timeReserved: time held by running sessions, kaggle-cli #1029)."""
+        reserved = 0.0
+        for kernel in self.kernels.values():
+            if kernel["owner"] != owner:
+                continue
+            for v in kernel["versions"]:
+                if v["status"] in ACTIVE and v.get("enable_gpu"):
+                    elapsed = now - v["started"] if v.get("started") else 0.0
+                    reserved += max(0.0, timeout_wall(v["timeout_s"]) - elapsed) * time_scale
+        return reserved
+
     def gpu_seconds_used(self, owner: str, now: float, period_wall: float, time_scale: float) -> float:
         """Kaggle seconds of GPU used this period: finished runs from the ledger plus runs in flight."""
         start, end = self.quota_window(now, period_wall)
