@@ -174,6 +174,23 @@ def test_after_wedge_retries_from_the_published_checkpoint_or_stops_after_the_re
     assert chain.on_wedged(wedged, "delete") is wedged
 
 
+def test_after_a_wedged_run_was_deleted_every_later_look_decides_the_same_new_attempt():
+    """Kaggle can refuse the retry's push for a while after the delete (kaggle-cli #185): the next look finds no
+    kernel, and the deleted run id recorded on Kaggle (deleted_run) makes it the same retry, never the deleted id."""
+    gone = Observation(PUBLISHED, None, None, deleted_run="r-s002-a1")
+    action = chain.decide("r", gone)
+    assert (action.do, action.run_id, action.attempt) == (Do.PUSH, "r-s002-a2", 2)
+    assert action.reason == "r-s002-a1 was wedged and its kernel deleted"
+    # the newest deleted attempt wins, whoever deleted it (a `relay stop --now` of the retry, then a wedge)
+    both = Observation(PUBLISHED, None, None, ended_by_user="r-s002-a2", deleted_run="r-s002-a3")
+    assert chain.decide("r", both).run_id == "r-s002-a4"
+    assert chain.decide("r", Observation(PUBLISHED, None, None, ended_by_user="r-s002-a3",
+                                         deleted_run="r-s002-a1")).run_id == "r-s002-a4"
+    # an earlier session's deleted run, or a kernel pushed since, changes nothing
+    assert chain.decide("r", Observation(PUBLISHED, None, None, deleted_run="r-s001-a1")).run_id == "r-s002-a1"
+    assert chain.decide("r", _obs(state="complete", run="r-s002-a2")).do is Do.HARVEST
+
+
 # -- the relay, end to end -----------------------------------------------------------------------------------
 # A 60 s budget: Kaggle's limit for a session is 62 s (kaggle_timeout_s: budget, startup_overhead, safety_margin),
 # the relay's deadline 1 s (startup_overhead) later. Sessions end at session.max_steps (a start-up of ~4 CPU s and
