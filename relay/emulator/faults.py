@@ -72,8 +72,7 @@ from relay.shared.errors import InputError
 
 DEFAULT_DELETE_LAG_CALLS = 20  # the relay's own requests after a delete: enough that its first push meets the ghost
 KINDS = ("429", "500", "503", "reset", "lost", "slow", "refused", "hang", "html")
-DEFAULT_RATE_DEFAULT_DELETE_LAG_CALLS = 20  # the relay's own requests after a delete: enough that its first push meets the ghost
-KINDS = ("429", "500", "reset", "lost")
+DEFAULT_RATE_KINDS = ("429", "500", "reset", "lost")
 
 
 @dataclass(frozen=True)
