@@ -194,7 +194,8 @@ class DatasetsService:
         dataset["versions"].append({"number": number, "notes": notes, "created": now,
                                     "ready_at": now + self.config.dataset_processing_delay,
                                     "polls_left": sum(size for _, size in files) // unit if unit else 0,
-                                    "failed": self.faults.fails_processing(ref, number), "files": files})
+                                    "failed": self.faults.fails_processing(ref, number), "files": files,
+                                    "reprocess_left": self.faults.dataset_reprocessing})
         self.store.save()
 
     # -- reading ---------------------------------------------------------------------------------
@@ -217,10 +218,15 @@ class DatasetsService:
             dataset = self._dataset(self._ref(call))
             latest = dataset["versions"][-1]
             state = version_state(latest, time.time())
+            name = {"processing": "BLOBS_RECEIVED", "failed": "FAILED", "ready": "READY"}[state]
             if state == "processing" and latest.get("polls_left", 0) > 0:
                 latest["polls_left"] -= 1
-                self.store.save()
-        return {"status": {"processing": "BLOBS_RECEIVED", "failed": "FAILED", "ready": "READY"}[state]}
+            elif state == "processing" and latest["ready_at"] <= time.time() and latest.get("reprocess_left", 0) > 0:
+                latest["reprocess_left"] -= 1  # the dataset_reprocessing fault: a second wait, named so
+                self.faults.injected["dataset_reprocessing"] += 1
+                name = "REPROCESSING"
+            self.store.save()
+        return {"status": name}
 
     def GetDataset(self, call: Call) -> dict:
         ref = self._ref(call)

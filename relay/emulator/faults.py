@@ -16,7 +16,8 @@ Spec (JSON, or built from CLI flags):
    "wedge": {"pushes": [2], "calls": 30},  # the 2nd session pushed stays RUNNING after its process ended
    "machine": {"pushes": [2], "gpus": ["Tesla P100-PCIE-16GB"], "image": "9f8e7d6"},  # what session 2 runs on
    "delete_lag": {"calls": 20},     # a deleted session holds its slot and is charged for 20 more calls (default)
-   "dataset_failed": {"versions": [2], "slugs": ["-ckpt"]}}  # 2nd version of each *-ckpt* dataset: FAILED
+   "dataset_failed": {"versions": [2], "slugs": ["-ckpt"]},  # 2nd version of each *-ckpt* dataset: FAILED
+   "dataset_reprocessing": {"calls": 2}}  # each version reads REPROCESSING for 2 status polls after processing
 Kinds: 429 (with Retry-After), 500, 503, reset (connection dropped before handling), lost (handled, then the
 connection dropped: the client cannot know it happened), slow (answered after slow_s seconds), refused (HTTP 200
 `{"versionNumber": 0, "error": ...}` without handling: a refused push; script it for SaveKernel), hang (never
@@ -52,6 +53,9 @@ dataset_failed: Kaggle's processing can end a version FAILED (kagglesdk datasets
 DatabundleVersionStatus); here the `versions`-th version created of every dataset whose ref contains one of
 `slugs` (absent: every dataset; 1-based, counted per dataset) ends FAILED once its processing polls are spent:
 GetDatasetStatus answers FAILED, it is never mounted or made current, and a new version may be created over it.
+dataset_reprocessing: the enum also names REPROCESSING (kagglesdk DatabundleVersionStatus; when Kaggle enters it is
+undocumented); here every version, once its processing polls are spent, answers REPROCESSING to `calls` more
+status polls and is not current meanwhile.
 latency: each RPC, file GET and upload PUT is delayed by a draw from [min_s, max_s], half before it is handled
 (the request's way in) and half after (the response's way out), so two orchestrators' check-then-act steps
 interleave as they do over a real network.
@@ -110,6 +114,7 @@ class FaultPlan:
         self.delete_lag = self._calls_setting({"delete_lag": spec.get("delete_lag", {"calls": DEFAULT_DELETE_LAG_CALLS})},
                                               "delete_lag")
         self.dataset_failed = self._versions_setting(spec.get("dataset_failed"))
+        self.dataset_reprocessing = self._calls_setting(spec, "dataset_reprocessing")
         self._pushes = 0
         self._streams_cut: set = set()
         self._lagged: Dict[str, int] = defaultdict(int)  # kernel version -> unpinned calls answered since push

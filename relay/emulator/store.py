@@ -23,7 +23,7 @@ ACTIVE = ("QUEUED", "RUNNING")
 def version_state(version: dict, now: float) -> str:
     """A dataset version's processing: "processing" (its wall delay or its status polls not yet spent), then
     "failed" (the dataset_failed fault) or "ready"."""
-    if version["ready_at"] > now or version.get("polls_left", 0) > 0:
+    if version["ready_at"] > now or version.get("polls_left", 0) > 0 or version.get("reprocess_left", 0) > 0:
         return "processing"
     return "failed" if version.get("failed") else "ready"
 

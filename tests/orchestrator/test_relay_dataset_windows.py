@@ -49,7 +49,8 @@ def test_a_version_processes_in_polls_that_grow_with_its_size_and_a_failed_one_i
     # one status poll per 1000 bytes; the 2nd version of every *-ckpt* dataset ends FAILED (kagglesdk
     # DatabundleVersionStatus.FAILED); a version refused while the previous one processes (kagglehub PR #182)
     emu = make_emulator(dataset_processing_bytes_per_poll=1000,
-                        faults={"dataset_failed": {"versions": [2], "slugs": ["-ckpt"]}})
+                        faults={"dataset_failed": {"versions": [2], "slugs": ["-ckpt"]},
+                                "dataset_reprocessing": {"calls": 2}})
     backend = backend_for(emu)
     dataset = f"{USER}/failed-ckpt"
     results = []
@@ -64,6 +65,8 @@ def test_a_version_processes_in_polls_that_grow_with_its_size_and_a_failed_one_i
     assert emu.faults.injected["dataset_failed"] == 1
     assert {f.name: f.size for f in backend.list_dataset_files(dataset)}["state.bin"] == 9000  # the republished one
     assert all(v["polls_left"] == 0 for v in versions)  # every poll a version's size cost was spent, none skipped
+    # and each version read REPROCESSING twice after them (waited out like any state but READY and FAILED)
+    assert all(v["reprocess_left"] == 0 for v in versions) and emu.faults.injected["dataset_reprocessing"] == 6
     assert backend.dataset_info(dataset)["current"] == 3
 
     # a new version while the newest still processes: 403 (kagglehub PR #182), waited out by the publisher
