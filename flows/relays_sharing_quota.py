@@ -364,7 +364,9 @@ def _summary(relays: List[Relay], rnd: Round, plan, refused: int) -> dict:
                                 "step": (r.progress or {}).get("global_step", 0),
                                 "sessions": len((r.progress or {}).get("sessions") or []),
                                 "weights_sha256": (r.progress or {}).get("weights_sha256"),
-                                "why": r.step.why if r.step and r.state is State.STOPPED else ""} for r in relays}}
+                                "why": r.step.why if r.step and r.state is State.STOPPED else "",
+                                **({"stored": r.step.stored} if r.step and r.step.stored is not None else {})}
+                       for r in relays}}
 
 
 if __name__ == "__main__":
