@@ -47,9 +47,10 @@ def delete_kernel(backend, kernel: str) -> bool:
 
 
 @task(name="note-deleted", **RETRY)
-def note_deleted(backend, names: Names, run_id: str) -> None:
-    """The wedged run whose kernel is about to be deleted, recorded on Kaggle (control_record.note_deleted)."""
-    control_record.note_deleted(backend, names.owner, names.name, run_id)
+def note_deleted(backend, names: Names, run_id: str, charges: list) -> None:
+    """The wedged run whose kernel is about to be deleted and the charges its retry carries, recorded on Kaggle
+    (control_record.note_deleted)."""
+    control_record.note_deleted(backend, names.owner, names.name, run_id, charges)
 
 
 @task(name="user-stop", **RETRY)

@@ -78,6 +78,7 @@ class Observation:
     # the wedged session whose kernel the relay deleted (its run id, recorded on Kaggle before the delete): after a
     # delete Kaggle can refuse pushes for a while (kaggle-cli #185), and the retry must not reuse the deleted run id
     deleted_run: Optional[str] = None
+    deleted_charges: tuple = ()  # the failed attempts' charges recorded with it, for its retry's push
     # the kernel version that carries kernel_run: the state and the output are read for this version only
     # (versionLabel "v<N>"), never for "the latest", which lags a push; None: not known yet ("starting")
     kernel_version: Optional[int] = None

@@ -57,7 +57,7 @@ def observe(backend: KaggleBackend, names: Names, local: Path, grace_s: Optional
     return Observation(published, run, state, failure, features_published=_exists(backend, names.features_dataset),
                        kernel_version=version or None, deadline=deadline, observed_at=time.time(),
                        stopped_by_user=control_record.stop_line(user), ended_by_user=user.get("ended_run"),
-                       deleted_run=user.get("deleted_run"))
+                       deleted_run=user.get("deleted_run"), deleted_charges=tuple(user.get("deleted_charges") or ()))
 
 
 def running_deadline(plan: dict, run_id: Optional[str], grace_s: float) -> Optional[float]:

@@ -49,5 +49,13 @@ def test_a_relay_under_a_storage_quota_unbounded_growth_would_overflow_ends_exac
     assert stored["datasets"][relay_env.ckpt] == {"versions": 1, "bytes": published[0]}, stored
     assert stored["versions"] == 2 and stored["bytes"] <= quota, stored
     assert "stored on Kaggle: 2 dataset version(s)" in log and "checkpoint versions kept at most 1" in log
+    # and `relay status` says the same
+    from relay.orchestrator import status
+
+    lines = []
+    status.report(str(spec), relay_env.backend, out_dir=relay_env.root / "status", emit=lines.append)
+    (said,) = [line for line in lines if line.startswith("stored on Kaggle:")]
+    assert said.startswith("stored on Kaggle: 2 dataset version(s)") and f"{relay_env.ckpt} 1 version(s)" in said
+    assert said.endswith("checkpoint versions kept at most 1"), said
     progress = relay_env.published_progress()
     assert summary["weights_sha256"] == progress["weights_sha256"] == reference.weights(spec)
