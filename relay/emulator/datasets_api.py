@@ -221,11 +221,12 @@ class DatasetsService:
             name = {"processing": "BLOBS_RECEIVED", "failed": "FAILED", "ready": "READY"}[state]
             if state == "processing" and latest.get("polls_left", 0) > 0:
                 latest["polls_left"] -= 1
+                self.store.save()
             elif state == "processing" and latest["ready_at"] <= time.time() and latest.get("reprocess_left", 0) > 0:
                 latest["reprocess_left"] -= 1  # the dataset_reprocessing fault: a second wait, named so
                 self.faults.injected["dataset_reprocessing"] += 1
                 name = "REPROCESSING"
-            self.store.save()
+                self.store.save()
         return {"status": name}
 
     def GetDataset(self, call: Call) -> dict:
