@@ -98,6 +98,7 @@ class KernelsService:
     def _resolve_sources(self, body: dict, now: float) -> tuple:
         sources, invalid = [], {"datasets": [], "kernels": []}
         for ref in body.get("datasetDataSources") or []:
+            self.store.poll_processing(ref)  # a push that names a processing version waits as a status poll does
             ready = self.store.ready_version(ref, now)
             if ready is None:
                 invalid["datasets"].append(ref)

@@ -106,6 +106,13 @@ class Store:
         ready = [v for v in (dataset or {}).get("versions", []) if version_state(v, now) == "ready"]
         return ready[-1] if ready else None
 
+    def poll_processing(self, ref: str) -> None:
+        """One poll of the dataset's newest version's processing (its size costs polls, datasets_api.py)."""
+        versions = (self.datasets.get(ref) or {}).get("versions") or []
+        if versions and versions[-1].get("polls_left", 0) > 0:
+            versions[-1]["polls_left"] -= 1
+            self.save()
+
     def private_bytes(self, owner: str) -> int:
         """Bytes the owner's private datasets hold, every version counted (the private storage quota's measure)."""
         return sum(size for d in self.datasets.values() if d["owner"] == owner and d.get("is_private", True)
