@@ -234,7 +234,8 @@ def joint_eta(relays: List[Relay], quota, cap: int, now: datetime) -> Optional[j
     refresh = utc(quota.refresh_time) if quota is not None and quota.refresh_time else planner.next_weekly_reset(now)
     running = [r.name for r in relays if r.state in IN_FLIGHT]
     return joint_plan.plan_jointly(needs, now=now, cap=cap, quota_left_s=left, quota_allowed_s=allowed,
-                                   refresh_at=refresh, done_sessions=done, running=running)
+                                   refresh_at=refresh, done_sessions=done, running=running,
+                                   reserved_s=quota.reserved_s if quota is not None else 0.0)
 
 
 def one_account(specs: List[str]) -> Optional[str]:
@@ -365,7 +366,9 @@ def _summary(relays: List[Relay], rnd: Round, plan, refused: int) -> dict:
                                 "step": (r.progress or {}).get("global_step", 0),
                                 "sessions": len((r.progress or {}).get("sessions") or []),
                                 "weights_sha256": (r.progress or {}).get("weights_sha256"),
-                                "why": r.step.why if r.step and r.state is State.STOPPED else ""} for r in relays}}
+                                "why": r.step.why if r.step and r.state is State.STOPPED else "",
+                                **({"stored": r.step.stored} if r.step and r.step.stored is not None else {})}
+                       for r in relays}}
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from typing import Optional
 
 from prefect import get_run_logger
 
-from relay.orchestrator import chain, goodput, handoff, restore
+from relay.orchestrator import chain, goodput, handoff, restore, storage
 from relay.orchestrator.chain import Do
 from relay.orchestrator.relay_state import State, Wait
 from relay.orchestrator.kaggle.backend import KaggleBackend
@@ -115,12 +115,14 @@ class Step:
     refusal: Optional[Refusal] = None      # Kaggle refused the push
     deadline: Optional[float] = None       # running: when it is wedged if still running (look again then)
     waits_for: Optional[Wait] = None       # waiting: for what a flow acts on (a slot of the account's cap, the quota)
+    stored: Optional[dict] = None          # done: what the relay stores on Kaggle (relay/orchestrator/storage.py)
 
     def summary(self) -> dict:
         p = self.progress or {}
         return {"state": self.state.value, "run_id": self.action.run_id, "step": p.get("global_step", 0),
                 "total_steps": p.get("total_steps"), "sessions": len(p.get("sessions", [])),
-                "metrics": p.get("metrics", {}), "weights_sha256": p.get("weights_sha256"), "why": self.why}
+                "metrics": p.get("metrics", {}), "weights_sha256": p.get("weights_sha256"), "why": self.why,
+                **({"stored": self.stored} if self.stored is not None else {})}
 
 
 def advance(ctx: RelayContext) -> Step:
@@ -145,7 +147,7 @@ def advance(ctx: RelayContext) -> Step:
         done = obs.published or {}
         ctx.tell("finished", "finished", f"{ctx.spec.name} finished at step {done.get('global_step')}, last eval"
                  f" {done.get('metrics')}; the final model is the Kaggle dataset {ctx.names.model_dataset}")
-        return Step(State.DONE, action, obs, obs.published)
+        return Step(State.DONE, action, obs, obs.published, stored=_stored(ctx))
     if action.do is Do.FAILED:
         raise RelayFailed(action.reason)
     if action.do is Do.PUSH:
@@ -186,13 +188,18 @@ def _wedged(ctx: RelayContext, obs: chain.Observation, wedged: chain.Action) -> 
     except Exception as err:  # noqa: BLE001 - Kaggle may refuse a running session's output: nothing to harvest
         get_run_logger().warning("wedged %s: its output could not be read (%s); nothing harvested", wedged.run_id, err)
     pushed = _current_plan(ctx)  # the wedged attempt's push, read while its kernel is there
-    relay_tasks.delete_kernel(ctx.backend, ctx.names.kernel)
-    ctx.lease.took_effect(key)
     ok = harvested is not None and harvested.ok
     then = chain.after_wedge(ctx.spec.name, wedged, ok, ctx.spec.kaggle.max_failed_sessions + 1)
     if not ok and then.do is Do.PUSH:  # deleted without a harvest: its GPU time is listed all the same
         _unlisted(ctx, wedged.run_id, harvested.log_tail if harvested is not None else "", then.reason, pushed,
                   wedged=True)
+    # recorded on Kaggle before the delete, with the charges the retry carries: Kaggle can refuse the retry's push
+    # for a while after a delete (the session count still counts the deleted session, kaggle-cli #185), and every
+    # later look (this flow's, a tick's, another orchestrator's) must decide the same new attempt, never push the
+    # deleted run id again, and push it with the deleted attempt's GPU time
+    relay_tasks.note_deleted(ctx.backend, ctx.names, wedged.run_id, ctx.unlisted if not ok else [])
+    relay_tasks.delete_kernel(ctx.backend, ctx.names.kernel)
+    ctx.lease.took_effect(key)
     if then.failed:
         _session_failed(ctx, wedged.run_id, then.failed)
     if then.do is Do.FAILED:
@@ -200,6 +207,26 @@ def _wedged(ctx: RelayContext, obs: chain.Observation, wedged: chain.Action) -> 
     if then.do is Do.HANDED_OVER:
         return Step(State.HANDED_OVER, then, obs, harvested.progress)
     return Step(State.READY, then, obs, obs.published)  # the same session again, from the last published checkpoint
+
+
+def _deleted_charges(obs: chain.Observation, action: chain.Action) -> list:
+    """The failed attempts' charges recorded on Kaggle with the wedged run the relay deleted (the control record's
+    deleted_charges), when `action` is that run's retry: the step that deleted may not be the one that pushes."""
+    deleted, mine = chain.parse_run_id(obs.deleted_run), chain.parse_run_id(action.run_id)
+    if deleted is None or mine is None or mine != (deleted[0], deleted[1] + 1):
+        return []
+    return [dict(c) for c in obs.deleted_charges]
+
+
+def _stored(ctx: RelayContext) -> Optional[dict]:
+    """What the relay stores on Kaggle, said in the flow's log and its summary (None when it cannot be read)."""
+    try:
+        stored = storage.relay_storage(ctx.backend, ctx.names)
+    except Exception as err:  # noqa: BLE001 - a report never stops a relay
+        get_run_logger().info("what the relay stores on Kaggle was not read: %s", err)
+        return None
+    get_run_logger().info("%s", storage.storage_line(stored, ctx.spec.kaggle.checkpoint_versions))
+    return stored
 
 
 def _session_failed(ctx: RelayContext, run_id: str, why: str) -> None:
@@ -279,8 +306,9 @@ def push(ctx: RelayContext, ready: Step, budget_s: float, quota: Optional[Quota]
     "waiting" (claimed by another orchestrator; refused by Kaggle, with the refusal), or "stopped" (by the user
     since the step observed)."""
     action, obs = ready.action, ready.obs
+    charges = ctx.unlisted or _deleted_charges(obs, action)  # an earlier step's delete: its record on Kaggle
     session = handoff.session_kernel(ctx.spec, ctx.spec_text, ctx.names, action, budget_s, obs.features_published,
-                                     has_checkpoint=obs.published is not None, charges=tuple(ctx.unlisted))
+                                     has_checkpoint=obs.published is not None, charges=tuple(charges))
     key = f"push-{action.run_id}"
     held = _claim(ctx, key, obs, action)  # its act, SaveKernel, follows within seconds
     if isinstance(held, Step):

@@ -46,6 +46,13 @@ def delete_kernel(backend, kernel: str) -> bool:
     return backend.delete_kernel(kernel)
 
 
+@task(name="note-deleted", **RETRY)
+def note_deleted(backend, names: Names, run_id: str, charges: list) -> None:
+    """The wedged run whose kernel is about to be deleted and the charges its retry carries, recorded on Kaggle
+    (control_record.note_deleted)."""
+    control_record.note_deleted(backend, names.owner, names.name, run_id, charges)
+
+
 @task(name="user-stop", **RETRY)
 def user_stop(backend, names: Names) -> str:
     """Who stopped the relay (`relay stop`), read right before a push; "" while it is not stopped."""

@@ -14,7 +14,7 @@ from typing import Optional
 from relay.emulator.config import EmulatorConfig
 from relay.emulator.faults import FaultPlan
 from relay.emulator.protocol import ApiError, Call, Reply, file_reply, iso, slug_of, tree_files
-from relay.emulator.store import Store
+from relay.emulator.store import Store, version_state
 
 _CONTENT_RANGE = re.compile(r"^bytes (?:(\d+)-(\d+)|\*)/(\d+)$")
 
@@ -99,6 +99,10 @@ class DatasetsService:
                 "license": body.get("licenseName") or "unknown", "is_private": bool(body.get("isPrivate", True)),
                 "created": time.time(), "versions": []}
             self._add_version(ref, files, "Initial release")
+            if self._over_storage(call.user):  # answered "ok" all the same, then absent (kaggle-cli #284)
+                self._drop_version(ref)
+                del self.store.datasets[ref]
+                self.store.save()
         return {"ref": ref, "url": f"{call.base}/datasets/{ref}", "status": "ok"}
 
     def CreateDatasetVersion(self, call: Call) -> dict:
@@ -119,14 +123,41 @@ class DatasetsService:
             if dataset["owner"] != call.user:
                 raise ApiError(403, f"Permission denied: {call.user} cannot version {ref}")
             latest = dataset["versions"][-1] if dataset["versions"] else None
-            if latest and (latest["ready_at"] > time.time() or self.faults.refuse_version(ref, latest["number"])):
+            # a new version is refused (403) while the previous one still processes (kagglehub PR #182, #181)
+            if latest and (version_state(latest, time.time()) == "processing" or
+                           self.faults.refuse_version(ref, latest["number"])):
+                latest["polls_left"] = max(0, latest.get("polls_left", 0) - 1)  # the refused attempt polls too
+                self.store.save()
                 raise ApiError(403, f"Dataset {ref} is still processing its latest version; try again later")
             files = self._check_tokens(call.user, body.get("files") or [])
+            self._add_version(ref, files, body.get("versionNotes") or "")
+            # the quota is checked before any old version is deleted (the pessimistic reading: undocumented)
+            if self._over_storage(call.user):  # answered "ok" all the same, never shown (kaggle-cli #284)
+                self._drop_version(ref)
+                return {"ref": ref, "url": f"{call.base}/datasets/{ref}", "status": "ok"}
             for key in ("subtitle", "description"):
                 if body.get(key):
                     dataset[key] = body[key]
-            self._add_version(ref, files, body.get("versionNotes") or "")
+            if body.get("deleteOldVersions"):
+                # the client's `datasets version --delete-old-versions` (kaggle_api_extended.dataset_create_version,
+                # kagglesdk ApiCreateDatasetVersionRequestBody.delete_old_versions): Kaggle's one way to free a
+                # dataset's old versions (no per-version delete); done at once here, the pessimistic reading
+                while len(dataset["versions"]) > 1:
+                    self._drop_version(ref, dataset["versions"][0])
+            self.store.save()
         return {"ref": ref, "url": f"{call.base}/datasets/{ref}", "status": "ok"}
+
+    def _over_storage(self, owner: str) -> bool:
+        """Whether the owner's private datasets, every version counted, exceed the private storage quota."""
+        quota = self.config.private_storage_bytes
+        return bool(quota) and self.store.private_bytes(owner) > quota
+
+    def _drop_version(self, ref: str, version: Optional[dict] = None) -> None:
+        """Forget a version (the newest by default) and its files."""
+        dataset = self.store.datasets[ref]
+        version = version or dataset["versions"][-1]
+        dataset["versions"].remove(version)
+        shutil.rmtree(self.store.dataset_dir(ref, version["number"]).parent, ignore_errors=True)
 
     def _check_tokens(self, user: str, files: list) -> list:
         blobs = []
@@ -144,7 +175,7 @@ class DatasetsService:
     def _add_version(self, ref: str, blobs: list, notes: str) -> None:
         """A new version holds exactly the files uploaded for it; zips are unpacked into a folder."""
         dataset = self.store.datasets[ref]
-        number = len(dataset["versions"]) + 1
+        number = (dataset["versions"][-1]["number"] if dataset["versions"] else 0) + 1  # old ones may be deleted
         target = self.store.dataset_dir(ref, number)
         if target.exists():
             shutil.rmtree(target)
@@ -156,9 +187,15 @@ class DatasetsService:
             else:
                 shutil.copyfile(source, target / blob["name"])
         now = time.time()
+        files = [list(f) for f in tree_files(target)]
+        unit = self.config.dataset_processing_bytes_per_poll
+        # processing grows with size: one status poll per `unit` bytes (counted in polls, not seconds, so a test
+        # does not depend on the machine's speed); it may end FAILED (kagglesdk DatabundleVersionStatus.FAILED)
         dataset["versions"].append({"number": number, "notes": notes, "created": now,
                                     "ready_at": now + self.config.dataset_processing_delay,
-                                    "files": [list(f) for f in tree_files(target)]})
+                                    "polls_left": sum(size for _, size in files) // unit if unit else 0,
+                                    "failed": self.faults.fails_processing(ref, number), "files": files,
+                                    "reprocess_left": self.faults.dataset_reprocessing})
         self.store.save()
 
     # -- reading ---------------------------------------------------------------------------------
@@ -175,9 +212,22 @@ class DatasetsService:
         return self.store.ready_version(ref, time.time())
 
     def GetDatasetStatus(self, call: Call) -> dict:
-        dataset = self._dataset(self._ref(call))
-        latest = dataset["versions"][-1]
-        return {"status": "READY" if latest["ready_at"] <= time.time() else "BLOBS_RECEIVED"}
+        """The newest version's processing (kagglesdk DatabundleVersionStatus: ... READY, FAILED, DELETED,
+        REPROCESSING); each call while it processes is one of the polls its size costs."""
+        with self.store.lock:
+            dataset = self._dataset(self._ref(call))
+            latest = dataset["versions"][-1]
+            state = version_state(latest, time.time())
+            name = {"processing": "BLOBS_RECEIVED", "failed": "FAILED", "ready": "READY"}[state]
+            if state == "processing" and latest.get("polls_left", 0) > 0:
+                latest["polls_left"] -= 1
+                self.store.save()
+            elif state == "processing" and latest["ready_at"] <= time.time() and latest.get("reprocess_left", 0) > 0:
+                latest["reprocess_left"] -= 1  # the dataset_reprocessing fault: a second wait, named so
+                self.faults.injected["dataset_reprocessing"] += 1
+                name = "REPROCESSING"
+                self.store.save()
+        return {"status": name}
 
     def GetDataset(self, call: Call) -> dict:
         ref = self._ref(call)
@@ -190,7 +240,7 @@ class DatasetsService:
                  "licenseName": dataset["license"], "url": f"{call.base}/datasets/{ref}",
                  "lastUpdated": iso(dataset["versions"][-1]["created"]),
                  "versions": [{"versionNumber": v["number"], "versionNotes": v["notes"], "creationDate": iso(v["created"]),
-                               "status": "ready" if v["ready_at"] <= now else "processing"}
+                               "status": version_state(v, now)}
                               for v in reversed(dataset["versions"])]}
         if current:
             reply["currentVersionNumber"] = current["number"]
@@ -202,7 +252,9 @@ class DatasetsService:
         if number:
             found = next((v for v in dataset["versions"] if v["number"] == int(number)), None)
             if found is dataset["versions"][-1] and self.faults.hide_version(ref, found["number"]):
-                found = None  # a new version 404s for a while after its creation
+                found = None  # a new version 404s for a while after its creation (kaggle-cli #890)
+            elif found is not None and version_state(found, time.time()) == "failed":
+                found = None  # processing FAILED: nothing to list or download
         else:
             found = self._current(ref)
         if found is None:

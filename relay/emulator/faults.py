@@ -14,7 +14,10 @@ Spec (JSON, or built from CLI flags):
    "version_refused": {"calls": 2},  # the 2 first new versions asked of a dataset after each version: 403
    "version_404": {"calls": 3},      # the 3 first reads naming a dataset's newest version number: 404
    "wedge": {"pushes": [2], "calls": 30},  # the 2nd session pushed stays RUNNING after its process ended
-   "machine": {"pushes": [2], "gpus": ["Tesla P100-PCIE-16GB"], "image": "9f8e7d6"}}  # what session 2 runs on
+   "machine": {"pushes": [2], "gpus": ["Tesla P100-PCIE-16GB"], "image": "9f8e7d6"},  # what session 2 runs on
+   "delete_lag": {"calls": 20},     # a deleted session holds its slot and is charged for 20 more calls (default)
+   "dataset_failed": {"versions": [2], "slugs": ["-ckpt"]},  # 2nd version of each *-ckpt* dataset: FAILED
+   "dataset_reprocessing": {"calls": 2}}  # each version reads REPROCESSING for 2 status polls after processing
 Kinds: 429 (with Retry-After), 500, 503, reset (connection dropped before handling), lost (handled, then the
 connection dropped: the client cannot know it happened), slow (answered after slow_s seconds), refused (HTTP 200
 `{"versionNumber": 0, "error": ...}` without handling: a refused push; script it for SaveKernel), hang (never
@@ -41,6 +44,19 @@ machine: what the sessions pushed as the `pushes`-th batch runs (absent: every o
 session's environment (how Kaggle's image names itself); `gpus` and the other keys a session records of its
 runtime (`torch`, `cuda`, `cudnn`, `python`, `cpu`, `cpu_capability`, `gpu_capability`: relay/shared/runtime.py)
 become RELAY_TEST_HARDWARE, which replaces what the session sees (CUDA and another CPU cannot run here).
+delete_lag (on by default: {"calls": DEFAULT_DELETE_LAG_CALLS}; {"calls": 0} turns it off): Kaggle does not
+free a deleted kernel's session at once. Its session count has gone on counting a killed or deleted kernel
+("Maximum batch GPU session count of 2 reached" with fewer running: kaggle-cli #185), and a deleted notebook's
+session has stayed "running" for a day (kaggle-cli #937, kaggle-benchmarks #89). Here each session running (or
+wedged) when its kernel is deleted becomes a ghost: it holds its concurrency slot and is charged GPU time until
+`calls` requests (RPCs) of its owner have been answered after the delete; counted in calls, not seconds.
+dataset_failed: Kaggle's processing can end a version FAILED (kagglesdk datasets/types/dataset_enums.py,
+DatabundleVersionStatus); here the `versions`-th version created of every dataset whose ref contains one of
+`slugs` (absent: every dataset; 1-based, counted per dataset) ends FAILED once its processing polls are spent:
+GetDatasetStatus answers FAILED, it is never mounted or made current, and a new version may be created over it.
+dataset_reprocessing: the enum also names REPROCESSING (kagglesdk DatabundleVersionStatus; when Kaggle enters it is
+undocumented); here every version, once its processing polls are spent, answers REPROCESSING to `calls` more
+status polls and is not current meanwhile.
 latency: each RPC, file GET and upload PUT is delayed by a draw from [min_s, max_s], half before it is handled
 (the request's way in) and half after (the response's way out), so two orchestrators' check-then-act steps
 interleave as they do over a real network.
@@ -60,6 +76,7 @@ from relay.shared.environment import HARDWARE
 from relay.shared.errors import InputError
 from relay.shared.runtime import RUNTIME_KEYS
 
+DEFAULT_DELETE_LAG_CALLS = 20  # the relay's own requests after a delete: enough that its first push meets the ghost
 KINDS = ("429", "500", "503", "reset", "lost", "slow", "refused", "hang", "html")
 DEFAULT_RATE_KINDS = ("429", "500", "reset", "lost")
 
@@ -96,6 +113,10 @@ class FaultPlan:
         self.version_404 = self._calls_setting(spec, "version_404")
         self.wedge: Optional[dict] = self._wedge_setting(spec.get("wedge"))
         self.machine: Optional[dict] = self._machine_setting(spec.get("machine"))
+        self.delete_lag = self._calls_setting({"delete_lag": spec.get("delete_lag", {"calls": DEFAULT_DELETE_LAG_CALLS})},
+                                              "delete_lag")
+        self.dataset_failed = self._versions_setting(spec.get("dataset_failed"))
+        self.dataset_reprocessing = self._calls_setting(spec, "dataset_reprocessing")
         self._pushes = 0
         self._streams_cut: set = set()
         self._lagged: Dict[str, int] = defaultdict(int)  # kernel version -> unpinned calls answered since push
@@ -113,6 +134,32 @@ class FaultPlan:
         if set(value) - {"calls"} or not isinstance(value.get("calls", 0), int) or value.get("calls", 0) < 0:
             raise InputError(f"faults: {key}: expected {{\"calls\": N}} with N >= 0 (got {value!r})")
         return int(value.get("calls", 0))
+
+    @staticmethod
+    def _versions_setting(value: Optional[dict]) -> dict:
+        if value is None:
+            return {"versions": [], "slugs": None}
+        ok = isinstance(value, dict) and not set(value) - {"versions", "slugs"}
+        versions, slugs = (value.get("versions"), value.get("slugs")) if ok else (None, None)
+        if not isinstance(versions, list) or not all(isinstance(n, int) and n >= 1 for n in versions) or \
+                not (slugs is None or (isinstance(slugs, list) and all(isinstance(x, str) for x in slugs))):
+            raise InputError("faults: dataset_failed: expected {\"versions\": [N, ...], \"slugs\": [text, ...]} with"
+                             f" N >= 1, slugs optional (got {value!r})")
+        return {"versions": list(versions), "slugs": slugs}
+
+    def fails_processing(self, dataset_ref: str, version: int) -> bool:
+        """Whether version `version` of `dataset_ref` ends FAILED (dataset_failed)."""
+        rule = self.dataset_failed
+        failed = version in rule["versions"] and (rule["slugs"] is None or any(s in dataset_ref for s in rule["slugs"]))
+        if failed:
+            with self._lock:
+                self.injected["dataset_failed"] += 1
+        return failed
+
+    def ghost_refused(self) -> None:
+        """A push refused because a deleted session still held its slot (delete_lag), counted for tests."""
+        with self._lock:
+            self.injected["delete_lag_refusal"] += 1
 
     @staticmethod
     def _wedge_setting(value: Optional[dict]) -> Optional[dict]:

@@ -125,6 +125,7 @@ class KernelsService:
     def _resolve_sources(self, body: dict, now: float) -> tuple:
         sources, invalid = [], {"datasets": [], "kernels": []}
         for ref in body.get("datasetDataSources") or []:
+            self.store.poll_processing(ref)  # a push that names a processing version waits as a status poll does
             ready = self.store.ready_version(ref, now)
             if ready is None:
                 invalid["datasets"].append(ref)
@@ -141,9 +142,12 @@ class KernelsService:
     def _refusal(self, owner: str, now: float) -> Optional[str]:
         cfg = self.config
         if self.store.running_gpu_sessions(owner) >= cfg.max_gpu_sessions:
+            if any(g["owner"] == owner and g["enable_gpu"] for g in self.store.ghosts):
+                self.faults.ghost_refused()  # kaggle-cli #185: refused although fewer than N run
             return CONCURRENCY_REFUSAL.format(n=cfg.max_gpu_sessions)
         period = cfg.wall(cfg.quota_period_s)
-        if self.store.gpu_seconds_used(owner, now, period, cfg.time_scale) >= cfg.gpu_quota_s:
+        allowed = cfg.allowance(self.store.quota_period(now, period))
+        if self.store.gpu_seconds_used(owner, now, period, cfg.time_scale) >= allowed:
             return QUOTA_REFUSAL.format(when=iso(self.store.quota_window(now, period)[1]))
         return None
 
@@ -195,7 +199,10 @@ class KernelsService:
 
     def DeleteKernel(self, call: Call) -> dict:
         """`kaggle kernels delete`: the kernel and all its versions; a session still running (or wedged) is
-        killed and its GPU time up to now charged. Kaggle offers no other way to stop a session."""
+        killed, Kaggle offers no other way to stop a session. Its slot and its GPU time are not freed at once: it
+        becomes a ghost that Kaggle goes on counting for the fault plan's delete_lag (on by default: the session
+        count has counted killed and deleted kernels, kaggle-cli #185; a deleted notebook's session has stayed
+        running for a day, kaggle-cli #937, kaggle-benchmarks #89); Store.owner_answered ends it."""
         owner = call.body.get("userName") or call.user
         ref = f"{owner}/{slug_of(call.body, 'kernelSlug')}"
         if owner != call.user:
@@ -212,10 +219,14 @@ class KernelsService:
             if kernel is None:
                 raise ApiError(404, f"Kernel {ref} not found")
             now = time.time()
+            lag = self.faults.delete_lag
             for version in kernel["versions"]:
                 if version["status"] in ACTIVE:
-                    self.runner.end(ref, version, "CANCEL_ACKNOWLEDGED", "The kernel was deleted.", None, now)
+                    self.runner.end(ref, version, "CANCEL_ACKNOWLEDGED", "The kernel was deleted.", None, now,
+                                    charge=not lag)
                     version.pop("wedged", None)
+                    if lag:
+                        self.store.add_ghost(owner, ref, version["number"], version, now, lag + 1)  # + the delete's own
             del self.store.kernels[ref]
             # its files move aside (tests read what was pushed); a kernel pushed again under the slug starts empty
             folder, aside = self.store.root / "kernels" / ref, self.store.root / "deleted" / ref / str(kernel["id"])
@@ -280,11 +291,15 @@ class KernelsService:
         cfg, now = self.config, time.time()
         period = cfg.wall(cfg.quota_period_s)
         used = self.store.gpu_seconds_used(call.user, now, period, cfg.time_scale)
+        # timeReserved: what the running sessions still hold, the rest of each one's timeout (kaggle-cli #1029);
+        # the allowance of this period, which varies from week to week (kaggle-benchmarks #79)
+        reserved = self.store.gpu_seconds_reserved(call.user, now, cfg.time_scale, cfg.wall)
+        allowed = cfg.allowance(self.store.quota_period(now, period))
         has_run = any(e["owner"] == call.user for e in self.store.data["quota"])
         return {"quotaRefreshTime": iso(self.store.quota_window(now, period)[1]),
-                "gpuQuota": {"timeUsed": duration(used), "timeReserved": duration(0),
-                             "totalTimeAllowed": duration(cfg.gpu_quota_s),
-                             "minimumTimeAllowed": duration(cfg.gpu_quota_s), "hasEverRun": has_run},
+                "gpuQuota": {"timeUsed": duration(used), "timeReserved": duration(reserved),
+                             "totalTimeAllowed": duration(allowed),
+                             "minimumTimeAllowed": duration(min(allowed, cfg.gpu_quota_s)), "hasEverRun": has_run},
                 "tpuQuota": {"timeUsed": duration(0), "timeReserved": duration(0),
                              "totalTimeAllowed": duration(20 * 3600), "minimumTimeAllowed": duration(20 * 3600)}}
 

@@ -195,10 +195,12 @@ class KernelRunner:
             self.logs.pop(key, None)
         log.info("kernel %s v%d: %s %s%s", ref, number, status, failure, " (wedged: still RUNNING)" if wedged else "")
 
-    def end(self, ref: str, version: dict, status: str, failure: str, rc: Optional[int], ended: float) -> None:
-        """A run's end in the store, its GPU time charged to the quota (the caller holds the store's lock)."""
+    def end(self, ref: str, version: dict, status: str, failure: str, rc: Optional[int], ended: float,
+            charge: bool = True) -> None:
+        """A run's end in the store, its GPU time charged to the quota unless `charge` is False (a deleted kernel's
+        session, charged when its ghost ends; the caller holds the store's lock)."""
         version.update(status=status, failure=failure, ended=ended, exit_code=rc)
-        if version.get("enable_gpu") and version.get("started"):
+        if charge and version.get("enable_gpu") and version.get("started"):
             self.store.charge(self.store.kernels[ref]["owner"], ref, version["number"], version["started"], ended,
                               self.config.time_scale)
 

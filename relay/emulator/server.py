@@ -242,7 +242,10 @@ class _Handler(BaseHTTPRequestHandler):
         service_obj = getattr(self.emu, target[0])
 
         def handle() -> Reply:
-            result = getattr(service_obj, method)(Call(user, body, base))
+            try:
+                result = getattr(service_obj, method)(Call(user, body, base))
+            finally:  # the delete lag is counted in its owner's requests (faults.py delete_lag)
+                self.emu.store.owner_answered(user, time.time(), self.emu.config.time_scale)
             return result if isinstance(result, Reply) else json_reply(result)
 
         self._with_faults(method, handle)

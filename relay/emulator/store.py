@@ -1,6 +1,7 @@
 """The emulator's persistent state: one JSON document plus file trees under the state folder.
 
-  DIR/state.json                          kernels (with versions), datasets (with versions), blobs, quota ledger
+  DIR/state.json                          kernels (with versions), datasets (with versions), blobs, quota ledger,
+                                          ghosts (sessions of deleted kernels that Kaggle still counts)
   DIR/kernels/<owner>/<slug>/v<N>/        source.py, input/<mounts>, working/, log.json
   DIR/datasets/<owner>/<slug>/v<N>/files/ the files of one dataset version (uploaded zips unpacked)
   DIR/blobs/<token>                       upload bytes
@@ -17,6 +18,14 @@ from pathlib import Path
 from typing import Optional
 
 ACTIVE = ("QUEUED", "RUNNING")
+
+
+def version_state(version: dict, now: float) -> str:
+    """A dataset version's processing: "processing" (its wall delay or its status polls not yet spent), then
+    "failed" (the dataset_failed fault) or "ready"."""
+    if version["ready_at"] > now or version.get("polls_left", 0) > 0 or version.get("reprocess_left", 0) > 0:
+        return "processing"
+    return "failed" if version.get("failed") else "ready"
 
 
 def write_json(path: Path, data: object) -> None:
@@ -92,14 +101,53 @@ class Store:
         return next((v for v in kernel["versions"] if v["number"] == number), None)
 
     def ready_version(self, ref: str, now: float) -> Optional[dict]:
-        """The newest dataset version whose processing finished: what a kernel would mount."""
+        """The newest dataset version whose processing finished READY: what a kernel would mount."""
         dataset = self.datasets.get(ref)
-        ready = [v for v in (dataset or {}).get("versions", []) if v["ready_at"] <= now]
+        ready = [v for v in (dataset or {}).get("versions", []) if version_state(v, now) == "ready"]
         return ready[-1] if ready else None
 
+    def poll_processing(self, ref: str) -> None:
+        """One poll of the dataset's newest version's processing (its size costs polls, datasets_api.py)."""
+        versions = (self.datasets.get(ref) or {}).get("versions") or []
+        if versions and versions[-1].get("polls_left", 0) > 0:
+            versions[-1]["polls_left"] -= 1
+            self.save()
+
+    def private_bytes(self, owner: str) -> int:
+        """Bytes the owner's private datasets hold, every version counted (the private storage quota's measure)."""
+        return sum(size for d in self.datasets.values() if d["owner"] == owner and d.get("is_private", True)
+                   for v in d["versions"] for _, size in v["files"])
+
     def running_gpu_sessions(self, owner: str) -> int:
+        """The owner's GPU sessions Kaggle counts: queued or running ones, and the ghosts of deleted kernels."""
         return sum(1 for ref, k in self.kernels.items() if k["owner"] == owner
-                   for v in k["versions"] if v["status"] in ACTIVE and v.get("enable_gpu"))
+                   for v in k["versions"] if v["status"] in ACTIVE and v.get("enable_gpu")) + \
+            sum(1 for g in self.ghosts if g["owner"] == owner and g["enable_gpu"])
+
+    # -- ghosts: deleted kernels' sessions still counted (faults.py delete_lag; kaggle-cli #185, #937) -------------
+    @property
+    def ghosts(self) -> list:
+        return self.data.setdefault("ghosts", [])
+
+    def add_ghost(self, owner: str, ref: str, number: int, version: dict, deleted: float, calls: int) -> None:
+        """A session whose kernel was deleted: it holds its slot and its GPU time runs on for `calls` more requests
+        of its owner (charged when it ends, from its start, as one ledger entry)."""
+        self.ghosts.append({"owner": owner, "kernel": ref, "version": number, "enable_gpu": bool(version.get("enable_gpu")),
+                            "started": version.get("started"), "deleted": deleted, "calls_left": calls})
+
+    def owner_answered(self, owner: str, now: float, time_scale: float) -> None:
+        """One request of `owner` was answered: its ghosts come one call nearer their end."""
+        with self.lock:
+            mine = [g for g in self.ghosts if g["owner"] == owner]
+            if not mine:
+                return
+            for ghost in mine:
+                ghost["calls_left"] -= 1
+                if ghost["calls_left"] <= 0:
+                    self.ghosts.remove(ghost)
+                    if ghost["enable_gpu"] and ghost["started"]:
+                        self.charge(owner, ghost["kernel"], ghost["version"], ghost["started"], now, time_scale)
+            self.save()
 
     # -- quota -----------------------------------------------------------------------------------
     def quota_window(self, now: float, period_wall: float) -> tuple:
@@ -107,6 +155,23 @@ class Store:
         epoch = self.data["created"]
         index = int((now - epoch) // period_wall)
         return epoch + index * period_wall, epoch + (index + 1) * period_wall
+
+    def quota_period(self, now: float, period_wall: float) -> int:
+        """Which quota period `now` falls in (0: the first, from the store's creation)."""
+        return int((now - self.data["created"]) // period_wall)
+
+    def gpu_seconds_reserved(self, owner: str, now: float, time_scale: float, timeout_wall) -> float:
+        """Kaggle seconds the owner's GPU sessions still hold: each queued or running one, the rest of its timeout
+        (GetAcceleratorQuotaStatistics' timeReserved: time held by running sessions, kaggle-cli #1029)."""
+        reserved = 0.0
+        for kernel in self.kernels.values():
+            if kernel["owner"] != owner:
+                continue
+            for v in kernel["versions"]:
+                if v["status"] in ACTIVE and v.get("enable_gpu"):
+                    elapsed = now - v["started"] if v.get("started") else 0.0
+                    reserved += max(0.0, timeout_wall(v["timeout_s"]) - elapsed) * time_scale
+        return reserved
 
     def gpu_seconds_used(self, owner: str, now: float, period_wall: float, time_scale: float) -> float:
         """Kaggle seconds of GPU used this period: finished runs from the ledger plus runs in flight."""
@@ -119,6 +184,9 @@ class Store:
             for v in kernel["versions"]:
                 if v["status"] == "RUNNING" and v.get("enable_gpu") and v.get("started"):
                     used += (now - max(v["started"], start)) * time_scale
+        for ghost in self.ghosts:  # a deleted kernel's session Kaggle still charges
+            if ghost["owner"] == owner and ghost["enable_gpu"] and ghost["started"]:
+                used += (now - max(ghost["started"], start)) * time_scale
         return used
 
     def charge(self, owner: str, ref: str, number: int, started: float, ended: float, time_scale: float) -> None:

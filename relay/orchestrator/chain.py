@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, replace
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Tuple
 
 from relay.shared import progress_line
 
@@ -75,6 +75,10 @@ class Observation:
     # why ("" while it is not stopped); the session whose kernel `relay stop --now` deleted (its run id), if any
     stopped_by_user: str = ""
     ended_by_user: Optional[str] = None
+    # the wedged session whose kernel the relay deleted (its run id, recorded on Kaggle before the delete): after a
+    # delete Kaggle can refuse pushes for a while (kaggle-cli #185), and the retry must not reuse the deleted run id
+    deleted_run: Optional[str] = None
+    deleted_charges: tuple = ()  # the failed attempts' charges recorded with it, for its retry's push
     # the kernel version that carries kernel_run: the state and the output are read for this version only
     # (versionLabel "v<N>"), never for "the latest", which lags a push; None: not known yet ("starting")
     kernel_version: Optional[int] = None
@@ -138,13 +142,12 @@ def _next_step(name: str, obs: Observation) -> Action:
     parsed = parse_run_id(obs.kernel_run)
     if parsed is None or parsed[0] < next_session:
         # Nothing pushed yet, or the kernel's run is already handed over: start the next session.
-        ended = parse_run_id(obs.ended_by_user) if obs.kernel_run is None else None
-        if ended is not None and ended[0] == next_session:
-            # `relay stop --now` deleted this session's kernel: a new attempt from the last published checkpoint
-            # (a new run id: the deleted one's claims on Kaggle stand until they expire)
-            attempt = ended[1] + 1
-            return Action(Do.PUSH, run_id(name, next_session, attempt), next_session, attempt,
-                          f"{obs.ended_by_user} was ended by the user (relay stop --now)")
+        deleted = _deleted_attempt(obs, next_session)
+        if deleted is not None:
+            # `relay stop --now`, or the wedge recovery, deleted this session's kernel: a new attempt from the last
+            # published checkpoint (a new run id: the deleted one's claims on Kaggle stand until they expire)
+            ended, why = deleted
+            return Action(Do.PUSH, run_id(name, next_session, ended + 1), next_session, ended + 1, why)
         return Action(Do.PUSH, run_id(name, next_session, 1), next_session, 1, "next session")
     session, attempt = parsed
     restored = (obs.published or {}).get("restored") or {}
@@ -171,6 +174,20 @@ def _next_step(name: str, obs: Observation) -> Action:
                       f"kernel stopped at Kaggle's session limit: {obs.failure_message}")
     return Action(Do.SALVAGE, obs.kernel_run, session, attempt,
                   f"kernel {obs.kernel_state}: {obs.failure_message}".rstrip(": "))
+
+
+def _deleted_attempt(obs: Observation, next_session: int) -> Optional[Tuple[int, str]]:
+    """(attempt, why) of the newest attempt of `next_session` whose kernel was deleted (by `relay stop --now` or
+    the wedge recovery), None when none was; only while the kernel is absent (deleted, nothing pushed since)."""
+    if obs.kernel_run is not None:
+        return None
+    found = []
+    for run, why in ((obs.ended_by_user, "was ended by the user (relay stop --now)"),
+                     (obs.deleted_run, "was wedged and its kernel deleted")):
+        parsed = parse_run_id(run)
+        if parsed is not None and parsed[0] == next_session:
+            found.append((parsed[1], f"{run} {why}"))
+    return max(found) if found else None
 
 
 # A batch run past the session limit ends CANCEL_ACKNOWLEDGED with this message (Kaggle's own wording).

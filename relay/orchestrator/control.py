@@ -38,7 +38,8 @@ def stop(target: str, backend_factory: Callable, now: bool = False, yes: bool = 
             return 1
         ended_run = running.run_id
     # recorded before the kernel is deleted: an orchestrator that sees the kernel gone must also see the stop
-    control_record.write(backend, names.owner, names.name, control_record.STOPPED, why, ended_run)
+    control_record.write(backend, names.owner, names.name, control_record.STOPPED, why, ended_run,
+                         **control_record.carried_on(previous))
     step = (obs.published or {}).get("global_step", 0)
     if now and running:
         backend.delete_kernel(names.kernel)
@@ -61,7 +62,7 @@ def resume(target: str, backend_factory: Callable, emit=print) -> int:
         return 0
     # the run ended by `relay stop --now` stays known: the session is pushed again as a new attempt
     control_record.write(backend, names.owner, names.name, control_record.RESUMED,
-                         ended_run=previous.get("ended_run"))
+                         ended_run=previous.get("ended_run"), **control_record.carried_on(previous))
     step = (obs.published or {}).get("global_step", 0)
     emit(f"relay {name}: resumed; the next `relay run` or tick goes on from the last published checkpoint"
          f" (step {step})")

@@ -56,7 +56,8 @@ def observe(backend: KaggleBackend, names: Names, local: Path, grace_s: Optional
             deadline = max(deadline, deadline_from_log(backend, names, run, plan, grace_s) or deadline)
     return Observation(published, run, state, failure, features_published=_exists(backend, names.features_dataset),
                        kernel_version=version or None, deadline=deadline, observed_at=time.time(),
-                       stopped_by_user=control_record.stop_line(user), ended_by_user=user.get("ended_run"))
+                       stopped_by_user=control_record.stop_line(user), ended_by_user=user.get("ended_run"),
+                       deleted_run=user.get("deleted_run"), deleted_charges=tuple(user.get("deleted_charges") or ()))
 
 
 def running_deadline(plan: dict, run_id: Optional[str], grace_s: float) -> Optional[float]:
@@ -289,7 +290,7 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
         confirm()
         result = backend.publish_folder(stage, names.checkpoint_dataset, f"{spec.name} checkpoint",
                                         notes=f"run {action.run_id}, step {newest.step}, code {code_version()}",
-                                        known_sha256=known)
+                                        known_sha256=known, keep_versions=spec.kaggle.checkpoint_versions)
         published.insert(0, f"{names.checkpoint_dataset} v{result.version}")
         if spec.tracking.wandb is not None:  # after the publish: a tracker never holds the relay up
             tracking_handoff.sync_session(spec, progress, _fetch_wandb(out, root), before, newest.step,

@@ -24,10 +24,12 @@ class JointPlan:
 def plan_jointly(needs: Dict[str, Sequence[float]], *, now: datetime, cap: int, quota_left_s: float,
                  quota_allowed_s: float, refresh_at: datetime, period_s: float = 7 * 86400.0,
                  handoff_s: float = 0.0, done_sessions: Optional[Dict[str, int]] = None,
-                 running: Sequence[str] = ()) -> JointPlan:
+                 running: Sequence[str] = (), reserved_s: float = 0.0) -> JointPlan:
     """`needs[name]`: the billed seconds of each session the relay still needs, in order. A relay in
     `running` has its first session already under way (it holds a slot from `now`, its quota is being
-    billed)."""
+    billed). `quota_left_s` is what Kaggle says is left, less `reserved_s`, its timeReserved: the time the running
+    sessions still hold (kaggle-cli #1029). A running session's budget is charged only beyond what is reserved,
+    so it is counted once, not once as reserved and again as its own budget."""
     if cap < 1:
         raise ValueError("cap: at least one concurrent session")
     queue = {name: list(budgets) for name, budgets in needs.items() if budgets}
@@ -45,9 +47,12 @@ def plan_jointly(needs: Dict[str, Sequence[float]], *, now: datetime, cap: int, 
         sessions[name] = sessions.get(name, 0) + 1
         return end
 
+    reserved = max(0.0, reserved_s)
     for i, name in enumerate(n for n in running if n in queue):  # already started: it will bill its budget
         budget = queue[name].pop(0)
-        left -= budget
+        held = min(budget, reserved)  # already out of quota_left_s
+        reserved -= held
+        left -= budget - held
         slots[i % cap] = place(name, now, budget)
     while any(queue.values()):
         slots.sort()

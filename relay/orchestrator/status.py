@@ -126,6 +126,9 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
         emit(f"stopped by the user (relay stop) {obs.stopped_by_user}: the running session is handed over, then"
              f" nothing more is pushed until `relay resume {name}`")
     emit(f"next: {action.do.value} {action.run_id or ''} ({action.reason})".replace("  ", " "))
+    from relay.orchestrator import storage
+
+    emit(storage.storage_line(storage.relay_storage(backend, names), run_spec.kaggle.checkpoint_versions))
     if newest.get("total_steps") and not progress.get("total_steps"):  # the first session: its lines say it
         progress = {**progress, "total_steps": newest["total_steps"]}
     emit(f"spec: {getattr(run_spec, 'source', None) or target}")  # where the plan's spec figures come from

@@ -253,6 +253,11 @@ class KaggleConfig(_Section):
         " slot of the global concurrency limit `kaggle-account-<username>` (created with this many slots) for"
         " each session, from before its push until its hand-over, so relays of one account wait their turn"
         " instead of pushing into Kaggle's refusal."))
+    checkpoint_versions: int = Field(4, ge=1, description=(
+        "Versions of the checkpoint dataset kept on Kaggle, whose private storage quota counts every version"
+        " (past it a create reports success and the dataset 404s: kaggle-cli #284). Kaggle has no per-version"
+        " delete: the publish that would keep one more asks Kaggle to delete the older versions"
+        " (delete_old_versions), so the relay keeps at most this many checkpoints' bytes."))
     status_lag: float = Field(300.0, ge=0, description=(
         "For this long after a push, output of another run is read as Kaggle's status lag (look again), not as "
         "a failed session (duration)."))

@@ -176,8 +176,12 @@ def test_stop_hands_the_session_over_every_orchestrator_obeys_and_resume_ends_id
 def test_stop_now_deletes_the_kernel_after_asking_and_resume_goes_on_from_the_published_checkpoint(
         make_emulator, tmp_path, reference, spawns_processes):  # noqa: F811
     gate = tmp_path / "gate-2"
-    # held after step 41: the line of the log step 40 is written at the step after it
-    emulator = make_emulator(kernel_env={**KERNEL_ENV, "CONTROL_TEST_GATE": f"41:{gate}"})
+    # held after step 41: the line of the log step 40 is written at the step after it. One GPU session allowed, and
+    # the deleted session holds it for 100 more requests (Kaggle goes on counting a deleted kernel's session:
+    # kaggle-cli #185, #937): more than the stopped relay, the resume and the next run's first look make, so the
+    # next attempt's first push is refused and must be waited through
+    emulator = make_emulator(kernel_env={**KERNEL_ENV, "CONTROL_TEST_GATE": f"41:{gate}"}, max_gpu_sessions=1,
+                             faults={"delete_lag": {"calls": 100}})
     project = _project(tmp_path)
     reference.start(project / "spec.yaml")
     relay = _start_relay(tmp_path, emulator, project, "run-1.log")
@@ -209,7 +213,8 @@ def test_stop_now_deletes_the_kernel_after_asking_and_resume_goes_on_from_the_pu
     _ok(relay_in_shell(tmp_path, emulator, project, "resume", NAME))
     out = _ok(relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3", env_extra=SLOW_START))
     assert "done: step 60/60, 2 session(s) handed over" in out, out[-3000:]
-    assert _runs(emulator) == [f"{NAME}-s002-a2"]  # the kernel pushed again after the delete
+    assert _runs(emulator) == [f"{NAME}-s002-a2"]  # the kernel pushed again after the delete, once
+    assert emulator.faults.injected["delete_lag_refusal"] >= 1 and not emulator.store.ghosts
     progress = _published(emulator)
     assert [s["run_id"] for s in progress["sessions"]] == [f"{NAME}-s001-a1", f"{NAME}-s002-a2"]
     assert progress["weights_sha256"] == reference.weights(project / "spec.yaml")

@@ -108,6 +108,30 @@ def test_concurrent_gpu_sessions_refused(make_emulator, tmp_path):
     assert backend.push_session(session).pushed
 
 
+def test_quota_reports_the_time_running_sessions_reserve_and_a_weekly_allowance_that_varies(make_emulator, tmp_path):
+    # timeReserved: the rest of each running GPU session's timeout (kaggle-cli #1029); the allowance of each quota
+    # period in turn (kaggle-benchmarks #79). A session of 10 Kaggle hours at 3600x runs 10 s wall: the test
+    # releases it before then, and reads the quota between (the figures are bounds, not instants)
+    emu = make_emulator(time_scale=HOUR, gpu_quota_by_period=[20 * HOUR, 35 * HOUR], quota_period_s=1000 * HOUR)
+    backend = backend_for(emu)
+    assert backend.quota().allowed_s == 20 * HOUR and backend.quota().reserved_s == 0
+    release = tmp_path / "release"
+    hold = f"import os, time\nwhile not os.path.exists({str(release)!r}): time.sleep(0.05)\n"
+    assert not push_script(backend, f"{USER}/holds-slot", hold, timeout_s=10 * HOUR).error
+    quota = backend.quota()
+    assert 0 < quota.reserved_s <= 10 * HOUR and 9.5 * HOUR <= quota.used_s + quota.reserved_s <= 10 * HOUR + 1
+    assert quota.remaining_s == quota.allowed_s - quota.used_s - quota.reserved_s
+    release.touch()
+    wait_state(backend, f"{USER}/holds-slot")
+    assert backend.quota().reserved_s == 0  # ended: nothing held, what it took is used
+    with emu.store.lock:  # the next quota period: the store's epoch a period back
+        emu.store.data["created"] -= emu.config.wall(1000 * HOUR)
+    assert backend.quota().allowed_s == 35 * HOUR
+    with emu.store.lock:
+        emu.store.data["created"] -= emu.config.wall(1000 * HOUR)
+    assert backend.quota().allowed_s == 30 * HOUR  # past the list: gpu_quota_s
+
+
 def test_output_cap_and_injected_kill(make_emulator):
     # two emulators: on one, a kill injected at 0.5-0.8 s would race the output check of a kernel that is slow to
     # start on a loaded machine; the big kernel waits to be stopped, so only the cap can end it

@@ -67,6 +67,7 @@ def test_status_the_progress_artifact_and_the_summary_say_one_finish(monkeypatch
     progress, records = _relay_state(t0)
     backend = SimpleNamespace(
         username="alice", quota=lambda: None, current_spec_text=lambda kernel: yaml.safe_dump(SPEC),
+        dataset_versions=lambda dataset: [],  # what the relay stores (relay status says it): nothing here
         log_stream=lambda kernel: iter([{"data": "relay-progress " + json.dumps(r) + "\n"} for r in records]))
     names = chain.Names("alice", NAME)
     obs = chain.Observation(published=progress, kernel_run=f"{NAME}-s003-a1", kernel_state="running",

@@ -46,3 +46,18 @@ def test_enough_quota_no_wait_and_eta_is_the_parallel_finish():
 def test_cap_below_one_is_refused():
     with pytest.raises(ValueError):
         plan_jointly({"a": [H]}, now=NOW, cap=0, quota_left_s=H, quota_allowed_s=H, refresh_at=NOW)
+
+
+def test_a_running_session_reserved_by_kaggle_is_counted_once():
+    # Kaggle's timeReserved holds the running session's hour (kaggle-cli #1029): left 5 h is after it. Counted again
+    # as its own budget, only 4 more sessions would fit before the refresh; counted once, 5 do.
+    needs = {"a": [H] * 3, "b": [H] * 3, "c": [H] * 3}
+    refresh = NOW + timedelta(days=2)
+    plan = plan_jointly(needs, now=NOW, cap=2, quota_left_s=5 * H, quota_allowed_s=30 * H, refresh_at=refresh,
+                        running=["a"], reserved_s=H)
+    before = [(n, s) for n, s, _ in plan.order if s < refresh]
+    assert len(before) == 6  # the running one (reserved) + 5 more hours in the 5 h left
+    # reserved beyond the running session's budget (another account session, a deleted one) is not handed back
+    other = plan_jointly(needs, now=NOW, cap=2, quota_left_s=5 * H, quota_allowed_s=30 * H, refresh_at=refresh,
+                         running=["a"], reserved_s=3 * H)
+    assert len([1 for _, s, _ in other.order if s < refresh]) == 6

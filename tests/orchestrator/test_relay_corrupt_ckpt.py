@@ -69,7 +69,9 @@ def _hold_and_damage(relay_env, processing, version: int, damage) -> None:
                          indirect=["both_flows"])
 def test_relay_recovers_from_a_bad_newest_checkpoint_version(relay_env, both_flows, reference, damage):
     emu = relay_env.start(dataset_processing_delay=3600)
-    spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS})
+    # the five checkpoint versions this relay publishes are all kept (kaggle.checkpoint_versions, default 4, would
+    # delete the older ones at the fifth): the test reads each
+    spec = relay_env.write_spec(**{"optim.max_steps": MAX_STEPS, "kaggle.checkpoint_versions": 5})
     reference.start(spec)
     processing = DatasetProcessing(emu)
     processing.held.add((relay_env.ckpt, 2))

@@ -74,8 +74,10 @@ def test_wedged_version_reads_running_past_its_limit_for_the_fault_calls_then_wh
     assert backend.kernel_status(KERNEL, 2).state is KernelState.COMPLETE
 
 
-def test_delete_ends_a_wedged_and_a_running_session_and_their_gpu_time(make_emulator):
-    emu = make_emulator(faults={"wedge": {"pushes": [1]}})  # calls absent: wedged until deleted
+def test_delete_ends_a_wedged_and_a_running_session_whose_slot_and_gpu_time_kaggle_counts_for_a_while(make_emulator):
+    # delete_lag: the deleted session holds its slot and is charged for 6 more of its owner's requests (kaggle-cli
+    # #185, #937); one GPU session allowed, so the ghost alone refuses a push
+    emu = make_emulator(max_gpu_sessions=1, faults={"wedge": {"pushes": [1]}, "delete_lag": {"calls": 6}})
     backend = backend_for(emu)
     push_script(backend, KERNEL, WRITE_AND_END, timeout_s=3600)
     _until(lambda: _process_ended(emu), 60, "the process's end")
@@ -84,13 +86,21 @@ def test_delete_ends_a_wedged_and_a_running_session_and_their_gpu_time(make_emul
     assert emu.store.running_gpu_sessions(USER) == 1  # a wedged session keeps its slot
 
     assert backend.delete_kernel(KERNEL) is True
-    assert backend.delete_kernel(KERNEL) is False  # gone already: a retried delete is no error
+    assert backend.delete_kernel(KERNEL) is False  # gone already: a retried delete is no error (1)
     with pytest.raises(NotFound):
-        backend.kernel_status(KERNEL, 1)
-    assert backend.current_run(KERNEL) is None
+        backend.kernel_status(KERNEL, 1)  # (2)
+    assert backend.current_run(KERNEL) is None  # (3)
+    # the kernel is gone, its session is not: it holds the one slot, its GPU time runs on, nothing is charged yet
+    assert emu.store.running_gpu_sessions(USER) == 1
+    assert not [e for e in emu.store.data["quota"] if e["kernel"] == KERNEL]
+    assert backend.quota().used_s > 0  # counted in flight, from the quota period's start (4)
+    refused = push_script(backend, KERNEL, SLEEP, timeout_s=3600)  # (5)
+    assert refused.error == "Maximum batch GPU session count of 1 reached." and not refused.version_number
+    assert emu.faults.injected["delete_lag_refusal"] == 1
+    assert backend.current_run(KERNEL) is None  # (6): the ghost's last request
     assert emu.store.running_gpu_sessions(USER) == 0
     charged = [e for e in emu.store.data["quota"] if e["kernel"] == KERNEL]
-    assert len(charged) == 1 and charged[0]["kaggle_seconds"] > 3600  # the wedge's GPU time counted to its delete
+    assert len(charged) == 1 and charged[0]["kaggle_seconds"] > 3600  # the wedge's GPU time, to the ghost's end
 
     # pushed again under the same slug: a new kernel, version 1, none of the deleted one's output
     push_script(backend, KERNEL, SLEEP, timeout_s=3600)
@@ -98,11 +108,25 @@ def test_delete_ends_a_wedged_and_a_running_session_and_their_gpu_time(make_emul
     _until(lambda: (working / "started.txt").is_file(), 60, "the new version 1's start")
     assert not (working / "out.txt").exists()
     assert backend.kernel_status(KERNEL, 1).state is KernelState.RUNNING
-    # a running session's delete kills its process now (it would sleep 120 s) and charges its GPU time
+    # a running session's delete kills its process now (it would sleep 120 s); its GPU time is charged when the
+    # ghost ends
     assert backend.delete_kernel(KERNEL) is True
     assert not emu.runner.threads[f"{KERNEL}/v1"].is_alive()
+    for _ in range(6):
+        assert backend.current_run(KERNEL) is None
     assert len([e for e in emu.store.data["quota"] if e["kernel"] == KERNEL]) == 2
+    assert emu.store.running_gpu_sessions(USER) == 0
     assert [k["ref"] for k in emu.store.data["deleted_kernels"]] == [KERNEL, KERNEL]
+
+
+def test_without_the_delete_lag_a_delete_frees_the_slot_and_charges_at_once(make_emulator):
+    emu = make_emulator(faults={"delete_lag": {"calls": 0}})
+    backend = backend_for(emu)
+    push_script(backend, KERNEL, SLEEP, timeout_s=3600)
+    working = emu.store.kernel_dir(KERNEL, 1) / "working"
+    _until(lambda: (working / "started.txt").is_file(), 60, "version 1's start")
+    assert backend.delete_kernel(KERNEL) is True
+    assert emu.store.running_gpu_sessions(USER) == 0 and len(emu.store.data["quota"]) == 1
 
 
 @pytest.mark.parametrize("bad", [{"calls": -1}, {"pushes": [0]}, {"pushes": 2}, {"every": 1}, {"calls": "3"}])
@@ -150,6 +174,23 @@ def test_after_wedge_retries_from_the_published_checkpoint_or_stops_after_the_re
     assert chain.on_wedged(wedged, "delete") is wedged
 
 
+def test_after_a_wedged_run_was_deleted_every_later_look_decides_the_same_new_attempt():
+    """Kaggle can refuse the retry's push for a while after the delete (kaggle-cli #185): the next look finds no
+    kernel, and the deleted run id recorded on Kaggle (deleted_run) makes it the same retry, never the deleted id."""
+    gone = Observation(PUBLISHED, None, None, deleted_run="r-s002-a1")
+    action = chain.decide("r", gone)
+    assert (action.do, action.run_id, action.attempt) == (Do.PUSH, "r-s002-a2", 2)
+    assert action.reason == "r-s002-a1 was wedged and its kernel deleted"
+    # the newest deleted attempt wins, whoever deleted it (a `relay stop --now` of the retry, then a wedge)
+    both = Observation(PUBLISHED, None, None, ended_by_user="r-s002-a2", deleted_run="r-s002-a3")
+    assert chain.decide("r", both).run_id == "r-s002-a4"
+    assert chain.decide("r", Observation(PUBLISHED, None, None, ended_by_user="r-s002-a3",
+                                         deleted_run="r-s002-a1")).run_id == "r-s002-a4"
+    # an earlier session's deleted run, or a kernel pushed since, changes nothing
+    assert chain.decide("r", Observation(PUBLISHED, None, None, deleted_run="r-s001-a1")).run_id == "r-s002-a1"
+    assert chain.decide("r", _obs(state="complete", run="r-s002-a2")).do is Do.HARVEST
+
+
 # -- the relay, end to end -----------------------------------------------------------------------------------
 # A 60 s budget: Kaggle's limit for a session is 62 s (kaggle_timeout_s: budget, startup_overhead, safety_margin),
 # the relay's deadline 1 s (startup_overhead) later. Sessions end at session.max_steps (a start-up of ~4 CPU s and
@@ -187,7 +228,9 @@ def test_ticks_notice_a_wedged_session_too(relay_env, reference):
 
 
 def _wedged_relay_is_deleted_and_redone(relay_env, reference, name: str, mode: str) -> None:
-    emu = relay_env.start(faults=WEDGED_SECOND)
+    # one GPU session allowed and the delete lag on (its default): the deleted session holds the slot for a while,
+    # so the retry's first push is refused ("Maximum batch GPU session count of 1 reached.", kaggle-cli #185)
+    emu = relay_env.start(faults=WEDGED_SECOND, max_gpu_sessions=1)
     spec = _relay_spec(relay_env, name, "delete")
     reference.start(spec)
     flow = relay_env.flow_process(mode=mode)
@@ -204,6 +247,9 @@ def _wedged_relay_is_deleted_and_redone(relay_env, reference, name: str, mode: s
     pushed = [find_run_id((gone / f"v{n}" / "source.py").read_text()) for n in (1, 2)]
     pushed += [r.run_id for r in relay_env.kernel_runs()]
     assert pushed == [f"{name}-s001-a1", f"{name}-s002-a1", f"{name}-s002-a2"]  # none twice
+    # the retry met the deleted session's slot, waited, and was pushed once when Kaggle accepted it
+    assert emu.faults.injected["delete_lag_refusal"] >= 1 and "push refused (concurrency)" in log, log
+    assert not emu.store.ghosts
     assert all(r.status == "COMPLETE" for r in relay_env.kernel_runs())
     charged = [e for e in emu.store.data["quota"] if e["kernel"] == relay_env.kernel]
     assert len(charged) == 3  # the wedge's GPU time stopped at its delete

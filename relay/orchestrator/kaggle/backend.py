@@ -43,7 +43,7 @@ class KaggleBackend(Protocol):
     def open_handoff_output(self, kernel: str, root: Path, workdir_name: str = "relay",
                             version: Optional[int] = None) -> Any: ...
     def publish_folder(self, folder: Path, dataset: str, title: str, notes: str = "",
-                       known_sha256: Optional[dict] = None) -> PublishResult: ...
+                       known_sha256: Optional[dict] = None, keep_versions: Optional[int] = None) -> PublishResult: ...
     def quota(self) -> Quota: ...
     def list_dataset_files(self, dataset: str, version: Optional[int] = None) -> List[DatasetFile]: ...
     def current_run(self, kernel: str) -> Optional[Tuple[str, Optional[int]]]: ...
@@ -308,9 +308,11 @@ class ClientBackend:
 
     # -- datasets and quota ----------------------------------------------------------------------
     def publish_folder(self, folder: Path, dataset: str, title: str, notes: str = "",
-                       known_sha256: Optional[dict] = None) -> PublishResult:
+                       known_sha256: Optional[dict] = None, keep_versions: Optional[int] = None) -> PublishResult:
+        """`folder` as a new version of `dataset`; given `keep_versions`, one that would keep more versions than that
+        deletes the older ones (datasets.py)."""
         split_ref(dataset, "dataset")
-        return self.publisher.publish(Path(folder), dataset, title, notes, known_sha256)
+        return self.publisher.publish(Path(folder), dataset, title, notes, known_sha256, keep_versions)
 
     def open_handoff_output(self, kernel: str, root: Path, workdir_name: str = "relay",
                             version: Optional[int] = None):

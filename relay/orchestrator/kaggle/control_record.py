@@ -5,7 +5,10 @@ deployment) that share nothing but Kaggle, so a stop kept on the user's machine 
 record is a one-file private dataset `<owner>/<relay>-control`; each `relay stop` or `relay resume` writes a new
 version whose notes carry the record (the first version's notes cannot be set: its description carries it too),
 and the newest version is what holds: {"state": "stopped" | "resumed", "by", "at", "why", and after
-`relay stop --now` "ended_run": the run id of the session whose kernel was deleted}.
+`relay stop --now` "ended_run": the run id of the session whose kernel was deleted; after the relay deleted a
+wedged session's kernel, "deleted_run": its run id, so that a retry refused while Kaggle still counts the deleted
+session (kaggle-cli #185) is decided again as the same new attempt by any orchestrator, and "deleted_charges":
+the failed attempts' charges (relay/orchestrator/goodput.py) that retry's push carries}.
 """
 from __future__ import annotations
 
@@ -45,12 +48,17 @@ def read(backend: "KaggleBackend", owner: str, relay_name: str) -> Optional[dict
 
 
 def write(backend: "KaggleBackend", owner: str, relay_name: str, state: str, why: str = "",
-          ended_run: Optional[str] = None) -> dict:
+          ended_run: Optional[str] = None, deleted_run: Optional[str] = None,
+          deleted_charges: Optional[list] = None) -> dict:
     """Record `state` as the newest version of the relay's control dataset; the record written."""
     record = {"state": state, "by": f"{backend.username}@{socket.gethostname()[:40]}:{os.getpid()}",
               "at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"), "why": why}
     if ended_run:
         record["ended_run"] = ended_run
+    if deleted_run:
+        record["deleted_run"] = deleted_run
+        if deleted_charges:
+            record["deleted_charges"] = deleted_charges
     text = f"{PREFIX} {json.dumps(record, sort_keys=True)}"
     ref, title = dataset(owner, relay_name), f"relay control {relay_name}"[:50]
     files = {"control.json": json.dumps(record, indent=1)}
@@ -66,3 +74,16 @@ def stop_line(record: Optional[dict]) -> str:
         return ""
     why = f": {record['why']}" if record.get("why") else ""
     return f"by {record.get('by', '?')} at {record.get('at', '?')}{why}"
+
+
+def note_deleted(backend: "KaggleBackend", owner: str, relay_name: str, run_id: str, charges: list) -> dict:
+    """Before the relay deletes a wedged session's kernel: the user's say as it stands, the deleted run, and the
+    charges its retry carries."""
+    previous = read(backend, owner, relay_name) or {}
+    return write(backend, owner, relay_name, previous.get("state", RESUMED), previous.get("why", ""),
+                 previous.get("ended_run"), deleted_run=run_id, deleted_charges=charges)
+
+
+def carried_on(previous: dict) -> dict:
+    """What a stop or a resume keeps of the record it replaces: the deleted run and its charges."""
+    return {"deleted_run": previous.get("deleted_run"), "deleted_charges": previous.get("deleted_charges")}

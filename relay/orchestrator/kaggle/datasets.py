@@ -8,6 +8,13 @@
   searched for.
 - Done means: status READY, currentVersionNumber moved past the one we started from, and ListDatasetFiles
   shows every file with its size.
+- Kaggle's processing can end a version FAILED (kagglesdk datasets/types/dataset_enums.py DatabundleVersionStatus):
+  the same files are published again as a new version (at most PUBLISH_ATTEMPTS in all); a failed version's
+  marker does not count as published. REPROCESSING, like every state but READY and FAILED, is waited out.
+- Storage: Kaggle counts every version against the account's private storage quota, and past it a create is
+  answered with success and the dataset then 404s (kaggle-cli #284). Given `keep_versions`, the version that
+  would keep one more than that asks Kaggle to delete the older ones (delete_old_versions: Kaggle has no
+  per-version delete). A dataset still absent after a create that reported success is said to be that.
 """
 from __future__ import annotations
 
@@ -28,6 +35,11 @@ from relay.shared.errors import InputError
 log = logging.getLogger(__name__)
 MANIFEST = "relay-publish.json"
 MAX_TOP_LEVEL = 50  # Kaggle keeps at most 50 top-level files per dataset
+ABSENT_POLLS = 3  # a dataset created with success yet absent this many polls running: not kept (kaggle-cli #284)
+STORAGE_HINT = ("the account's private dataset storage is likely full (Kaggle then drops what it accepted,"
+                " kaggle-cli #284): delete datasets you do not need (kaggle datasets delete) or lower"
+                " kaggle.checkpoint_versions")
+PUBLISH_ATTEMPTS = 3  # versions made of one folder when Kaggle's processing ends FAILED
 
 
 def manifest_of(folder: Path, known_sha256: Optional[Dict[str, str]] = None) -> Dict[str, dict]:
@@ -68,7 +80,7 @@ class DatasetPublisher:
         self.client, self.wait_s, self.poll_s = client, wait_s, poll_s
 
     def publish(self, folder: Path, dataset: str, title: str, notes: str = "",
-                known_sha256: Optional[Dict[str, str]] = None) -> PublishResult:
+                known_sha256: Optional[Dict[str, str]] = None, keep_versions: Optional[int] = None) -> PublishResult:
         if not folder.is_dir():
             raise InputError(f"publish: {folder} is not a folder")
         if not 6 <= len(title) <= 50:
@@ -84,6 +96,22 @@ class DatasetPublisher:
         files = manifest_of(folder, known_sha256)
         marker = "relay-publish:" + hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
 
+        created = False
+        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+            try:
+                return self._publish_once(folder, entries, dataset, title, notes, files, marker, created,
+                                          keep_versions)
+            except _ProcessingFailed as failed:
+                created = True  # the dataset exists now, whoever made it
+                if attempt == PUBLISH_ATTEMPTS:
+                    raise PublishError(f"dataset {dataset}: processing ended FAILED {attempt} times; last: {failed}")
+                log.warning("dataset %s: %s; publishing the same files again (attempt %d of %d)", dataset, failed,
+                            attempt + 1, PUBLISH_ATTEMPTS)
+        raise AssertionError("unreachable")
+
+    def _publish_once(self, folder: Path, entries: list, dataset: str, title: str, notes: str,
+                      files: Dict[str, dict], marker: str, created_before: bool,
+                      keep_versions: Optional[int]) -> PublishResult:
         info = self.info(dataset)
         if info is not None and self._marker_version(info, marker):
             log.info("dataset %s: %s already published", dataset, marker)
@@ -103,15 +131,20 @@ class DatasetPublisher:
             (stage / "dataset-metadata.json").write_text(json.dumps(meta))
             created = info is None and self._create(stage, dataset, marker)
             if not created:
-                self._new_version(stage, dataset, f"{notes} {marker}".strip(), marker)
+                held = len(info["notes"]) if info is not None else 1
+                delete_old = keep_versions is not None and held >= keep_versions
+                if delete_old:
+                    log.info("dataset %s: %d versions held (kaggle.checkpoint_versions %d): the new version deletes"
+                             " the older ones", dataset, held, keep_versions)
+                self._new_version(stage, dataset, f"{notes} {marker}".strip(), marker, delete_old)
         finally:
             shutil.rmtree(stage, ignore_errors=True)
         version = self._wait_ready(dataset, marker)
-        files[MANIFEST] = {"bytes": manifest_bytes, "sha256": None}  # ascii: characters are bytes
+        files = dict(files, **{MANIFEST: {"bytes": manifest_bytes, "sha256": None}})  # ascii: characters are bytes
         self._verify(dataset, version, files)
         files.pop(MANIFEST)
         log.info("dataset %s: version %d ready (%d files)", dataset, version, len(files))
-        return PublishResult(dataset, version, info is None, False, files)
+        return PublishResult(dataset, version, info is None and not created_before, False, files)
 
     # -- steps -----------------------------------------------------------------------------------
     def info(self, dataset: str) -> Optional[dict]:
@@ -127,18 +160,24 @@ class DatasetPublisher:
         if response is None:
             return None
         notes = {v.version_number: v.version_notes or "" for v in response.versions or []}
+        failed = sorted(v.version_number for v in response.versions or [] if str(v.status or "").lower() == "failed")
         return {"current": response.current_version_number or 0, "description": response.description or "",
-                "notes": notes}
+                "notes": notes, "failed": failed}
 
     @staticmethod
     def _marker_version(info: dict, marker: str) -> Optional[int]:
         """The version created with `marker`: by its notes, else (a new dataset's first version, whose notes
-        we cannot set) by the description that the same request wrote."""
+        we cannot set) by the description that the same request wrote; a version whose processing FAILED is none."""
+        failed = set(info.get("failed", ()))
         for number, notes in info["notes"].items():
-            if marker in notes:
+            if marker in notes and number not in failed:
                 return number
-        if marker in info["description"]:
-            return max(info["notes"], default=info["current"] or 1)
+        newest = max(info["notes"], default=info["current"] or 1)
+        # the description names the newest publish; it stands for a version only while no version's notes carry a
+        # marker (a dataset's first version), never for a version Kaggle dropped or failed
+        if marker in info["description"] and newest not in failed and not any(
+                "relay-publish:" in notes for notes in info["notes"].values()):
+            return newest
         return None
 
     def _landed(self, dataset: str, marker: str) -> bool:
@@ -160,9 +199,9 @@ class DatasetPublisher:
             raise PublishError(f"create dataset {dataset}: {response.error}")
         return True
 
-    def _new_version(self, stage: Path, dataset: str, notes: str, marker: str) -> None:
+    def _new_version(self, stage: Path, dataset: str, notes: str, marker: str, delete_old: bool = False) -> None:
         response = self._attempt(dataset, marker, lambda api: api.dataset_create_version(
-            str(stage), notes, quiet=True, dir_mode="zip"))
+            str(stage), notes, quiet=True, dir_mode="zip", delete_old_versions=delete_old))
         if response is not None and response.error:
             raise PublishError(f"new version of {dataset}: {response.error}")
 
@@ -194,20 +233,32 @@ class DatasetPublisher:
             raise _Landed()
 
     def _wait_ready(self, dataset: str, marker: Optional[str]) -> int:
-        """Poll until READY and currentVersionNumber reached the version made with `marker` (any when None)."""
+        """Poll until READY and currentVersionNumber reached the version made with `marker` (any when None).
+        FAILED: _ProcessingFailed for our version; with no marker, nothing processes any more (0: a new version
+        may be made)."""
         deadline = time.monotonic() + self.wait_s
         delay = min(0.2, self.poll_s)
+        absent = 0
         while True:
             status = self._status(dataset)
+            absent = absent + 1 if status == "absent" and marker else 0
+            if absent >= ABSENT_POLLS:
+                raise PublishError(f"dataset {dataset}: Kaggle answered its creation with success but does not show"
+                                   f" it: {STORAGE_HINT}")
+            if status == "failed":
+                if marker is None:
+                    return 0
+                raise _ProcessingFailed(f"Kaggle's processing of the newest version ended FAILED")
             info = self.info(dataset) if status == "ready" else None
             if info is not None:
                 target = self._marker_version(info, marker) if marker else info["current"]
                 if target and info["current"] >= target:
                     return target
-            if status in ("failed", "deleted"):
+            if status == "deleted":
                 raise PublishError(f"dataset {dataset}: processing ended {status}")
             if time.monotonic() > deadline:
-                raise PublishError(f"dataset {dataset}: not ready after {self.wait_s:.0f}s (status {status})")
+                raise PublishError(f"dataset {dataset}: not ready after {self.wait_s:.0f}s (status {status}); if"
+                                   f" the new version never shows: {STORAGE_HINT}")
             time.sleep(delay)
             delay = min(self.poll_s, delay * 2)
 
@@ -244,3 +295,7 @@ class DatasetPublisher:
 
 class _Landed(Exception):
     """An earlier attempt whose response was lost did create the version."""
+
+
+class _ProcessingFailed(Exception):
+    """Kaggle's processing of the version just made ended FAILED: publish the same files again."""
