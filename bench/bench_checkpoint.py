@@ -1,8 +1,9 @@
 """Benchmark 2: checkpoint save/restore overhead and the cost of resuming deep into a run.
 
 save     what a periodic save costs the training loop: relay.kernel.session.checkpoint.CheckpointWriter's
-         start_save (torch.save into a temporary folder; the crc32, fsync, manifest, rename and retention then run
-         on a thread while training goes on) vs bare torch.save of the same state dict into a new file (no fsync). Also the
+         start_save (a copy of the state into host buffers kept from save to save, relay/kernel/session/
+         host_copy.py; torch.save of the copy, the crc32, fsync, manifest, rename and retention then run on a
+         thread while training goes on) vs bare torch.save of the same state dict into a new file (no fsync). Also the
          commit's latency (call to durable and visible, what the session's last save costs) vs torch.save +
          fsync (like with like: both durable)
 restore  relay.kernel.session.checkpoint.load_latest (crc32 of the file beside torch.load(weights_only, mmap)) vs
@@ -53,7 +54,8 @@ from torch import nn
 
 from relay.kernel.session import checkpoint, data
 
-TARGET_RATIO = 1.15
+TARGET_SAVE_RATIO = 0.25  # issue 61: training waits at most a quarter of torch.save (the copy, host_copy.py)
+TARGET_LOAD_RATIO = 1.0   # a checksum-verified restore no slower than a bare torch.load
 TARGET_RESUME_EXTRA_S = 1.0
 
 
@@ -217,7 +219,8 @@ def run(layers: int = 6, width: int = 2048, repeats: int = 9, workdir: Path | No
         "ckpt_load_bare_s": round(med["load_bare"], 3),
         "ckpt_load_ratio": round(paired_load["median"], 3),
         "ckpt_load_ratio_spread": [round(paired_load["min"], 3), round(paired_load["max"], 3)],
-        "ckpt_target_ratio": TARGET_RATIO,
+        "ckpt_target_save_ratio": TARGET_SAVE_RATIO,
+        "ckpt_target_load_ratio": TARGET_LOAD_RATIO,
         "ckpt_sha256_file_s": round(statistics.median(sha), 3),
         "ckpt_sha256_mb_per_s": round(file_mb / statistics.median(sha)),
         "ckpt_crc32_mb_per_s": round(file_mb / statistics.median(crc)),
@@ -229,8 +232,8 @@ def run(layers: int = 6, width: int = 2048, repeats: int = 9, workdir: Path | No
         "ckpt_save_samples_bare_s": [round(x, 3) for x in saves["bare"]],
         "ckpt_save_samples_bare_fsync_s": [round(x, 3) for x in saves["bare_fsync"]],
     }
-    figures["ckpt_meets_target"] = (figures["ckpt_save_ratio"] <= TARGET_RATIO
-                                    and figures["ckpt_load_ratio"] <= TARGET_RATIO)
+    figures["ckpt_meets_target"] = (figures["ckpt_save_ratio"] <= TARGET_SAVE_RATIO
+                                    and figures["ckpt_load_ratio"] <= TARGET_LOAD_RATIO)
     figures["resume_meets_target"] = figures["resume_extra_s"] <= TARGET_RESUME_EXTRA_S
     return figures
 

@@ -484,3 +484,32 @@ def test_with_keep_best_the_best_checkpoints_weights_are_exported_beside_the_fin
     assert ck.weights_sha256(final) == progress["weights_sha256"]
     # lr 0.5 makes the toy diverge after its first step: the best is not the final model
     assert progress["best"]["step"] < 6 and not all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+def test_a_background_saves_host_copy_is_exact_reused_and_keeps_tied_weights_one(tmp_path):
+    """relay/kernel/session/host_copy.py: what a background save writes is the state as it was at start_save, bit
+    for bit; the next save copies into the same buffers; two names of one tensor (tied weights) stay one tensor,
+    as torch.save keeps them one storage (the file does not grow by a copy)."""
+    from relay.kernel.session.host_copy import HostCopy
+
+    shared = torch.randn(4, 3)
+    state = {"model": {"embed.weight": shared, "head.weight": shared, "bias": torch.arange(3.0)},
+             "optimizer": {"state": {0: {"step": torch.tensor(5.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+             "rng": {"python": (3, (1, 2, 3), None)}, "step": 7}
+    copier = HostCopy()
+    snap = copier.take(state)
+    assert snap["model"]["embed.weight"] is snap["model"]["head.weight"]
+    assert torch.equal(snap["model"]["bias"], state["model"]["bias"]) and snap["step"] == 7
+    first = snap["model"]["bias"]
+    state["model"]["bias"].add_(1)  # training goes on
+    assert torch.equal(first, torch.arange(3.0))
+    again = copier.take(state)
+    assert again["model"]["bias"] is first and torch.equal(first, torch.arange(3.0) + 1)  # the same buffer, refilled
+    assert again["rng"]["python"] == state["rng"]["python"] and isinstance(again["rng"]["python"], tuple)
+
+    writer = ck.CheckpointWriter()
+    pending = writer.start_save(tmp_path, state, step=1, meta={})
+    state["model"]["bias"].mul_(0)  # changed before the background write ran
+    saved = ck.load(pending.result())
+    assert torch.equal(saved["model"]["bias"], torch.arange(3.0) + 1)
+    assert saved["model"]["embed.weight"].data_ptr() == saved["model"]["head.weight"].data_ptr()

@@ -1,7 +1,8 @@
 """Atomic checkpoints: a folder counts only once its manifest (a checksum of every file) is in place.
 
-save:  .tmp-<name>/state.pt (torch.save, while the caller waits) then, on a thread while training goes on:
-       crc32 of the file -> fsync -> manifest.json (fsync) -> rename to <name> -> retention
+save:  a host copy of the state (while the caller waits: host_copy.py) then, on a thread while training goes on:
+       .tmp-<name>/state.pt (torch.save) -> crc32 of the file -> fsync -> manifest.json (fsync) -> rename to
+       <name> -> retention (a synchronous save does it all in the caller, from the state itself)
 load:  newest folder whose manifest and hashes check out; older ones when the newest is incomplete or corrupt
 prune: only after a successful save; keeps the newest `keep_last` and the best; never the newest valid one
 one step, one checkpoint: a save at a step that already has one (the final save right after a best save, a
@@ -74,6 +75,7 @@ class CheckpointWriter:
         self._pending: Optional[PendingSave] = None
         self._deleting: list[threading.Thread] = []
         self._last_saved_step: Optional[int] = None
+        self._host_copy = None  # a background save's copy of the state (host_copy.HostCopy), made at the first
 
     def save(self, root: Path, state: dict, **kwargs: Any) -> Checkpoint:
         """Write `state` as a new checkpoint under `root`, commit it, then apply retention; returns it committed.
@@ -84,14 +86,14 @@ class CheckpointWriter:
                    keep_last: int = 2, keep_best_mode: Optional[str] = None, digest: str = "crc32",
                    besides_bytes: int = 0, background: bool = True,
                    on_commit: Optional[Callable[["Checkpoint"], Any]] = None) -> "PendingSave":
-        """Serialize `state` into a temporary folder now (when this returns, training may change the tensors),
-        and commit it (checksum, fsync, manifest, rename, retention, then `on_commit(checkpoint)`) on a thread,
-        or here when `background` is False. Until the commit, the previous checkpoint stays the newest valid
-        one, so a kill at any instant loses at most this save. One save is in flight at a time: this first
-        waits for the last one.
+        """Copy `state` into host buffers now (when this returns, training may change the tensors), then write it
+        into a temporary folder and commit it (checksum, fsync, manifest, rename, retention, then
+        `on_commit(checkpoint)`) on a thread; when `background` is False, all of it here, from `state` itself.
+        Until the commit, the previous checkpoint stays the newest valid one, so a kill at any instant loses at
+        most this save. One save is in flight at a time: this first waits for the last one.
 
-        Why a thread: torch.save into the page cache is the only part that needs the state as it is now. The
-        crc32 re-read of the file (1-2.6 GB/s here, about torch.save's own speed) and the fsync (the disk's
+        Why a thread: only the copy needs the state as it is now. torch.save of the copy (serialization into
+        the page cache, ~2 GB/s here), the crc32 re-read of the file (1-2.6 GB/s) and the fsync (the disk's
         speed) need nothing from training, so the training loop no longer waits for them
         (bench/bench_checkpoint.py).
 
@@ -108,18 +110,20 @@ class CheckpointWriter:
             _make_room(root, disk_budget_bytes - besides_bytes, keep_best_mode, besides_bytes)
         name = _next_name(root, step)
         tmp = root / f".tmp-{name}-{os.getpid()}"
-        tmp.mkdir()
-        try:
-            import torch  # here, not at the top: the orchestrator reads and verifies manifests without torch
+        if background:
+            if self._host_copy is None:
+                from relay.kernel.session.host_copy import HostCopy  # torch: the orchestrator never saves
 
-            torch.save(state, tmp / STATE_FILE)  # torch's own C++ writer: the fastest path into the page cache
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+                self._host_copy = HostCopy()
+            state = self._host_copy.take(state)
+        tmp.mkdir()
         meta = json.loads(json.dumps(meta))  # the caller's dicts may change while the commit runs
 
         def commit() -> Checkpoint:
             try:
+                import torch  # here, not at the top: the orchestrator reads and verifies manifests without torch
+
+                torch.save(state, tmp / STATE_FILE)  # torch's own C++ writer: the fastest path into the page cache
                 state_file = tmp / STATE_FILE
                 files = {STATE_FILE: {"bytes": state_file.stat().st_size, digest: file_digest(state_file, digest)}}
                 atomic.fsync(state_file)
@@ -230,8 +234,8 @@ class CheckpointWriter:
 
 
 class PendingSave:
-    """A save whose bytes are written and whose commit runs on a (non-daemon) thread once started: a crash of
-    the training code still lets it finish; `result()` waits for it and re-raises its error. Unstarted, it
+    """A save whose state is copied and whose write and commit run on a (non-daemon) thread once started: a crash
+    of the training code still lets it finish; `result()` waits for it and re-raises its error. Unstarted, it
     commits here and now (a synchronous save)."""
 
     def __init__(self, commit: Callable[[], Checkpoint], started: float, background: bool,
