@@ -203,7 +203,7 @@ def measure(emu, kernel: str, workdir_name: str, policy: str, session_s: float, 
     for v in versions:
         work = emu.store.kernel_dir(kernel, v["number"]) / "working" / workdir_name
         k0, k1 = v["started"], v["ended"]
-        # this kernel's steps (metrics.jsonl also carries the earlier sessions' lines)
+        # this kernel's steps (its metrics.jsonl holds only its own lines; the time filter keeps older outputs right)
         steps = [r for r in _metrics(work / "metrics.jsonl") if r.get("kind") == "train" and r["time"] >= k0]
         progress = _read_json(work / "progress.json")
         session = ((progress or {}).get("sessions") or [None])[-1]
