@@ -117,11 +117,19 @@ class LocalHistory:
             earlier: Callable[[], Iterable[dict]] = lambda: ()) -> bool:
         """Append session `index` (run `run_id`): its `lines` (only records of that session are kept). Sessions
         before it that are missing here come from `earlier()` (the published, compacted history), called only
-        then. False when it was here already."""
+        then. False when it was here already. One writer at a time (the flow and `relay status` may share it)."""
+        import fcntl
+
         if self.has(index, run_id):
             return False
-        kept = [s for s in self.sessions() if s["index"] < index]
         self.folder.mkdir(parents=True, exist_ok=True)
+        with open(self.folder / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return not self.has(index, run_id) and self._append(index, run_id, lines, earlier)
+
+    def _append(self, index: int, run_id: Optional[str], lines: Iterable[dict],
+                earlier: Callable[[], Iterable[dict]]) -> bool:
+        kept = [s for s in self.sessions() if s["index"] < index]
         end = kept[-1]["end"] if kept else 0
         blocks: list = []
         missing = sorted(set(range(1, index)) - {s["index"] for s in kept})

@@ -135,7 +135,8 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
     emit(policy.plan_text(run_spec, progress, quota, datetime.now(timezone.utc), running=eta))
     if progress.get("sessions"):
         try:
-            metrics = handoff.published_metrics(backend, names, out / "kaggle", progress)
+            # the history the relay's flow keeps beside it (relay-runs/<name>/history), added to if it lacks a session
+            metrics = handoff.published_metrics(backend, names, out, progress)
         except NotFound:
             metrics = None
         emit(f"timeline: {rep.plot_timeline(progress['sessions'], out / 'timeline.png')}")
