@@ -294,7 +294,8 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
                                         known_sha256=known, keep_versions=spec.kaggle.checkpoint_versions)
         published.insert(0, f"{names.checkpoint_dataset} v{result.version}")
         try:  # a cache: a reader fetches what it lacks (history.local_metrics), so a failure here fails nothing
-            history.LocalHistory(local).add(index, run_of, own, earlier=lambda: previous)
+            history.LocalHistory(local).add(index, run_of, own, earlier=lambda: previous,
+                                            run_ids=history.run_ids(progress))
         except OSError as err:
             log.warning("metrics history: session %d not kept locally (%s); it is fetched when read", index, err)
         if spec.tracking.wandb is not None:  # after the publish: a tracker never holds the relay up

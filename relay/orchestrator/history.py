@@ -114,10 +114,11 @@ class LocalHistory:
             and [s["index"] for s in kept if s["index"] <= index] == list(range(1, index + 1))
 
     def add(self, index: int, run_id: Optional[str], lines: Iterable[dict],
-            earlier: Callable[[], Iterable[dict]] = lambda: ()) -> bool:
+            earlier: Callable[[], Iterable[dict]] = lambda: (), run_ids: Optional[dict] = None) -> bool:
         """Append session `index` (run `run_id`): its `lines` (only records of that session are kept). Sessions
         before it that are missing here come from `earlier()` (the published, compacted history), called only
-        then. False when it was here already. One writer at a time (the flow and `relay status` may share it)."""
+        then, keyed by `run_ids` ({index: run id}, from progress.json's sessions). False when it was here
+        already. One writer at a time (the flow and `relay status` may share it)."""
         import fcntl
 
         if self.has(index, run_id):
@@ -125,10 +126,10 @@ class LocalHistory:
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.folder / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            return not self.has(index, run_id) and self._append(index, run_id, lines, earlier)
+            return not self.has(index, run_id) and self._append(index, run_id, lines, earlier, run_ids or {})
 
     def _append(self, index: int, run_id: Optional[str], lines: Iterable[dict],
-                earlier: Callable[[], Iterable[dict]]) -> bool:
+                earlier: Callable[[], Iterable[dict]], run_ids: dict) -> bool:
         kept = [s for s in self.sessions() if s["index"] < index]
         end = kept[-1]["end"] if kept else 0
         blocks: list = []
@@ -144,7 +145,8 @@ class LocalHistory:
                 if i in full:
                     blocks.append((dict(full[i]), old[i]))
                 elif by_session.get(i):
-                    blocks.append(({"index": i, "run_id": None, "compacted": True}, encode(by_session[i])))
+                    blocks.append(({"index": i, "run_id": run_ids.get(i), "compacted": True},
+                                   encode(by_session[i])))
         own = [r for r in lines if r.get("session") == index]
         blocks.append(({"index": index, "run_id": run_id, "compacted": False}, encode(own)))
         with open(self.path, "r+b" if self.path.exists() else "wb") as f:
@@ -197,6 +199,11 @@ def session_key(progress: dict, run_id: Optional[str] = None) -> tuple[int, Opti
     return int(last.get("index") or len(sessions)), last.get("run_id") or run_id or progress.get("run_id")
 
 
+def run_ids(progress: dict) -> dict:
+    """{session index: run id} of progress.json's sessions."""
+    return {s.get("index"): s.get("run_id") for s in progress.get("sessions") or [] if s.get("index") is not None}
+
+
 def local_metrics(backend, dataset: str, local: Path, progress: dict) -> Optional[Path]:
     """The whole history of the run up to `progress`'s last session, in `local` (LocalHistory): what the curves,
     the summary and `relay status` read. Only a session this folder did not see is downloaded (its published
@@ -213,5 +220,8 @@ def local_metrics(backend, dataset: str, local: Path, progress: dict) -> Optiona
             own = read_records(backend.download_dataset_file(dataset, METRICS, tmp))
         except NotFound:
             return history.path if history.path.is_file() else None
-        history.add(index, run_id, own, earlier=lambda: previous_records(backend, dataset, tmp))
+        if own and not any(r.get("session") == index for r in own):  # a newer version than `progress`: later
+            return history.path if history.path.is_file() else None
+        history.add(index, run_id, own, earlier=lambda: previous_records(backend, dataset, tmp),
+                    run_ids=run_ids(progress))
     return history.path

@@ -68,8 +68,12 @@ def test_a_new_folder_fills_the_sessions_it_did_not_see_from_the_published_histo
     published = history.next_history(history.next_history([], 1, s1), 2, s2)
     local = history.LocalHistory(tmp_path)
     asked = []
-    assert local.add(3, "r-s003-a1", s3, earlier=lambda: asked.append(1) or published)
+    assert local.add(3, "r-s003-a1", s3, earlier=lambda: asked.append(1) or published,
+                     run_ids={1: "r-s001-a1", 2: "r-s002-a1", 3: "r-s003-a1"})
     assert asked == [1]
     assert report.dedupe_metrics(report.read_metrics(local.path)) == report.dedupe_metrics(s1 + s2 + s3)
     assert [s["compacted"] for s in local.sessions()] == [True, True, False]
     assert local.has(3, "r-s003-a1") and not local.has(3, "r-s003-a2")
+    # a reader with an older progress.json finds its session here: nothing after it is dropped
+    assert local.has(2, "r-s002-a1") and not local.add(2, "r-s002-a1", s2)
+    assert [s["index"] for s in local.sessions()] == [1, 2, 3]
