@@ -130,23 +130,19 @@ class LocalHistory:
 
     def _append(self, index: int, run_id: Optional[str], lines: Iterable[dict],
                 earlier: Callable[[], Iterable[dict]], run_ids: dict) -> bool:
+        # every append keeps the index a run 1..k with rising offsets, so what is missing before `index` follows k
         kept = [s for s in self.sessions() if s["index"] < index]
+        if [s["index"] for s in kept] != list(range(1, len(kept) + 1)):  # an index not written here: start over
+            kept = []
         end = kept[-1]["end"] if kept else 0
         blocks: list = []
-        missing = sorted(set(range(1, index)) - {s["index"] for s in kept})
-        if missing:  # this folder did not see them: rebuild from the start, compacted ones first
+        missing = range(len(kept) + 1, index)
+        if missing:  # sessions this folder did not see: the published history's, compacted
             by_session: dict = {}
             for r in earlier():
                 by_session.setdefault(r.get("session"), []).append(r)
-            full = {s["index"]: s for s in kept}
-            old = self._read_blocks(kept)
-            kept, end = [], 0
-            for i in range(1, index):
-                if i in full:
-                    blocks.append((dict(full[i]), old[i]))
-                elif by_session.get(i):
-                    blocks.append(({"index": i, "run_id": run_ids.get(i), "compacted": True},
-                                   encode(by_session[i])))
+            blocks = [({"index": i, "run_id": run_ids.get(i), "compacted": True}, encode(by_session.get(i, [])))
+                      for i in missing]
         own = [r for r in lines if r.get("session") == index]
         blocks.append(({"index": index, "run_id": run_id, "compacted": False}, encode(own)))
         with open(self.path, "r+b" if self.path.exists() else "wb") as f:
@@ -161,13 +157,6 @@ class LocalHistory:
         atomic.write_json(self.index_path, {"sessions": kept})
         log.info("metrics history: session %d (%s) kept locally, %d lines, %s", index, run_id, len(own), self.path)
         return True
-
-    def _read_blocks(self, kept: list[dict]) -> dict:
-        if not kept:
-            return {}
-        with open(self.path, "rb") as f:
-            data = f.read(kept[-1]["end"])
-        return {s["index"]: data[s["start"]:s["end"]] for s in kept}
 
 
 # -- the published side: what a hand-over stages, and what a reader with a new folder fetches ---------------
