@@ -55,7 +55,7 @@ BENCHES = {
     # ~2 min: a clean and a faulted toy relay of 600 steps (a kill mid-save, a wedge, error pages), the goodput
     # ledger against the emulator's quota ledger; sized in steps and sessions, so --quick runs the same
     "goodput": ("bench_goodput", {}, {}),
-    # ~1 min: 10 synthetic sessions of 1,000,000 steps handed over on the emulator, bytes counted per hand-over
+    # ~1-2 min: 10 synthetic sessions of 1,000,000 steps handed over on the emulator, bytes counted per hand-over
     "history": ("bench_history", {"sessions": 10, "steps": 1_000_000}, {"sessions": 3, "steps": 1_000_000}),
 }
 
