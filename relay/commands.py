@@ -143,7 +143,7 @@ def _backend(credentials_block: Optional[str]):
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from relay.orchestrator import report
+    from relay.orchestrator import attempts, report
     from relay.shared import runtime
 
     if not Path(args.dir).is_dir():  # a relay name or a spec: read from Kaggle
@@ -165,7 +165,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         print(f"curves: none (no metrics.jsonl records under {out})")
     if progress.get("sessions"):
-        print(f"timeline: {report.plot_timeline(progress['sessions'], out / 'timeline.png')}")
+        print(f"timeline: {report.plot_timeline(attempts.every_attempt(progress), out / 'timeline.png')}")
     if progress.get("charges"):  # a relay's published progress: what Kaggle charged each attempt, as it saw it
         from relay.orchestrator import goodput, goodput_chart
 

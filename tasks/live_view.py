@@ -46,6 +46,7 @@ class LiveView:
         self.notify, self.plan = notify, plan
         self.finish = finish  # the run's finish, policy.forecast's: the one the summary's plan and `relay status` say
         self.links = links    # where the relay lives on Kaggle (chain.Names.links), in every summary
+        self.deadline: Optional[float] = None  # unix time: Kaggle still running the session after it is a wedge
         self.live: Optional[LiveSession] = None
         self.progress_artifact: Optional[str] = None  # this flow run's progress artifact, updated in place
         self._warned: set = set()
@@ -166,7 +167,8 @@ class LiveView:
         steps = int(newest["step"]) - int(upto[0].get("step_start") or 0)
         return (f"{self.names.name}: step {newest['step']} of {self._total(upto, progress)}; session"
                 f" {newest.get('session')} ({self.live.run_id}): {steps} steps, {kernel_state};"
-                f" {eta_text(upto, self.session_max_steps)}{self._finish(upto, progress)};"
+                f" {eta_text(upto, self.session_max_steps, self.deadline, kernel_state)}"
+                f"{self._finish(upto, progress)};"
                 f" updated {time.strftime('%H:%M:%S UTC', time.gmtime())}")
 
     def _finish(self, upto: list, progress: Optional[dict]) -> str:

@@ -343,6 +343,7 @@ def quota_spent(ctx: RelayContext, ready: Step, quota: Optional[Quota]) -> Step:
 def show_running(ctx: RelayContext, running: Step):
     """Follow the running session's log and refresh its live view (progress, table, curves, early warnings)."""
     live = ctx.view.follow(running.action.run_id)
+    ctx.view.deadline = running.deadline  # a session still running after it is wedged: the progress card says so
     ctx.view.refresh(running.progress, running.obs.kernel_state or "starting")
     return live
 

@@ -84,7 +84,7 @@ def find_relay(target: str, backend_factory: Callable, command: str = "relay sta
 
 def report(target: str, backend_factory: Callable, out_dir: Path | None = None, emit=print,
            follow_s: float = FOLLOW_S) -> int:
-    from relay.orchestrator import chain, goodput, goodput_chart, handoff, live_progress, policy, report as rep
+    from relay.orchestrator import attempts, chain, goodput, goodput_chart, handoff, live_progress, policy, report as rep
     from relay.orchestrator.kaggle import KaggleError, NotFound
 
     name, run_spec, backend, names, obs = find_relay(target, backend_factory)
@@ -138,7 +138,7 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
             metrics = handoff.published_metrics(backend, names, out / "kaggle", progress)
         except NotFound:
             metrics = None
-        emit(f"timeline: {rep.plot_timeline(progress['sessions'], out / 'timeline.png')}")
+        emit(f"timeline: {rep.plot_timeline(attempts.every_attempt(progress), out / 'timeline.png')}")
         if ledger.charged_s > 0:
             emit(f"goodput chart: {goodput_chart.plot_goodput(ledger, out / 'goodput.png')}")
         if metrics is not None and rep.read_metrics(metrics):
