@@ -135,7 +135,7 @@ def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_te
         md.append(links)
     if plan_text.strip():
         fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", plan_text)), default=0))
-        md.append(f"## Plan and ETA\n\n{fence}text\n{plan_text.strip(chr(10))}\n{fence}")
+        md.append(f"## Plan and ETA\n\n{fence}text\n{fit_lines(plan_text.strip(chr(10)))}\n{fence}")
     if ledger.attempts:  # where the GPU time charged went (relay/orchestrator/goodput.py), drawn and in figures
         chart = f"\n\n{_image('goodput', images['goodput'])}" if "goodput" in images else ""
         md.append(f"## Goodput\n\n{ledger.line()}{chart}\n\n{ledger.table()}")
@@ -143,6 +143,23 @@ def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_te
         if label != "goodput":
             md.append(f"## {_TITLES.get(label, label)}\n\n{_image(label, png)}")
     return "\n\n".join(md) + "\n"
+
+
+# Characters of monospace text one line of the Prefect UI's code block shows in a 1440-px-wide window (headless
+# Chromium, Prefect 3's artifact page: ~105 seen): a longer plan line was cut on the right, behind a scroll bar.
+# tests/orchestrator/test_ui_width.py holds the summary to it.
+CODE_COLUMNS = 100
+
+
+def fit_lines(text: str, width: int = CODE_COLUMNS) -> str:
+    """Each line of `text` wrapped at a space to `width` characters, its continuation indented two."""
+    import textwrap
+
+    out = []
+    for line in text.split("\n"):
+        out += textwrap.wrap(line, width, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False,
+                             drop_whitespace=True) if len(line) > width else [line]
+    return "\n".join(out)
 
 
 def _image(label: str, png: Path) -> str:

@@ -87,11 +87,11 @@ class Ledger:
     def table(self) -> str:
         """A markdown table, one row per attempt and a total, narrow enough for the Prefect UI's column (a column
         per category was 11 wide and cut at the fifth): the attempt, its charge, the training it kept, and where
-        the rest went, largest first (a wedged or failed attempt's loss is there, named)."""
-        def rest(seconds: Mapping[str, float]) -> str:
+        the rest went, its 3 largest shares (a wedged or failed attempt's loss is there, named)."""
+        def rest(seconds: Mapping[str, float]) -> str:  # the 3 largest: every category's total is in the chart
             lost = sorted(((c, s) for c, s in seconds.items() if c != "training kept" and s >= 0.05),
                           key=lambda cs: -cs[1])
-            return ", ".join(f"{c} {duration_text(s)}" for c, s in lost) or "nothing"
+            return ", ".join(f"{c} {duration_text(s)}" for c, s in lost[:3]) or "nothing"
 
         def kept(a_kept: float, charged: float) -> str:
             return f"{duration_text(a_kept)} ({a_kept / charged:.0%})" if charged > 0 else duration_text(a_kept)
