@@ -185,3 +185,21 @@ def test_in_chromium_no_table_or_code_block_is_wider_than_the_uis_column(tmp_pat
     assert "<title>WIDE=" in dom, dom[-2000:]
     wide = json.loads(dom.split("<title>WIDE=", 1)[1].split("</title>", 1)[0].replace("&quot;", '"'))
     assert wide == [], wide
+
+
+def test_a_failed_attempt_is_said_once_with_the_steps_it_lost():
+    """The flow's one line for an attempt that handed nothing over ends with the steps it cost, read from its log's
+    newest progress line against the published step; the hand-over task no longer says it a second time."""
+    import inspect
+    from types import SimpleNamespace
+
+    from relay.shared.progress_line import PREFIX
+    from tasks import relay_step, relay_tasks
+
+    log = "\n".join(PREFIX + json.dumps({"kind": "train", "run_id": "r-s003-a1", "step": step, "time": T0 + step})
+                    for step in (280, 350, 418))
+    obs = SimpleNamespace(published={"global_step": 268})
+    assert relay_step._steps_lost("r-s003-a1", log, obs) == (
+        "; 150 steps lost (it trained to step 418; the relay goes on from step 268)")
+    assert relay_step._steps_lost("r-s003-a1", "", obs) == ""
+    assert "not handed over" not in inspect.getsource(relay_tasks.hand_over)
