@@ -34,7 +34,7 @@ SAVE_DEFAULT_S = 20.0
 @dataclass(frozen=True)
 class Figure:
     seconds: float
-    source: str  # "measured over N sessions", "spec", "spec default", "default", "--startup"
+    source: str  # "measured over N sessions", "--startup" (a flag), else "assumed: ..." (the spec's, a default)
 
     def text(self, what: str) -> str:
         return f"{what} {duration_text(self.seconds)} ({self.source})"
@@ -92,8 +92,8 @@ def overheads(spec, progress: Optional[Mapping], startup: Optional[float] = None
     return Overheads(
         startup=start_fig,
         save=pick(save, save_times(progress), min(s.safety_margin, SAVE_DEFAULT_S),
-                  _origin(s, "safety_margin") if s.safety_margin < SAVE_DEFAULT_S else "default", "--save"),
-        handover=pick(handover, handovers, HANDOVER_DEFAULT_S, "default", "--handover"))
+                  _origin(s, "safety_margin") if s.safety_margin < SAVE_DEFAULT_S else "assumed", "--save"),
+        handover=pick(handover, handovers, HANDOVER_DEFAULT_S, "assumed", "--handover"))
 
 
 def session_gaps(progress: Optional[Mapping], running_started: Optional[float] = None) -> List[float]:
@@ -122,8 +122,11 @@ def session_gaps(progress: Optional[Mapping], running_started: Optional[float] =
 
 
 def _origin(section, key: str) -> str:
-    """Whether the spec set `key` or left it at its default (pydantic records the keys a spec set)."""
-    return f"spec {key}" if key in (getattr(section, "model_fields_set", None) or ()) else f"spec default {key}"
+    """Whether the spec set `key` or left it at its default (pydantic records the keys a spec set): either way
+    assumed, not measured, and said so."""
+    if key in (getattr(section, "model_fields_set", None) or ()):
+        return f"assumed: the spec's {key}"
+    return f"assumed: {key}'s default"
 
 
 def expected_goodput(sessions: Iterable, figures: Overheads, save_every_s: Optional[float]) -> Optional[float]:

@@ -51,9 +51,9 @@ def test_figures_are_measured_from_the_relays_own_sessions_and_say_where_they_co
     while_running = measured.overheads(spec, progress, running_started=1_800_000_000.0 + 1)  # the third's first line
     assert while_running.handover == measured.Figure(20.0, "measured over 2 sessions")
     before = measured.overheads(spec, {})  # nothing measured yet: the spec's, then the default
-    assert before.startup == measured.Figure(120.0, "spec startup_overhead")
-    assert before.save == measured.Figure(1.0, "spec safety_margin")
-    assert before.handover == measured.Figure(measured.HANDOVER_DEFAULT_S, "default")
+    assert before.startup == measured.Figure(120.0, "assumed: the spec's startup_overhead")
+    assert before.save == measured.Figure(1.0, "assumed: the spec's safety_margin")
+    assert before.handover == measured.Figure(measured.HANDOVER_DEFAULT_S, "assumed")
 
 
 def test_the_hand_over_is_measured_over_clean_hand_overs_only():
