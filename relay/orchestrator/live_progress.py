@@ -242,6 +242,10 @@ def eta_text(records: List[dict], session_max_steps: Optional[int] = None, deadl
                     " it wedged")
         return (f"{said}; WEDGED: Kaggle still runs the session past its deadline ({at}), charging GPU time that"
                 " trains nothing; the relay acts on it (kaggle.on_wedged)")
+    if deadline is not None and kernel_state == "running" and (time.time() if now is None else now) >= deadline:
+        at = time.strftime("%H:%M:%S UTC", time.gmtime(deadline))
+        return (f"WEDGED: Kaggle still runs the session past its deadline ({at}), its newest line at step"
+                f" {latest.get('step') if latest else '?'}; the relay acts on it (kaggle.on_wedged)")
     eta = estimate(records, session_max_steps)
     if eta is None:
         return "ETA: after the next progress lines"
