@@ -238,8 +238,8 @@ def eta_text(records: List[dict], session_max_steps: Optional[int] = None, deadl
             return f"{said}; waiting for Kaggle to end the session (wedged if it still runs at its deadline)"
         at = time.strftime("%H:%M:%S UTC", time.gmtime(deadline))
         if (time.time() if now is None else now) < deadline:
-            return (f"{said}; Kaggle still runs the session: the relay waits until its deadline, {at}, then calls"
-                    " it wedged")
+            return (f"{said}; Kaggle still shows the session running: wedged if it still does at its deadline,"
+                    f" {at} (the relay waits until then)")
         return (f"{said}; WEDGED: Kaggle still runs the session past its deadline ({at}), charging GPU time that"
                 " trains nothing; the relay acts on it (kaggle.on_wedged)")
     if deadline is not None and kernel_state == "running" and (time.time() if now is None else now) >= deadline:

@@ -150,7 +150,7 @@ def test_the_progress_text_names_a_wedge_while_the_relay_waits_for_its_deadline_
     lines = [{"kind": "train", "step": 410, "time": 1000.0, "step_start": 268},
              {"kind": "end", "step": 418, "time": 1010.0, "stop_reason": "steps"}]
     waiting = eta_text(lines, deadline=1100.0, kernel_state="running", now=1050.0)
-    assert "its process ended at step 418" in waiting and "the relay waits until its deadline" in waiting
+    assert "its process ended at step 418" in waiting and "wedged if it still does at its deadline" in waiting
     past = eta_text(lines, deadline=1100.0, kernel_state="running", now=1101.0)
     assert "WEDGED: Kaggle still runs the session past its deadline" in past
     assert "Kaggle ended the session (complete)" in eta_text(lines, deadline=1100.0, kernel_state="complete", now=1101.0)
