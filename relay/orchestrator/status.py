@@ -121,7 +121,7 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
         emit(f"kernel: {names.kernel} v{obs.kernel_version or '?'} runs {obs.kernel_run}: {state}"
              + (f" ({obs.failure_message})" if obs.failure_message else ""))
     if records:
-        emit(live_progress.eta_text(records, run_spec.session.max_steps))
+        emit(live_progress.eta_text(records, run_spec.session.max_steps, obs.deadline, obs.kernel_state))
     if obs.stopped_by_user and action.do is not chain.Do.STOPPED:
         emit(f"stopped by the user (relay stop) {obs.stopped_by_user}: the running session is handed over, then"
              f" nothing more is pushed until `relay resume {name}`")
