@@ -79,7 +79,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     progress = _load_progress(args.progress) if args.progress else {}
     # start-up, save and hand-over: the flags, else measured over this run's records (--progress) or a previous
     # relay's (--from NAME: its published progress.json, read from Kaggle), else the spec's and the defaults
-    measured_from = _previous_relay(args.from_relay, args.credentials_block) if args.from_relay else progress
+    quota_seen = None  # Kaggle's quota statistics, read where the plan reads Kaggle anyway (--from)
+    if args.from_relay:
+        measured_from, quota_seen = _previous_relay(args.from_relay, args.credentials_block)
+    else:
+        measured_from = progress
     figures = measured.overheads(spec, measured_from, startup=args.startup, save=args.save, handover=args.handover)
     total = None
     step_seconds = args.step_seconds if args.step_seconds is not None else spec.session.step_seconds
@@ -95,8 +99,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise InputError("relay plan: no session has measured a step yet: pass --step-seconds S"
                              " or set session.step_seconds in the spec")
     now = datetime.now(timezone.utc)
-    ledger = [(s["started"], s.get("seconds", 0.0)) for s in progress.get("sessions", [])]
-    quota = planner.quota_from_ledger(ledger, now, total_allowed_s=spec.kaggle.weekly_gpu_quota)
+    quota = policy.quota_state(spec, progress, quota_seen, now)  # the one rule `relay status` and the summary use
     limits = policy.plan_limits(spec, figures)
     try:
         plan = planner.plan_from_progress(progress, quota, now, limits=limits, step_seconds_estimate=step_seconds,
@@ -104,9 +107,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except planner.PlanError as err:
         raise InputError(f"relay plan: {err} (see relay plan --help)") from None
     print(planner.format_plan(plan))
+    assumed = [f for f in (figures.startup, figures.save, figures.handover) if f.source.startswith("assumed")]
     print(measured.goodput_line(measured.expected_goodput(plan.sessions, figures, spec.session.save_every), figures,
                                 spec.kaggle.weekly_gpu_quota)
-          + (f"; figures of relay {args.from_relay}" if args.from_relay else ""))
+          + (f"; figures of relay {args.from_relay}" if args.from_relay else "")
+          + ("; assumed figures are measured by `relay plan --from NAME` (a relay that ran) or --progress DIR"
+             if assumed and not args.from_relay else ""))
     procs = spec.session.devices if spec.session.devices != "auto" else accelerators.gpus_of(spec.kaggle.machine_shape)
     if spec.recipe is not None:
         from relay.kernel.usercode import recipe_params  # a user recipe's Params are in its own module
@@ -120,14 +126,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _previous_relay(name: str, credentials_block: Optional[str]) -> dict:
-    """The published progress.json of relay NAME (its sessions' and charges' records), read from Kaggle."""
+def _previous_relay(name: str, credentials_block: Optional[str]) -> tuple:
+    """The published progress.json of relay NAME (its sessions' and charges' records), read from Kaggle, and the
+    account's quota statistics (None when Kaggle gave none)."""
     from relay.orchestrator import status
 
-    found = status.find_relay(name, lambda: _backend(credentials_block), "relay plan --from")
+    made: list = []  # the backend find_relay makes (its errors are its own to say), asked the quota after
+    found = status.find_relay(name, lambda: made.append(_backend(credentials_block)) or made[-1], "relay plan --from")
     if not (found[4].published or {}).get("sessions"):
         raise InputError(f"relay plan --from {name}: the relay has handed no session over yet: nothing measured")
-    return found[4].published
+    try:
+        quota = made[-1].quota() if made else None  # the account's quota, as `relay status` reads it
+    except Exception:  # noqa: BLE001 - the plan then assumes the weekly reset, and says so
+        quota = None
+    return found[4].published, quota
 
 
 def _backend(credentials_block: Optional[str]):
@@ -143,7 +155,7 @@ def _backend(credentials_block: Optional[str]):
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from relay.orchestrator import report
+    from relay.orchestrator import attempts, report
     from relay.shared import runtime
 
     if not Path(args.dir).is_dir():  # a relay name or a spec: read from Kaggle
@@ -165,7 +177,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         print(f"curves: none (no metrics.jsonl records under {out})")
     if progress.get("sessions"):
-        print(f"timeline: {report.plot_timeline(progress['sessions'], out / 'timeline.png')}")
+        print(f"timeline: {report.plot_timeline(attempts.every_attempt(progress), out / 'timeline.png')}")
     if progress.get("charges"):  # a relay's published progress: what Kaggle charged each attempt, as it saw it
         from relay.orchestrator import goodput, goodput_chart
 
