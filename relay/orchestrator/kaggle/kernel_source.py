@@ -146,7 +146,7 @@ def main():
     with open(plan_path, "w") as f:
         f.write(PLAN)
     cmd = [sys.executable, "-m", "relay", "train", spec_path, "--workdir", workdir, "--plan", plan_path]
-    if plan["canary"] is not None:  # `relay doctor`: the same start, then checks instead of training (relay/kernel/canary.py)
+    if plan["canary"] is not None:  # `relay doctor`: the same start, then checks (relay/kernel/canary.py)
         cmd = [sys.executable, "-m", "relay.kernel.canary", spec_path, "--out", os.path.join(workdir, "doctor.json"),
                "--plan", plan_path]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (code_dir, env.get("PYTHONPATH")) if p)
