@@ -71,6 +71,7 @@ def seeds_session(spec_path: str, workdir: str, resume: Optional[str], every_epo
     """The seed notebooks' policy on the relay runtime: save every N epochs, no budget, no SIGTERM handler
     (the session cap kills the process), resume from the newest epoch checkpoint."""
     from relay.kernel.run import run_session
+    from relay.shared.session_plan import SessionPlan
     from relay.kernel.session import budget, loop
     from relay.shared import spec as spec_mod
 
@@ -89,8 +90,8 @@ def seeds_session(spec_path: str, workdir: str, resume: Optional[str], every_epo
                 self.save("epoch")
 
     loop.Trainer._after_step = after_step
-    run_session(spec_mod.load(spec_path), Path(workdir), budget=None,
-                resume_from=[Path(resume)] if resume else [])
+    run_session(spec_mod.load(spec_path, {"session.budget": None}), Path(workdir),  # no budget
+                SessionPlan(resume_from=(str(resume),) if resume else ()))
 
 
 SEEDS_KERNEL = """\

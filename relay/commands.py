@@ -13,46 +13,50 @@ from relay.shared.errors import InputError
 UNSET = object()  # a flag not given, told apart from one given as 'none' (None)
 
 
+# `relay train`'s flags that make a session's plan by hand; with --plan the plan says all of it
+PLAN_FLAGS = (("budget", "--budget"), ("deadline", "--deadline"), ("resume_from", "--resume-from"),
+              ("data", "--data"), ("features", "--features"), ("run_id", "--run-id"))
+
+
+def session_plan(args: argparse.Namespace):
+    """The session's plan: --plan's file as the orchestrator made it, else the one the flags make. A plan flag beside
+    --plan is refused (one line): the plan is the session's whole say, never overridden."""
+    from relay.shared.session_plan import SessionPlan
+
+    given = [flag for name, flag in PLAN_FLAGS
+             if (args.budget is not UNSET if name == "budget" else getattr(args, name) not in (None, []))]
+    if args.plan:
+        if given:
+            raise InputError(f"relay train: {', '.join(given)} given with --plan {args.plan}: the plan says the"
+                             " session's budget, run id and folders; give either the plan or the flags")
+        return SessionPlan.read(args.plan)
+    # --budget overrides the spec's session.budget (load_spec's overrides), which a plan's budget None means
+    return SessionPlan(run_id=args.run_id, deadline=args.deadline, resume_from=tuple(args.resume_from),
+                       data_dir=args.data, feature_dirs=tuple(args.features))
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from relay.kernel.run import run_session
     from relay.front_door import load_spec
 
-    from relay.shared.session_plan import SessionPlan
-
-    # the session's plan (the kernel script writes it: relay/shared/session_plan.py), trusted as it is; a flag
-    # given beside it wins, and the flags alone (by hand, the kernels pushed before the plan) work as they did
-    plan = SessionPlan.read(args.plan) if args.plan else SessionPlan()
+    plan = session_plan(args)
     overrides = {}
     if args.budget is not UNSET:
         overrides["session.budget"] = args.budget
     if args.max_steps is not UNSET:
         overrides["session.max_steps"] = args.max_steps
     spec = load_spec(args.spec, overrides)
-    budget = plan.budget if plan.budget is not None and args.budget is UNSET else spec.session.budget
-    deadline = args.deadline if args.deadline is not None else plan.deadline
-    resume_from = args.resume_from or list(plan.resume_from)
-    data = args.data or plan.data
-    features = args.features or list(plan.features)
-    run_id = args.run_id or plan.run_id
     if spec.code is not None and spec.code.entry:  # the user's own loop (relay/kernel/entry.py)
         from relay.kernel import entry
 
         from relay.kernel.session.settings import SessionSettings
 
-        config = SessionSettings.from_spec(
-            spec, Path(args.workdir), budget=budget, deadline=deadline,
-            max_steps=spec.session.max_steps, resume_from=resume_from, data_dir=data,
-            feature_dirs=features, run_id=run_id)
-        progress = entry.run_entry(spec, config)
+        progress = entry.run_entry(spec, SessionSettings.from_spec(spec, Path(args.workdir), plan))
         print(f"relay: {progress['status']} at step {progress['global_step']}/{progress['total_steps']}"
               f" (session {len(progress['sessions'])}, stop: {progress['stop_reason']});"
               f" weights {(progress['weights_sha256'] or '?')[:16]}")
         return 0
-    progress = run_session(
-        spec, Path(args.workdir), budget=budget, deadline=deadline,
-        resume_from=[Path(p) for p in resume_from], data_dir=Path(data) if data else None,
-        feature_dirs=[Path(p) for p in features], run_id=run_id,
-    )
+    progress = run_session(spec, Path(args.workdir), plan)
     m = progress["metrics"]
     metric = ", ".join(f"{k}={v:.4g}" for k, v in m.items() if k != "step")
     print(f"relay: {progress['status']} at step {progress['global_step']}/{progress['total_steps']}"
