@@ -9,6 +9,7 @@ from typing import Optional
 
 from relay.shared import accelerators
 from relay.shared.errors import InputError
+from relay.shared.progress import Progress
 
 UNSET = object()  # a flag not given, told apart from one given as 'none' (None)
 
@@ -44,21 +45,28 @@ def cmd_train(args: argparse.Namespace) -> int:
             max_steps=spec.session.max_steps, resume_from=resume_from, data_dir=data,
             feature_dirs=features, run_id=run_id)
         progress = entry.run_entry(spec, config)
-        print(f"relay: {progress['status']} at step {progress['global_step']}/{progress['total_steps']}"
-              f" (session {len(progress['sessions'])}, stop: {progress['stop_reason']});"
-              f" weights {(progress['weights_sha256'] or '?')[:16]}")
+        print(_session_line(Progress.read(progress), with_metrics=False))
         return 0
     progress = run_session(
         spec, Path(args.workdir), budget=budget, deadline=deadline,
         resume_from=[Path(p) for p in resume_from], data_dir=Path(data) if data else None,
         feature_dirs=[Path(p) for p in features], run_id=run_id,
     )
-    m = progress["metrics"]
-    metric = ", ".join(f"{k}={v:.4g}" for k, v in m.items() if k != "step")
-    print(f"relay: {progress['status']} at step {progress['global_step']}/{progress['total_steps']}"
-          f" (epoch {progress['epoch']}, session {len(progress['sessions'])}, stop: {progress['stop_reason']})"
-          f"{' ' + metric if metric else ''}; weights {progress['weights_sha256'][:16]}")
+    print(_session_line(Progress.read(progress), with_metrics=True))
     return 0
+
+
+def _session_line(progress: Progress, with_metrics: bool) -> str:
+    """What `relay train` prints at its end: a built-in recipe's with its epoch and last eval, a user loop's with
+    its weights ('?' before it exported any)."""
+    if not with_metrics:
+        return (f"relay: {progress.status} at step {progress.global_step}/{progress.total_steps}"
+                f" (session {len(progress.sessions)}, stop: {progress.stop_reason});"
+                f" weights {(progress.weights_sha256 or '?')[:16]}")
+    metric = ", ".join(f"{k}={v:.4g}" for k, v in progress.metrics.items() if k != "step")
+    return (f"relay: {progress.status} at step {progress.global_step}/{progress.total_steps}"
+            f" (epoch {progress.epoch}, session {len(progress.sessions)}, stop: {progress.stop_reason})"
+            f"{' ' + metric if metric else ''}; weights {progress.weights_sha256[:16]}")
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -76,14 +84,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from relay.front_door import load_spec
 
     spec = load_spec(args.spec)
-    progress = _load_progress(args.progress) if args.progress else {}
+    progress = _load_progress(args.progress) if args.progress else None
     # start-up, save and hand-over: the flags, else measured over this run's records (--progress) or a previous
     # relay's (--from NAME: its published progress.json, read from Kaggle), else the spec's and the defaults
     measured_from = _previous_relay(args.from_relay, args.credentials_block) if args.from_relay else progress
     figures = measured.overheads(spec, measured_from, startup=args.startup, save=args.save, handover=args.handover)
     total = None
     step_seconds = args.step_seconds if args.step_seconds is not None else spec.session.step_seconds
-    if not progress:
+    if progress is None:
         if spec.optim.max_steps:
             total = spec.optim.max_steps
         elif args.train_samples:
@@ -95,12 +103,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise InputError("relay plan: no session has measured a step yet: pass --step-seconds S"
                              " or set session.step_seconds in the spec")
     now = datetime.now(timezone.utc)
-    ledger = [(s["started"], s.get("seconds", 0.0)) for s in progress.get("sessions", [])]
+    ledger = [(s.started, 0.0 if s.seconds is None else s.seconds) for s in (progress.sessions if progress else ())]
     quota = planner.quota_from_ledger(ledger, now, total_allowed_s=spec.kaggle.weekly_gpu_quota)
     limits = policy.plan_limits(spec, figures)
     try:
-        plan = planner.plan_from_progress(progress, quota, now, limits=limits, step_seconds_estimate=step_seconds,
-                                          total_steps=total, steps_per_epoch=progress.get("steps_per_epoch"))
+        plan = planner.plan_from_progress(progress or Progress(), quota, now, limits=limits,
+                                          step_seconds_estimate=step_seconds, total_steps=total,
+                                          steps_per_epoch=progress.steps_per_epoch if progress else None)
     except planner.PlanError as err:
         raise InputError(f"relay plan: {err} (see relay plan --help)") from None
     print(planner.format_plan(plan))
@@ -120,14 +129,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _previous_relay(name: str, credentials_block: Optional[str]) -> dict:
+def _previous_relay(name: str, credentials_block: Optional[str]) -> Progress:
     """The published progress.json of relay NAME (its sessions' and charges' records), read from Kaggle."""
     from relay.orchestrator import status
 
-    found = status.find_relay(name, lambda: _backend(credentials_block), "relay plan --from")
-    if not (found[4].published or {}).get("sessions"):
+    published = Progress.read(status.find_relay(name, lambda: _backend(credentials_block), "relay plan --from")[4]
+                              .published)
+    if published is None or not published.sessions:
         raise InputError(f"relay plan --from {name}: the relay has handed no session over yet: nothing measured")
-    return found[4].published
+    return published
 
 
 def _backend(credentials_block: Optional[str]):
@@ -154,19 +164,19 @@ def cmd_status(args: argparse.Namespace) -> int:
         return status.report(args.dir, lambda: _backend(block), Path(args.out) if args.out else None)
     progress = _load_progress(args.dir)
     print(report.format_table(report.session_table(progress)))
-    for note in runtime.change_notes(progress.get("sessions") or []):  # another CPU, GPU, torch, image ...
+    for note in runtime.change_notes([s.as_mapping() for s in progress.sessions]):  # another CPU, GPU, torch ...
         print(f"warning: {note}")
-    best = progress.get("best") or {}
-    print(f"\n{progress['status']}: step {progress['global_step']}/{progress['total_steps']},"
-          f" last eval {progress.get('metrics')}, best {best.get('metric')}={best.get('value')}")
+    best = progress.best or {}
+    print(f"\n{progress.status}: step {progress.global_step}/{progress.total_steps},"
+          f" last eval {progress.metrics}, best {best.get('metric')}={best.get('value')}")
     out = Path(args.dir) if Path(args.dir).is_dir() else Path(args.dir).parent
     if report.read_metrics(out):  # a folder the relay wrote may hold progress.json without metrics.jsonl
         print(f"curves: {report.plot_curves(out, out / 'curves.png', progress=progress)}")
     else:
         print(f"curves: none (no metrics.jsonl records under {out})")
-    if progress.get("sessions"):
-        print(f"timeline: {report.plot_timeline(progress['sessions'], out / 'timeline.png')}")
-    if progress.get("charges"):  # a relay's published progress: what Kaggle charged each attempt, as it saw it
+    if progress.sessions:
+        print(f"timeline: {report.plot_timeline(progress.sessions, out / 'timeline.png')}")
+    if progress.charges:  # a relay's published progress: what Kaggle charged each attempt, as it saw it
         from relay.orchestrator import goodput, goodput_chart
 
         ledger = goodput.from_progress(progress)
@@ -175,7 +185,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_progress(path: str) -> dict:
+def _load_progress(path: str) -> Progress:
     from relay.orchestrator import report
 
     try:
