@@ -16,6 +16,7 @@ InputError naming the file and the field.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple, TypeVar, U
 
 from relay.shared.errors import InputError
 
+log = logging.getLogger(__name__)
 FORMAT = 1  # 0: the documents written before this model (no `format` key), the same layout
 _BOOKKEEPING = ("extra", "present")
 
@@ -67,6 +69,11 @@ class _Document:
                 out[f.name] = _plain(value)
         out.update(self.extra)
         return out
+
+    def has(self, name: str) -> bool:
+        """Whether the document had field `name` (one made here by the writer has them all): a reader that tells
+        an absent key from a null one."""
+        return self.present is None or name in self.present
 
     def get_extra(self, key: str, default: Any = None) -> Any:
         """A key this model does not know (written by a newer kernel, or a test's own)."""
@@ -196,6 +203,9 @@ class Progress(_Document):
     sessions: Tuple[SessionRecord, ...] = ()
     total_seconds: Optional[float] = None
     charges: Tuple[Charge, ...] = ()
+    # a corrupt version was replaced by an older valid one (relay/orchestrator/restore.py): {"bad_version",
+    # "from_version", "after_run", "attempt", "why"}
+    restored: Optional[Mapping] = None
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
     present: Optional[frozenset] = field(default=None, compare=False, repr=False)
 
@@ -223,7 +233,7 @@ class Progress(_Document):
         try:
             d = json.loads(text)
         except ValueError as err:
-            raise InputError(f"{source}: not a JSON document ({err})") from None
+            raise InputError(f"{source}: unreadable progress.json, not JSON ({err})") from None
         return cls.from_dict(d, source)
 
     @classmethod
@@ -233,6 +243,18 @@ class Progress(_Document):
         except OSError as err:
             raise InputError(f"{path}: unreadable progress.json ({err.strerror or err})") from None
         return cls.from_json(text, str(path))
+
+    @classmethod
+    def from_output(cls, value: Any, source: str = "progress.json") -> Optional["Progress"]:
+        """A session output's document, where a malformed one is none at all (the output holds nothing to hand
+        over, as with an unreadable file): None, and why in the log."""
+        if value is None:
+            return None
+        try:
+            return cls.from_dict(value, source)
+        except InputError as err:
+            log.warning("%s", err)
+            return None
 
     @classmethod
     def read(cls, value: Union["Progress", Mapping, None], source: str = "progress.json") -> Optional["Progress"]:
