@@ -16,7 +16,7 @@ Like `relay`, it keeps no state: kill it anywhere and start it again. `mode="tic
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Dict, List, Literal, Optional, Tuple, Union
@@ -29,6 +29,7 @@ from relay.orchestrator.policy import push_budget, utc
 from relay.orchestrator.relay_state import FINAL, IN_FLIGHT, LOOK_AGAIN, State, Wait, label, move, overall
 from relay.front_door import SpecParameter, spec_at_flow
 from relay.shared.errors import InputError
+from relay.shared.progress import Progress, SessionRecord
 from relay.shared.spec import LoadedSpec
 from tasks import relay_step, relay_tasks
 from tasks import relays_artifacts, run_labels
@@ -52,7 +53,7 @@ class Relay:
     last_end: float = 0.0         # when its last handed-over session ended (fair order)
 
     @property
-    def progress(self) -> Optional[dict]:
+    def progress(self) -> Optional[Progress]:
         return self.step.progress if self.step else None
 
     def enter(self, state: State, step: Optional[Step] = None, waits_for: Optional[Wait] = None) -> None:
@@ -127,8 +128,8 @@ def _advance(relay: Relay, rnd: Round, slots: AccountSessions) -> None:
     if step.state is State.RUNNING:
         relay_step.show_running(relay.ctx, step)
     relay.enter(step.state, step, step.waits_for)
-    sessions = (step.progress or {}).get("sessions") or []
-    relay.last_end = max([_ts(s.get("ended")) for s in sessions] or [0.0])
+    sessions = step.progress.sessions if step.progress else ()
+    relay.last_end = max([_ts(s.ended) for s in sessions] or [0.0])
 
 
 def _ts(value) -> float:
@@ -235,11 +236,11 @@ def joint_eta(relays: List[Relay], quota, cap: int, now: datetime) -> Optional[j
             # the figures each relay's own plan uses (policy.forecast): start-up, save and hand-over as measured
             limits = policy.plan_limits(relay.ctx.spec, measured.overheads(relay.ctx.spec, relay.progress))
             p = planner.plan_from_progress(relay.progress, q, now, limits=limits,
-                                           total_steps=relay.progress.get("total_steps"))
+                                           total_steps=relay.progress.total_steps)
         except (planner.PlanError, KeyError, TypeError, ValueError):
             continue  # no step time measured yet: no ETA for this relay
         needs[relay.name] = [s.budget_s for s in p.sessions]
-        done[relay.name] = len(relay.progress.get("sessions") or [])
+        done[relay.name] = len(relay.progress.sessions)
     if not needs:
         return None
     allowed = quota.allowed_s if quota is not None and quota.allowed_s > 0 else 30 * 3600.0
@@ -346,23 +347,23 @@ def _wait_on_sessions(active: List[Relay], rnd: Round, poll_seconds: float, live
 def _rows(relays: List[Relay], plan) -> List[dict]:
     rows = []
     for r in relays:
-        p = r.progress or {}
+        p = r.progress
         eta = plan.eta.get(r.name) if plan else None
         rows.append({"relay": r.name, "state": r.failed and f"failed: {r.failed}"[:200] or r.shown,
-                     "sessions": len(p.get("sessions") or []),
-                     "step": f"{p.get('global_step', 0)} / {p.get('total_steps', '?')}",
+                     "sessions": len(p.sessions) if p else 0,
+                     "step": f"{p.global_step if p else 0} / {p.total_steps if p and p.has('total_steps') else '?'}",
                      "eta": eta.strftime("%Y-%m-%d %H:%M UTC") if eta else
                      ("-" if r.state is State.DONE else "unknown")})
     return rows
 
 
-def _sessions(relays: List[Relay]) -> List[dict]:
-    """All relays' handed-over sessions on one timeline, labelled by relay."""
+def _sessions(relays: List[Relay]) -> List[SessionRecord]:
+    """All relays' handed-over sessions on one timeline, labelled by relay (the index a label, not a number)."""
     out = []
     for r in relays:
-        for i, s in enumerate((r.progress or {}).get("sessions") or [], 1):
-            out.append(dict(s, index=f"{i} {r.name}"))
-    return sorted(out, key=lambda s: _ts(s.get("started")))
+        for i, s in enumerate(r.progress.sessions if r.progress else (), 1):
+            out.append(replace(s, index=f"{i} {r.name}"))
+    return sorted(out, key=lambda s: _ts(s.started))
 
 
 def _summary(relays: List[Relay], rnd: Round, plan, refused: int) -> dict:
@@ -373,9 +374,9 @@ def _summary(relays: List[Relay], rnd: Round, plan, refused: int) -> dict:
             "in_flight": rnd.in_flight, "quota_wait": rnd.quota_wait.isoformat() if rnd.quota_wait else None,
             "eta_all": plan.eta_all.isoformat() if plan and plan.eta_all else None,
             "relays": {r.name: {"state": r.shown, "error": r.failed,
-                                "step": (r.progress or {}).get("global_step", 0),
-                                "sessions": len((r.progress or {}).get("sessions") or []),
-                                "weights_sha256": (r.progress or {}).get("weights_sha256"),
+                                "step": r.progress.global_step if r.progress else 0,
+                                "sessions": len(r.progress.sessions) if r.progress else 0,
+                                "weights_sha256": r.progress.weights_sha256 if r.progress else None,
                                 "why": r.step.why if r.step and r.state is State.STOPPED else "",
                                 **({"stored": r.step.stored} if r.step and r.step.stored is not None else {})}
                        for r in relays}}

@@ -9,6 +9,7 @@ from typing import Optional
 
 from relay.shared import accelerators
 from relay.shared.errors import InputError
+from relay.shared.progress import Progress
 
 UNSET = object()  # a flag not given, told apart from one given as 'none' (None)
 
@@ -52,17 +53,24 @@ def cmd_train(args: argparse.Namespace) -> int:
         from relay.kernel.session.settings import SessionSettings
 
         progress = entry.run_entry(spec, SessionSettings.from_spec(spec, Path(args.workdir), plan))
-        print(f"relay: {progress['status']} at step {progress['global_step']}/{progress['total_steps']}"
-              f" (session {len(progress['sessions'])}, stop: {progress['stop_reason']});"
-              f" weights {(progress['weights_sha256'] or '?')[:16]}")
+        print(_session_line(Progress.read(progress), with_metrics=False))
         return 0
     progress = run_session(spec, Path(args.workdir), plan)
-    m = progress["metrics"]
-    metric = ", ".join(f"{k}={v:.4g}" for k, v in m.items() if k != "step")
-    print(f"relay: {progress['status']} at step {progress['global_step']}/{progress['total_steps']}"
-          f" (epoch {progress['epoch']}, session {len(progress['sessions'])}, stop: {progress['stop_reason']})"
-          f"{' ' + metric if metric else ''}; weights {progress['weights_sha256'][:16]}")
+    print(_session_line(Progress.read(progress), with_metrics=True))
     return 0
+
+
+def _session_line(progress: Progress, with_metrics: bool) -> str:
+    """What `relay train` prints at its end: a built-in recipe's with its epoch and last eval, a user loop's with
+    its weights ('?' before it exported any)."""
+    if not with_metrics:
+        return (f"relay: {progress.status} at step {progress.global_step}/{progress.total_steps}"
+                f" (session {len(progress.sessions)}, stop: {progress.stop_reason});"
+                f" weights {(progress.weights_sha256 or '?')[:16]}")
+    metric = ", ".join(f"{k}={v:.4g}" for k, v in progress.metrics.items() if k != "step")
+    return (f"relay: {progress.status} at step {progress.global_step}/{progress.total_steps}"
+            f" (epoch {progress.epoch}, session {len(progress.sessions)}, stop: {progress.stop_reason})"
+            f"{' ' + metric if metric else ''}; weights {progress.weights_sha256[:16]}")
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -80,7 +88,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from relay.front_door import load_spec
 
     spec = load_spec(args.spec)
-    progress = _load_progress(args.progress) if args.progress else {}
+    progress = _load_progress(args.progress) if args.progress else None
     # start-up, save and hand-over: the flags, else measured over this run's records (--progress) or a previous
     # relay's (--from NAME: its published progress.json, read from Kaggle), else the spec's and the defaults
     quota_seen = None  # Kaggle's quota statistics, read where the plan reads Kaggle anyway (--from)
@@ -91,7 +99,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     figures = measured.overheads(spec, measured_from, startup=args.startup, save=args.save, handover=args.handover)
     total = None
     step_seconds = args.step_seconds if args.step_seconds is not None else spec.session.step_seconds
-    if not progress:
+    if progress is None:
         if spec.optim.max_steps:
             total = spec.optim.max_steps
         elif args.train_samples:
@@ -106,8 +114,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     quota = policy.quota_state(spec, progress, quota_seen, now)  # the one rule `relay status` and the summary use
     limits = policy.plan_limits(spec, figures)
     try:
-        plan = planner.plan_from_progress(progress, quota, now, limits=limits, step_seconds_estimate=step_seconds,
-                                          total_steps=total, steps_per_epoch=progress.get("steps_per_epoch"))
+        plan = planner.plan_from_progress(progress or Progress(), quota, now, limits=limits,
+                                          step_seconds_estimate=step_seconds, total_steps=total,
+                                          steps_per_epoch=progress.steps_per_epoch if progress else None)
     except planner.PlanError as err:
         raise InputError(f"relay plan: {err} (see relay plan --help)") from None
     print(planner.format_plan(plan))
@@ -137,13 +146,14 @@ def _previous_relay(name: str, credentials_block: Optional[str]) -> tuple:
 
     made: list = []  # the backend find_relay makes (its errors are its own to say), asked the quota after
     found = status.find_relay(name, lambda: made.append(_backend(credentials_block)) or made[-1], "relay plan --from")
-    if not (found[4].published or {}).get("sessions"):
+    published = Progress.read(found[4].published)
+    if published is None or not published.sessions:
         raise InputError(f"relay plan --from {name}: the relay has handed no session over yet: nothing measured")
     try:
         quota = made[-1].quota() if made else None  # the account's quota, as `relay status` reads it
     except Exception:  # noqa: BLE001 - the plan then assumes the weekly reset, and says so
         quota = None
-    return found[4].published, quota
+    return published, quota
 
 
 def _backend(credentials_block: Optional[str]):
@@ -170,19 +180,19 @@ def cmd_status(args: argparse.Namespace) -> int:
         return status.report(args.dir, lambda: _backend(block), Path(args.out) if args.out else None)
     progress = _load_progress(args.dir)
     print(report.format_table(report.session_table(progress)))
-    for note in runtime.change_notes(progress.get("sessions") or []):  # another CPU, GPU, torch, image ...
+    for note in runtime.change_notes([s.as_mapping() for s in progress.sessions]):  # another CPU, GPU, torch ...
         print(f"warning: {note}")
-    best = progress.get("best") or {}
-    print(f"\n{progress['status']}: step {progress['global_step']}/{progress['total_steps']},"
-          f" last eval {progress.get('metrics')}, best {best.get('metric')}={best.get('value')}")
+    best = progress.best or {}
+    print(f"\n{progress.status}: step {progress.global_step}/{progress.total_steps},"
+          f" last eval {progress.metrics}, best {best.get('metric')}={best.get('value')}")
     out = Path(args.dir) if Path(args.dir).is_dir() else Path(args.dir).parent
     if report.read_metrics(out):  # a folder the relay wrote may hold progress.json without metrics.jsonl
         print(f"curves: {report.plot_curves(out, out / 'curves.png', progress=progress)}")
     else:
         print(f"curves: none (no metrics.jsonl records under {out})")
-    if progress.get("sessions"):
+    if progress.sessions:
         print(f"timeline: {report.plot_timeline(attempts.every_attempt(progress), out / 'timeline.png')}")
-    if progress.get("charges"):  # a relay's published progress: what Kaggle charged each attempt, as it saw it
+    if progress.charges:  # a relay's published progress: what Kaggle charged each attempt, as it saw it
         from relay.orchestrator import goodput, goodput_chart
 
         ledger = goodput.from_progress(progress)
@@ -191,7 +201,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_progress(path: str) -> dict:
+def _load_progress(path: str) -> Progress:
     from relay.orchestrator import report
 
     try:

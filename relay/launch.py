@@ -243,16 +243,16 @@ def _outputs(emit, name: str, local: Path, summary: Optional[dict], account: Opt
         if summary["state"] == "stopped":
             emit(summary["why"])
     elif progress is not None:
-        emit(f"{progress.get('status')}: step {progress.get('global_step')}/{progress.get('total_steps') or '?'},"
-             f" {len(progress.get('sessions') or [])} session(s) handed over")
+        emit(f"{progress.status}: step {progress.global_step}/{progress.total_steps or '?'},"
+             f" {len(progress.sessions)} session(s) handed over")
     if progress is not None:
         emit(report.format_table(report.session_table(progress)))
-        for note in runtime.change_notes(progress.get("sessions") or []):  # another CPU, GPU, torch, image ...
+        for note in runtime.change_notes([s.as_mapping() for s in progress.sessions]):  # another CPU, GPU ...
             emit(f"warning: {note}")
     for png in ("curves.png", "timeline.png", "goodput.png"):
         if (local / png).is_file():
             emit(f"{png.split('.')[0]}: {local / png}")
-    if (summary["state"] if summary is not None else (progress or {}).get("status")) == "done":
+    if (summary["state"] if summary is not None else (progress.status if progress else None)) == "done":
         emit(f"the final model: Kaggle dataset {_model_dataset(name, account)} (`kaggle datasets download`)")
 
 

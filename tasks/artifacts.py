@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import re
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
@@ -13,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 
 from relay.orchestrator import attempts, goodput, goodput_chart, report
 from relay.shared import progress_line, runtime
+from relay.shared.progress import Progress, SessionRecord
 
 
 _TITLES = {"curves": "Loss curves", "timeline": "Sessions timeline"}
@@ -85,18 +87,19 @@ def show_progress(name: str, step: int, total: int, text: str, artifact_id: Opti
 
 
 @task(name="report", cache_policy=NO_CACHE)
-def publish_report(name: str, progress: dict, local: Path, metrics: Optional[Path] = None, plan_text: str = "",
+def publish_report(name: str, progress: Progress | dict, local: Path, metrics: Optional[Path] = None, plan_text: str = "",
                    billed_s: Optional[dict] = None, state: str = "", links: str = "",
                    save_every_s: Optional[float] = None) -> dict:
     """The relay's session table and summary from the latest handed-over progress (and the metrics beside it);
     the progress artifact is the live view's (tasks/live_view.py), updated in place."""
+    progress = Progress.read(progress)
     rows = report.session_table(progress, billed_s=billed_s or {})
     if rows:
         _table(report.ui_rows(rows), _key(name, "sessions"), f"{name}: one row per session")
     images = {}
     if metrics is not None and metrics.is_file():
         images["curves"] = report.plot_curves(metrics, local / "curves.png", progress=progress) or local / "curves.png"
-    if progress.get("sessions"):
+    if progress.sessions:
         images["timeline"] = report.plot_timeline(attempts.every_attempt(progress), local / "timeline.png") \
             or local / "timeline.png"  # failed attempts included: a wedge is a bar, not a gap
     ledger = goodput.from_progress(progress, save_every_s)
@@ -107,29 +110,30 @@ def publish_report(name: str, progress: dict, local: Path, metrics: Optional[Pat
     return {k: str(v) for k, v in images.items()}
 
 
-def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_text: str = "", state: str = "",
+def summary_markdown(name: str, progress: Progress | dict, images: dict[str, Path], plan_text: str = "", state: str = "",
                      links: str = "", save_every_s: Optional[float] = None,
                      ledger: Optional[goodput.Ledger] = None) -> str:
     """The summary as CommonMark the Prefect UI renders: blocks separated by blank lines, the plan in a
     closed fence, each PNG an image node (a data URI: the UI cannot reach files on the worker)."""
-    done, total = progress.get("global_step", 0), max(1, progress.get("total_steps", 1))
-    best = progress.get("best") or {}
-    sessions = len(progress.get("sessions", []))
-    evals = progress.get("metrics") or {}
+    progress = Progress.read(progress)
+    done, total = progress.global_step, max(1, progress.total_steps or 1)
+    best = progress.best or {}
+    sessions = len(progress.sessions)
+    evals = progress.metrics or {}
     last_eval = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in evals.items())
     if ledger is None:  # the caller's, when it drew it
         ledger = goodput.from_progress(progress, save_every_s)
     # sessions and attempts, and GPU time, said as the ledger says them (its line, its table, its chart)
     spend = (f"{ledger.attempts_text()}, {goodput.duration_text(ledger.charged_s)} GPU time charged"
              if ledger.attempts else f"{sessions} session{'' if sessions == 1 else 's'} handed over")
-    md = [f"# {name}: {state or progress.get('status', '')}",
-          f"step **{done} / {total}** (epoch {progress.get('epoch', 0) + 1}), {spend}; updated"
+    md = [f"# {name}: {state or progress.status or ''}",
+          f"step **{done} / {total}** (epoch {(progress.epoch or 0) + 1}), {spend}; updated"
           f" {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
           f"last eval: {last_eval or 'none yet'}"]
     if best:
         md.append(f"best {best.get('metric', '')}: {best.get('value', float('nan')):.4g}"
                   f" at step {best.get('step', '-')}")
-    for note in runtime.change_notes(progress.get("sessions") or []):  # another CPU, GPU, torch, image ...
+    for note in runtime.change_notes([s.as_mapping() for s in progress.sessions]):  # another CPU, GPU, torch ...
         md.append(f"**warning**: {note}")
     if links:
         md.append(links)
@@ -167,29 +171,29 @@ def _image(label: str, png: Path) -> str:
     return f"![{label}](data:image/png;base64,{data})\n\n*{_CAPTIONS.get(label, label)}*"
 
 
-def publish_running(name: str, progress: dict, records: list, local: Path, metrics: Optional[Path], text: str,
+def publish_running(name: str, progress: Progress | dict, records: list, local: Path, metrics: Optional[Path], text: str,
                     kernel_state: str, plan_text: str = "", links: str = "") -> None:
     """The running session's table row and the summary with its loss curve: the `<name>-sessions` and
     `<name>-summary` artifacts of this flow run updated in place, at the session's events (tasks/live_view.py)."""
     from relay.orchestrator import live_progress as live
 
+    progress = Progress.read(progress) or Progress()
     latest = live.running_row(records, kernel_state)
     last = progress_line.newest(records)
     if latest is None or last is None:
         return
-    total = max(1, last.get("total_steps") or progress.get("total_steps") or 1)
+    total = max(1, last.get("total_steps") or progress.total_steps or 1)
     rows = report.session_table(progress) + [latest]
     _table(report.ui_rows(rows), _key(name, "sessions"), f"{name}: one row per session, the last {kernel_state}")
     previous = report.read_metrics(metrics) if metrics is not None and metrics.is_file() else []
     images = {}
     if previous or live.as_metrics(records):
-        sessions = list(progress.get("sessions", [])) + [{"index": last.get("session"),
-                                                          "step_start": records[0].get("step_start")}]
+        running = SessionRecord(index=last.get("session"), step_start=records[0].get("step_start"))
         images["curves"] = report.plot_curves(previous + live.as_metrics(records), local / "curves-live.png",
-                                              progress={**progress, "sessions": sessions})
+                                              progress=progress.with_sessions([*progress.sessions, running]))
     if (local / "goodput.png").is_file():  # the handed-over sessions' ledger, drawn at the last hand-over
         images["goodput"] = local / "goodput.png"
-    md = summary_markdown(name, {**progress, "global_step": last["step"], "total_steps": total}, images,
+    md = summary_markdown(name, replace(progress, global_step=last["step"], total_steps=total), images,
                           "\n\n".join(p for p in (text, plan_text) if p.strip()),
                           f"session {last.get('session')} {kernel_state}", links)
     _markdown(md, _key(name, "summary"), f"{name}: plan, ETA and curves")

@@ -16,7 +16,7 @@ import json
 import math
 import time
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional
 
 from prefect import get_run_logger, task
@@ -26,6 +26,7 @@ from relay.orchestrator import handoff
 from relay.orchestrator.kaggle.types import KaggleUnresponsive, KernelState, NotFound
 from relay.orchestrator.live_progress import Eta, LiveSession, early_warnings, estimate, eta_text, session_fraction
 from relay.shared import progress_line
+from relay.shared.progress import Progress
 from tasks import artifacts
 from tasks.prefect_writes import soon
 
@@ -36,9 +37,9 @@ SUMMARY_EVERY = 4     # summary and table versions per session: one at each quar
 class LiveView:
     def __init__(self, backend, names, local: Path, session_max_steps: Optional[int] = None,
                  stuck_after_s: float = 1800.0, notify: Callable[[str, str], None] = lambda key, text: None,
-                 plan: Callable[[Optional[dict], Optional[Eta]], str] = lambda progress, eta: "",
+                 plan: Callable[[Optional[Progress], Optional[Eta]], str] = lambda progress, eta: "",
                  marks: Optional["TickMarks"] = None,
-                 finish: Callable[[Optional[dict], Optional[Eta]], str] = lambda progress, eta: "",
+                 finish: Callable[[Optional[Progress], Optional[Eta]], str] = lambda progress, eta: "",
                  links: str = ""):
         self.backend, self.names, self.local = backend, names, local
         self.marks = marks  # a tick's: what the earlier ticks showed
@@ -77,7 +78,7 @@ class LiveView:
         if self.marks is not None:
             self.marks.keep(progress_artifact=self.progress_artifact)
 
-    def refresh(self, progress: Optional[dict], kernel_state: str, show_progress: bool = True) -> None:
+    def refresh(self, progress: Optional[Progress], kernel_state: str, show_progress: bool = True) -> None:
         """A log line and a summary version for each event of the lines read since the last refresh, in their
         order (so how often this runs changes nothing); the progress artifact at the newest line if
         `show_progress` or with a summary version (each update is a write to Prefect's server). A tick's view
@@ -86,6 +87,7 @@ class LiveView:
         live, logger = self.live, get_run_logger()
         if live is None:
             return
+        progress = Progress.read(progress)  # a parsed document reads as the model
         catch_up = self.marks is not None
         records = list(live.records)
         try:
@@ -119,9 +121,9 @@ class LiveView:
                 upto = records[:i + 1]
                 metrics = (handoff.published_metrics(self.backend, self.names, self.local, progress)
                            if progress else None)
-                artifacts.publish_running(self.names.name, progress or {}, upto, self.local, metrics,
+                artifacts.publish_running(self.names.name, progress or Progress(), upto, self.local, metrics,
                                           self._text(upto, progress, kernel_state), shown_state,
-                                          self._plan({**(progress or {}), "total_steps": self._total(upto, progress)},
+                                          self._plan(replace(progress or Progress(), total_steps=self._total(upto, progress)),
                                                      estimate(upto, self.session_max_steps)),
                                           self.links)
         except Exception as err:  # noqa: BLE001
@@ -155,7 +157,7 @@ class LiveView:
         self._logged, self._summarized = max(self._logged, tenth), max(self._summarized, quarter)
         return log, summary
 
-    def _log(self, upto: list, progress: Optional[dict]) -> None:
+    def _log(self, upto: list, progress: Optional[Progress]) -> None:
         record = upto[-1]
         newest = self._newest(upto) or record  # an eval before the session's first train line
         step = newest["step"]
@@ -168,7 +170,7 @@ class LiveView:
         get_run_logger().info("%s step %s of %s%s; %s", self.live.run_id, step,
                               self._total(upto, progress), said, eta_text(upto, self.session_max_steps))
 
-    def _text(self, upto: list, progress: Optional[dict], kernel_state: str) -> str:
+    def _text(self, upto: list, progress: Optional[Progress], kernel_state: str) -> str:
         newest = self._newest(upto) or upto[-1]
         steps = int(newest["step"]) - int(upto[0].get("step_start") or 0)
         return (f"{self.names.name}: step {newest['step']} of {self._total(upto, progress)}; session"
@@ -177,10 +179,10 @@ class LiveView:
                 f"{self._finish(upto, progress)};"
                 f" updated {time.strftime('%H:%M:%S UTC', time.gmtime())}")
 
-    def _finish(self, upto: list, progress: Optional[dict]) -> str:
+    def _finish(self, upto: list, progress: Optional[Progress]) -> str:
         """'; finish ~...' as the plan says it, from the same progress and estimate the summary's plan is given."""
         try:
-            said = self.finish({**(progress or {}), "total_steps": self._total(upto, progress)},
+            said = self.finish(replace(progress or Progress(), total_steps=self._total(upto, progress)),
                                estimate(upto, self.session_max_steps))
         except Exception as err:  # noqa: BLE001 - a finish that cannot be told is left out, never fatal
             get_run_logger().info("no finish estimate: %s", err)
@@ -191,11 +193,12 @@ class LiveView:
     def _newest(records: list) -> Optional[dict]:
         return progress_line.newest(records)
 
-    def _total(self, records: list, progress: Optional[dict]) -> int:
+    def _total(self, records: list, progress: Optional[Progress]) -> int:
         newest = self._newest(records) or {}
-        return int(newest.get("total_steps") or (progress or {}).get("total_steps") or newest.get("step") or 1)
+        return int(newest.get("total_steps") or (progress.total_steps if progress else None) or newest.get("step")
+                   or 1)
 
-    def _warn(self, records: list, progress: Optional[dict], kernel_state: str) -> bool:
+    def _warn(self, records: list, progress: Optional[Progress], kernel_state: str) -> bool:
         """Each early warning once per session, to the flow's log and a notification; True if one was new."""
         new = False
         for key, text in self._warnings(records, progress, kernel_state):
@@ -206,15 +209,15 @@ class LiveView:
                 self.notify(f"warning-{self.live.run_id}-{key}", f"{self.names.name} {self.live.run_id}: {text}")
         return new
 
-    def _warnings(self, records: list, progress: Optional[dict], kernel_state: str) -> list:
-        speeds = [s.get("samples_per_s") for s in (progress or {}).get("sessions", []) if s.get("samples_per_s")]
+    def _warnings(self, records: list, progress: Optional[Progress], kernel_state: str) -> list:
+        speeds = [s.samples_per_s for s in (progress.sessions if progress else ()) if s.samples_per_s]
         found = early_warnings(records, slow_below=sorted(speeds)[len(speeds) // 2] if speeds else None)
         if kernel_state == "running" and self.live.silent_for() > self.stuck_after_s:
             found.append(("stuck", f"no progress line for {self.live.silent_for() / 60:.0f} min (a stuck data loader"
                                    " or collective?)"))
         return found
 
-    def _plan(self, progress: Optional[dict], eta: Optional[Eta]) -> str:
+    def _plan(self, progress: Optional[Progress], eta: Optional[Eta]) -> str:
         try:
             return self.plan(progress, eta)
         except Exception as err:  # noqa: BLE001 - a plan that cannot be made is said, never fatal
@@ -279,7 +282,7 @@ class Running:
     view: LiveView
     run_id: str
     version: int
-    progress: Optional[dict]
+    progress: Optional[Progress]
 
 
 @task(name="follow-sessions", cache_policy=NO_CACHE, task_run_name="follow {label}")

@@ -27,6 +27,7 @@ from relay.orchestrator.kaggle.selective_output import DiskSpaceError
 from relay.orchestrator.kaggle.types import KaggleUnresponsive, Quota, Refusal
 from relay.orchestrator.policy import environment_change, plan_text, recovery, view_forecasts, wedge_notice
 from relay.shared.code_folder import mark_outputs
+from relay.shared.progress import Charge, Progress
 from relay.shared.spec import RunSpec
 from tasks import artifacts, quiet_logs, relay_tasks
 from tasks.live_view import LiveView, Running, TickMarks
@@ -108,7 +109,7 @@ class Step:
     state: State
     action: chain.Action
     obs: chain.Observation
-    progress: Optional[dict] = None       # the newest handed-over progress.json
+    progress: Optional[Progress] = None   # the newest handed-over progress.json
     why: str = ""                          # what it waits for
     until: Optional[datetime] = None       # the quota refresh it waits for
     lease_end: Optional[float] = None      # when the claim it waits for ends (unix time)
@@ -117,11 +118,15 @@ class Step:
     waits_for: Optional[Wait] = None       # waiting: for what a flow acts on (a slot of the account's cap, the quota)
     stored: Optional[dict] = None          # done: what the relay stores on Kaggle (relay/orchestrator/storage.py)
 
+    def __post_init__(self) -> None:  # a parsed document (tests, old callers) reads as the model
+        object.__setattr__(self, "progress", Progress.read(self.progress))
+
     def summary(self) -> dict:
-        p = self.progress or {}
-        return {"state": self.state.value, "run_id": self.action.run_id, "step": p.get("global_step", 0),
-                "total_steps": p.get("total_steps"), "sessions": len(p.get("sessions", [])),
-                "metrics": p.get("metrics", {}), "weights_sha256": p.get("weights_sha256"), "why": self.why,
+        p = self.progress or Progress()
+        return {"state": self.state.value, "run_id": self.action.run_id, "step": p.global_step,
+                "total_steps": p.total_steps, "sessions": len(p.sessions),
+                "metrics": p.metrics if p.metrics is not None else {}, "weights_sha256": p.weights_sha256,
+                "why": self.why,
                 **({"stored": self.stored} if self.stored is not None else {})}
 
 
@@ -144,14 +149,14 @@ def advance(ctx: RelayContext) -> Step:
         logger.warning("%s", action.reason)
         return Step(State.STOPPED, action, obs, obs.published, why=action.reason)
     if action.do is Do.DONE:
-        done = obs.published or {}
-        ctx.tell("finished", "finished", f"{ctx.spec.name} finished at step {done.get('global_step')}, last eval"
-                 f" {done.get('metrics')}; the final model is the Kaggle dataset {ctx.names.model_dataset}")
+        done = obs.published or Progress()
+        ctx.tell("finished", "finished", f"{ctx.spec.name} finished at step {done.global_step}, last eval"
+                 f" {done.metrics}; the final model is the Kaggle dataset {ctx.names.model_dataset}")
         return Step(State.DONE, action, obs, obs.published, stored=_stored(ctx))
     if action.do is Do.FAILED:
         raise RelayFailed(action.reason)
     if action.do is Do.PUSH:
-        if (obs.published or {}).get("stop_reason") == "diverged":
+        if obs.published is not None and obs.published.stop_reason == "diverged":
             stop = chain.diverged_unchanged(obs, handoff.code_changed(ctx.backend, ctx.names, ctx.spec, ctx.spec_text))
             if stop is not None:
                 raise RelayFailed(stop.reason)
@@ -165,7 +170,7 @@ def _wedged(ctx: RelayContext, obs: chain.Observation, wedged: chain.Action) -> 
     for Kaggle, or hand over what its output holds (if anything), delete its kernel so its quota stops, and go on
     from the last published checkpoint (chain.after_wedge)."""
     then = chain.on_wedged(wedged, ctx.spec.kaggle.on_wedged)
-    notice = wedge_notice(ctx.spec.name, then, (obs.published or {}).get("global_step", 0))
+    notice = wedge_notice(ctx.spec.name, then, obs.published_step)
     told = ctx.tell("session.wedged", f"wedged-{wedged.run_id}", notice)
     if then.do is Do.WAIT:  # said once; every later look only decides it again
         get_run_logger().log(logging.WARNING if told else logging.INFO, "%s", notice)
@@ -235,10 +240,11 @@ def _steps_lost(run_id: str, log_tail: str, obs: chain.Observation) -> str:
     """"; 150 steps lost (it trained to step 418; the relay goes on from step 268)": what an attempt trained past the
     published checkpoint, from its newest progress line in its log; "" when its log shows none past it."""
     try:
-        last = goodput.charge_record(run_id, log_tail or "", None, None).get("last_step")
+        last = Charge.read(goodput.charge_record(run_id, log_tail or "", None, None)).last_step
     except Exception:  # noqa: BLE001 - a log that cannot be read costs the figure, never the relay
         return ""
-    published = int((obs.published or {}).get("global_step", 0))
+    published = Progress.read(obs.published)
+    published = int(published.global_step) if published is not None else 0
     if last is None or last <= published:
         return ""
     return f"; {last - published} steps lost (it trained to step {last}; the relay goes on from step {published})"
@@ -345,7 +351,7 @@ def push(ctx: RelayContext, ready: Step, budget_s: float, quota: Optional[Quota]
     return Step(State.PUSHED, action, obs, obs.published)
 
 
-def plan(ctx: RelayContext, progress: Optional[dict], quota: Optional[Quota]) -> None:
+def plan(ctx: RelayContext, progress: Optional[Progress], quota: Optional[Quota]) -> None:
     get_run_logger().info("plan:\n%s", plan_text(ctx.spec, progress, quota, datetime.now(timezone.utc)))
 
 
@@ -396,13 +402,13 @@ def _claim(ctx: RelayContext, key: str, obs: chain.Observation, action: chain.Ac
 
 def _report(ctx: RelayContext, obs: chain.Observation, action: chain.Action) -> None:
     """The session table, curves and plan as artifacts, once per handed-over session."""
-    if obs.published and obs.published.get("run_id") != ctx.reported:
+    if obs.published and obs.published.run_id != ctx.reported:
         metrics = handoff.published_metrics(ctx.backend, ctx.names, ctx.local, obs.published)
         text = plan_text(ctx.spec, obs.published, relay_tasks.read_quota(ctx.backend), datetime.now(timezone.utc))
         artifacts.publish_report(ctx.spec.name, obs.published, ctx.local, metrics, plan_text=text,
                                  state=action.do.value, links=ctx.links, save_every_s=ctx.spec.session.save_every)
-        done, total = obs.published.get("global_step", 0), obs.published.get("total_steps") or 1
+        done, total = obs.published.global_step, obs.published.total_steps or 1
         ctx.view.show_progress(done, total, f"{ctx.spec.name}: step {done} of {total},"
-                               f" {len(obs.published.get('sessions') or [])} session(s) handed over; next:"
+                               f" {len(obs.published.sessions)} session(s) handed over; next:"
                                f" {action.do.value}; updated {datetime.now(timezone.utc):%H:%M:%S} UTC")
-        ctx.reported = obs.published.get("run_id")
+        ctx.reported = obs.published.run_id

@@ -10,12 +10,13 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from relay.orchestrator import report
+from relay.shared.progress import SessionRecord
 
 KEY = "relays"
 
 
 @task(name="relays-report", cache_policy=NO_CACHE)
-def publish_relays_report(rows: List[dict], sessions: List[dict], local: Path, plan=None) -> Optional[str]:
+def publish_relays_report(rows: List[dict], sessions: List[SessionRecord], local: Path, plan=None) -> Optional[str]:
     """A table (relay, state, sessions, step, ETA) and a markdown summary with the joint timeline PNG.
     Returns the PNG's path, None before any session was handed over."""
     create_table_artifact(table=rows, key=f"{KEY}-table", description="relays: one row per relay")
@@ -26,7 +27,7 @@ def publish_relays_report(rows: List[dict], sessions: List[dict], local: Path, p
                + (f"; waits for the quota refresh at {', '.join(f'{w:%Y-%m-%d %H:%M}' for w in plan.quota_waits)}"
                   if plan.quota_waits else "")]
     png = None
-    if any(s.get("started") is not None for s in sessions):
+    if any(s.started is not None for s in sessions):
         local.mkdir(parents=True, exist_ok=True)
         png = report.plot_timeline(sessions, local / "relays-timeline.png", title="Relays timeline") \
             or local / "relays-timeline.png"

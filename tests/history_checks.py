@@ -42,7 +42,7 @@ def check_history(relay_env, state_dir: str = "orchestrator") -> list:
     copy = relay_env.root / "killed-orchestrator"
     shutil.copytree(local.parent, copy)
     index_path = copy / "history" / "index.json"
-    kept = json.loads(index_path.read_text())["sessions"]
-    index_path.write_text(json.dumps({"sessions": kept[:-1]}))
+    kept = json.loads(index_path.read_text())["blocks"]
+    index_path.write_text(json.dumps({"blocks": kept[:-1]}))
     assert report.read_metrics(history.local_metrics(relay_env.backend(), relay_env.ckpt, copy, progress)) == whole
     return whole

@@ -12,9 +12,10 @@ Steps lost:
 from __future__ import annotations
 
 import re
-from typing import List, Mapping, Optional
+from typing import List, Mapping, Optional, Union
 
 from relay.orchestrator.goodput import CLEAN_ENDS
+from relay.shared.progress import Charge, Progress, SessionRecord
 
 WEDGED = "wedged"
 FAILED = "failed"
@@ -27,61 +28,60 @@ def session_of(run_id: str) -> Optional[int]:
     return int(found.group(1)) if found else None
 
 
-def steps_lost(session: Mapping, charge: Optional[Mapping]) -> Optional[int]:
+def steps_lost(session: SessionRecord, charge: Optional[Charge]) -> Optional[int]:
     """A handed-over session's steps trained after its last save and trained again (killed), else None."""
-    if not charge or session.get("stop_reason") in CLEAN_ENDS or charge.get("last_step") is None:
+    if charge is None or session.stop_reason in CLEAN_ENDS or charge.last_step is None:
         return None
-    lost = int(charge["last_step"]) - int(session.get("step_end") or 0)
+    lost = int(charge.last_step) - int(session.step_end or 0)
     return lost if lost > 0 else None
 
 
-def failed_attempts(progress: Optional[Mapping]) -> List[dict]:
+def failed_attempts(progress: Union[Progress, Mapping, None]) -> List[SessionRecord]:
     """The attempts that handed nothing over, as session records (index, run_id, started, ended, seconds,
-    stop_reason "wedged" or "failed", why, steps_lost, step_start/step_end as far as it trained)."""
-    progress = progress or {}
-    sessions = progress.get("sessions") or []
+    stop_reason "wedged" or "failed", step_start/step_end as far as it trained; `why`, `steps_lost` and
+    `failed_attempt` as extra keys)."""
+    progress = Progress.read(progress) or Progress()
     out = []
-    for c in progress.get("charges") or []:
-        if not c.get("failed"):
+    for c in progress.charges:
+        if not c.failed:
             continue
-        index = session_of(c.get("run_id"))
+        index = session_of(c.run_id)
         # its retry resumed from the checkpoint it resumed from: the first handed-over session of its index
-        resumed = next((s.get("step_start") for s in sessions if s.get("index") == index
-                        and s.get("step_start") is not None), None)
-        started = _first(c.get("kaggle_start"), c.get("pushed_at"))
-        ended = _first(c.get("kaggle_end"), c.get("kaggle_end_seen"))
-        last = c.get("last_step")
+        resumed = next((s.step_start for s in progress.sessions if s.index == index and s.step_start is not None),
+                       None)
+        started = _first(c.kaggle_start, c.pushed_at)
+        ended = _first(c.kaggle_end, c.kaggle_end_seen)
+        last = c.last_step
         lost = max(0, int(last) - int(resumed)) if last is not None and resumed is not None else None
-        out.append({"index": index, "run_id": c.get("run_id"), "started": started, "ended": ended,
-                    "seconds": ended - started if started is not None and ended is not None else None,
-                    "step_start": resumed, "step_end": last if lost is not None else None,
-                    "stop_reason": WEDGED if c.get("wedged") else FAILED,
-                    "why": "ran past its deadline, deleted" if c.get("wedged") else _why(c.get("failed")),
-                    "steps_lost": lost, "failed_attempt": True})
+        out.append(SessionRecord.from_dict({
+            "index": index, "run_id": c.run_id, "started": started, "ended": ended,
+            "seconds": ended - started if started is not None and ended is not None else None,
+            "step_start": resumed, "step_end": last if lost is not None else None,
+            "stop_reason": WEDGED if c.wedged else FAILED,
+            "why": "ran past its deadline, deleted" if c.wedged else _why(c.failed),
+            "steps_lost": lost, "failed_attempt": True}))
     return out
 
 
-def every_attempt(progress: Optional[Mapping]) -> List[dict]:
+def every_attempt(progress: Union[Progress, Mapping, None]) -> List[SessionRecord]:
     """The handed-over sessions (with `steps_lost` where a kill cost steps, `wedged` where Kaggle ran it past its
-    end) and the failed attempts, in the order they started."""
-    progress = progress or {}
-    charges = {c.get("run_id"): c for c in progress.get("charges") or []}
+    end, as extra keys) and the failed attempts, in the order they started."""
+    progress = Progress.read(progress) or Progress()
     out = []
-    for s in progress.get("sessions") or []:
-        charge = charges.get(s.get("run_id"))
+    for s in progress.sessions:
+        charge = progress.charge_of(s.run_id)
         extra = {}
         lost = steps_lost(s, charge)
         if lost is not None:
             extra["steps_lost"] = lost
-        if charge and charge.get("wedged"):
+        if charge is not None and charge.wedged:
             extra["wedged"] = True
-        if s.get("stop_reason") not in CLEAN_ENDS and s.get("ended") is not None:
+        if s.stop_reason not in CLEAN_ENDS and s.ended is not None:
             extra["stop_reason"] = KILLED  # salvaged at its last save: its record says where it was ("running")
-        out.append({**s, **extra})
-    failed = failed_attempts(progress)
-    out += failed
+        out.append(SessionRecord.from_dict({**s.to_dict(), **extra}) if extra else s)
+    out += failed_attempts(progress)
     # failed attempts of session N go before its handed-over attempt; without a start they keep that place
-    return sorted(out, key=lambda s: (s.get("index") or 0, not s.get("failed_attempt"), s.get("started") or 0))
+    return sorted(out, key=lambda s: (s.index or 0, not s.get_extra("failed_attempt"), _first(s.started) or 0))
 
 
 def _why(failed: object) -> str:

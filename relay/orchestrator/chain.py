@@ -14,7 +14,9 @@ import re
 from dataclasses import dataclass, replace
 from typing import Optional, Protocol, Tuple
 
+from relay.orchestrator.relay_state import State
 from relay.shared import progress_line
+from relay.shared.progress import Progress
 
 _RUN_ID = re.compile(r"^(?P<name>[a-z0-9][a-z0-9-]*)-s(?P<session>\d{3,})-a(?P<attempt>\d+)$")
 
@@ -66,7 +68,7 @@ class Names:
 
 @dataclass(frozen=True)
 class Observation:
-    published: Optional[dict]      # progress.json of the checkpoint dataset's latest version; None before
+    published: Optional[Progress]  # progress.json of the checkpoint dataset's latest version; None before
     kernel_run: Optional[str]      # run id in the kernel's current version; None if never pushed
     kernel_state: Optional[str]    # "queued" | "running" | "complete" | "error" | "cancelled" | None
     failure_message: str = ""
@@ -87,10 +89,18 @@ class Observation:
     deadline: Optional[float] = None
     observed_at: float = 0.0
 
+    def __post_init__(self) -> None:  # the document as read from Kaggle, or a parsed one (tests, old callers)
+        object.__setattr__(self, "published", Progress.read(self.published, "the published progress.json"))
+
+    @property
+    def published_step(self) -> int:
+        """The step of the published checkpoint (0 before the first hand-over)."""
+        return self.published.global_step if self.published else 0
+
     @property
     def handed_over(self) -> int:
         """Sessions whose checkpoint is published (the session number in the published run id)."""
-        parsed = parse_run_id((self.published or {}).get("run_id"))
+        parsed = parse_run_id(self.published.run_id if self.published else None)
         return parsed[0] if parsed else 0
 
 
@@ -100,13 +110,23 @@ class Do(str, enum.Enum):
     HARVEST = "harvest"    # the kernel finished: download, verify, publish the checkpoint
     SALVAGE = "salvage"    # the kernel failed: hand over what it saved if it advanced, else retry
     WEDGED = "wedged"      # Kaggle reports the kernel running past its deadline: per kaggle.on_wedged (on_wedged)
-    DONE = "done"
-    FAILED = "failed"
+    # the decisions that leave the relay in one of its states say it in the states' words (relay_state.State),
+    # not a second list of them: `state` is that State
+    DONE = State.DONE.value
+    FAILED = State.FAILED.value
     # after a hand-over only (after_handover): the checkpoint is published, look again; or the session refused a
     # corrupt mounted checkpoint version, make the newest valid one current again (relay/orchestrator/restore.py)
-    HANDED_OVER = "handed-over"
+    HANDED_OVER = State.HANDED_OVER.value
     RESTORE = "restore"
-    STOPPED = "stopped"    # `relay stop`: nothing more is pushed until `relay resume` (unless_stopped)
+    STOPPED = State.STOPPED.value  # `relay stop`: nothing more is pushed until `relay resume` (unless_stopped)
+
+    @property
+    def state(self) -> Optional[State]:
+        """The relay's state this decision is (done, failed, handed over, stopped); None for an action to take."""
+        return State(self.value) if self in _STATES else None
+
+
+_STATES = frozenset({Do.DONE, Do.FAILED, Do.HANDED_OVER, Do.STOPPED})
 
 
 @dataclass(frozen=True)
@@ -129,14 +149,14 @@ def unless_stopped(name: str, obs: Observation, action: Action) -> Action:
     waited for and handed over as usual."""
     if action.do is not Do.PUSH or not obs.stopped_by_user:
         return action
-    step = (obs.published or {}).get("global_step", 0)
+    step = obs.published_step
     return Action(Do.STOPPED, session=action.session, attempt=action.attempt,
                   reason=f"stopped by the user (relay stop) at step {step}, {obs.stopped_by_user}; `relay resume"
                          f" {name}` to go on")
 
 
 def _next_step(name: str, obs: Observation) -> Action:
-    if (obs.published or {}).get("status") == "done":
+    if obs.published is not None and obs.published.status == "done":
         return Action(Do.DONE, reason="the published checkpoint says the work is done")
     next_session = obs.handed_over + 1
     parsed = parse_run_id(obs.kernel_run)
@@ -150,7 +170,7 @@ def _next_step(name: str, obs: Observation) -> Action:
             return Action(Do.PUSH, run_id(name, next_session, ended + 1), next_session, ended + 1, why)
         return Action(Do.PUSH, run_id(name, next_session, 1), next_session, 1, "next session")
     session, attempt = parsed
-    restored = (obs.published or {}).get("restored") or {}
+    restored = (obs.published.restored if obs.published else None) or {}
     if session >= next_session and restored.get("after_run") == obs.kernel_run:
         # a bad checkpoint version was replaced by an older valid one (relay/orchestrator/restore.py): redo from there
         attempt = int(restored.get("attempt", 1))
@@ -290,13 +310,13 @@ def after_handover(name: str, action: Action, result: HandOverResult, obs: Obser
 
 def diverged_unchanged(obs: Observation, code_changed: bool) -> Optional[Action]:
     """Before a push: FAILED when the last session stopped itself on divergence and nothing was changed since."""
-    published = obs.published or {}
-    if published.get("stop_reason") != "diverged" or code_changed:
+    published = obs.published
+    if published is None or published.stop_reason != "diverged" or code_changed:
         return None
-    last = (published.get("sessions") or [{}])[-1]
-    return Action(Do.FAILED, published.get("run_id"), len(published.get("sessions") or []), 0,
-                  f"session {len(published.get('sessions') or [])} stopped itself: {last.get('diverged')}. Its"
-                  f" checkpoint at step {published.get('global_step')} is handed over. Change the spec or code"
+    last = published.last_session
+    return Action(Do.FAILED, published.run_id, len(published.sessions), 0,
+                  f"session {len(published.sessions)} stopped itself: {last.diverged if last else None}. Its"
+                  f" checkpoint at step {published.global_step} is handed over. Change the spec or code"
                   " (learning rate, data) and run the relay again, or set session.stop_on_divergence: false to"
                   " train on")
 

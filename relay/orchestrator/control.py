@@ -19,7 +19,7 @@ from relay.shared import progress_line
 def stop(target: str, backend_factory: Callable, now: bool = False, yes: bool = False, why: str = "",
          emit=print, ask: Callable[[str], str] = input, follow_s: float = FOLLOW_S) -> int:
     name, _, backend, names, obs = find_relay(target, backend_factory, "relay stop")
-    if (obs.published or {}).get("status") == "done":
+    if obs.published is not None and obs.published.status == "done":
         emit(f"relay {name} is done: nothing to stop")
         return 0
     running = chain.decide(name, obs)
@@ -40,7 +40,7 @@ def stop(target: str, backend_factory: Callable, now: bool = False, yes: bool = 
     # recorded before the kernel is deleted: an orchestrator that sees the kernel gone must also see the stop
     control_record.write(backend, names.owner, names.name, control_record.STOPPED, why, ended_run,
                          **control_record.carried_on(previous))
-    step = (obs.published or {}).get("global_step", 0)
+    step = obs.published_step
     if now and running:
         backend.delete_kernel(names.kernel)
         emit(f"relay {name}: session {running.session} ended (kernel {names.kernel} deleted); stopped at the last"
@@ -63,7 +63,7 @@ def resume(target: str, backend_factory: Callable, emit=print) -> int:
     # the run ended by `relay stop --now` stays known: the session is pushed again as a new attempt
     control_record.write(backend, names.owner, names.name, control_record.RESUMED,
                          ended_run=previous.get("ended_run"), **control_record.carried_on(previous))
-    step = (obs.published or {}).get("global_step", 0)
+    step = obs.published_step
     emit(f"relay {name}: resumed; the next `relay run` or tick goes on from the last published checkpoint"
          f" (step {step})")
     return 0
@@ -73,7 +73,7 @@ def lost_progress(backend, names: chain.Names, obs: chain.Observation, running: 
                   follow_s: float) -> str:
     """What ending the running session now loses: its steps since the last published checkpoint, as its log shows
     them (read for `follow_s` seconds)."""
-    published = (obs.published or {}).get("global_step", 0)
+    published = obs.published_step
     records = live_progress.LiveSession(backend, names.kernel, running.run_id).start().wait(follow_s)
     latest = progress_line.newest(records)
     if latest is None:

@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
+from relay.shared.progress import Charge, Progress, SessionRecord
 from relay.shared.progress_line import newest, parse
 
 CATEGORIES = ("start-up", "training kept", "training redone", "saving", "final tail", "wedged", "shut-down",
@@ -105,48 +106,50 @@ class Ledger:
         return head + "\n".join(rows)
 
 
-def ledger(sessions: Sequence[Mapping], charges: Iterable[Mapping] = (), save_every_s: Optional[float] = None
-           ) -> Ledger:
+def ledger(sessions: Sequence[SessionRecord | Mapping], charges: Iterable[Charge | Mapping] = (),
+           save_every_s: Optional[float] = None) -> Ledger:
     """The ledger of a relay from progress.json's `sessions` and `charges` (matched by run id; a session without
     one is charged its own clock only). `save_every_s`: the spec's session.save_every, for the count of saves."""
-    charges = list(charges)
-    by_run = {c.get("run_id"): c for c in charges}
+    sessions = [SessionRecord.read(s) for s in sessions]
+    charges = [Charge.read(c) for c in charges]
+    by_run = {c.run_id: c for c in charges}
     out = []
     for i, s in enumerate(sessions):
-        later = [n.get("step_start") for n in sessions[i + 1:] if n.get("step_start") is not None]
-        at = _first(by_run.get(s.get("run_id"), {}).get("pushed_at"), s.get("started"))
-        out.append((at, _attempt(s, by_run.get(s.get("run_id")) or {}, min(later) if later else None, save_every_s)))
+        later = [n.step_start for n in sessions[i + 1:] if n.step_start is not None]
+        charge = by_run.get(s.run_id) or Charge()
+        at = _first(charge.pushed_at, s.started)
+        out.append((at, _attempt(s, charge, min(later) if later else None, save_every_s)))
     # an attempt that handed nothing over (retried, or wedged and deleted without a harvest) has no session record:
     # all of its time is lost (failed_charge recorded it when the relay decided to go on without it)
-    handed = {s.get("run_id") for s in sessions}
+    handed = {s.run_id for s in sessions}
     for c in charges:
-        if c.get("run_id") not in handed and c.get("failed"):
+        if c.run_id not in handed and c.failed:
             out.append(_failed_attempt(c))
     return Ledger([attempt for _, attempt in sorted(out, key=lambda pair: pair[0])])
 
 
-def _failed_attempt(c: Mapping) -> tuple:
+def _failed_attempt(c: Charge) -> tuple:
     """(start, ledger) of an attempt that handed nothing over: all of it lost; a wedged one's time after its last
     sign of life (its `end` line, else its newest progress line, else its start) is charged to wedged."""
-    start = _first(c.get("kaggle_start"), c.get("pushed_at"), c.get("kaggle_end_seen"))
-    end = max(start, _first(c.get("kaggle_end"), c.get("kaggle_end_seen"), c.get("process_end"), start))
+    start = _first(c.kaggle_start, c.pushed_at, c.kaggle_end_seen)
+    end = max(start, _first(c.kaggle_end, c.kaggle_end_seen, c.process_end, start))
     seconds = {k: 0.0 for k in CATEGORIES}
-    alive = min(end, max(start, _first(c.get("process_end"), c.get("last_line"), start))) if c.get("wedged") else end
+    alive = min(end, max(start, _first(c.process_end, c.last_line, start))) if c.wedged else end
     seconds["failed attempt"], seconds["wedged"] = alive - start, end - alive
-    return start, AttemptLedger(str(c.get("run_id")), end - start, seconds, failed=str(c.get("failed") or "failed"),
-                                wedged=bool(c.get("wedged")))
+    return start, AttemptLedger(str(c.run_id), end - start, seconds, failed=str(c.failed or "failed"),
+                                wedged=bool(c.wedged))
 
 
-def _attempt(s: Mapping, c: Mapping, next_start: Optional[int], save_every_s: Optional[float]) -> AttemptLedger:
-    started = _num(s.get("started"))
-    ended = _num(s.get("ended"), started + _num(s.get("seconds")))
-    clean = s.get("stop_reason") in CLEAN_ENDS
-    start = _first(c.get("kaggle_start"), c.get("pushed_at"), started)
+def _attempt(s: SessionRecord, c: Charge, next_start: Optional[int], save_every_s: Optional[float]
+             ) -> AttemptLedger:
+    started = _num(s.started)
+    ended = _num(s.ended, started + _num(s.seconds))
+    clean = s.stop_reason in CLEAN_ENDS
+    start = _first(c.kaggle_start, c.pushed_at, started)
     # a killed process's newest line (`last_line`) is a floor of its end where nothing else says when it ended
-    end = max(_first(c.get("kaggle_end"), c.get("kaggle_end_seen"), c.get("process_end"), ended), start,
-              _num(c.get("last_line"), start))
+    end = max(_first(c.kaggle_end, c.kaggle_end_seen, c.process_end, ended), start, _num(c.last_line, start))
     # a process killed without its `end` line trained on until Kaggle's end, as far as anyone can tell
-    process_end = max(ended, _num(c.get("process_end"), ended if clean else end))
+    process_end = max(ended, _num(c.process_end, ended if clean else end))
     left = [end - start]
 
     def take(seconds: float) -> float:
@@ -157,13 +160,13 @@ def _attempt(s: Mapping, c: Mapping, next_start: Optional[int], save_every_s: Op
     seconds: Dict[str, float] = {c_: 0.0 for c_ in CATEGORIES}
     seconds["start-up"] = take(started - start)
     clock = max(0.0, min(ended, end) - max(started, start))
-    if s.get("saving_s") is not None:
-        saving = _num(s.get("saving_s"))
+    if s.saving_s is not None:
+        saving = _num(s.saving_s)
     else:  # a record from before the kernel measured it: the estimate
-        saving = _num(s.get("save_seconds")) * (1 if not save_every_s else 1 + int(clock // save_every_s))
+        saving = _num(s.save_seconds) * (1 if not save_every_s else 1 + int(clock // save_every_s))
     seconds["saving"] = take(min(clock, saving))
     train = max(0.0, clock - seconds["saving"])
-    step_start, step_end = int(s.get("step_start") or 0), int(s.get("step_end") or 0)
+    step_start, step_end = int(s.step_start or 0), int(s.step_end or 0)
     steps = max(0, step_end - step_start)
     redone_steps = 0 if next_start is None else min(steps, max(0, step_end - int(next_start)))
     redone = train * redone_steps / steps if steps else 0.0
@@ -171,10 +174,9 @@ def _attempt(s: Mapping, c: Mapping, next_start: Optional[int], save_every_s: Op
     seconds["training kept"] = take(train - redone)
     tail = take(min(process_end, end) - ended)
     seconds["final tail" if clean else "training redone"] += tail
-    seconds["wedged" if c.get("wedged") else "shut-down"] += take(end - process_end)
+    seconds["wedged" if c.wedged else "shut-down"] += take(end - process_end)
     seconds["other"] = left[0]
-    return AttemptLedger(str(s.get("run_id") or f"session {s.get('index')}"), end - start, seconds,
-                         wedged=bool(c.get("wedged")))
+    return AttemptLedger(str(s.run_id or f"session {s.index}"), end - start, seconds, wedged=bool(c.wedged))
 
 
 def charge_record(run_id: str, log_text: str, plan: Optional[Mapping], seen_end: Optional[float],
@@ -208,13 +210,15 @@ def charge_record(run_id: str, log_text: str, plan: Optional[Mapping], seen_end:
     return record
 
 
-def with_charge(published: Optional[Mapping], progress: dict, record: dict, failed: Iterable[Mapping] = ()) -> dict:
+def with_charge(published: Progress | Mapping | None, progress: Progress | Mapping, record: dict,
+                failed: Iterable[Mapping] = ()) -> Progress:
     """progress.json to publish: the charges handed over before (from the published one), the failed attempts
     since (`failed`: carried in this attempt's plan) and this attempt's."""
-    new = [dict(c) for c in failed if c.get("run_id") != record["run_id"]] + [record]
-    ids = {c["run_id"] for c in new}
-    before = [c for c in (published or {}).get("charges") or [] if c.get("run_id") not in ids]
-    return {**progress, "charges": before + new}
+    new = [c for c in map(Charge.read, failed) if c.run_id != record["run_id"]] + [Charge.read(record)]
+    ids = {c.run_id for c in new}
+    published = Progress.read(published)
+    before = [c for c in (published.charges if published else ()) if c.run_id not in ids]
+    return Progress.read(progress).with_charges(before + new)
 
 
 def failed_charge(run_id: str, log_text: str, plan: Optional[Mapping], ended_at: float, why: str,
@@ -239,9 +243,9 @@ def failed_charges(plan: Optional[Mapping], record: dict) -> List[dict]:
     return [c for c in carried(plan, record["run_id"]) if c["run_id"] != record["run_id"]] + [record]
 
 
-def from_progress(progress: Optional[Mapping], save_every_s: Optional[float] = None) -> Ledger:
-    progress = progress or {}
-    return ledger(progress.get("sessions") or [], progress.get("charges") or [], save_every_s)
+def from_progress(progress: Progress | Mapping | None, save_every_s: Optional[float] = None) -> Ledger:
+    progress = Progress.read(progress) or Progress()
+    return ledger(progress.sessions, progress.charges, save_every_s)
 
 
 def _num(value, default: float = 0.0) -> float:

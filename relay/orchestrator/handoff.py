@@ -9,7 +9,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -18,6 +18,7 @@ from relay.orchestrator.chain import Action, Do, Names, Observation, hit_session
 from relay.orchestrator.kaggle import control_record
 from relay.orchestrator.kaggle.backend import KaggleBackend
 from relay.orchestrator.kaggle.types import NotFound, SessionKernel
+from relay.shared.progress import Progress
 from relay.shared.spec import RunSpec
 from relay.shared.version import code_version
 
@@ -106,15 +107,15 @@ def deadline_from_log(backend: KaggleBackend, names: Names, run_id: str, plan: d
         live.close()
 
 
-def read_published_progress(backend: KaggleBackend, dataset: str, dest: Path) -> Optional[dict]:
+def read_published_progress(backend: KaggleBackend, dataset: str, dest: Path) -> Optional[Progress]:
     try:
         path = backend.download_dataset_file(dataset, "progress.json", dest)
     except NotFound:
         return None
-    return json.loads(Path(path).read_text())
+    return Progress.from_json(Path(path).read_bytes(), f"{dataset}: progress.json")
 
 
-def published_metrics(backend: KaggleBackend, names: Names, local: Path, progress: dict) -> Optional[Path]:
+def published_metrics(backend: KaggleBackend, names: Names, local: Path, progress: Progress) -> Optional[Path]:
     """The run's whole metrics history up to the published `progress` (every session so far), kept in `local`
     (relay/orchestrator/history.py): a session's lines are downloaded only when this folder did not see it."""
     return history.local_metrics(backend, names.checkpoint_dataset, local, progress)
@@ -192,12 +193,15 @@ class HandOver:
 
     ok: bool
     reason: str = ""
-    progress: Optional[dict] = None
+    progress: Optional[Progress] = None
     step: int = 0
     version: Optional[int] = None
     log_tail: str = ""
     published: list = field(default_factory=list)
     stale: bool = False  # the output may be another version's (Kaggle's status lag): see pushed_within
+
+    def __post_init__(self) -> None:  # a parsed document (tests, old callers) reads as the model
+        self.progress = Progress.read(self.progress)
 
 
 def pushed_within(plan: dict, run_id: str, seconds: float) -> bool:
@@ -239,15 +243,15 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
             whose = f"it belongs to run {out.found_run_id}" if out.found_run_id else "it holds no run's files"
             return HandOver(False, f"stale output: {whose}, not {action.run_id}'s",
                             log_tail=tail, stale=_lag_suspect(out.found_run_id, obs))
-        before = int((obs.published or {}).get("global_step", 0))
+        before = int(obs.published_step)
         if not out.candidates or out.progress is None:
             return HandOver(False, "the session left no valid checkpoint", log_tail=tail)
         newest = out.candidates[0]
-        if newest.step <= before and out.progress.get("status") != "done":
+        if newest.step <= before and out.progress.status != "done":
             return HandOver(False, f"no progress: newest checkpoint is step {newest.step}, published {before}",
                             log_tail=tail)
         want_cache = not obs.features_published
-        want_export = out.progress.get("status") == "done" and out.progress.get("global_step") == newest.step
+        want_export = out.progress.status == "done" and out.progress.global_step == newest.step
         extra = max(out.size_of("cache") if want_cache else 0, out.size_of("export") if want_export else 0)
         out.ensure_space(newest.nbytes + extra,
                          f"run {action.run_id}'s checkpoint (step {newest.step})"
@@ -270,7 +274,7 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
                                        wedged=wedged)
         # and the failed attempts before it that handed nothing over, carried in its pushed plan
         progress = goodput.with_charge(obs.published, progress, charge, goodput.carried(plan, action.run_id))
-        (stage / "progress.json").write_text(json.dumps(progress, indent=1, sort_keys=True))
+        (stage / "progress.json").write_text(json.dumps(progress.to_dict(), indent=1, sort_keys=True))
         # this session's own lines, and the run so far compacted from the published history (bounded: what is
         # moved per hand-over does not grow with the run); the whole history stays in `local`
         out.fetch_file(history.METRICS, stage / history.METRICS)
@@ -284,7 +288,7 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
         if want_cache:
             published += _publish_tree(backend, out, root, "cache", names.features_dataset, f"{spec.name} features",
                                        f"built by run {action.run_id}", confirm)
-        if progress.get("status") == "done":
+        if progress.status == "done":
             published += _publish_tree(backend, out, root, "export", names.model_dataset, f"{spec.name} model",
                                        f"final weights of run {action.run_id}", confirm)
         known = {n: h for n, h in out.sha256.items() if (stage / n).is_file() and n != "progress.json"}
@@ -342,16 +346,17 @@ def _fetch_newest_valid(out, stage: Path):
     return None
 
 
-def _staged_progress(progress: dict, step: int, session_limit: bool = False) -> dict:
-    progress = dict(progress, checkpoint=".")
-    if progress.get("global_step") != step:
+def _staged_progress(progress: Progress, step: int, session_limit: bool = False) -> Progress:
+    progress = replace(progress, checkpoint=".")
+    if progress.global_step != step or not progress.has("global_step"):
         # the kernel died after its last save: the checkpoint is the truth, progress.json may be ahead
-        progress.update(global_step=step, status="paused", stop_reason="killed")
-    if session_limit and progress.get("status") != "done":
+        progress = replace(progress, global_step=step, status="paused", stop_reason="killed")
+    if session_limit and progress.status != "done":
         # kept in the published progress, so the next plan still warns that the budget is too long
-        progress["stop_reason"] = SESSION_LIMIT
-        if progress.get("sessions"):
-            progress["sessions"] = progress["sessions"][:-1] + [dict(progress["sessions"][-1], stop_reason=SESSION_LIMIT)]
+        progress = replace(progress, stop_reason=SESSION_LIMIT)
+        if progress.sessions:
+            last = replace(progress.sessions[-1], stop_reason=SESSION_LIMIT)
+            progress = replace(progress, sessions=progress.sessions[:-1] + (last,))
     return progress
 
 

@@ -21,9 +21,10 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 from relay.shared import atomic
+from relay.shared.progress import Progress, SessionRecord, sessions_of
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def next_history(previous: Iterable[dict], session: int, lines: Iterable[dict]) 
 
 class LocalHistory:
     """The whole metrics history of one relay in `<local>/history/`: metrics.jsonl (every handed-over session's
-    lines, oldest first) and index.json ({"sessions": [{"index", "run_id", "start", "end", "lines",
+    lines, oldest first) and index.json ({"blocks": [{"index", "run_id", "start", "end", "lines",
     "compacted"}]}, byte offsets into metrics.jsonl, written after the lines it counts)."""
 
     def __init__(self, local: Path):
@@ -103,7 +104,7 @@ class LocalHistory:
 
     def sessions(self) -> list[dict]:
         try:
-            return list(json.loads(self.index_path.read_text()).get("sessions") or [])
+            return list(json.loads(self.index_path.read_text()).get("blocks") or [])
         except (OSError, ValueError):
             return []
 
@@ -154,7 +155,7 @@ class LocalHistory:
                 end += len(data)
             f.flush()
             os.fsync(f.fileno())
-        atomic.write_json(self.index_path, {"sessions": kept})
+        atomic.write_json(self.index_path, {"blocks": kept})
         log.info("metrics history: session %d (%s) kept locally, %d lines, %s", index, run_id, len(own), self.path)
         return True
 
@@ -181,26 +182,26 @@ def stage(stage_dir: Path, session: int, previous: list[dict]) -> list[dict]:
     return own
 
 
-def session_key(progress: dict, run_id: Optional[str] = None) -> tuple[int, Optional[str]]:
+def session_key(progress: Progress | Mapping, run_id: Optional[str] = None) -> tuple[int, Optional[str]]:
     """(index, run id) of the last session in `progress`: the key of its lines in the local history."""
-    sessions = progress.get("sessions") or [{}]
-    last = sessions[-1]
-    return int(last.get("index") or len(sessions)), last.get("run_id") or run_id or progress.get("run_id")
+    progress = Progress.read(progress)
+    last = progress.last_session or SessionRecord()
+    return int(last.index or max(1, len(progress.sessions))), last.run_id or run_id or progress.run_id
 
 
-def run_ids(progress: dict) -> dict:
+def run_ids(progress: Progress | Mapping) -> dict:
     """{session index: run id} of progress.json's sessions."""
-    return {s.get("index"): s.get("run_id") for s in progress.get("sessions") or [] if s.get("index") is not None}
+    return {s.index: s.run_id for s in sessions_of(progress) if s.index is not None}
 
 
-def local_metrics(backend, dataset: str, local: Path, progress: dict) -> Optional[Path]:
+def local_metrics(backend, dataset: str, local: Path, progress: Progress | Mapping) -> Optional[Path]:
     """The whole history of the run up to `progress`'s last session, in `local` (LocalHistory): what the curves,
     the summary and `relay status` read. Only a session this folder did not see is downloaded (its published
     metrics.jsonl; the sessions before it from history.jsonl, once). None when nothing is published."""
     from relay.orchestrator.kaggle.types import NotFound
 
     history = LocalHistory(local)
-    if not progress.get("sessions"):
+    if not sessions_of(progress):
         return history.path if history.path.is_file() else None
     index, run_id = session_key(progress)
     if not history.has(index, run_id):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Iterable, List, Mapping, Optional, Sequence
 
 from relay.orchestrator.goodput import CLEAN_ENDS, duration_text
+from relay.shared.progress import Progress, sessions_of
 
 # No spec key says how long a hand-over takes: download, verify, publish and push of a small checkpoint, and a
 # poll of the relay's, are about a minute; a measured one replaces it after the relay's second session.
@@ -50,24 +51,24 @@ class Overheads:
         return ", ".join((self.startup.text("start-up"), self.save.text("save"), self.handover.text("hand-over")))
 
 
-def startup_times(progress: Optional[Mapping]) -> List[float]:
+def startup_times(progress: Progress | Mapping | None) -> List[float]:
     """Each handed-over attempt's push to its session's clock start, in seconds (attempts the relay saw pushed)."""
-    progress = progress or {}
-    pushed = {c.get("run_id"): _num(c.get("pushed_at")) for c in progress.get("charges") or []}
+    progress = Progress.read(progress) or Progress()
+    pushed = {c.run_id: _num(c.pushed_at) for c in progress.charges}
     out = []
-    for s in progress.get("sessions") or []:
-        at, started = pushed.get(s.get("run_id")), _num(s.get("started"))
+    for s in progress.sessions:
+        at, started = pushed.get(s.run_id), _num(s.started)
         if at is not None and started is not None and started >= at:
             out.append(started - at)
     return out
 
 
-def save_times(progress: Optional[Mapping]) -> List[float]:
-    return [float(s["save_seconds"]) for s in (progress or {}).get("sessions") or []
-            if _num(s.get("save_seconds")) is not None and float(s["save_seconds"]) > 0]
+def save_times(progress: Progress | Mapping | None) -> List[float]:
+    return [float(s.save_seconds) for s in sessions_of(progress)
+            if _num(s.save_seconds) is not None and float(s.save_seconds) > 0]
 
 
-def overheads(spec, progress: Optional[Mapping], startup: Optional[float] = None, save: Optional[float] = None,
+def overheads(spec, progress: Progress | Mapping | None, startup: Optional[float] = None, save: Optional[float] = None,
               handover: Optional[float] = None, running_started: Optional[float] = None) -> Overheads:
     """The figures a plan uses: given ones (flags), else measured over the relay's sessions, else the spec's
     (kaggle.startup_overhead) or the defaults (SAVE_DEFAULT_S, at most session.safety_margin; HANDOVER_DEFAULT_S).
@@ -96,24 +97,23 @@ def overheads(spec, progress: Optional[Mapping], startup: Optional[float] = None
         handover=pick(handover, handovers, HANDOVER_DEFAULT_S, "assumed", "--handover"))
 
 
-def session_gaps(progress: Optional[Mapping], running_started: Optional[float] = None) -> List[float]:
+def session_gaps(progress: Progress | Mapping | None, running_started: Optional[float] = None) -> List[float]:
     """Seconds from each session's clock end to the next one's clock start (the running session's first progress
     line for the last): the hand-over and the start-up between them. Clean hand-overs only: a gap after a session
     that did not end cleanly (killed: the relay saw it late, salvaged it) or that Kaggle ran on past its end
     (wedged: the relay waited for its deadline), or with a failed attempt pushed within it, measures the fault,
     not a hand-over, and would make every later finish estimate lean late."""
-    progress = progress or {}
-    charges = progress.get("charges") or []
-    wedged = {c.get("run_id") for c in charges if c.get("wedged")}
-    failed_pushes = [_num(c.get("pushed_at")) for c in charges if c.get("failed")]
-    sessions = progress.get("sessions") or []
-    ends = [(_num(s.get("ended")), _num(s.get("started"))) for s in sessions]
+    charges = Progress.read(progress).charges if progress is not None else ()
+    wedged = {c.run_id for c in charges if c.wedged}
+    failed_pushes = [_num(c.pushed_at) for c in charges if c.failed]
+    sessions = sessions_of(progress)
+    ends = [(_num(s.ended), _num(s.started)) for s in sessions]
     starts = [start for _, start in ends[1:]] + [running_started]
     out = []
     for s, (end, _), start in zip(sessions, ends, starts):
         if end is None or start is None or start < end:
             continue
-        if s.get("stop_reason") not in CLEAN_ENDS or s.get("run_id") in wedged:
+        if s.stop_reason not in CLEAN_ENDS or s.run_id in wedged:
             continue
         if any(at is not None and end <= at <= start for at in failed_pushes):
             continue

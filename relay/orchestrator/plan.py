@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Mapping
 
+from relay.orchestrator.relay_state import State
+from relay.shared.progress import Progress, SessionRecord
+
 HOUR = 3600.0
 WEEK_S = 7 * 24 * HOUR
 SATURDAY = 5  # datetime.weekday(): Monday is 0
@@ -48,17 +51,6 @@ class SessionLimits:
     @property
     def max_train_s(self) -> float:
         return self.session_cap_s - self.startup_s - self.save_s
-
-
-def limits_from_spec(spec: Any) -> SessionLimits:
-    """A run spec's session limits. `session.budget` is the session's wall time after start-up (the SessionClock
-    starts once the kernel has booted and restored), so it caps a session at start-up + budget, below Kaggle's
-    timeout: vqa-t4's 11h30m trains 11h25m a session, not the 11h45m the 12 h timeout alone would allow."""
-    cap = spec.kaggle.session_timeout
-    if spec.session.budget is not None:
-        cap = min(cap, spec.kaggle.startup_overhead + spec.session.budget)
-    return SessionLimits(session_cap_s=cap, startup_s=spec.kaggle.startup_overhead, save_s=spec.session.safety_margin,
-                         max_steps=spec.session.max_steps)
 
 
 @dataclass(frozen=True)
@@ -121,10 +113,11 @@ class Plan:
         return first.starts if first and first.waited_for_quota else None
 
     @property
-    def state(self) -> str:
+    def state(self) -> State:
+        """The relay's state as the plan sees it, in the relay's one vocabulary (relay_state.State)."""
         if self.done:
-            return "done"
-        return "waiting" if self.waiting_until else "ready"
+            return State.DONE
+        return State.WAITING if self.waiting_until else State.READY
 
     @property
     def total_gpu_s(self) -> float:
@@ -236,15 +229,15 @@ def quota_from_ledger(
                       refresh_at=week_start + timedelta(days=7), observed_at=now, source="ledger")
 
 
-def measured_step_seconds(sessions: Iterable[Mapping[str, Any]], last: int = 3) -> float | None:
+def measured_step_seconds(sessions: Iterable[SessionRecord | Mapping[str, Any]], last: int = 3) -> float | None:
     """Seconds per step over the last `last` sessions of progress.json that made progress.
 
     Uses wall seconds minus save time, so restore and start-up inside the session are included:
     a slightly pessimistic step time, which is the safe side for a deadline."""
     useful = []
-    for s in sessions:
-        steps = (s.get("step_end") or 0) - (s.get("step_start") or 0)
-        seconds = (s.get("seconds") or 0) - (s.get("save_seconds") or 0)
+    for s in map(SessionRecord.read, sessions):
+        steps = (s.step_end or 0) - (s.step_start or 0)
+        seconds = (s.seconds or 0) - (s.save_seconds or 0)
         if steps > 0 and seconds > 0:
             useful.append((steps, seconds))
     useful = useful[-last:]
@@ -352,7 +345,7 @@ def plan_sessions(
 
 
 def plan_from_progress(
-    progress: Mapping[str, Any], quota: QuotaState, now: datetime, *, limits: SessionLimits = SessionLimits(),
+    progress: Progress | Mapping[str, Any], quota: QuotaState, now: datetime, *, limits: SessionLimits = SessionLimits(),
     step_seconds_estimate: float | None = None, total_steps: int | None = None,
     steps_per_epoch: int | None = None, not_before: datetime | None = None, sessions_before: int = 0,
 ) -> Plan:
@@ -361,16 +354,17 @@ def plan_from_progress(
     The measured step time wins over the estimate; `total_steps` is needed only before the first
     session has written progress.json. Planned sessions are numbered after the run's sessions so far and
     `sessions_before` more (a session still running)."""
-    total = progress.get("total_steps") or total_steps
+    progress = Progress.read(progress) or Progress()
+    total = progress.total_steps or total_steps
     if not total:
         raise PlanError("total_steps: unknown (no progress.json yet): pass the run's total steps")
-    done = int(progress.get("global_step") or 0)
-    step_seconds = measured_step_seconds(progress.get("sessions") or []) or step_seconds_estimate
+    done = int(progress.global_step or 0)
+    step_seconds = measured_step_seconds(progress.sessions) or step_seconds_estimate
     if step_seconds is None:
         raise PlanError("step_seconds_estimate: no session has measured a step yet: pass an estimate")
     return plan_sessions(max(0, int(total) - done), step_seconds, quota, now, limits=limits, done_steps=done,
                          steps_per_epoch=steps_per_epoch, not_before=not_before,
-                         first_index=len(progress.get("sessions") or []) + sessions_before + 1)
+                         first_index=len(progress.sessions) + sessions_before + 1)
 
 
 # ---------------------------------------------------------------- presentation

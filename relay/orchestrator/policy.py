@@ -11,6 +11,7 @@ from typing import Optional
 from relay.orchestrator import chain, handoff, measured, plan as planner
 from relay.orchestrator.handoff import SESSION_LIMIT
 from relay.shared import runtime
+from relay.shared.progress import Progress, sessions_of
 
 
 def utc(value: datetime) -> datetime:
@@ -35,7 +36,7 @@ STEP_SLACK = 0.25             # on top of the slowest step time measured: a slow
 SLACK_FLOOR_S = 300.0         # ... and at least this much
 
 
-def session_need(spec, progress: Optional[dict]) -> Optional[float]:
+def session_need(spec, progress: Progress | dict | None) -> Optional[float]:
     """Seconds of training the next session needs when its steps are known (session.max_steps, or the run's
     steps left): the steps at the slowest step time any recorded session measured (its wall time less its
     saves: start-up and restore inside it included, the safe side), with STEP_SLACK, plus the slowest save and
@@ -43,24 +44,24 @@ def session_need(spec, progress: Optional[dict]) -> Optional[float]:
     (nothing known) FIRST_SESSION_S for a session bounded by steps. None where it cannot be told (a session bounded
     by time, a run of unknown length). A session slower than this stops at this budget and saves (stop reason
     `budget`), and the next one goes on, measured."""
-    progress = progress or {}
-    total = progress.get("total_steps") or _spec_steps(spec)
-    left = None if total is None else max(0, int(total) - int(progress.get("global_step") or 0))
+    progress = Progress.read(progress) or Progress()
+    total = progress.total_steps or _spec_steps(spec)
+    left = None if total is None else max(0, int(total) - int(progress.global_step or 0))
     steps = min((n for n in (spec.session.max_steps, left) if n is not None), default=None)
     if steps is None:
         return None
-    sessions = progress.get("sessions") or []
-    per_step = [((s.get("seconds") or 0) - (s.get("save_seconds") or 0)) / steps_of
-                for s in sessions if (steps_of := (s.get("step_end") or 0) - (s.get("step_start") or 0)) > 0]
+    sessions = progress.sessions
+    per_step = [((s.seconds or 0) - (s.save_seconds or 0)) / steps_of
+                for s in sessions if (steps_of := (s.step_end or 0) - (s.step_start or 0)) > 0]
     per_step = [x for x in per_step if x > 0] or ([spec.session.step_seconds] if spec.session.step_seconds else [])
     if not per_step:
         return FIRST_SESSION_S if spec.session.max_steps is not None else None
     train = steps * max(per_step)
-    save = max((s.get("save_seconds") or 0.0 for s in sessions), default=0.0)
+    save = max((s.save_seconds or 0.0 for s in sessions), default=0.0)
     return train + max(STEP_SLACK * train, SLACK_FLOOR_S) + save + spec.session.safety_margin
 
 
-def push_budget(spec, quota, progress: Optional[dict]) -> float:
+def push_budget(spec, quota, progress: Progress | dict | None) -> float:
     """The next session's budget as pushed: session_budget, no longer than the session needs (session_need).
     Kaggle's timeout for it follows (handoff.kaggle_timeout_s: the budget and the margins)."""
     need = session_need(spec, progress)
@@ -94,16 +95,17 @@ def plan_limits(spec, figures: measured.Overheads) -> planner.SessionLimits:
                                  min_train_s=0, max_steps=spec.session.max_steps, final_save_s=figures.save.seconds)
 
 
-def plan_text(spec, progress: Optional[dict], quota, now: datetime, running=None) -> str:
+def plan_text(spec, progress: Progress | dict | None, quota, now: datetime, running=None) -> str:
     """forecast's text."""
     return forecast(spec, progress, quota, now, running).text
 
 
-def forecast(spec, progress: Optional[dict], quota, now: datetime, running=None) -> Forecast:
+def forecast(spec, progress: Progress | dict | None, quota, now: datetime, running=None) -> Forecast:
     """Sessions left, their budgets and the finish date, from what was handed over and the account's quota, with
     the start-up, save and hand-over times the relay measured of its own sessions (the spec's until one was).
     `running` (relay.orchestrator.live_progress.Eta): the session that trains now, which keeps its real start and ends
     where the one estimate says, then saves; the sessions after it are planned from its end and a hand-over."""
+    progress = Progress.read(progress)
     figures = measured.overheads(spec, progress, running_started=running.started_at if running else None)
     head, not_before, measured_steps = "", None, _measured_sessions(progress)
     step_source = (f"measured over {measured_steps} session{'s' if measured_steps > 1 else ''}" if measured_steps
@@ -113,8 +115,9 @@ def forecast(spec, progress: Optional[dict], quota, now: datetime, running=None)
         start, end = (datetime.fromtimestamp(t, timezone.utc) for t in (running.started_at, running.session_ends_at))
         head = (f"running: session {running.session}, started {planner.when(start)}, ends ~{planner.when(end)}"
                 f" at step {running.session_end_step} ({running.ends_by})\n")
-        progress = {**(progress or {}), "global_step": running.session_end_step,
-                    "total_steps": (progress or {}).get("total_steps") or running.total_steps}
+        before = progress or Progress()
+        progress = replace(before, global_step=running.session_end_step,
+                           total_steps=before.total_steps or running.total_steps)
         saved = end + timedelta(seconds=figures.save.seconds)  # its final save
         if running.session_end_step >= running.total_steps:
             return Forecast(head + f"done at the running session's end, ~{planner.when(saved)}\n"
@@ -122,24 +125,24 @@ def forecast(spec, progress: Optional[dict], quota, now: datetime, running=None)
         not_before = saved + timedelta(seconds=figures.handover.seconds)
     try:
         q = quota_state(spec, progress, quota, now)
-        p = planner.plan_from_progress(progress or {}, q, now, limits=plan_limits(spec, figures),
+        p = planner.plan_from_progress(progress or Progress(), q, now, limits=plan_limits(spec, figures),
                                        step_seconds_estimate=(1 / running.steps_per_s if running
                                                               else spec.session.step_seconds),
-                                       total_steps=(progress or {}).get("total_steps") or _spec_steps(spec),
-                                       steps_per_epoch=(progress or {}).get("steps_per_epoch"),
+                                       total_steps=(progress.total_steps if progress else None) or _spec_steps(spec),
+                                       steps_per_epoch=progress.steps_per_epoch if progress else None,
                                        not_before=not_before,
                                        sessions_before=1 if running is not None else 0)
         return Forecast(head + planner.format_plan(p) + "\n" + _figures_line(p, step_source, figures)
                         + limit_warning(spec, progress), p.finish, figures)
     except (planner.PlanError, KeyError, TypeError, ValueError) as err:
-        if running is None and not (progress or {}).get("sessions"):  # nothing measured a step yet
+        if running is None and not (progress and progress.sessions):  # nothing measured a step yet
             err = ("no step time known: the first session asks Kaggle for"
                    f" {planner.format_duration(FIRST_SESSION_S)} and its progress lines bring its step time"
                    " (set session.step_seconds, or `relay plan SPEC --step-seconds S`, to plan from your estimate)")
         return Forecast(head + f"(no plan yet: {err})" + limit_warning(spec, progress), None, figures)
 
 
-def quota_state(spec, progress: Optional[dict], quota, now: datetime) -> planner.QuotaState:
+def quota_state(spec, progress: Progress | None, quota, now: datetime) -> planner.QuotaState:
     """The week's quota as every plan says it (`relay plan`, `relay status`, the summary): Kaggle's quota statistics
     (`quota`: the backend's answer) when read, its refresh time Kaggle's; else the relay's own sessions against
     kaggle.weekly_gpu_quota, refreshing at the weekly reset Kaggle is said to keep (Saturday 00:00 UTC), which the
@@ -148,7 +151,7 @@ def quota_state(spec, progress: Optional[dict], quota, now: datetime) -> planner
         return planner.quota_from_api({"gpuQuota": {"timeUsed": quota.used_s, "totalTimeAllowed": quota.allowed_s,
                                                     "timeReserved": quota.reserved_s},
                                        "quotaRefreshTime": utc(quota.refresh_time)}, now)
-    return planner.quota_from_ledger([(s["started"], s.get("seconds", 0)) for s in (progress or {}).get("sessions", [])],
+    return planner.quota_from_ledger([(s.started, 0 if s.seconds is None else s.seconds) for s in sessions_of(progress)],
                                      now, total_allowed_s=spec.kaggle.weekly_gpu_quota)
 
 
@@ -177,10 +180,10 @@ def _quota(backend):
         return None
 
 
-def _measured_sessions(progress: Optional[dict]) -> int:
+def _measured_sessions(progress: Optional[Progress]) -> int:
     """How many sessions planner.measured_step_seconds averages over (the last 3 that made progress)."""
-    useful = [s for s in (progress or {}).get("sessions") or []
-              if (s.get("step_end") or 0) > (s.get("step_start") or 0) and (s.get("seconds") or 0) > 0]
+    useful = [s for s in (progress.sessions if progress else ())
+              if (s.step_end or 0) > (s.step_start or 0) and (s.seconds or 0) > 0]
     return min(3, len(useful))
 
 
@@ -217,23 +220,25 @@ def recovery(backend, names: chain.Names, spec, spec_text: str, action: chain.Ac
                    code_changed=handoff.code_changed(backend, names, spec, spec_text, pushed))
 
 
-def limit_warning(spec, progress: Optional[dict]) -> str:
+def limit_warning(spec, progress: Progress | dict | None) -> str:
     """The plan says so when the last handed-over session was stopped at Kaggle's session limit."""
-    if (progress or {}).get("stop_reason") != SESSION_LIMIT:
+    progress = Progress.read(progress)
+    if progress is None or progress.stop_reason != SESSION_LIMIT:
         return ""
     k = spec.kaggle
-    session = len(progress.get("sessions", [])) or 1
+    session = len(progress.sessions) or 1
     return "\nwarning: " + chain.session_limit_advice(session, session_budget(spec, None), k.session_timeout,
                                                       k.startup_overhead)
 
 
-def environment_change(progress: Optional[dict]) -> Optional[str]:
+def environment_change(progress: Progress | dict | None) -> Optional[str]:
     """What changed between the last two sessions of a progress.json (Kaggle's image, torch, CUDA, the CPU, the
     GPUs), as one line for a notification; None when nothing did or fewer than two sessions recorded it. The
     session itself marked exact resume unproven from its first step (progress.json's `exactness_lost`)."""
-    sessions = (progress or {}).get("sessions") or []
-    note = runtime.change_note(sessions[-2], sessions[-1]) if len(sessions) > 1 else None
-    return f"{(progress or {}).get('name') or 'the relay'}: {note}" if note else None
+    progress = Progress.read(progress) or Progress()
+    sessions = progress.sessions
+    note = runtime.change_note(sessions[-2].as_mapping(), sessions[-1].as_mapping()) if len(sessions) > 1 else None
+    return f"{progress.name or 'the relay'}: {note}" if note else None
 
 
 def wedge_notice(name: str, then: chain.Action, published_step: int) -> str:

@@ -18,7 +18,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from relay.orchestrator import attempts, canvas
 from relay.orchestrator.plan import Plan, as_utc, format_duration
+from relay.orchestrator.relay_state import State
 from relay.shared import accelerators, runtime
+from relay.shared.progress import Progress, SessionRecord
 
 PROGRESS = "progress.json"
 METRICS = "metrics.jsonl"
@@ -37,25 +39,18 @@ def find_files(root: str | Path, name: str) -> list[Path]:
     return [direct] if direct.is_file() else sorted(root.rglob(name))
 
 
-def load_progress(root: str | Path) -> dict[str, Any]:
+def load_progress(root: str | Path) -> Progress:
     """progress.json of a workdir; across harvested outputs, the most advanced one with every
     session any of them recorded (later copies of a session replace earlier ones)."""
-    found = []
-    for path in find_files(root, PROGRESS):
-        try:
-            found.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path}: unreadable progress.json ({err})") from None
+    found = [Progress.load(path) for path in find_files(root, PROGRESS)]
     if not found:
         raise FileNotFoundError(f"no {PROGRESS} in {root}")
-    found.sort(key=lambda p: p.get("global_step") or 0)
-    merged = dict(found[-1])
-    sessions: dict[Any, dict] = {}
+    found.sort(key=lambda p: p.global_step or 0)
+    sessions: dict[Any, SessionRecord] = {}
     for progress in found:
-        for s in progress.get("sessions") or []:
-            sessions[(s.get("index"), s.get("run_id"))] = s
-    merged["sessions"] = sorted(sessions.values(), key=lambda s: (s.get("index") or 0, s.get("started") or 0))
-    return merged
+        for s in progress.sessions:
+            sessions[(s.index, s.run_id)] = s
+    return found[-1].with_sessions(sorted(sessions.values(), key=lambda s: (s.index or 0, s.started or 0)))
 
 
 def read_metrics(source: str | Path | Iterable[str | Path]) -> list[dict[str, Any]]:
@@ -109,7 +104,7 @@ def _round(value: Any, digits: int) -> Any:
     return round(float(value), digits) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
-def session_table(progress: Mapping[str, Any], billed_s: Mapping[Any, float] | None = None) -> list[dict]:
+def session_table(progress: Progress | Mapping[str, Any], billed_s: Mapping[Any, float] | None = None) -> list[dict]:
     """One row per attempt of progress.json: each session handed over, and each attempt that handed nothing over
     (killed and retried, wedged and deleted: relay/orchestrator/attempts.py), with why it failed and the steps it
     lost. `billed_s` maps a session index or run id to the GPU seconds Kaggle billed (known to the orchestrator,
@@ -117,45 +112,46 @@ def session_table(progress: Mapping[str, Any], billed_s: Mapping[Any, float] | N
     billed_s = billed_s or {}
     rows, before = [], None
     for s in attempts.every_attempt(progress):
-        started, ended = s.get("started"), s.get("ended")
-        seconds = s.get("seconds")
+        started, ended = s.started, s.ended
+        seconds = s.seconds
         if seconds is None and started is not None and ended is not None:
             seconds = (as_utc(ended) - as_utc(started)).total_seconds()
-        billed = billed_s.get(s.get("index"), billed_s.get(s.get("run_id"), s.get("billed_s")))
+        billed = billed_s.get(s.index, billed_s.get(s.run_id, s.get_extra("billed_s")))
         steps = None
-        if s.get("step_end") is not None and s.get("step_start") is not None:
-            steps = int(s["step_end"]) - int(s["step_start"])
+        if s.step_end is not None and s.step_start is not None:
+            steps = int(s.step_end) - int(s.step_start)
         rows.append({
-            "session": s.get("index"),
-            "run_id": s.get("run_id"),
+            "session": s.index,
+            "run_id": s.run_id,
             "start": as_utc(started).strftime("%Y-%m-%d %H:%M:%S") if started is not None else None,
             "duration_s": _round(seconds, 1),
             "billed_gpu_s": _round(billed, 1),
             "steps": steps,
-            "world_size": s.get("world_size", 1),
-            "samples_per_s": _round(s.get("samples_per_s"), 1),
-            "peak_mem_mb": _round(s.get("peak_mem_mb"), 0),
-            "loss_end": _round(s.get("loss_end"), 5),
-            "stop_reason": s.get("stop_reason"),
-            "gpus": _gpus(s.get("gpus")),
+            "world_size": s.world_size if s.has("world_size") else 1,
+            "samples_per_s": _round(s.samples_per_s, 1),
+            "peak_mem_mb": _round(s.peak_mem_mb, 0),
+            "loss_end": _round(s.loss_end, 5),
+            "stop_reason": s.stop_reason,
+            "gpus": _gpus(s.gpus),
         })
         for key in ("steps_lost", "why"):  # a kill or a failed attempt: what it cost, and why
-            if s.get(key) is not None:
-                rows[-1][key] = s[key]
-        if s.get("failed_attempt"):
+            if s.get_extra(key) is not None:
+                rows[-1][key] = s.get_extra(key)
+        if s.get_extra("failed_attempt"):
             continue  # it ran nothing a later session compares its machine with
         # optional columns, only for runs that have them: what it ran on and what changed (exact resume is
         # unproven from there), curriculum stage(s), OOM rungs taken
-        if runtime.describe(s) is not None:
-            rows[-1]["runtime"] = runtime.describe(s)
-        changed = runtime.changes(before, s) if before is not None else []
+        ran_on = s.as_mapping()
+        if runtime.describe(ran_on) is not None:
+            rows[-1]["runtime"] = runtime.describe(ran_on)
+        changed = runtime.changes(before, ran_on) if before is not None else []
         if changed:
             rows[-1]["changed"] = ", ".join(changed)
-        before = s
-        if s.get("stage") is not None:
-            rows[-1]["stage"] = s["stage"]
-        if s.get("memory_rungs"):
-            rows[-1]["memory_rungs"] = ", ".join(s["memory_rungs"])
+        before = ran_on
+        if s.stage is not None:
+            rows[-1]["stage"] = s.stage
+        if s.memory_rungs:
+            rows[-1]["memory_rungs"] = ", ".join(s.memory_rungs)
     return rows
 
 
@@ -280,10 +276,10 @@ def _eval_metric(evals: list[dict], metric: str | None) -> str | None:
     return "loss" if any("loss" in r for r in evals) else None
 
 
-def _session_starts(records: list[dict], progress: Mapping[str, Any] | None) -> list[tuple[int, int]]:
+def _session_starts(records: list[dict], progress: Progress | None) -> list[tuple[int, int]]:
     """(session, first step) for every session after the first: where the boundary lines go."""
-    if progress and progress.get("sessions"):
-        starts = [(s.get("index"), s.get("step_start")) for s in progress["sessions"]]
+    if progress and progress.sessions:
+        starts = [(s.index, s.step_start) for s in progress.sessions]
         starts = [(i, int(st)) for i, st in starts if i is not None and st is not None]
     else:
         first: dict[int, int] = {}
@@ -322,7 +318,7 @@ def _smooth(values: list[float], span: int) -> list[float]:
 
 
 def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
-                metric_mode: str = "min", progress: Mapping[str, Any] | None = None,
+                metric_mode: str = "min", progress: Progress | Mapping[str, Any] | None = None,
                 title: str = "Training across sessions") -> Path:
     """Training loss (top) and the eval metric (bottom) against the global step, one PNG, with
     vertical lines where each session started. `metrics`: metrics.jsonl path(s), a folder or records."""
@@ -331,7 +327,8 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
     if not records:
         raise ValueError("plot_curves: no metrics records to draw")
     evals = [r for r in records if r.get("kind") == "eval"]
-    best = (progress or {}).get("best") or {}
+    progress = Progress.read(progress)
+    best = (progress.best if progress else None) or {}
     if metric is None and best.get("metric"):  # the recipe's watched metric and its direction (e.g. f1, max)
         metric, metric_mode = best["metric"], best.get("mode", metric_mode)
     metric = _eval_metric(evals, metric)
@@ -397,8 +394,9 @@ def plot_curves(metrics: Any, out_png: str | Path, *, metric: str | None = None,
     return save_figure(fig, out_png, measure_layout=False)
 
 
-OUTCOME_COLORS = {  # stop reason or status -> (legend label, color)
-    "done": ("done", "#2ca25f"),
+# a session's stop reason or status -> (legend label, color); the words that are a relay's state are its (State)
+OUTCOME_COLORS = {
+    State.DONE.value: ("done", "#2ca25f"),
     "budget": ("paused at budget", "#3182bd"),
     "deadline": ("paused at deadline", "#3182bd"),
     "steps": ("paused at session.max_steps", "#6baed6"),
@@ -406,23 +404,23 @@ OUTCOME_COLORS = {  # stop reason or status -> (legend label, color)
     "killed": ("killed (resumed from its last save)", "#fdae6b"),
     "wedged": ("wedged (Kaggle ran it past its end)", "#7a0177"),
     "error": ("failed", "#de2d26"),
-    "running": ("running", "#9e9ac8"),
+    State.RUNNING.value: ("running", "#9e9ac8"),
     "planned": ("planned", "#d9d9d9"),
 }
 
 
-def _outcome(session: Mapping[str, Any]) -> str:
-    value = str(session.get("outcome") or session.get("stop_reason") or session.get("status") or "").lower()
+def _outcome(session: SessionRecord) -> str:
+    value = str(session.get_extra("outcome") or session.stop_reason or session.get_extra("status") or "").lower()
     if value in OUTCOME_COLORS:
         return value
     if value == "final":  # older progress files named the last session's save "final"
-        return "done"
-    if value in ("failed", "crash", "oom", "cancelled", "stale"):
+        return State.DONE.value
+    if value in (State.FAILED.value, "crash", "oom", "cancelled", "stale"):
         return "error"
-    return "running" if session.get("ended") is None else "error"
+    return State.RUNNING.value if session.ended is None else "error"
 
 
-def plot_timeline(sessions: Iterable[Mapping[str, Any]], out_png: str | Path, *, plan: Plan | None = None,
+def plot_timeline(sessions: Iterable[SessionRecord | Mapping[str, Any]], out_png: str | Path, *, plan: Plan | None = None,
                   now: datetime | None = None, title: str = "Relay timeline") -> Path:
     """Sessions as bars over wall time, colored by outcome; gaps between them (quota waits, handoffs)
     are shaded and labelled. With `plan`, its future sessions are drawn as grey planned bars and the
@@ -431,23 +429,23 @@ def plot_timeline(sessions: Iterable[Mapping[str, Any]], out_png: str | Path, *,
     import matplotlib.dates as mdates
 
     bars = []  # (label, start, end, outcome, waited_for_quota, note)
-    sessions = list(sessions)
+    sessions = [SessionRecord.read(s) for s in sessions]
     tries = {}  # session index -> its attempts drawn: a failed attempt and its retry are "S3 a1", "S3 a2"
     for s in sessions:
-        tries[s.get("index")] = tries.get(s.get("index"), 0) + 1
+        tries[s.index] = tries.get(s.index, 0) + 1
     for s in sessions:
-        if s.get("started") is None:
+        if s.started is None:
             continue
-        start = as_utc(s["started"], "started")
-        end = as_utc(s["ended"], "ended") if s.get("ended") is not None else (as_utc(now, "now") if now else None)
+        start = as_utc(s.started, "started")
+        end = as_utc(s.ended, "ended") if s.ended is not None else (as_utc(now, "now") if now else None)
         if end is None:
-            end = start + timedelta(seconds=float(s.get("seconds") or 0))
-        label = f"S{s.get('index', len(bars) + 1)}"
-        if tries.get(s.get("index"), 0) > 1 and "-a" in str(s.get("run_id") or ""):
-            label += f" a{str(s['run_id']).rsplit('-a', 1)[1]}"
-        outcome = "wedged" if s.get("stop_reason") == "wedged" or s.get("wedged") else _outcome(s)
-        note = f", {s['steps_lost']} steps lost" if s.get("steps_lost") else ""
-        bars.append((label, start, end, outcome, bool(s.get("waited_for_quota")), note))
+            end = start + timedelta(seconds=float(s.seconds or 0))
+        label = f"S{s.index if s.has('index') else len(bars) + 1}"
+        if tries.get(s.index, 0) > 1 and "-a" in str(s.run_id or ""):
+            label += f" a{str(s.run_id).rsplit('-a', 1)[1]}"
+        outcome = "wedged" if s.stop_reason == "wedged" or s.get_extra("wedged") else _outcome(s)
+        note = f", {s.get_extra('steps_lost')} steps lost" if s.get_extra("steps_lost") else ""
+        bars.append((label, start, end, outcome, bool(s.get_extra("waited_for_quota")), note))
     done_count = len({label.split(" ")[0] for label, *_ in bars})  # sessions, not attempts
     if plan is not None:
         for p in plan.sessions:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 from relay.orchestrator.chain import Names, parse_run_id
 from relay.orchestrator.kaggle.datasets import MANIFEST, manifest_of
 from relay.shared.manifest import list_valid, why_unusable
+from relay.shared.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -40,16 +42,16 @@ def restore_newest_valid(backend, names: Names, title: str, failed_run: str, why
             log.warning("checkpoint %s v%d does not verify: %s", dataset, number, problem)
             shutil.rmtree(folder, ignore_errors=True)
             continue
-        progress = json.loads((folder / "progress.json").read_text())
+        progress = Progress.load(folder / "progress.json")
         attempt = (parse_run_id(failed_run) or (0, 0))[1] + 1
-        progress["restored"] = {"bad_version": bad, "from_version": number, "after_run": failed_run,
-                                "attempt": attempt, "why": why}
-        (folder / "progress.json").write_text(json.dumps(progress, indent=1, sort_keys=True))
+        progress = replace(progress, restored={"bad_version": bad, "from_version": number, "after_run": failed_run,
+                                               "attempt": attempt, "why": why})
+        (folder / "progress.json").write_text(json.dumps(progress.to_dict(), indent=1, sort_keys=True))
         result = backend.publish_folder(folder, dataset, title,
                                         notes=f"v{number} again: v{bad} is corrupt ({why})")
         shutil.rmtree(folder, ignore_errors=True)
         return (f"checkpoint {dataset} v{bad} is corrupt ({why}); republished v{number}"
-                f" (step {progress.get('global_step')}) as v{result.version}")
+                f" (step {progress.global_step}) as v{result.version}")
     raise NoValidCheckpoint(
         f"checkpoint {dataset} v{bad} is corrupt ({why}) and no earlier version verifies"
         f" (tried v{', v'.join(map(str, versions))}). Way out: publish a valid checkpoint folder as a new version"

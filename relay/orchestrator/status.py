@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import tempfile
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ from typing import Callable
 
 from relay.shared import progress_line, runtime
 from relay.shared.errors import InputError
+from relay.shared.progress import Progress
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{2,49}$")
 
@@ -93,7 +95,7 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
         quota = backend.quota()
     except KaggleError as err:
         raise InputError(f"relay status {name}: {err}") from None
-    progress = obs.published or {}
+    progress = obs.published or Progress()
     action = chain.decide(name, obs)
     if action.do is chain.Do.WEDGED:  # what the relay does about it, in the `next:` line
         action = chain.on_wedged(action, run_spec.kaggle.on_wedged)
@@ -103,7 +105,7 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
         eta = live_progress.estimate(records, run_spec.session.max_steps)
     newest = progress_line.newest(records) or {}
     emit(f"relay {name} (Kaggle user {names.owner}): {obs.handed_over} session(s) handed over, step"
-         f" {progress.get('global_step', 0)}/{progress.get('total_steps') or newest.get('total_steps') or '?'}"
+         f" {progress.global_step}/{progress.total_steps or newest.get('total_steps') or '?'}"
          + (f"; session {newest.get('session')} running at step {newest.get('step')}" if newest else ""))
     rows = rep.session_table(progress)
     if records:
@@ -112,9 +114,9 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
     if rows:
         emit(rep.format_table(rows))  # with what each session ran on, and what changed from the one before
     ledger = goodput.from_progress(progress, run_spec.session.save_every)  # where the GPU time charged went
-    if progress.get("sessions"):
+    if progress.sessions:
         emit(ledger.line())
-    for note in runtime.change_notes(progress.get("sessions") or []):  # another CPU, GPU, torch, image ...
+    for note in runtime.change_notes([s.as_mapping() for s in progress.sessions]):  # another CPU, GPU, torch, image ...
         emit(f"warning: {note}")
     if obs.kernel_run:
         state = obs.kernel_state or "starting"
@@ -129,11 +131,11 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
     from relay.orchestrator import storage
 
     emit(storage.storage_line(storage.relay_storage(backend, names), run_spec.kaggle.checkpoint_versions))
-    if newest.get("total_steps") and not progress.get("total_steps"):  # the first session: its lines say it
-        progress = {**progress, "total_steps": newest["total_steps"]}
+    if newest.get("total_steps") and not progress.total_steps:  # the first session: its lines say it
+        progress = replace(progress, total_steps=newest["total_steps"])
     emit(f"spec: {getattr(run_spec, 'source', None) or target}")  # where the plan's spec figures come from
     emit(policy.plan_text(run_spec, progress, quota, datetime.now(timezone.utc), running=eta))
-    if progress.get("sessions"):
+    if progress.sessions:
         try:
             # the history the relay's flow keeps beside it (relay-runs/<name>/history), added to if it lacks a session
             metrics = handoff.published_metrics(backend, names, out, progress)

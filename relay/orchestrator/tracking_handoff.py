@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from relay.shared.progress import Progress
+
 log = logging.getLogger(__name__)
 TB_PREFIX = "tensorboard/"
 WANDB_PREFIX = "wandb/"
@@ -190,11 +192,11 @@ def fetch_wandb(out, root: Path) -> Optional[Path]:
     return dest if dest.is_dir() else None
 
 
-def sync_session(spec, progress: dict, wandb_root: Optional[Path], after: int, max_step: int,
+def sync_session(spec, progress: Optional[Progress], wandb_root: Optional[Path], after: int, max_step: int,
                  metrics: Optional[Path], api_key: Callable[[], Optional[str]]) -> bool:
     """Cut, fill and `wandb sync` one handed-over session's offline run into the relay's W&B run."""
     cfg = spec.tracking.wandb
-    tracking = (progress or {}).get("tracking") or {}
+    tracking = (progress.tracking if progress else None) or {}
     if cfg is None or wandb_root is None or tracking.get("wandb_mode", "offline") != "offline":
         return False
     run_id = tracking.get("wandb_run_id")

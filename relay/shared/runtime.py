@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Mapping, Optional, Sequence
 
 from relay.shared.accelerators import describe as describe_gpus
+from relay.shared.progress import Progress
 
 # image_built goes with image: not compared on its own
 RUNTIME_KEYS = ("python", "torch", "cuda", "cudnn", "image", "cpu", "cpu_capability", "gpu_capability")
@@ -56,16 +57,18 @@ def change_notes(sessions: Sequence[Mapping]) -> list[str]:
     return [note for before, after in zip(sessions, sessions[1:]) if (note := change_note(before, after))]
 
 
-def exact_resume(progress: Mapping, reference: Mapping) -> tuple[bool, str]:
+def exact_resume(progress: Progress | Mapping, reference: Progress | Mapping) -> tuple[bool, str]:
     """(ok, verdict) of a relay's final weights against an uninterrupted run's, from both progress.json: "identical
     (...)", or weights that differ where a session ran on another environment than the uninterrupted run (other
     CPU, GPU, torch, ...: other floats, not a resume bug, so ok), or "DIFFERENT" on the same machine."""
-    relayed, straight = progress.get("weights_sha256"), reference.get("weights_sha256")
-    sessions = progress.get("sessions") or []
+    progress, reference = Progress.read(progress), Progress.read(reference)
+    relayed, straight = progress.weights_sha256, reference.weights_sha256
+    sessions = progress.sessions
+    first = reference.sessions[0].as_mapping() if reference.sessions else {}
     if relayed == straight:
         return True, f"identical ({len(sessions)} sessions vs 1 uninterrupted; weights sha256 {str(relayed)[:16]})"
-    elsewhere = [f"session {s.get('index')}: {', '.join(changed)}" for s in sessions
-                 if (changed := changes((reference.get("sessions") or [{}])[0], s))]
+    elsewhere = [f"session {s.index}: {', '.join(changed)}" for s in sessions
+                 if (changed := changes(first, s.as_mapping()))]
     if elsewhere:
         return True, (f"not comparable: the weights differ (relay {str(relayed)[:16]} vs uninterrupted"
                       f" {str(straight)[:16]}) and sessions ran on another environment than the uninterrupted run"

@@ -51,7 +51,7 @@ def test_the_charge_record_reads_the_log_and_is_carried_across_hand_overs():
     assert record == {"run_id": "r-s002-a1", "kaggle_end_seen": 2400.0, "wedged": False, "pushed_at": 2000.0,
                       "process_end": 2360.0, "last_step": 180}
     published = {"charges": [{"run_id": "r-s001-a1"}, {"run_id": "r-s002-a1", "stale": True}]}
-    assert [c.get("stale") for c in goodput.with_charge(published, {}, record)["charges"]] == [None, None]
+    assert [c.get("stale") for c in goodput.with_charge(published, {}, record).to_dict()["charges"]] == [None, None]
     # killed: no `end` line; it trained until its newest line at least, and what it trained since its last save
     # (step 150, 2300 s by its clock) is redone by the next session
     killed_log = json.dumps([{"stream_name": "stdout", "time": 1.0, "data": "relay-progress " + json.dumps(
@@ -110,7 +110,7 @@ def test_a_failed_attempt_that_handed_nothing_over_is_carried_and_listed():
                "step_start": 10, "step_end": 20, "stop_reason": "steps"}
     progress = goodput.with_charge(published, {"sessions": [session]}, goodput.charge_record(
         "r-s002-a3", "", plan, None), goodput.carried(plan, "r-s002-a3"))
-    assert [c["run_id"] for c in progress["charges"]] == ["r-s001-a1", "r-s002-a1", "r-s002-a2", "r-s002-a3"]
+    assert [c.run_id for c in progress.charges] == ["r-s001-a1", "r-s002-a1", "r-s002-a2", "r-s002-a3"]
     ledger = goodput.from_progress(progress)
     assert [a.run_id for a in ledger.attempts] == ["r-s002-a1", "r-s002-a2", "r-s002-a3"]
     # the wedged one showed no sign of life (no progress line): all of its time is the wedge's

@@ -270,19 +270,20 @@ def test_leftover_quota_below_min_train_waits_but_a_fresh_week_never_does():
 
 def test_vqa_t4_spec_plan_caps_sessions_at_session_budget():
     """The VQA example of docs/recipes.md: 100 epochs of 11k questions at 1.72 s a step, started on a Monday with a full
-    quota. session.budget 11h30m (below Kaggle's 12 h) caps every session's training at 11h25m."""
-    from relay.orchestrator.plan import limits_from_spec
+    quota. session.budget 11h30m (below Kaggle's 12 h) caps every session's training at 11h25m, less the second
+    the relay's plan keeps beside the save margin (policy.plan_limits, the limits every plan of the relay uses)."""
+    from relay.orchestrator import measured, policy
     from relay.shared import spec as spec_mod
 
     spec = spec_mod.load(REPO / "examples" / "vqa-t4.yaml")
-    limits = limits_from_spec(spec)
-    assert limits.max_train_s == spec.session.budget - spec.session.safety_margin == 11 * HOUR + 25 * 60
+    limits = policy.plan_limits(spec, measured.overheads(spec, None))  # nothing measured yet: the spec's figures
+    assert limits.max_train_s == spec.session.budget - spec.session.safety_margin - 1 == 11 * HOUR + 25 * 60 - 1
     monday = datetime(2026, 11, 23, 9, 0, tzinfo=UTC)
     total = spec.optim.epochs * (11000 // (spec.optim.micro_batch * spec.optim.grad_accum))
     plan = plan_from_progress({}, quota_from_ledger([], monday, total_allowed_s=spec.kaggle.weekly_gpu_quota),
                               monday, limits=limits, step_seconds_estimate=1.72, total_steps=total)
     assert total == 122200 and len(plan.sessions) == 6 and [s.week for s in plan.sessions] == [1, 1, 1, 2, 2, 2]
-    assert max(s.train_s for s in plan.sessions) == 11 * HOUR + 25 * 60  # not 11h45m
+    assert max(s.train_s for s in plan.sessions) == 11 * HOUR + 25 * 60 - 1  # not 11h45m
     assert plan.finish.strftime("%a") == "Sun" and plan.sessions[-1].starts < monday + timedelta(days=7)
 
 

@@ -114,7 +114,7 @@ def test_harvested_outputs_are_merged(tmp_path):
         mine = [r for r in metrics_records() if r["session"] == i]
         (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mine))
     progress = load_progress(tmp_path)
-    assert progress["global_step"] == 1000 and [s["index"] for s in progress["sessions"]] == [1, 2, 3]
+    assert progress.global_step == 1000 and [s.index for s in progress.sessions] == [1, 2, 3]
     assert len(read_metrics(tmp_path)) == len(metrics_records())
     with pytest.raises(FileNotFoundError):
         load_progress(tmp_path / "session-1" / "nothing-here")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,6 +16,7 @@ import torch
 
 from relay.kernel.session.budget import SessionClock
 from relay.shared import atomic
+from relay.shared.progress import FORMAT, Progress, SessionRecord
 from relay.shared.version import code_version
 
 log = logging.getLogger(__name__)
@@ -164,16 +165,19 @@ def write_progress(workdir: Path, ckpt, run: RunFields, *, status: str, reason: 
                    name: Optional[str], total: Optional[int], weights: Optional[str] = None) -> dict:
     """progress.json, atomically: where the run stands, what the newest checkpoint is, every session so far."""
     fields = asdict(run)
-    sessions = fields.pop("sessions")
-    progress = {
-        "status": status, "stop_reason": reason, "run_id": run_id, "name": name, "code_version": code_version(),
-        "global_step": fields.pop("step"), "total_steps": total, **fields,
-        "checkpoint": str(ckpt.path.relative_to(workdir)) if ckpt.path.is_relative_to(workdir) else str(ckpt.path),
-        "weights_sha256": weights, "sessions": sessions,
-        "total_seconds": round(sum(s.get("seconds", 0.0) for s in sessions), 3),
-    }
+    sessions = tuple(SessionRecord.from_dict(s) for s in fields.pop("sessions"))
+    progress = Progress.written(
+        format=FORMAT, status=status, stop_reason=reason, run_id=run_id, name=name, code_version=code_version(),
+        global_step=fields.pop("step"), total_steps=total, **fields, checkpoint=_relative(ckpt.path, workdir),
+        weights_sha256=weights, sessions=sessions,
+        total_seconds=round(sum(s.seconds or 0.0 for s in sessions), 3),
+    ).to_dict()
     atomic.write_json(workdir / "progress.json", progress)
     return progress
+
+
+def _relative(path: Path, workdir: Path) -> str:
+    return str(path.relative_to(workdir)) if path.is_relative_to(workdir) else str(path)
 
 
 def write_stalled(workdir: Path, written: Optional[dict], record: dict, newest, *, run_id: Optional[str],
@@ -181,13 +185,13 @@ def write_stalled(workdir: Path, written: Optional[dict], record: dict, newest, 
     """progress.json of a stalled session, atomically: the last one this session wrote (it describes the newest
     checkpoint, which stands) with this session's record replaced by `record` (stop_reason "stalled"); before
     any save, what is known: the checkpoint it resumed from (`newest`, None when fresh) and the sessions so far."""
-    progress = dict(written) if written else {
-        "run_id": run_id, "name": name, "code_version": code_version(), "total_steps": total,
-        "global_step": newest.step if newest is not None else 0,
-        "checkpoint": None if newest is None else (str(newest.path.relative_to(workdir))
-                                                   if newest.path.is_relative_to(workdir) else str(newest.path))}
-    before = progress.get("sessions", [dict(s) for s in sessions])
-    progress.update(status="paused", stop_reason="stalled",
-                    sessions=[s for s in before if s.get("index") != record["index"]] + [dict(record)])
+    progress = Progress.from_dict(written) if written else Progress.written(
+        format=FORMAT, run_id=run_id, name=name, code_version=code_version(), total_steps=total,
+        global_step=newest.step if newest is not None else 0,
+        checkpoint=None if newest is None else _relative(newest.path, workdir),
+        sessions=tuple(SessionRecord.from_dict(dict(s)) for s in sessions))
+    stalled = SessionRecord.from_dict(dict(record))
+    progress = replace(progress, status="paused", stop_reason="stalled",
+                       sessions=tuple(s for s in progress.sessions if s.index != stalled.index) + (stalled,)).to_dict()
     atomic.write_json(workdir / "progress.json", progress)
     return progress

@@ -20,6 +20,7 @@ from relay.orchestrator.kaggle.kernel_source import MARKER_FILE
 from relay.orchestrator.kaggle.retry import call, request_timeout, unless_absent
 from relay.orchestrator.kaggle.types import KaggleError, NotFound, SessionOutput
 from relay.shared.errors import InputError
+from relay.shared.progress import Progress
 
 log = logging.getLogger(__name__)
 PAGE_SIZE = 200
@@ -103,9 +104,9 @@ def download(client: KaggleClient, owner: str, slug: str, dest: Path, run_id: st
     if dest.exists():
         shutil.rmtree(dest)
     partial.rename(dest)
-    progress = _read_json(dest / workdir_name / "progress.json")
+    progress = Progress.from_output(_read_json(dest / workdir_name / "progress.json"), f"{owner}/{slug} progress.json")
     marker = _read_json(dest / MARKER_FILE)
-    found = (progress or {}).get("run_id") or (marker or {}).get("run_id")
+    found = (progress.run_id if progress else None) or (marker or {}).get("run_id")
     if found != run_id:
         log.warning("kernel %s/%s: output is from run %s, not %s (stale)", owner, slug, found, run_id)
     return SessionOutput(dest, tuple(written), run_id, found, progress, log_path)

@@ -32,6 +32,7 @@ from relay.orchestrator.kaggle.retry import call, request_timeout
 from relay.orchestrator.kaggle.types import KaggleError
 from relay.shared import atomic
 from relay.shared.manifest import MANIFEST, digest_of, read_manifest, seq_of, size_text
+from relay.shared.progress import Progress
 
 log = logging.getLogger(__name__)
 CHUNK = 1 << 20
@@ -70,7 +71,7 @@ class HandoffDownload:
     root: Path                         # this handoff's scratch folder (deleted when the handoff ends)
     urls: Dict[str, str]               # output file (relative to the workdir) -> url
     log_text: str
-    progress: Optional[dict]
+    progress: Optional[Progress]
     found_run_id: Optional[str]
     candidates: List[Candidate] = field(default_factory=list)  # newest first, all files listed
     reserve: int = DEFAULT_RESERVE
@@ -124,9 +125,10 @@ def open_output(client: KaggleClient, owner: str, slug: str, root: Path, workdir
     prefix = workdir_name + "/"
     urls = {name[len(prefix):]: url for name, url in listed if name.startswith(prefix)}
     top = dict(listed)
-    progress = _small_json(client, urls.get("progress.json"), meta / "progress.json")
+    progress = Progress.from_output(_small_json(client, urls.get("progress.json"), meta / "progress.json"),
+                                    f"{owner}/{slug} progress.json")
     marker = _small_json(client, top.get(MARKER_FILE), meta / MARKER_FILE)
-    found = (progress or {}).get("run_id") or (marker or {}).get("run_id")
+    found = (progress.run_id if progress else None) or (marker or {}).get("run_id")
     if reserve is None:
         reserve = int(float(os.environ.get(RESERVE_ENV, DEFAULT_RESERVE / (1 << 20))) * (1 << 20))
     out = HandoffDownload(client, root, urls, log_text, progress, found, reserve=reserve)

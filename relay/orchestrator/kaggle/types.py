@@ -7,6 +7,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
+from relay.shared.progress import Progress
+
 
 class KaggleError(Exception):
     """A backend call that failed for good (after retries) or got an answer it cannot use."""
@@ -115,7 +117,7 @@ class SessionOutput:
     files: tuple
     expected_run_id: str
     found_run_id: Optional[str]
-    progress: Optional[dict]
+    progress: Optional[Progress]
     log_path: Optional[Path] = None
 
     @property
