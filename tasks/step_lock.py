@@ -60,8 +60,14 @@ class StepLock:
                     lease_id = self._take(client)
                     if lease_id is not None:
                         self._held = _Holding(self, lease_id)
-                        return True
-                    record = read_record(client, self.record_name)
+                        from tasks.run_step_locks import run_holds
+
+                        if not run_holds(client, self.limit[len("relay-"):]):
+                            return True
+                        self.release()  # a `relays` flow run holds the relay (RunStepLocks): its turn
+                        record = {"holder": "a relays flow run", "until": time.time() + self.lease_s}
+                    else:
+                        record = read_record(client, self.record_name)
                     if record is not None and record.get("until", 0) < time.time():
                         self._take_back(client, record)
                         continue
@@ -220,3 +226,4 @@ def delete_record(client, name: str) -> None:
         soon(lambda: client.delete_variable_by_name(name))
     except ObjectNotFound:
         pass
+
