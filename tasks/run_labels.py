@@ -6,9 +6,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Mapping, Optional
 
-from relay.orchestrator.submit import ACCOUNT_TAG  # what `relay run --submit` reads back
 
 RELAY_TAG = "relay:"
+ACCOUNT_TAG = "kaggle:"  # the Kaggle account a run is tagged with: what `relay run --submit` reads back
 
 
 # Prefect names a run (flow_run_name) before the flow's body starts, outside the body's read_once scope: the reads a

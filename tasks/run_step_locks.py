@@ -11,20 +11,9 @@ import uuid
 from typing import Optional
 
 from tasks.prefect_writes import soon
-from tasks.step_lock import POLL_S, SERVER_LEASE_S, delete_record, write_record
+from tasks.step_lock import POLL_S, RUN_CHUNK, RUN_RECORD, SERVER_LEASE_S, delete_record, relay_key, write_record
 
 log = logging.getLogger(__name__)
-
-
-RUN_RECORD = "relay-steps-"  # a RunStepLocks record: "relay-steps-<holder>-<chunk>"
-RUN_CHUNK = 300              # relays a record names (a Prefect variable holds at most 5,000 characters)
-
-
-def relay_key(name: str) -> str:
-    """A relay as a RunStepLocks record names it: short and fixed in length, whatever the relay's name."""
-    import hashlib
-
-    return hashlib.sha256(name.encode()).hexdigest()[:10]
 
 
 class RunStepLocks:
@@ -197,14 +186,3 @@ class _RunMember:
 
     def release(self) -> None:
         pass
-
-
-def run_holds(client, relay_name: str) -> bool:
-    """Whether a live RunStepLocks record (a `relays` flow run) holds the relay. One read."""
-    from prefect.client.schemas.objects import Variable
-
-    response = soon(lambda: client.request("POST", "/variables/filter", json={
-        "variables": {"name": {"like_": RUN_RECORD}}, "limit": 200}))
-    key, now = relay_key(relay_name), time.time()
-    return any(isinstance(v.value, dict) and float(v.value.get("until", 0)) >= now and key in (v.value.get("relays") or [])
-               for v in Variable.model_validate_list(response.json()) if v.name.startswith(RUN_RECORD))
