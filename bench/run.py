@@ -4,7 +4,7 @@
 
 Each bench module has `run() -> dict` of figures (bench_loop, bench_checkpoint, bench_features, bench_relay,
 bench_vqa, bench_recsys, bench_byo, bench_live, bench_tick, bench_tracking, bench_divergence, bench_scale, bench_prefect_writes,
-bench_step_overhead, bench_goodput).
+bench_step_overhead, bench_goodput, bench_relays).
 Timings are of this machine at this moment: the output and the results file name the machine (CPU model, cores,
 torch version, load average; bench/machine.py). Every figure is a ratio against a baseline measured in the same
 run, compared variants alternate, and each is reported as a median with its spread.
@@ -55,6 +55,9 @@ BENCHES = {
     # ~2 min: a clean and a faulted toy relay of 600 steps (a kill mid-save, a wedge, error pages), the goodput
     # ledger against the emulator's quota ledger; sized in steps and sessions, so --quick runs the same
     "goodput": ("bench_goodput", {}, {}),
+    # ~10+ min: 20, then 50 toy relays of 2 sessions in ONE `relays` run on one worker, a SQLite server (issue 60);
+    # the 200 of its target: python bench/bench_relays.py --relays 200
+    "relays": ("bench_relays", {"counts": (20, 50)}, {"counts": (10,)}),
 }
 
 
@@ -151,6 +154,10 @@ def _lines(name: str, f: dict) -> list[str]:
         import bench_step_overhead
 
         return bench_step_overhead.format_lines(f)
+    if name == "relays":
+        import bench_relays
+
+        return bench_relays.format_lines(f)
     if name == "goodput":
         import bench_goodput
 
