@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 class RunStepLocks:
     """The step locks of every relay of one flow run (the `relays` flow), held together by one lease: records
-    `relay-steps-<holder>-<k>` naming the relays it holds and until when, renewed by one thread every lease_s / 3
+    `relay-steps-<run>-<k>` naming the relays it holds and until when, renewed by one thread every lease_s / 3
     (one write per record, whatever the number of relays), deleted at `close`. A relay's step then costs no
     Prefect write per round (issue 60: a lease and a record per relay per round were 92 % of a round's time at 30
     relays, and 376 writes answered 503 "database is locked").
@@ -33,6 +33,7 @@ class RunStepLocks:
     def __init__(self, wait_s: float, lease_s: float = SERVER_LEASE_S, poll_s: float = POLL_S):
         self.wait_s, self.lease_s, self.poll_s = wait_s, lease_s, poll_s
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.prefix = f"{RUN_RECORD}{uuid.uuid4().hex[:12]}-"  # a variable's name: lowercase, digits, dashes
         self.held: dict = {}       # relay key -> name, what the records say this run holds
         self._chunks = 0           # records written
         self._guard = threading.Lock()
@@ -122,7 +123,7 @@ class RunStepLocks:
 
             with get_client(sync_client=True) as client:
                 for k in range(self._chunks):
-                    delete_record(client, f"{RUN_RECORD}{self.holder}-{k}")
+                    delete_record(client, f"{self.prefix}{k}")
         except Exception as err:  # noqa: BLE001 - the records lapse on their own
             log.warning("step locks of this run: release failed (%s)", err)
         self.held, self._chunks = {}, 0
@@ -152,10 +153,10 @@ class RunStepLocks:
         chunks = [keys[i:i + RUN_CHUNK] for i in range(0, len(keys), RUN_CHUNK)]
         until = time.time() + self.lease_s
         for k, chunk in enumerate(chunks):
-            write_record(client, f"{RUN_RECORD}{self.holder}-{k}", {"holder": self.holder, "until": until,
+            write_record(client, f"{self.prefix}{k}", {"holder": self.holder, "until": until,
                                                                     "relays": chunk})
         for k in range(len(chunks), self._chunks):
-            delete_record(client, f"{RUN_RECORD}{self.holder}-{k}")
+            delete_record(client, f"{self.prefix}{k}")
         self._chunks = len(chunks)
 
     def _start(self) -> None:

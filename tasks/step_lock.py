@@ -226,7 +226,7 @@ def delete_record(client, name: str) -> None:
         pass
 
 
-RUN_RECORD = "relay-steps-"  # a RunStepLocks record: "relay-steps-<holder>-<chunk>"
+RUN_RECORD = "relay-steps-"  # a RunStepLocks record: "relay-steps-<run>-<chunk>"
 RUN_CHUNK = 300              # relays a record names (a Prefect variable holds at most 5,000 characters)
 
 
