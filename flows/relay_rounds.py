@@ -10,6 +10,7 @@ relays, stepped one after another). A relay with nothing left to do (done, faile
 from __future__ import annotations
 
 import contextvars
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -125,19 +126,21 @@ def push_in_turn(backend, relays: List[Relay], slots: AccountSessions, rnd: Roun
             relay.took(replace(relay.step, state=State.WAITING, waits_for=Wait.SLOT, why=slots.full()))
 
 
-def run_round(backend, relays: List[Relay], slots: AccountSessions, logger) -> Round:
-    """Every relay's step (concurrently, bounded), then the ready ones pushed into the free slots in turn."""
+def run_round(backend, relays: List[Relay], slots: AccountSessions, logger,
+              still_running: frozenset = frozenset()) -> Round:
+    """The relays' steps (concurrently, bounded), then the ready ones pushed into the free slots in turn. Stepped:
+    every unfinished relay but those whose session the flow saw still running (`still_running`, its deadline
+    ahead) and those waiting for a slot beyond the free ones: a relay with nothing to do costs no task run, no
+    log line and no write, so a round's cost follows what changed, not the number of relays."""
     rnd = Round()
     active = [r for r in relays if not r.failed and r.state is not State.DONE]  # done: no step, no lock, no write
-    if len(active) <= 1:
-        for relay in active:
-            _advance(relay, rnd, slots, logger)
-    else:
-        with ThreadPoolExecutor(max_workers=min(ROUND_THREADS, len(active)), thread_name_prefix="relay-step") as pool:
-            # each step in a copy of the flow run's context: its task runs and log lines are the flow run's
-            futures = [pool.submit(contextvars.copy_context().run, _advance, r, rnd, slots, logger) for r in active]
-            for future in futures:
-                future.result()
+    queued = [r for r in active if r.state is State.WAITING and r.waits_for is Wait.SLOT]
+    now = [r for r in active if r not in queued and not _still_running(r, still_running)]
+    _step_all(now, rnd, slots, logger)
+    free = slots.sessions - len(slots.in_flight)  # (a hint only: the push takes its slot from the account's limit)
+    if free > 0 and queued:  # their turn may have come (before a relay ready only now): looked at again, in turn
+        turns = slots.in_turn([r.name for r in queued])
+        _step_all(sorted(queued, key=lambda r: turns.index(r.name))[:free], rnd, slots, logger)
     try:
         push_in_turn(backend, relays, slots, rnd, logger)
     finally:
@@ -146,6 +149,25 @@ def run_round(backend, relays: List[Relay], slots: AccountSessions, logger) -> R
                 relay.ctx.close()  # claims that took no effect: free for another orchestrator at once
     rnd.in_flight = list(slots.in_flight)
     return rnd
+
+
+def _still_running(relay: Relay, still_running: frozenset) -> bool:
+    """The flow saw its session still running since its last step, and its deadline (wedged?) is ahead."""
+    deadline = relay.step.deadline if relay.step else None
+    return (relay.state is State.RUNNING and relay.name in still_running and deadline is not None
+            and deadline > time.time())
+
+
+def _step_all(relays: List[Relay], rnd: Round, slots: AccountSessions, logger) -> None:
+    if len(relays) <= 1:
+        for relay in relays:
+            _advance(relay, rnd, slots, logger)
+        return
+    with ThreadPoolExecutor(max_workers=min(ROUND_THREADS, len(relays)), thread_name_prefix="relay-step") as pool:
+        # each step in a copy of the flow run's context: its task runs and log lines are the flow run's
+        futures = [pool.submit(contextvars.copy_context().run, _advance, r, rnd, slots, logger) for r in relays]
+        for future in futures:
+            future.result()
 
 
 def _advance(relay: Relay, rnd: Round, slots: AccountSessions, logger) -> None:

@@ -155,9 +155,9 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
     run_labels.label(add_tags=run_labels.account_tags(r.ctx.names.owner for r in all_relays if r.ctx))
     locks.hold([r.name for r in all_relays if r.ctx is not None])  # one write for all, before the first round
     give_up = time.monotonic() + max_hours * 3600
-    announced_wait, refused, last_shown = None, 0, None
+    announced_wait, refused, last_shown, still_running = None, 0, None, frozenset()
     while True:
-        rnd = run_round(backend, all_relays, slots, logger)
+        rnd = run_round(backend, all_relays, slots, logger, still_running)
         refused += rnd.refused
         if rnd.quota_wait and rnd.quota_wait != announced_wait:
             waiting = [r.name for r in all_relays if r.waits_for is Wait.QUOTA]
@@ -186,24 +186,28 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
         if rnd.quota_wait and not rnd.in_flight:  # nothing to hand over meanwhile: sleep to the refresh
             delay = max(poll_seconds, (rnd.quota_wait - now).total_seconds())
         try:
-            waited = _wait_on_sessions(active, rnd, poll_seconds, live_seconds, give_up)
+            seen = _wait_on_sessions(active, rnd, poll_seconds, live_seconds, give_up)
         except Exception as err:  # noqa: BLE001 - Kaggle unanswered, status errors: the next round looks again
             logger.warning("following the running sessions stopped: %s; looking again in %.0f s", err, poll_seconds)
-            waited = False
-        if not waited:
+            seen = None
+        # the relays whose session the wait saw still running: the next round need not look at them
+        still_running = frozenset(r.name for r in active if r.state is State.RUNNING and r.step is not None
+                                  and (seen or {}).get(r.step.action.run_id) in ("running", "queued"))
+        if seen is None:
             time.sleep(min(delay, 3600))
 
 
 def _wait_on_sessions(active: List[Relay], rnd: Round, poll_seconds: float, live_seconds: float,
-                      give_up: float) -> bool:
+                      give_up: float) -> Optional[dict]:
     """When nothing but a session's end can change a relay's state (each active relay runs a session or waits
     for a slot or the quota), wait in one task run until a session ends (or the quota refreshes, or a session's
-    deadline passes), their views current; the next round then follows that event. False: a relay waits on
-    something else (a claim, Kaggle's status lag): the flow polls."""
+    deadline passes), their views current; the next round then follows that event. None: a relay waits on
+    something else (a claim, Kaggle's status lag): the flow polls. Returns the sessions' states as the wait last
+    saw them ({run id: kernel state}), None when it did not wait."""
     running = [relay_step.following(r.ctx, r.step) for r in active if r.state is State.RUNNING]
     idle = all(r.state is State.RUNNING or r.waits_for is not None for r in active)
     if not running or None in running or not idle or rnd.refused:  # refused: a session not ours fills the cap
-        return False
+        return None
     until = give_up
     for r in active:  # a session past its deadline may be wedged: the next round looks at Kaggle then
         if r.state is State.RUNNING:
@@ -211,8 +215,7 @@ def _wait_on_sessions(active: List[Relay], rnd: Round, poll_seconds: float, live
             until = min(until, time.monotonic() + look)
     if rnd.quota_wait:
         until = min(until, time.monotonic() + max(0.0, (rnd.quota_wait - datetime.now(timezone.utc)).total_seconds()))
-    follow_sessions(running, ", ".join(s.run_id for s in running), poll_seconds, live_seconds, until)
-    return True
+    return follow_sessions(running, ", ".join(s.run_id for s in running), poll_seconds, live_seconds, until)
 
 
 def _rows(relays: List[Relay], plan) -> List[dict]:
