@@ -103,7 +103,7 @@ def time_relay(steps: int, workdir: Path, device: str = "cpu") -> tuple[float, f
     loop_mod.Trainer.fit = timed_fit
     try:
         with environment(**{DEVICE: device}):  # the session's device: the other loops' (else CUDA wherever there is)
-            progress = run_session(spec, workdir, budget=None)
+            progress = run_session(spec, workdir)  # the spec has no session.budget: none
     finally:
         loop_mod.Trainer.fit = real_fit
     assert progress["status"] == "done" and progress["global_step"] == steps

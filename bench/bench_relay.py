@@ -71,6 +71,7 @@ def seeds_session(spec_path: str, workdir: str, resume: Optional[str], every_epo
     """The seed notebooks' policy on the relay runtime: save every N epochs, no budget, no SIGTERM handler
     (the session cap kills the process), resume from the newest epoch checkpoint."""
     from relay.kernel.run import run_session
+    from relay.shared.session_plan import SessionPlan
     from relay.kernel.session import budget, loop
     from relay.shared import spec as spec_mod
 
@@ -89,8 +90,8 @@ def seeds_session(spec_path: str, workdir: str, resume: Optional[str], every_epo
                 self.save("epoch")
 
     loop.Trainer._after_step = after_step
-    run_session(spec_mod.load(spec_path), Path(workdir), budget=None,
-                resume_from=[Path(resume)] if resume else [])
+    run_session(spec_mod.load(spec_path, {"session.budget": None}), Path(workdir),  # no budget
+                SessionPlan(resume_from=(str(resume),) if resume else ()))
 
 
 SEEDS_KERNEL = """\
@@ -203,7 +204,7 @@ def measure(emu, kernel: str, workdir_name: str, policy: str, session_s: float, 
     for v in versions:
         work = emu.store.kernel_dir(kernel, v["number"]) / "working" / workdir_name
         k0, k1 = v["started"], v["ended"]
-        # this kernel's steps (metrics.jsonl also carries the earlier sessions' lines)
+        # this kernel's steps (its metrics.jsonl holds only its own lines; the time filter keeps older outputs right)
         steps = [r for r in _metrics(work / "metrics.jsonl") if r.get("kind") == "train" and r["time"] >= k0]
         progress = _read_json(work / "progress.json")
         session = ((progress or {}).get("sessions") or [None])[-1]

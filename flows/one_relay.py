@@ -19,7 +19,7 @@ from prefect import flow, get_run_logger
 from relay.orchestrator.kaggle.types import KaggleUnresponsive
 from relay.orchestrator.relay_state import State, Wait
 from relay.orchestrator.policy import plan_text, session_budget, utc  # noqa: F401 - plan_text: part of the flow's API
-from relay.front_door import read_spec
+from relay.front_door import SpecParameter, spec_at_flow
 from flows import relay_rounds as rounds
 from flows.relay_rounds import Relay
 from tasks import relay_step, run_labels
@@ -34,7 +34,7 @@ QUOTA_RECHECK_S = 15 * 60.0
 
 
 @flow(name="relay", log_prints=True, flow_run_name=run_labels.relay_run_name)
-def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"] = "watch",
+def relay(spec: SpecParameter = "examples/price-demo.yaml", mode: Literal["watch", "tick"] = "watch",
           credentials_block: Optional[str] = None, poll_seconds: float = 30.0,
           max_hours: float = 24 * 14, state_dir: str = "runs", live_seconds: float = 30.0,
           tick_follow_seconds: float = 5.0, step_lock_wait_s: float = 600.0) -> dict:
@@ -45,15 +45,17 @@ def relay(spec: str = "examples/price-demo.yaml", mode: Literal["watch", "tick"]
     this Prefect server (tasks/step_lock.py; 0: no lock); pushes and hand-overs are claimed on Kaggle.
     The Kaggle account: `credentials_block`, else the spec's kaggle.credentials_block, else the worker's
     environment; each session holds a slot of the account's session limit until it is handed over
-    (tasks/account_slots.py: the scheduler of the `relays` flow, here with one relay)."""
-    with run_labels.read_once_after_naming():  # one open: the run's name, the spec parsed, the text a push ships
-        loaded = read_spec(spec)
+    (tasks/account_slots.py: the scheduler of the `relays` flow, here with one relay).
+    `spec`: the path of a spec file, or its YAML text (a deployment run), or the spec `relay run` read; parsed
+    once, here (relay.front_door.spec_at_flow)."""
+    loaded = spec_at_flow(spec)  # the one parse in this process: the spec, and the text a push ships
     run_spec = loaded.spec
     ctx = RelayContext.open(run_spec, loaded.text,
                             relay_step.make_backend(credentials_block or run_spec.kaggle.credentials_block),
                             state_dir, step_lock_wait_s, tick=mode == "tick")
     get_run_logger().info("relay %s on Kaggle account %s", run_spec.name, ctx.backend.username)
-    run_labels.label(add_tags=run_labels.tags(ctx.spec.name, ctx.names.owner))
+    run_labels.label(name=run_labels.relay_name(run_spec.name, mode),  # named by a path's stem before the parse
+                     add_tags=run_labels.tags(ctx.spec.name, ctx.names.owner))
     pace = Pace(mode, poll_seconds, time.monotonic() + max_hours * 3600, live_seconds, tick_follow_seconds)
     slots = AccountSessions(ctx.backend.username, run_spec.kaggle.account_sessions)
     slots.add(run_spec.name, run_spec.kaggle.session_timeout + run_spec.kaggle.startup_overhead)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import List, Literal, Optional
+from typing import List, Literal, Optional, Tuple, Union
 
 from prefect import flow, get_run_logger
 
@@ -29,9 +29,9 @@ from flows.relay_rounds import Relay, Round, run_round
 from relay.orchestrator import joint_plan, measured, plan as planner, policy
 from relay.orchestrator.policy import utc
 from relay.orchestrator.relay_state import FINAL, IN_FLIGHT, State, Wait, overall
-from relay.front_door import read_spec
+from relay.front_door import SpecParameter, spec_at_flow
 from relay.shared.errors import InputError
-from relay.shared.spec import load as spec_only  # the spec without its code: to read one field
+from relay.shared.spec import LoadedSpec
 from tasks import relay_step, relay_tasks
 from tasks import relays_artifacts, run_labels
 from tasks.account_slots import AccountSessions
@@ -40,13 +40,26 @@ from tasks.relay_step import RelayContext, RelayFailed
 from tasks.run_step_locks import RunStepLocks
 
 
-def load_relays(specs: List[str], backend, state_dir: str, locks: Optional[RunStepLocks] = None,
-                tick: bool = False) -> List[Relay]:
-    relays = []
-    for path in specs:
-        relay = Relay(path, Path(path).stem)
+def read_specs(specs: List[SpecParameter]) -> List[Tuple[str, Union[LoadedSpec, Exception]]]:
+    """Each relay's spec parsed once, here at the flow's start (relay.front_door.spec_at_flow): (what names it
+    before, the spec read, or why it could not be: one bad spec is that relay's failure, not everyone's)."""
+    parsed: List[Tuple[str, Union[LoadedSpec, Exception]]] = []
+    for spec in specs:
         try:
-            loaded = read_spec(path)  # the spec parsed and the text a push ships: the same bytes
+            parsed.append((run_labels.spec_name(spec), spec_at_flow(spec)))
+        except (InputError, OSError) as err:
+            parsed.append((run_labels.spec_name(spec), err))
+    return parsed
+
+
+def load_relays(specs: List[Tuple[str, Union[LoadedSpec, Exception]]], backend, state_dir: str,
+                locks: Optional[RunStepLocks] = None, tick: bool = False) -> List[Relay]:
+    relays = []
+    for shown, loaded in specs:
+        relay = Relay(str(loaded.path or shown) if isinstance(loaded, LoadedSpec) else shown, shown)
+        try:
+            if isinstance(loaded, Exception):
+                raise loaded
             relay.ctx = RelayContext.open(loaded.spec, loaded.text, backend, state_dir, tick=tick,
                                           lock=locks.member(loaded.spec.name) if locks else None)
         except (InputError, OSError) as err:  # one bad spec is that relay's failure, not everyone's
@@ -107,14 +120,10 @@ def account_sessions(relays: List[Relay]) -> int:
     return min([r.ctx.spec.kaggle.account_sessions for r in relays if r.ctx is not None] or [2])
 
 
-def one_account(specs: List[str]) -> Optional[str]:
-    """The credentials block the specs name (kaggle.credentials_block): the cap and the quota are one account's."""
-    named = set()
-    for path in specs:
-        try:
-            named.add(spec_only(path).kaggle.credentials_block)
-        except (InputError, OSError):
-            continue  # a bad spec is that relay's failure (load_relays), not everyone's
+def one_account(specs: List[Tuple[str, Union[LoadedSpec, Exception]]]) -> Optional[str]:
+    """The credentials block the specs name (kaggle.credentials_block): the cap and the quota are one account's.
+    `specs`: as read_specs parsed them (a bad spec is that relay's failure, in load_relays, not everyone's)."""
+    named = {loaded.spec.kaggle.credentials_block for _, loaded in specs if isinstance(loaded, LoadedSpec)}
     if len(named) > 1:
         raise InputError(f"relays: the specs name different kaggle.credentials_block ({sorted(map(str, named))});"
                          " one relays run drives one account: start one per account")
@@ -122,7 +131,7 @@ def one_account(specs: List[str]) -> Optional[str]:
 
 
 @flow(name="relays", log_prints=True, flow_run_name=run_labels.relays_run_name)
-def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: Optional[int] = None,
+def relays(specs: List[SpecParameter], mode: Literal["watch", "tick"] = "watch", cap: Optional[int] = None,
            credentials_block: Optional[str] = None, poll_seconds: float = 30.0, max_hours: float = 24 * 28,
            state_dir: str = "runs", live_seconds: float = 30.0, step_lock_wait_s: float = 600.0) -> dict:
     """Advance (tick) or run to the end (watch) every relay in `specs`, at most the specs' kaggle.account_sessions
@@ -133,10 +142,10 @@ def relays(specs: List[str], mode: Literal["watch", "tick"] = "watch", cap: Opti
     logger = get_run_logger()
     locks = RunStepLocks(step_lock_wait_s)  # one lease for every relay of this run
     try:
-        with run_labels.read_once_after_naming():  # each spec file read once: the run's name, its account, its relay
-            backend = relay_step.make_backend(credentials_block or one_account(specs))
-            logger.info("relays on Kaggle account %s", backend.username)
-            all_relays = load_relays(specs, backend, state_dir, locks, tick=mode == "tick")
+        parsed = read_specs(specs)  # each spec parsed once: its account, its relay, the text its pushes ship
+        backend = relay_step.make_backend(credentials_block or one_account(parsed))
+        logger.info("relays on Kaggle account %s", backend.username)
+        all_relays = load_relays(parsed, backend, state_dir, locks, tick=mode == "tick")
         return _drive(backend, all_relays, mode, cap, poll_seconds, max_hours, state_dir, live_seconds, locks, logger)
     finally:
         locks.close()
@@ -152,7 +161,8 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
     for r in all_relays:
         if r.ctx is not None:
             slots.add(r.name, r.ctx.spec.kaggle.session_timeout + r.ctx.spec.kaggle.startup_overhead)
-    run_labels.label(add_tags=run_labels.account_tags(r.ctx.names.owner for r in all_relays if r.ctx))
+    run_labels.label(name=run_labels.relays_name([r.name for r in all_relays], mode),  # named by stems before
+                     add_tags=run_labels.account_tags(r.ctx.names.owner for r in all_relays if r.ctx))
     locks.hold([r.name for r in all_relays if r.ctx is not None])  # one write for all, before the first round
     give_up = time.monotonic() + max_hours * 3600
     announced_wait, refused, last_shown, still_running = None, 0, None, frozenset()

@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--features", action="append", default=[], metavar="DIR",
                    help="read-only feature cache (a mounted dataset); repeatable")
     t.add_argument("--run-id", help="id chosen by the orchestrator, written into progress and manifests")
-    t.add_argument("--plan", metavar="FILE", help="the session's plan as the kernel script writes it (JSON: run"
-                   " id, budget, deadline, resume, data and feature folders); a flag given too wins")
+    t.add_argument("--plan", metavar="FILE", help="the session's plan as the orchestrator made it (JSON: run id,"
+                   " budget, deadline, datasets to resume from, data, features); without it the flags above make"
+                   " one, beside it they are refused")
     t.set_defaults(func=commands.cmd_train)
 
     d = sub.add_parser("data", help="generate synthetic data shaped like a workload's real files")

@@ -13,46 +13,50 @@ from relay.shared.errors import InputError
 UNSET = object()  # a flag not given, told apart from one given as 'none' (None)
 
 
+# `relay train`'s flags that make a session's plan by hand; with --plan the plan says all of it
+PLAN_FLAGS = (("budget", "--budget"), ("deadline", "--deadline"), ("resume_from", "--resume-from"),
+              ("data", "--data"), ("features", "--features"), ("run_id", "--run-id"))
+
+
+def session_plan(args: argparse.Namespace):
+    """The session's plan: --plan's file as the orchestrator made it, else the one the flags make. A plan flag beside
+    --plan is refused (one line): the plan is the session's whole say, never overridden."""
+    from relay.shared.session_plan import SessionPlan
+
+    given = [flag for name, flag in PLAN_FLAGS
+             if (args.budget is not UNSET if name == "budget" else getattr(args, name) not in (None, []))]
+    if args.plan:
+        if given:
+            raise InputError(f"relay train: {', '.join(given)} given with --plan {args.plan}: the plan says the"
+                             " session's budget, run id and folders; give either the plan or the flags")
+        return SessionPlan.read(args.plan)
+    # --budget overrides the spec's session.budget (load_spec's overrides), which a plan's budget None means
+    return SessionPlan(run_id=args.run_id, deadline=args.deadline, resume_from=tuple(args.resume_from),
+                       data_dir=args.data, feature_dirs=tuple(args.features))
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from relay.kernel.run import run_session
     from relay.front_door import load_spec
 
-    from relay.shared.session_plan import SessionPlan
-
-    # the session's plan (the kernel script writes it: relay/shared/session_plan.py), trusted as it is; a flag
-    # given beside it wins, and the flags alone (by hand, the kernels pushed before the plan) work as they did
-    plan = SessionPlan.read(args.plan) if args.plan else SessionPlan()
+    plan = session_plan(args)
     overrides = {}
     if args.budget is not UNSET:
         overrides["session.budget"] = args.budget
     if args.max_steps is not UNSET:
         overrides["session.max_steps"] = args.max_steps
     spec = load_spec(args.spec, overrides)
-    budget = plan.budget if plan.budget is not None and args.budget is UNSET else spec.session.budget
-    deadline = args.deadline if args.deadline is not None else plan.deadline
-    resume_from = args.resume_from or list(plan.resume_from)
-    data = args.data or plan.data
-    features = args.features or list(plan.features)
-    run_id = args.run_id or plan.run_id
     if spec.code is not None and spec.code.entry:  # the user's own loop (relay/kernel/entry.py)
         from relay.kernel import entry
 
         from relay.kernel.session.settings import SessionSettings
 
-        config = SessionSettings.from_spec(
-            spec, Path(args.workdir), budget=budget, deadline=deadline,
-            max_steps=spec.session.max_steps, resume_from=resume_from, data_dir=data,
-            feature_dirs=features, run_id=run_id)
-        progress = entry.run_entry(spec, config)
+        progress = entry.run_entry(spec, SessionSettings.from_spec(spec, Path(args.workdir), plan))
         print(f"relay: {progress['status']} at step {progress['global_step']}/{progress['total_steps']}"
               f" (session {len(progress['sessions'])}, stop: {progress['stop_reason']});"
               f" weights {(progress['weights_sha256'] or '?')[:16]}")
         return 0
-    progress = run_session(
-        spec, Path(args.workdir), budget=budget, deadline=deadline,
-        resume_from=[Path(p) for p in resume_from], data_dir=Path(data) if data else None,
-        feature_dirs=[Path(p) for p in features], run_id=run_id,
-    )
+    progress = run_session(spec, Path(args.workdir), plan)
     m = progress["metrics"]
     metric = ", ".join(f"{k}={v:.4g}" for k, v in m.items() if k != "step")
     print(f"relay: {progress['status']} at step {progress['global_step']}/{progress['total_steps']}"
@@ -79,7 +83,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     progress = _load_progress(args.progress) if args.progress else {}
     # start-up, save and hand-over: the flags, else measured over this run's records (--progress) or a previous
     # relay's (--from NAME: its published progress.json, read from Kaggle), else the spec's and the defaults
-    measured_from = _previous_relay(args.from_relay, args.credentials_block) if args.from_relay else progress
+    quota_seen = None  # Kaggle's quota statistics, read where the plan reads Kaggle anyway (--from)
+    if args.from_relay:
+        measured_from, quota_seen = _previous_relay(args.from_relay, args.credentials_block)
+    else:
+        measured_from = progress
     figures = measured.overheads(spec, measured_from, startup=args.startup, save=args.save, handover=args.handover)
     total = None
     step_seconds = args.step_seconds if args.step_seconds is not None else spec.session.step_seconds
@@ -95,8 +103,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise InputError("relay plan: no session has measured a step yet: pass --step-seconds S"
                              " or set session.step_seconds in the spec")
     now = datetime.now(timezone.utc)
-    ledger = [(s["started"], s.get("seconds", 0.0)) for s in progress.get("sessions", [])]
-    quota = planner.quota_from_ledger(ledger, now, total_allowed_s=spec.kaggle.weekly_gpu_quota)
+    quota = policy.quota_state(spec, progress, quota_seen, now)  # the one rule `relay status` and the summary use
     limits = policy.plan_limits(spec, figures)
     try:
         plan = planner.plan_from_progress(progress, quota, now, limits=limits, step_seconds_estimate=step_seconds,
@@ -104,9 +111,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except planner.PlanError as err:
         raise InputError(f"relay plan: {err} (see relay plan --help)") from None
     print(planner.format_plan(plan))
+    assumed = [f for f in (figures.startup, figures.save, figures.handover) if f.source.startswith("assumed")]
     print(measured.goodput_line(measured.expected_goodput(plan.sessions, figures, spec.session.save_every), figures,
                                 spec.kaggle.weekly_gpu_quota)
-          + (f"; figures of relay {args.from_relay}" if args.from_relay else ""))
+          + (f"; figures of relay {args.from_relay}" if args.from_relay else "")
+          + ("; assumed figures are measured by `relay plan --from NAME` (a relay that ran) or --progress DIR"
+             if assumed and not args.from_relay else ""))
     procs = spec.session.devices if spec.session.devices != "auto" else accelerators.gpus_of(spec.kaggle.machine_shape)
     if spec.recipe is not None:
         from relay.kernel.usercode import recipe_params  # a user recipe's Params are in its own module
@@ -120,14 +130,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _previous_relay(name: str, credentials_block: Optional[str]) -> dict:
-    """The published progress.json of relay NAME (its sessions' and charges' records), read from Kaggle."""
+def _previous_relay(name: str, credentials_block: Optional[str]) -> tuple:
+    """The published progress.json of relay NAME (its sessions' and charges' records), read from Kaggle, and the
+    account's quota statistics (None when Kaggle gave none)."""
     from relay.orchestrator import status
 
-    found = status.find_relay(name, lambda: _backend(credentials_block), "relay plan --from")
+    made: list = []  # the backend find_relay makes (its errors are its own to say), asked the quota after
+    found = status.find_relay(name, lambda: made.append(_backend(credentials_block)) or made[-1], "relay plan --from")
     if not (found[4].published or {}).get("sessions"):
         raise InputError(f"relay plan --from {name}: the relay has handed no session over yet: nothing measured")
-    return found[4].published
+    try:
+        quota = made[-1].quota() if made else None  # the account's quota, as `relay status` reads it
+    except Exception:  # noqa: BLE001 - the plan then assumes the weekly reset, and says so
+        quota = None
+    return found[4].published, quota
 
 
 def _backend(credentials_block: Optional[str]):
@@ -143,7 +159,7 @@ def _backend(credentials_block: Optional[str]):
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from relay.orchestrator import report
+    from relay.orchestrator import attempts, report
     from relay.shared import runtime
 
     if not Path(args.dir).is_dir():  # a relay name or a spec: read from Kaggle
@@ -165,7 +181,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         print(f"curves: none (no metrics.jsonl records under {out})")
     if progress.get("sessions"):
-        print(f"timeline: {report.plot_timeline(progress['sessions'], out / 'timeline.png')}")
+        print(f"timeline: {report.plot_timeline(attempts.every_attempt(progress), out / 'timeline.png')}")
     if progress.get("charges"):  # a relay's published progress: what Kaggle charged each attempt, as it saw it
         from relay.orchestrator import goodput, goodput_chart
 

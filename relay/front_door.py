@@ -1,18 +1,21 @@
 """The front door every command and flow loads a spec through: the spec itself (relay.shared.spec: YAML,
 types, paths; torch-free and importing no user code), then the user's code it names, imported and checked
-once here (relay.kernel.usercode.check_code), so a wrong entry or recipe is one line and exit 2 before
-anything is written, trained or pushed. A built-in recipe imports nothing of the kernel side."""
+here (relay.kernel.usercode.check_code), so a wrong entry or recipe is one line and exit 2 before
+anything is written, trained or pushed. A built-in recipe imports nothing of the kernel side.
+
+A process that runs a relay parses its spec once, where it takes it in: `relay run` (then it hands the flow the
+LoadedSpec), or a flow's `spec` parameter (`spec_at_flow`: a deployment run gives a path, or the spec's text)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Any, Optional, Union
+
+from pydantic import WithJsonSchema
 
 from relay.shared import spec as spec_mod
-from relay.shared.code_folder import code_digest
 
-# What this process has import-checked already: `relay run` loads the spec before it starts Prefect (a bad one is
-# one line, exit 2) and the flow loads it again; the user's code is checked once for the same spec and files.
-_checked: set[tuple[str, str]] = set()
+# A flow's `spec`: a path, the spec's YAML text, or a spec read in this process; a deployment's form shows a string
+SpecParameter = Annotated[Union[str, spec_mod.LoadedSpec], WithJsonSchema({"type": "string"})]
 
 
 def load_spec(path: str | Path, overrides: Optional[dict[str, Any]] = None) -> spec_mod.RunSpec:
@@ -20,17 +23,25 @@ def load_spec(path: str | Path, overrides: Optional[dict[str, Any]] = None) -> s
 
 
 def read_spec(path: str | Path, overrides: Optional[dict[str, Any]] = None) -> spec_mod.LoadedSpec:
-    """The spec file read once (relay.shared.spec.read: the text a push ships and the spec parsed from it), its
-    user code checked. What the orchestrator passes down instead of the path."""
-    loaded = spec_mod.read(path, overrides)
-    run_spec = loaded.spec
-    if run_spec.code is not None:
-        # a changed file of the code folder is checked again; the spec in it is the bytes already read
-        key = (run_spec.model_dump_json(),
-               code_digest(run_spec.code.folder, run_spec.code.exclude, loaded.path, loaded.raw))
-        if key not in _checked:
-            from relay.kernel.usercode import check_code
+    """The spec file read and parsed (relay.shared.spec.read: the text a push ships and the spec parsed from it),
+    its user code checked. What the orchestrator passes down instead of the path."""
+    return _checked(spec_mod.read(path, overrides), str(path))
 
-            check_code(run_spec, source=str(path))
-            _checked.add(key)
+
+def spec_at_flow(spec: SpecParameter) -> spec_mod.LoadedSpec:
+    """A flow's `spec` parameter, parsed once here: a LoadedSpec (what `relay run` read and checked in this
+    process) as it is; a value with a line break is the spec's YAML text itself (its relative paths relative to
+    the worker's working folder); anything else is the path of a spec file."""
+    if isinstance(spec, spec_mod.LoadedSpec):
+        return spec
+    if "\n" in spec:
+        return _checked(spec_mod.parse(spec, source="spec (the flow's spec parameter)", folder=Path.cwd()), "spec")
+    return read_spec(spec)
+
+
+def _checked(loaded: spec_mod.LoadedSpec, source: str) -> spec_mod.LoadedSpec:
+    if loaded.spec.code is not None:
+        from relay.kernel.usercode import check_code
+
+        check_code(loaded.spec, source=source)
     return loaded

@@ -53,13 +53,10 @@ def run(spec: Union[str, Sequence[str]], out: Optional[str] = None, tick: bool =
         emit=print) -> int:
     """One spec: the `relay` flow. Several (`relay run a.yaml b.yaml`): the `relays` flow, one account's relays
     sharing its session slots."""
-    from relay.shared.spec import read_once
-
     specs = [spec] if isinstance(spec, str) else list(spec)
-    with read_once():  # each spec file is read once: here, and the flow's start, run name and push reuse its bytes
-        if len(specs) > 1:
-            return _run_several(specs, out, tick, poll_seconds, submit, credentials_block, emit)
-        return _run(specs[0], out, tick, poll_seconds, submit, credentials_block, emit)
+    if len(specs) > 1:
+        return _run_several(specs, out, tick, poll_seconds, submit, credentials_block, emit)
+    return _run(specs[0], out, tick, poll_seconds, submit, credentials_block, emit)
 
 
 def _spec_path(spec: str) -> Path:
@@ -70,10 +67,12 @@ def _spec_path(spec: str) -> Path:
 
 
 def _load(spec: str):
-    from relay.front_door import load_spec
+    """The spec parsed, once in this process: the flow gets it as it is (a bad spec: one line, exit 2, nothing
+    pushed)."""
+    from relay.front_door import read_spec
 
     path = _spec_path(spec)
-    return path, load_spec(path)  # a bad spec: one line, exit 2, nothing pushed
+    return path, read_spec(path)
 
 
 def _prepare(run_spec, folder: Path) -> None:
@@ -97,14 +96,14 @@ def _run_several(specs: Sequence[str], out: Optional[str], tick: bool, poll_seco
         raise InputError("--submit: PREFECT_API_URL is not set (the Prefect server to submit to); without"
                          " --submit the relays run here")
     loaded = [_load(spec) for spec in specs]
-    names = [run_spec.name for _, run_spec in loaded]
+    names = [read.name for _, read in loaded]
     if len(set(names)) < len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
         raise InputError(f"name: {', '.join(twice)} named by more than one spec; each relay needs its own name")
     folder = outputs_dir(loaded[0][0], out)
-    for _, run_spec in loaded:
-        _prepare(run_spec, folder)
-    cap = min(run_spec.kaggle.account_sessions for _, run_spec in loaded)
+    for _, read in loaded:
+        _prepare(read.spec, folder)
+    cap = min(read.spec.kaggle.account_sessions for _, read in loaded)
     if submit:  # a worker of the server runs the relays flow (deployment relays/relays)
         from relay.submit import stop_reason, submit as submit_run
 
@@ -129,7 +128,7 @@ def _run_several(specs: Sequence[str], out: Optional[str], tick: bool, poll_seco
          f" outputs in {folder}")
     failed = None
     try:
-        summary = relays(specs=[str(path.resolve()) for path, _ in loaded], mode="tick" if tick else "watch",
+        summary = relays(specs=[read for _, read in loaded], mode="tick" if tick else "watch",
                          credentials_block=credentials_block, poll_seconds=poll_seconds,
                          state_dir=str(folder))
     except RelayFailed as err:
@@ -150,7 +149,8 @@ def _run(spec: str, out: Optional[str], tick: bool, poll_seconds: Optional[float
     if submit and not os.environ.get("PREFECT_API_URL") and _spec_path(spec):
         raise InputError("--submit: PREFECT_API_URL is not set (the Prefect server to submit to); without"
                          " --submit the relay runs here")
-    path, run_spec = _load(spec)
+    path, loaded = _load(spec)
+    run_spec = loaded.spec
     folder = outputs_dir(path, out)
     _prepare(run_spec, folder)
     local = folder / run_spec.name
@@ -189,7 +189,7 @@ def _run(spec: str, out: Optional[str], tick: bool, poll_seconds: Optional[float
 
     emit(f"relay {run_spec.name}: {'one tick' if tick else 'to the end'}; outputs in {local}")
     try:
-        summary = relay(spec=str(path.resolve()), mode="tick" if tick else "watch", poll_seconds=poll_seconds,
+        summary = relay(spec=loaded, mode="tick" if tick else "watch", poll_seconds=poll_seconds,
                         state_dir=str(folder), credentials_block=credentials_block)
     except RelayFailed as err:
         return _stopped(emit, str(err))

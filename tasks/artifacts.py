@@ -11,7 +11,7 @@ from prefect import task
 from prefect.artifacts import create_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from relay.orchestrator import goodput, goodput_chart, report
+from relay.orchestrator import attempts, goodput, goodput_chart, report
 from relay.shared import progress_line, runtime
 
 
@@ -97,7 +97,8 @@ def publish_report(name: str, progress: dict, local: Path, metrics: Optional[Pat
     if metrics is not None and metrics.is_file():
         images["curves"] = report.plot_curves(metrics, local / "curves.png", progress=progress) or local / "curves.png"
     if progress.get("sessions"):
-        images["timeline"] = report.plot_timeline(progress["sessions"], local / "timeline.png") or local / "timeline.png"
+        images["timeline"] = report.plot_timeline(attempts.every_attempt(progress), local / "timeline.png") \
+            or local / "timeline.png"  # failed attempts included: a wedge is a bar, not a gap
     ledger = goodput.from_progress(progress, save_every_s)
     if ledger.charged_s > 0:
         images["goodput"] = goodput_chart.plot_goodput(ledger, local / "goodput.png") or local / "goodput.png"
@@ -116,10 +117,13 @@ def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_te
     sessions = len(progress.get("sessions", []))
     evals = progress.get("metrics") or {}
     last_eval = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in evals.items())
+    if ledger is None:  # the caller's, when it drew it
+        ledger = goodput.from_progress(progress, save_every_s)
+    # sessions and attempts, and GPU time, said as the ledger says them (its line, its table, its chart)
+    spend = (f"{ledger.attempts_text()}, {goodput.duration_text(ledger.charged_s)} GPU time charged"
+             if ledger.attempts else f"{sessions} session{'' if sessions == 1 else 's'} handed over")
     md = [f"# {name}: {state or progress.get('status', '')}",
-          f"step **{done} / {total}** (epoch {progress.get('epoch', 0) + 1}), "
-          f"{sessions} session{'' if sessions == 1 else 's'} handed over,"
-          f" {progress.get('total_seconds', 0) / 3600:.2f} h of sessions; updated"
+          f"step **{done} / {total}** (epoch {progress.get('epoch', 0) + 1}), {spend}; updated"
           f" {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
           f"last eval: {last_eval or 'none yet'}"]
     if best:
@@ -131,9 +135,7 @@ def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_te
         md.append(links)
     if plan_text.strip():
         fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", plan_text)), default=0))
-        md.append(f"## Plan and ETA\n\n{fence}text\n{plan_text.strip(chr(10))}\n{fence}")
-    if ledger is None:  # the caller's, when it drew it
-        ledger = goodput.from_progress(progress, save_every_s)
+        md.append(f"## Plan and ETA\n\n{fence}text\n{fit_lines(plan_text.strip(chr(10)))}\n{fence}")
     if ledger.attempts:  # where the GPU time charged went (relay/orchestrator/goodput.py), drawn and in figures
         chart = f"\n\n{_image('goodput', images['goodput'])}" if "goodput" in images else ""
         md.append(f"## Goodput\n\n{ledger.line()}{chart}\n\n{ledger.table()}")
@@ -141,6 +143,23 @@ def summary_markdown(name: str, progress: dict, images: dict[str, Path], plan_te
         if label != "goodput":
             md.append(f"## {_TITLES.get(label, label)}\n\n{_image(label, png)}")
     return "\n\n".join(md) + "\n"
+
+
+# Characters of monospace text one line of the Prefect UI's code block shows in a 1440-px-wide window (headless
+# Chromium, Prefect 3's artifact page: ~105 seen): a longer plan line was cut on the right, behind a scroll bar.
+# tests/orchestrator/test_ui_width.py holds the summary to it.
+CODE_COLUMNS = 100
+
+
+def fit_lines(text: str, width: int = CODE_COLUMNS) -> str:
+    """Each line of `text` wrapped at a space to `width` characters, its continuation indented two."""
+    import textwrap
+
+    out = []
+    for line in text.split("\n"):
+        out += textwrap.wrap(line, width, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False,
+                             drop_whitespace=True) if len(line) > width else [line]
+    return "\n".join(out)
 
 
 def _image(label: str, png: Path) -> str:

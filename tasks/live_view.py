@@ -46,6 +46,8 @@ class LiveView:
         self.notify, self.plan = notify, plan
         self.finish = finish  # the run's finish, policy.forecast's: the one the summary's plan and `relay status` say
         self.links = links    # where the relay lives on Kaggle (chain.Names.links), in every summary
+        self.deadline: Optional[float] = None  # unix time: Kaggle still running the session after it is a wedge
+        self._wedge_shown: Optional[str] = None  # the run whose wedge the table and summary were given
         self.live: Optional[LiveSession] = None
         self.progress_artifact: Optional[str] = None  # this flow run's progress artifact, updated in place
         self._warned: set = set()
@@ -101,6 +103,11 @@ class LiveView:
         self._seen = len(records)
         if warned and not summary_at:
             summary_at.append(len(records) - 1)
+        wedged = self.deadline is not None and kernel_state == "running" and time.time() >= self.deadline
+        if wedged and self._wedge_shown != live.run_id:  # once: the table's row and the summary's title say it
+            self._wedge_shown = live.run_id
+            summary_at = sorted(set(summary_at) | {len(records) - 1})
+        shown_state = "running past its deadline: wedged" if wedged else kernel_state
         if catch_up:
             log_at, summary_at = log_at[-1:], summary_at[-1:]
         try:  # the live view never fails a relay
@@ -113,7 +120,7 @@ class LiveView:
                 metrics = (handoff.published_metrics(self.backend, self.names, self.local, progress)
                            if progress else None)
                 artifacts.publish_running(self.names.name, progress or {}, upto, self.local, metrics,
-                                          self._text(upto, progress, kernel_state), kernel_state,
+                                          self._text(upto, progress, kernel_state), shown_state,
                                           self._plan({**(progress or {}), "total_steps": self._total(upto, progress)},
                                                      estimate(upto, self.session_max_steps)),
                                           self.links)
@@ -166,7 +173,8 @@ class LiveView:
         steps = int(newest["step"]) - int(upto[0].get("step_start") or 0)
         return (f"{self.names.name}: step {newest['step']} of {self._total(upto, progress)}; session"
                 f" {newest.get('session')} ({self.live.run_id}): {steps} steps, {kernel_state};"
-                f" {eta_text(upto, self.session_max_steps)}{self._finish(upto, progress)};"
+                f" {eta_text(upto, self.session_max_steps, self.deadline, kernel_state)}"
+                f"{self._finish(upto, progress)};"
                 f" updated {time.strftime('%H:%M:%S UTC', time.gmtime())}")
 
     def _finish(self, upto: list, progress: Optional[dict]) -> str:

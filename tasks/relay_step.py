@@ -203,7 +203,9 @@ def _wedged(ctx: RelayContext, obs: chain.Observation, wedged: chain.Action) -> 
     relay_tasks.delete_kernel(ctx.backend, ctx.names.kernel)
     ctx.lease.took_effect(key)
     if then.failed:
-        _session_failed(ctx, wedged.run_id, then.failed)
+        why_not = f" (its output: {harvested.reason})" if harvested is not None and not harvested.ok else ""
+        _session_failed(ctx, wedged.run_id, then.failed + why_not
+                        + _steps_lost(wedged.run_id, harvested.log_tail if harvested is not None else "", obs))
     if then.do is Do.FAILED:
         raise RelayFailed(then.reason)
     if then.do is Do.HANDED_OVER:
@@ -231,6 +233,19 @@ def _stored(ctx: RelayContext) -> Optional[dict]:
     return stored
 
 
+def _steps_lost(run_id: str, log_tail: str, obs: chain.Observation) -> str:
+    """"; 150 steps lost (it trained to step 418; the relay goes on from step 268)": what an attempt trained past the
+    published checkpoint, from its newest progress line in its log; "" when its log shows none past it."""
+    try:
+        last = goodput.charge_record(run_id, log_tail or "", None, None).get("last_step")
+    except Exception:  # noqa: BLE001 - a log that cannot be read costs the figure, never the relay
+        return ""
+    published = int((obs.published or {}).get("global_step", 0))
+    if last is None or last <= published:
+        return ""
+    return f"; {last - published} steps lost (it trained to step {last}; the relay goes on from step {published})"
+
+
 def _session_failed(ctx: RelayContext, run_id: str, why: str) -> None:
     """A failed session (a code error, a stall, another accelerator than asked): in the flow's log and told."""
     get_run_logger().warning("%s", why)
@@ -250,8 +265,11 @@ def _hand_over(ctx: RelayContext, obs: chain.Observation, action: chain.Action) 
         return Step(State.WAITING, action, obs, obs.published, why=f"hand-over of {action.run_id} stopped: {lost}")
     facts = recovery(ctx.backend, ctx.names, ctx.spec, ctx.spec_text, action, result)
     then = chain.after_handover(ctx.spec.name, action, result, obs, facts)
-    if then.failed:
-        _session_failed(ctx, action.run_id, then.failed)
+    if then.failed:  # its reason says why nothing was handed over: said once, with the steps it cost
+        _session_failed(ctx, action.run_id, then.failed + _steps_lost(action.run_id, result.log_tail, obs))
+    elif not result.ok:
+        get_run_logger().warning("session %d not handed over: %s%s", action.session, result.reason,
+                                 _steps_lost(action.run_id, result.log_tail, obs))
     if then.do is Do.HANDED_OVER:
         ctx.lease.took_effect(key)
         changed = environment_change(result.progress)  # Kaggle's image, torch, CUDA or the GPUs changed
@@ -345,6 +363,7 @@ def quota_spent(ctx: RelayContext, ready: Step, quota: Optional[Quota]) -> Step:
 def show_running(ctx: RelayContext, running: Step):
     """Follow the running session's log and refresh its live view (progress, table, curves, early warnings)."""
     live = ctx.view.follow(running.action.run_id)
+    ctx.view.deadline = running.deadline  # a session still running after it is wedged: the progress card says so
     ctx.view.refresh(running.progress, running.obs.kernel_state or "starting")
     return live
 

@@ -87,11 +87,9 @@ def hand_over(backend, spec, names: Names, action: Action, obs: Observation, loc
               confirm=None) -> handoff.HandOver:
     result = handoff.hand_over(backend, spec, names, action, obs, local, wandb_key=lambda: wandb_api_key(spec),
                                **({"confirm": confirm} if confirm else {}))
-    logger = get_run_logger()
-    if result.ok:
-        logger.info("session %d handed over at step %d: %s", action.session, result.step, ", ".join(result.published))
-    else:
-        logger.warning("session %d not handed over: %s", action.session, result.reason)
+    if result.ok:  # one that is not is said once by the flow, with what follows and the steps it lost
+        get_run_logger().info("session %d handed over at step %d: %s", action.session, result.step,
+                              ", ".join(result.published))
     return result
 
 

@@ -2,49 +2,23 @@
 tags (the relay's name, the Kaggle account). Where the relay lives on Kaggle is chain.Names.links."""
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Mapping, Optional
+from typing import Iterable, List, Optional
 
 
 RELAY_TAG = "relay:"
 ACCOUNT_TAG = "kaggle:"  # the Kaggle account a run is tagged with: what `relay run --submit` reads back
 
 
-# Prefect names a run (flow_run_name) before the flow's body starts, outside the body's read_once scope: the reads a
-# run's name was made from wait here, by flow run, and serve the body's, so a deployment's run opens each spec once.
-_READ_FOR_NAME: Dict[Optional[str], Mapping[str, bytes]] = {}
+def spec_name(spec) -> str:
+    """A relay's name for its flow run's name, which Prefect makes before the flow's body parses the spec (the body
+    then renames the run: `relay_name`): a spec `relay run` read, its own name; a path, the file's stem; the spec's
+    text, "relay". Nothing is read or parsed for it."""
+    from relay.shared.spec import LoadedSpec
 
-
-def spec_name(path: str) -> str:
-    """The relay's name from its spec file, before the flow validates it (a run name only: the file's stem if it
-    cannot be read). Under `relay run` (relay.shared.spec.read_once) the bytes it already read, not another open."""
-    from relay.shared.spec import name_of
-
-    return name_of(path) or Path(path).stem
-
-
-def _names_of(paths: Iterable[str]) -> List[str]:
-    """The relays' names for this flow run's name; the bytes they were read from are kept for its body."""
-    from prefect.runtime import flow_run
-
-    from relay.shared.spec import read_once
-
-    with read_once() as held:
-        names = [spec_name(p) for p in paths]
-        _READ_FOR_NAME[flow_run.id] = dict(held)
-    return names
-
-
-@contextmanager
-def read_once_after_naming() -> Iterator[None]:
-    """The flow body's read_once scope (relay.shared.spec), served by the reads its run's name was made from."""
-    from prefect.runtime import flow_run
-
-    from relay.shared.spec import read_once
-
-    with read_once(_READ_FOR_NAME.pop(flow_run.id, {})):
-        yield
+    if isinstance(spec, LoadedSpec):
+        return spec.name
+    return "relay" if "\n" in str(spec) else Path(str(spec)).stem
 
 
 def relay_run_name() -> str:
@@ -53,7 +27,11 @@ def relay_run_name() -> str:
     from prefect.runtime import flow_run
 
     params = flow_run.parameters
-    return f"{_names_of([params.get('spec', 'relay')])[0]}: {params.get('mode', 'watch')}"
+    return relay_name(spec_name(params.get("spec", "relay")), params.get("mode", "watch"))
+
+
+def relay_name(name: str, mode: str) -> str:
+    return f"{name}: {mode}"
 
 
 def relays_run_name() -> str:
@@ -62,9 +40,12 @@ def relays_run_name() -> str:
     from prefect.runtime import flow_run
 
     params = flow_run.parameters
-    names = _names_of(params.get('specs') or [])
+    return relays_name([spec_name(s) for s in params.get("specs") or []], params.get("mode", "watch"))
+
+
+def relays_name(names: List[str], mode: str) -> str:
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return f"relays {shown}: {params.get('mode', 'watch')}"
+    return f"relays {shown}: {mode}"
 
 
 def tags(relay: str, account: str) -> List[str]:

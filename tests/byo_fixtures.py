@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 import prefect_template
+from history_checks import check_history
 from kaggle_fixtures import FAKE_KEY, KERNEL_ENV, USER
 from process_fixtures import run_flow_with_a_kill_mid_save
 
@@ -105,6 +106,10 @@ def relay_example_with_a_kill_mid_save(example: str, lengths: dict, relay_env, r
     assert len(progress["sessions"]) >= 2 and all(
         s["step_end"] - s["step_start"] <= steps_per_session for s in progress["sessions"])
     assert summary["weights_sha256"] == progress["weights_sha256"] == reference.weights(spec)
+    # each checkpoint version published only its session's lines (the killed one's past its last save too); the
+    # orchestrator's folder holds them all, the curves unchanged
+    whole = check_history(relay_env)
+    assert {r["session"] for r in whole} == {s["index"] for s in progress["sessions"]}
 
 
 # A newcomer's relay: the README's commands in a shell that has only what a user's has. Two sessions of 30 steps: a

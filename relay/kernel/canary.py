@@ -2,7 +2,10 @@
 user's code, the spec's mounts), then checks instead of training, written to one JSON file the doctor reads
 back from the kernel's output. It never exits non-zero for a failed check: the file is the answer.
 
-    python -m relay.kernel.canary SPEC --out DIR/doctor.json --mount owner/slug=/kaggle/input/... ...
+    python -m relay.kernel.canary SPEC --out DIR/doctor.json --plan FILE
+
+The plan (relay/shared/session_plan.py) names the mounts to check (`canary`); they are looked for as a session looks
+for its own (relay/kernel/session/mounts.py).
 """
 from __future__ import annotations
 
@@ -90,14 +93,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m relay.kernel.canary")
     parser.add_argument("spec")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--mount", action="append", default=[], metavar="REF=PATH")
+    parser.add_argument("--plan", required=True, metavar="FILE", help="the session plan the kernel script wrote")
     args = parser.parse_args(argv)
+    from relay.kernel.session.mounts import mounted
+    from relay.shared.session_plan import SessionPlan
+
+    plan = SessionPlan.read(args.plan)
     checks = [_check("python", lambda: f"{platform.python_version()} on {platform.machine()}"),
               _check("torch", _torch),
               _check("spec and code", lambda: _spec(args.spec)),
               _check("imports", lambda: _imports(args.spec))]
-    for item in args.mount:
-        ref, _, path = item.partition("=")
+    for ref in plan.canary or ():
+        path = mounted(ref) or ""
         checks.append(_check("mount", lambda ref=ref, path=path: _mount(ref, path)))
     write_json(Path(args.out), {"code_version": code_version(), "checks": checks})
     for c in checks:

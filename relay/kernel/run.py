@@ -10,8 +10,9 @@ import json
 import logging
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -25,27 +26,19 @@ from relay.kernel.session.loop import Trainer
 from relay.kernel.session.settings import SessionSettings
 from relay.kernel.session.stepbooks import StepBooks
 from relay.shared.errors import InputError
+from relay.shared.session_plan import SessionPlan
 from relay.shared.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
 
-def run_session(
-    spec: RunSpec,
-    workdir: Path,
-    *,
-    budget: Optional[float] = None,
-    deadline: Optional[float] = None,
-    resume_from: Sequence[Path] = (),
-    data_dir: Optional[Path] = None,
-    feature_dirs: Sequence[Path] = (),
-    run_id: Optional[str] = None,
-) -> dict:
-    """Run one session and return its progress dict (also written to workdir/progress.json). With
-    `session.devices` resolving to N > 1, N processes train together (relay.kernel.session.distributed)."""
+def run_session(spec: RunSpec, workdir: Path, plan: Optional[SessionPlan] = None) -> dict:
+    """Run one session and return its progress dict (also written to workdir/progress.json). `plan`: the session's
+    plan (relay/shared/session_plan.py), read once into its settings here; None: the spec's budget, no folders.
+    With `session.devices` resolving to N > 1, N processes train together (relay.kernel.session.distributed)."""
     workdir = Path(workdir)
     _check_workdir(workdir)
-    args = (spec, workdir, budget, deadline, resume_from, data_dir, feature_dirs, run_id)
+    settings = SessionSettings.from_spec(spec, workdir, plan)
     fit_only = usercode.recipe_params(spec).fit_only
     world_size = distributed.world_size_for(spec.session.devices, pick_device().type, fit_only)
     if fit_only and spec.session.devices == "auto":
@@ -53,30 +46,32 @@ def run_session(
                  spec.recipe)
     if world_size > 1:
         started = time.time()
-        distributed.launch(_rank_main, world_size, (started, *args))
+        distributed.launch(_rank_main, world_size, (started, spec, workdir, settings))
         return json.loads((Path(workdir) / "progress.json").read_text())
-    return _session(distributed.SINGLE, time.time(), *args)
+    return _session(distributed.SINGLE, time.time(), spec, workdir, settings)
 
 
-def _rank_main(rank: int, world_size: int, port: int, errors, started: float, spec: RunSpec, *args) -> None:
+def _rank_main(rank: int, world_size: int, port: int, errors, started: float, spec: RunSpec, workdir: Path,
+               settings: SessionSettings) -> None:
     """One rank of a data-parallel session (a process of its own)."""
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
     world = distributed.init(rank, world_size, port, pick_device().type)
     try:
-        _session(world, started, spec, *args)
+        _session(world, started, spec, workdir, settings)
     except InputError as err:  # reported once by the launcher, as one line
         errors.put(str(err))
     finally:
         distributed.shutdown(world)
 
 
-def _session(world, started, spec, workdir, budget, deadline, resume_from, data_dir, feature_dirs, run_id) -> dict:
-    # start-up counts against the budget
-    clock = SessionClock(budget, deadline, spec.session.safety_margin, now=started, max_steps=spec.session.max_steps)
+def _session(world, started: float, spec: RunSpec, workdir: Path, settings: SessionSettings) -> dict:
+    # the settings' budget and deadline, and start-up counts against them
+    clock = SessionClock(settings.budget, settings.deadline, settings.safety_margin, now=started,
+                         max_steps=settings.max_steps)
     clock.install_signal_handlers()
     try:
-        return _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, world)
+        return _run(spec, workdir, settings, clock, world)
     finally:
         clock.restore_signal_handlers()
 
@@ -100,7 +95,7 @@ def _outermost_missing(path: Path) -> Optional[Path]:
     return missing
 
 
-def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, world=distributed.SINGLE) -> dict:
+def _run(spec, workdir: Path, settings: SessionSettings, clock: SessionClock, world=distributed.SINGLE) -> dict:
     """One session on this rank: prepare, restore, train until a stop, save, finish: the Trainer drives a Session
     as a user's loop does."""
     # Nothing is written before the inputs are validated: a data error (a missing column, a file that is
@@ -110,7 +105,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     if device.type == "cuda" and world.size > 1:
         device = torch.device("cuda", world.rank)
     configure_backends(spec, device)
-    recipe, schedule = _prepare(spec, workdir, data_dir, feature_dirs, world, created)
+    recipe, schedule = _prepare(spec, workdir, settings, world, created)
     workdir.mkdir(parents=True, exist_ok=True)
 
     seed_everything(spec.seed)
@@ -120,8 +115,7 @@ def _run(spec, workdir, clock, resume_from, data_dir, feature_dirs, run_id, worl
     model.to(device)
 
     total = data.total_steps(schedule, spec.optim.epochs, spec.optim.max_steps)
-    settings = SessionSettings.from_spec(spec, workdir, resume_from=resume_from, data_dir=data_dir,
-                                         feature_dirs=feature_dirs, run_id=run_id, total_steps=total)
+    settings = replace(settings, total_steps=total)
     # one process: the losses stay on the device and are read, counted and judged at log steps (a "window");
     # several: each step's loss is agreed on by every rank (read on the host), and not judged
     step_books = StepBooks(clock, spec.session.save_every, mode="step" if world.active else "window",
@@ -165,10 +159,11 @@ def _exporter(spec, recipe, model, trainer: Trainer, session: Session):
     return export
 
 
-def _prepare(spec, workdir: Path, data_dir, feature_dirs, world, created: Optional[Path]):
+def _prepare(spec, workdir: Path, settings: SessionSettings, world, created: Optional[Path]):
     """The recipe and its step schedule. Nothing is written before the inputs are validated: prepare()
     writes only its feature cache, and only on success; a refusal removes what this session created."""
     params = usercode.recipe_params(spec)
+    data_dir, feature_dirs = settings.data, [Path(p) for p in settings.features]
     if data_dir is None and hasattr(params, "data_dir"):
         data_dir = Path(params.data_dir)
     recipe = usercode.recipe_class(spec.recipe)(params, data_dir=Path(data_dir or "."),

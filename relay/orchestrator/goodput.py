@@ -42,6 +42,8 @@ class AttemptLedger:
     run_id: str
     charged_s: float
     seconds: Dict[str, float]  # category -> seconds; they add up to charged_s
+    failed: str = ""           # an attempt that handed nothing over: why (its charge's `failed`)
+    wedged: bool = False       # Kaggle ran it on past its process's end until its deadline
 
 
 @dataclass(frozen=True)
@@ -65,23 +67,41 @@ class Ledger:
         lost = [(c, s) for c, s in self.totals.items() if c != "training kept" and s > 0]
         return sorted(lost, key=lambda cs: -cs[1])[:n]
 
+    def attempts_text(self) -> str:
+        """"8 attempts (5 sessions handed over, 3 failed)": how every place counts sessions and attempts (an attempt
+        is one push; a session is what an attempt handed over)."""
+        failed = sum(1 for a in self.attempts if a.failed)
+        n = len(self.attempts)
+        return (f"{n} attempt{'s' if n != 1 else ''} ({n - failed} session{'s' if n - failed != 1 else ''} handed over,"
+                f" {failed} failed)" if failed else f"{n} session{'s' if n != 1 else ''}")
+
     def line(self) -> str:
         """One line for `relay status` and the summary."""
         if not self.attempts or self.goodput is None:
             return "goodput: nothing charged yet"
         losses = ", ".join(f"{c} {duration_text(s)}" for c, s in self.losses())
         return (f"goodput {self.goodput:.0%}: {duration_text(self.totals['training kept'])} of training kept of"
-                f" {duration_text(self.charged_s)} GPU time charged over {len(self.attempts)} session(s)"
+                f" {duration_text(self.charged_s)} GPU time charged over {self.attempts_text()}"
                 + (f"; largest losses: {losses}" if losses else ""))
 
     def table(self) -> str:
-        """A markdown table, one row per attempt and a total."""
-        head = "| session | charged | " + " | ".join(CATEGORIES) + " |\n|" + "---|" * (len(CATEGORIES) + 2) + "\n"
-        rows = [f"| {a.run_id} | {duration_text(a.charged_s)} | "
-                + " | ".join(duration_text(a.seconds.get(c, 0.0)) for c in CATEGORIES) + " |" for a in self.attempts]
+        """A markdown table, one row per attempt and a total, narrow enough for the Prefect UI's column (a column
+        per category was 11 wide and cut at the fifth): the attempt, its charge, the training it kept, and where
+        the rest went, its 3 largest shares (a wedged or failed attempt's loss is there, named)."""
+        def rest(seconds: Mapping[str, float]) -> str:  # the 3 largest: every category's total is in the chart
+            lost = sorted(((c, s) for c, s in seconds.items() if c != "training kept" and s >= 0.05),
+                          key=lambda cs: -cs[1])
+            return ", ".join(f"{c} {duration_text(s)}" for c, s in lost[:3]) or "nothing"
+
+        def kept(a_kept: float, charged: float) -> str:
+            return f"{duration_text(a_kept)} ({a_kept / charged:.0%})" if charged > 0 else duration_text(a_kept)
+
+        head = "| attempt | charged | training kept | where the rest went |\n|---|---|---|---|\n"
+        rows = [f"| {short_run_id(a.run_id)}{' (failed)' if a.failed else ''} | {duration_text(a.charged_s)} |"
+                f" {kept(a.seconds.get('training kept', 0.0), a.charged_s)} | {rest(a.seconds)} |" for a in self.attempts]
         total = self.totals
-        rows.append(f"| **all** | {duration_text(self.charged_s)} | "
-                    + " | ".join(duration_text(total[c]) for c in CATEGORIES) + " |")
+        rows.append(f"| **all** | {duration_text(self.charged_s)} | {kept(total['training kept'], self.charged_s)} |"
+                    f" {rest(total)} |")
         return head + "\n".join(rows)
 
 
@@ -113,7 +133,8 @@ def _failed_attempt(c: Mapping) -> tuple:
     seconds = {k: 0.0 for k in CATEGORIES}
     alive = min(end, max(start, _first(c.get("process_end"), c.get("last_line"), start))) if c.get("wedged") else end
     seconds["failed attempt"], seconds["wedged"] = alive - start, end - alive
-    return start, AttemptLedger(str(c.get("run_id")), end - start, seconds)
+    return start, AttemptLedger(str(c.get("run_id")), end - start, seconds, failed=str(c.get("failed") or "failed"),
+                                wedged=bool(c.get("wedged")))
 
 
 def _attempt(s: Mapping, c: Mapping, next_start: Optional[int], save_every_s: Optional[float]) -> AttemptLedger:
@@ -152,7 +173,8 @@ def _attempt(s: Mapping, c: Mapping, next_start: Optional[int], save_every_s: Op
     seconds["final tail" if clean else "training redone"] += tail
     seconds["wedged" if c.get("wedged") else "shut-down"] += take(end - process_end)
     seconds["other"] = left[0]
-    return AttemptLedger(str(s.get("run_id") or f"session {s.get('index')}"), end - start, seconds)
+    return AttemptLedger(str(s.get("run_id") or f"session {s.get('index')}"), end - start, seconds,
+                         wedged=bool(c.get("wedged")))
 
 
 def charge_record(run_id: str, log_text: str, plan: Optional[Mapping], seen_end: Optional[float],
@@ -232,6 +254,12 @@ def _num(value, default: float = 0.0) -> float:
 
 def _first(*values) -> float:
     return next(_num(v) for v in (*values, 0.0) if v is not None)
+
+
+def short_run_id(run_id: str) -> str:
+    """<relay>-s002-a1 -> s002-a1: the relay's name is the page's."""
+    parts = str(run_id).split("-")
+    return "-".join(parts[-2:]) if len(parts) > 2 and parts[-2][:1] == "s" and parts[-1][:1] == "a" else str(run_id)
 
 
 def duration_text(seconds: float) -> str:

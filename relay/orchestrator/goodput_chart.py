@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from relay.orchestrator import canvas, report
-from relay.orchestrator.goodput import CATEGORIES, Ledger, duration_text
+from relay.orchestrator.goodput import CATEGORIES, AttemptLedger, Ledger, duration_text, short_run_id
 
 # Kept training green, time trained again orange, the platform's and the relay's own costs in blues and greys,
 # what a fault cost in reds.
@@ -37,15 +37,21 @@ def plot_goodput(ledger: Ledger, out_png: str | Path, *, title: str = "Where the
         kept = a.seconds.get("training kept", 0.0) / a.charged_s if a.charged_s > 0 else 0.0
         ax.annotate(f"{duration_text(a.charged_s)}, {_share(kept)} kept", (a.charged_s / per, row), xytext=(4, 0),
                     textcoords="offset points", va="center", fontsize=8, color="0.2")
-    ax.set_yticks(range(len(attempts)), [a.run_id for a in attempts], fontsize=9)
+    ax.set_yticks(range(len(attempts)), [_label(a) for a in attempts], fontsize=9)
     ax.invert_yaxis()
     ax.set_xlim(0, 1.18 * longest / per)  # room for the labels
     ax.set_xlabel(f"GPU time charged ({unit})")
     ax.grid(axis="x", alpha=0.3)
     ax.legend(loc="center left", fontsize=9, bbox_to_anchor=(1.01, 0.5), frameon=False)
     ax.set_title(f"{title}: goodput {ledger.goodput:.0%}, {duration_text(totals['training kept'])} of training kept"
-                 f" of {duration_text(charged)} charged over {len(attempts)} session(s)", fontsize=12)
+                 f" of {duration_text(charged)} charged over {ledger.attempts_text()}", fontsize=12)
     return report.save_figure(fig, out_png)
+
+
+def _label(a: AttemptLedger) -> str:
+    """s003-a1 (wedged): an attempt named as the tables name it, and how it went wrong beside it."""
+    how = "wedged" if a.wedged else "failed" if a.failed else ""
+    return f"{short_run_id(a.run_id)} ({how})" if how else short_run_id(a.run_id)
 
 
 def _share(fraction: float) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from relay.orchestrator import goodput, tracking_handoff
+from relay.orchestrator import goodput, history, tracking_handoff
 from relay.orchestrator.chain import Action, Do, Names, Observation, hit_session_limit
 from relay.orchestrator.kaggle import control_record
 from relay.orchestrator.kaggle.backend import KaggleBackend
@@ -24,7 +24,8 @@ from relay.shared.version import code_version
 log = logging.getLogger(__name__)
 
 WORKDIR = "relay"  # the session workdir inside the kernel's working folder
-PUBLISHED_FILES = ("progress.json", "metrics.jsonl")
+# metrics.jsonl: the handed-over session's own lines; history.jsonl: the run so far, compacted (history.py)
+PUBLISHED_FILES = ("progress.json", history.METRICS, history.HISTORY)
 SESSION_LIMIT = "session_limit"  # stop reason of a session Kaggle stopped at its maximum duration
 
 
@@ -114,15 +115,9 @@ def read_published_progress(backend: KaggleBackend, dataset: str, dest: Path) ->
 
 
 def published_metrics(backend: KaggleBackend, names: Names, local: Path, progress: dict) -> Optional[Path]:
-    """metrics.jsonl of the published checkpoint (all sessions so far), fetched once per handed-over run."""
-    path = local / "published" / f"metrics-{progress.get('run_id')}.jsonl"
-    if not path.is_file():
-        try:
-            tmp = backend.download_dataset_file(names.checkpoint_dataset, "metrics.jsonl", local / "published" / "tmp")
-        except NotFound:
-            return None
-        tmp.replace(path)
-    return path
+    """The run's whole metrics history up to the published `progress` (every session so far), kept in `local`
+    (relay/orchestrator/history.py): a session's lines are downloaded only when this folder did not see it."""
+    return history.local_metrics(backend, names.checkpoint_dataset, local, progress)
 
 
 def _exists(backend: KaggleBackend, dataset: str) -> bool:
@@ -276,7 +271,13 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
         # and the failed attempts before it that handed nothing over, carried in its pushed plan
         progress = goodput.with_charge(obs.published, progress, charge, goodput.carried(plan, action.run_id))
         (stage / "progress.json").write_text(json.dumps(progress, indent=1, sort_keys=True))
-        out.fetch_file("metrics.jsonl", stage / "metrics.jsonl")
+        # this session's own lines, and the run so far compacted from the published history (bounded: what is
+        # moved per hand-over does not grow with the run); the whole history stays in `local`
+        out.fetch_file(history.METRICS, stage / history.METRICS)
+        index, run_of = history.session_key(progress, action.run_id)
+        previous = history.previous_records(backend, names.checkpoint_dataset, root / "previous") \
+            if obs.published else []
+        own = history.stage(stage, index, previous)
         tracking_handoff.stage_from_output(out, root, stage, newest.step, local)
 
         published = []
@@ -292,9 +293,14 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
                                         notes=f"run {action.run_id}, step {newest.step}, code {code_version()}",
                                         known_sha256=known, keep_versions=spec.kaggle.checkpoint_versions)
         published.insert(0, f"{names.checkpoint_dataset} v{result.version}")
+        try:  # a cache: a reader fetches what it lacks (history.local_metrics), so a failure here fails nothing
+            history.LocalHistory(local).add(index, run_of, own, earlier=lambda: previous,
+                                            run_ids=history.run_ids(progress))
+        except OSError as err:
+            log.warning("metrics history: session %d not kept locally (%s); it is fetched when read", index, err)
         if spec.tracking.wandb is not None:  # after the publish: a tracker never holds the relay up
             tracking_handoff.sync_session(spec, progress, _fetch_wandb(out, root), before, newest.step,
-                                          stage / "metrics.jsonl", wandb_key)
+                                          stage / history.METRICS, wandb_key)
         return HandOver(True, "handed over", progress, newest.step, result.version, tail, published)
     finally:
         shutil.rmtree(root, ignore_errors=True)  # confirmed or not: everything here can be fetched again

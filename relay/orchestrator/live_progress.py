@@ -223,14 +223,29 @@ def session_fraction(records: List[dict], session_max_steps: Optional[int] = Non
     return 1.0 if span <= 0 else min(1.0, max(0.0, (int(latest["step"]) - start) / span))
 
 
-def eta_text(records: List[dict], session_max_steps: Optional[int] = None) -> str:
-    """This session's end and the run's remaining training time at the measured speed; once its `end` line came
-    and Kaggle still shows it running, that it waits for Kaggle (wedged if it runs on past its deadline)."""
+def eta_text(records: List[dict], session_max_steps: Optional[int] = None, deadline: Optional[float] = None,
+             kernel_state: Optional[str] = None, now: Optional[float] = None) -> str:
+    """This session's end and the run's remaining training time at the measured speed; once its `end` line came:
+    that Kaggle ended the session (`kernel_state` finished), or that Kaggle still runs it and until when it waits
+    before calling it wedged (`deadline`, unix time), or, past it, that it is wedged and charging quota."""
     latest = newest(records)
     if latest is not None and latest.get("kind") == "end":
         ended = time.strftime("%H:%M UTC", time.gmtime(latest["time"])) if latest.get("time") else "?"
-        return (f"its process ended at step {latest.get('step')} ({latest.get('stop_reason') or 'end'}, {ended});"
-                " waiting for Kaggle to end the session (wedged if it still runs at its deadline)")
+        said = f"its process ended at step {latest.get('step')} ({latest.get('stop_reason') or 'end'}, {ended})"
+        if kernel_state in ("complete", "error", "cancelled", "cancel_acknowledged"):
+            return f"{said}; Kaggle ended the session ({kernel_state})"
+        if deadline is None:
+            return f"{said}; waiting for Kaggle to end the session (wedged if it still runs at its deadline)"
+        at = time.strftime("%H:%M:%S UTC", time.gmtime(deadline))
+        if (time.time() if now is None else now) < deadline:
+            return (f"{said}; Kaggle still shows the session running: wedged if it still does at its deadline,"
+                    f" {at} (the relay waits until then)")
+        return (f"{said}; WEDGED: Kaggle still runs the session past its deadline ({at}), charging GPU time that"
+                " trains nothing; the relay acts on it (kaggle.on_wedged)")
+    if deadline is not None and kernel_state == "running" and (time.time() if now is None else now) >= deadline:
+        at = time.strftime("%H:%M:%S UTC", time.gmtime(deadline))
+        return (f"WEDGED: Kaggle still runs the session past its deadline ({at}), its newest line at step"
+                f" {latest.get('step') if latest else '?'}; the relay acts on it (kaggle.on_wedged)")
     eta = estimate(records, session_max_steps)
     if eta is None:
         return "ETA: after the next progress lines"

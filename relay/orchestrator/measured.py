@@ -9,7 +9,8 @@ Kaggle showed it ended; relay/orchestrator/goodput.py). No I/O, no clock.
 - save: a session's measured save time (the final save a session bounded by steps ends with);
 - hand-over: a session's end (its clock) to the next attempt's push (Kaggle's shut-down, the relay seeing it,
   download, verify, publish, push): wall time between sessions, not charged; measured as the whole gap between
-  two sessions' clocks less the start-up (the running session's first progress line ends the last gap).
+  two sessions' clocks less the start-up (the running session's first progress line ends the last gap), over
+  clean hand-overs only (not after a kill or a wedge, nor across a failed attempt).
 Each is the median over the sessions that measured it: one session that waited for quota or a slow download must
 not move every later estimate.
 """
@@ -20,7 +21,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable, List, Mapping, Optional, Sequence
 
-from relay.orchestrator.goodput import duration_text
+from relay.orchestrator.goodput import CLEAN_ENDS, duration_text
 
 # No spec key says how long a hand-over takes: download, verify, publish and push of a small checkpoint, and a
 # poll of the relay's, are about a minute; a measured one replaces it after the relay's second session.
@@ -33,7 +34,7 @@ SAVE_DEFAULT_S = 20.0
 @dataclass(frozen=True)
 class Figure:
     seconds: float
-    source: str  # "measured over N sessions", "spec", "spec default", "default", "--startup"
+    source: str  # "measured over N sessions", "--startup" (a flag), else "assumed: ..." (the spec's, a default)
 
     def text(self, what: str) -> str:
         return f"{what} {duration_text(self.seconds)} ({self.source})"
@@ -91,22 +92,41 @@ def overheads(spec, progress: Optional[Mapping], startup: Optional[float] = None
     return Overheads(
         startup=start_fig,
         save=pick(save, save_times(progress), min(s.safety_margin, SAVE_DEFAULT_S),
-                  _origin(s, "safety_margin") if s.safety_margin < SAVE_DEFAULT_S else "default", "--save"),
-        handover=pick(handover, handovers, HANDOVER_DEFAULT_S, "default", "--handover"))
+                  _origin(s, "safety_margin") if s.safety_margin < SAVE_DEFAULT_S else "assumed", "--save"),
+        handover=pick(handover, handovers, HANDOVER_DEFAULT_S, "assumed", "--handover"))
 
 
 def session_gaps(progress: Optional[Mapping], running_started: Optional[float] = None) -> List[float]:
     """Seconds from each session's clock end to the next one's clock start (the running session's first progress
-    line for the last): the hand-over and the start-up between them."""
-    ends = [(_num(s.get("ended")), _num(s.get("started"))) for s in (progress or {}).get("sessions") or []]
+    line for the last): the hand-over and the start-up between them. Clean hand-overs only: a gap after a session
+    that did not end cleanly (killed: the relay saw it late, salvaged it) or that Kaggle ran on past its end
+    (wedged: the relay waited for its deadline), or with a failed attempt pushed within it, measures the fault,
+    not a hand-over, and would make every later finish estimate lean late."""
+    progress = progress or {}
+    charges = progress.get("charges") or []
+    wedged = {c.get("run_id") for c in charges if c.get("wedged")}
+    failed_pushes = [_num(c.get("pushed_at")) for c in charges if c.get("failed")]
+    sessions = progress.get("sessions") or []
+    ends = [(_num(s.get("ended")), _num(s.get("started"))) for s in sessions]
     starts = [start for _, start in ends[1:]] + [running_started]
-    return [start - end for (end, _), start in zip(ends, starts)
-            if end is not None and start is not None and start >= end]
+    out = []
+    for s, (end, _), start in zip(sessions, ends, starts):
+        if end is None or start is None or start < end:
+            continue
+        if s.get("stop_reason") not in CLEAN_ENDS or s.get("run_id") in wedged:
+            continue
+        if any(at is not None and end <= at <= start for at in failed_pushes):
+            continue
+        out.append(start - end)
+    return out
 
 
 def _origin(section, key: str) -> str:
-    """Whether the spec set `key` or left it at its default (pydantic records the keys a spec set)."""
-    return f"spec {key}" if key in (getattr(section, "model_fields_set", None) or ()) else f"spec default {key}"
+    """Whether the spec set `key` or left it at its default (pydantic records the keys a spec set): either way
+    assumed, not measured, and said so."""
+    if key in (getattr(section, "model_fields_set", None) or ()):
+        return f"assumed: the spec's {key}"
+    return f"assumed: {key}'s default"
 
 
 def expected_goodput(sessions: Iterable, figures: Overheads, save_every_s: Optional[float]) -> Optional[float]:

@@ -392,20 +392,25 @@ def when(t: datetime) -> str:
 
 
 def format_plan(plan: Plan) -> str:
+    from relay.orchestrator.goodput import duration_text as gpu  # GPU time: 30h00m, 5m, 1.5s
+
     q = plan.quota
-    quota_line = (f"quota: {q.remaining_s / HOUR:.1f} h of {q.total_allowed_s / HOUR:.1f} h GPU left this week "
-                  f"(used {q.used_s / HOUR:.1f} h, reserved {q.reserved_s / HOUR:.1f} h; from {q.source}); "
-                  f"refreshes {when(q.refresh_at)}")
+    # GPU time is written one way everywhere (duration_text: the summary's charge, the goodput ledger, this)
+    quota_line = (f"quota: {gpu(q.remaining_s)} of {gpu(q.total_allowed_s)} GPU left this week"
+                  f" (used {gpu(q.used_s)}, reserved {gpu(q.reserved_s)}); refreshes"
+                  f" {when(q.refresh_at)}" + (" (Kaggle's quota statistics)" if q.source == "api" else
+                                              " (assumed: Kaggle's weekly reset, Saturday 00:00 UTC; the quota"
+                                              " statistics were not read)"))
     if plan.done:
         return f"done: no training steps left\n{quota_line}"
-    header = ("session", "starts", "budget", "steps", "cum GPU h", "week")
+    header = ("session", "starts", "budget", "steps", "GPU so far", "week")
     rows = []
     for s in plan.sessions:
         starts = when(s.starts) + (" (quota wait)" if s.waited_for_quota else "")
         steps = f"{s.steps} ({s.step_start}->{s.step_end}"
         steps += f", ep {s.epoch_end:.2f})" if s.epoch_end is not None else ")"
         rows.append((str(s.index), starts, format_duration(s.budget_s), steps,
-                     f"{s.cumulative_gpu_s / HOUR:.1f}", str(s.week)))
+                     gpu(s.cumulative_gpu_s), str(s.week)))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     right = {0, 2, 4, 5}
     def line(cells: tuple[str, ...]) -> str:
@@ -415,7 +420,7 @@ def format_plan(plan: Plan) -> str:
     assert finish is not None
     out.append("")
     out.append(f"{len(plan.sessions)} sessions, {plan.remaining_steps} steps at {plan.step_seconds:.3g} s/step, "
-               f"{plan.total_gpu_s / HOUR:.1f} GPU h; finish {when(finish)} "
+               f"{gpu(plan.total_gpu_s)} GPU; finish {when(finish)} "
                f"(in {format_duration((finish - plan.now).total_seconds())})")
     if plan.waiting_until:
         out.append(f"waiting for quota until {when(plan.waiting_until)}")

@@ -121,12 +121,7 @@ def forecast(spec, progress: Optional[dict], quota, now: datetime, running=None)
                             + _figures_line(None, step_source, figures), saved, figures)
         not_before = saved + timedelta(seconds=figures.handover.seconds)
     try:
-        q = (planner.quota_from_api({"gpuQuota": {"timeUsed": quota.used_s, "totalTimeAllowed": quota.allowed_s,
-                                                  "timeReserved": quota.reserved_s},
-                                     "quotaRefreshTime": utc(quota.refresh_time)}, now)
-             if quota is not None and quota.refresh_time else
-             planner.quota_from_ledger([(s["started"], s.get("seconds", 0)) for s in (progress or {}).get("sessions", [])],
-                                       now, total_allowed_s=spec.kaggle.weekly_gpu_quota))
+        q = quota_state(spec, progress, quota, now)
         p = planner.plan_from_progress(progress or {}, q, now, limits=plan_limits(spec, figures),
                                        step_seconds_estimate=(1 / running.steps_per_s if running
                                                               else spec.session.step_seconds),
@@ -142,6 +137,19 @@ def forecast(spec, progress: Optional[dict], quota, now: datetime, running=None)
                    f" {planner.format_duration(FIRST_SESSION_S)} and its progress lines bring its step time"
                    " (set session.step_seconds, or `relay plan SPEC --step-seconds S`, to plan from your estimate)")
         return Forecast(head + f"(no plan yet: {err})" + limit_warning(spec, progress), None, figures)
+
+
+def quota_state(spec, progress: Optional[dict], quota, now: datetime) -> planner.QuotaState:
+    """The week's quota as every plan says it (`relay plan`, `relay status`, the summary): Kaggle's quota statistics
+    (`quota`: the backend's answer) when read, its refresh time Kaggle's; else the relay's own sessions against
+    kaggle.weekly_gpu_quota, refreshing at the weekly reset Kaggle is said to keep (Saturday 00:00 UTC), which the
+    plan then names as assumed."""
+    if quota is not None and quota.refresh_time:
+        return planner.quota_from_api({"gpuQuota": {"timeUsed": quota.used_s, "totalTimeAllowed": quota.allowed_s,
+                                                    "timeReserved": quota.reserved_s},
+                                       "quotaRefreshTime": utc(quota.refresh_time)}, now)
+    return planner.quota_from_ledger([(s["started"], s.get("seconds", 0)) for s in (progress or {}).get("sessions", [])],
+                                     now, total_allowed_s=spec.kaggle.weekly_gpu_quota)
 
 
 def view_forecasts(spec, backend) -> tuple:

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from relay.orchestrator import canvas
+from relay.orchestrator import attempts, canvas
 from relay.orchestrator.plan import Plan, as_utc, format_duration
 from relay.shared import accelerators, runtime
 
@@ -99,10 +99,10 @@ COLUMNS = [  # (row key, terminal heading)
     ("billed_gpu_s", "billed GPU"), ("steps", "steps"), ("world_size", "procs"), ("samples_per_s", "samples/s"),
     ("peak_mem_mb", "peak mem"), ("loss_end", "loss at end"), ("stop_reason", "stop"), ("gpus", "GPUs"),
     ("runtime", "runtime"), ("changed", "changed since the session before"), ("stage", "stage"),
-    ("memory_rungs", "OOM rungs"),
+    ("memory_rungs", "OOM rungs"), ("steps_lost", "steps lost"), ("why", "why it failed"),
 ]
 # shown only when some session has them
-OPTIONAL_COLUMNS = ("runtime", "changed", "stage", "memory_rungs")
+OPTIONAL_COLUMNS = ("runtime", "changed", "stage", "memory_rungs", "steps_lost", "why")
 
 
 def _round(value: Any, digits: int) -> Any:
@@ -110,12 +110,13 @@ def _round(value: Any, digits: int) -> Any:
 
 
 def session_table(progress: Mapping[str, Any], billed_s: Mapping[Any, float] | None = None) -> list[dict]:
-    """One row per session of progress.json. `billed_s` maps a session index or run id to the GPU
-    seconds Kaggle billed (known to the orchestrator, not to the session); else a session's own
-    "billed_s" key is used when present."""
+    """One row per attempt of progress.json: each session handed over, and each attempt that handed nothing over
+    (killed and retried, wedged and deleted: relay/orchestrator/attempts.py), with why it failed and the steps it
+    lost. `billed_s` maps a session index or run id to the GPU seconds Kaggle billed (known to the orchestrator,
+    not to the session); else a session's own "billed_s" key is used when present."""
     billed_s = billed_s or {}
     rows, before = [], None
-    for s in progress.get("sessions") or []:
+    for s in attempts.every_attempt(progress):
         started, ended = s.get("started"), s.get("ended")
         seconds = s.get("seconds")
         if seconds is None and started is not None and ended is not None:
@@ -138,6 +139,11 @@ def session_table(progress: Mapping[str, Any], billed_s: Mapping[Any, float] | N
             "stop_reason": s.get("stop_reason"),
             "gpus": _gpus(s.get("gpus")),
         })
+        for key in ("steps_lost", "why"):  # a kill or a failed attempt: what it cost, and why
+            if s.get(key) is not None:
+                rows[-1][key] = s[key]
+        if s.get("failed_attempt"):
+            continue  # it ran nothing a later session compares its machine with
         # optional columns, only for runs that have them: what it ran on and what changed (exact resume is
         # unproven from there), curriculum stage(s), OOM rungs taken
         if runtime.describe(s) is not None:
@@ -188,15 +194,25 @@ def ui_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
         shown = {"session": f"{row.get('session')} ({attempt})" if attempt else row.get("session"),
                  "start (UTC)": start[5:16] if isinstance(start, str) else None,  # 2026-11-25 14:03:07 -> 11-25 14:03
                  "ran": _cell("duration_s", row.get("duration_s")), "billed": _cell("billed_gpu_s", row.get("billed_gpu_s")),
-                 "steps": row.get("steps"), "samples/s": _cell("samples_per_s", row.get("samples_per_s")),
-                 "loss": _cell("loss_end", row.get("loss_end")), "ended": _cell("stop_reason", row.get("stop_reason")),
+                 "steps": _steps_cell(row), "samples/s": _cell("samples_per_s", row.get("samples_per_s")),
+                 "loss": _cell("loss_end", row.get("loss_end")),
+                 "ended": _cell("stop_reason", row.get("stop_reason")) + (f": {row['why']}" if row.get("why") else ""),
                  "machine": " · ".join(machine)}
         for key, heading in COLUMNS:
-            if key in OPTIONAL_COLUMNS and any(r.get(key) for r in rows):
+            if key in OPTIONAL_COLUMNS and key not in ("steps_lost", "why") and any(r.get(key) for r in rows):
                 shown[heading] = _cell(key, row.get(key))
         # an unknown cell is left empty: the UI renders cells as markdown, where "-" is a list bullet
         out.append({k: ("" if v in (None, "-") else v) for k, v in shown.items()})
     return out
+
+
+def _steps_cell(row: Mapping[str, Any]) -> Any:
+    """150, or "118 (+50 lost)" where a kill or a failed attempt trained steps no checkpoint kept."""
+    lost = row.get("steps_lost")
+    if not lost:
+        return row.get("steps")
+    kept = row.get("steps") if row.get("stop_reason") not in (attempts.WEDGED, attempts.FAILED) else 0
+    return f"{kept or 0} (+{lost} lost)"
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -212,9 +228,11 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     def line(r: list[str]) -> str:
         return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
     total_s = sum(r.get("duration_s") or 0 for r in rows)
-    total_steps = sum(r.get("steps") or 0 for r in rows)
+    handed = [r for r in rows if r.get("stop_reason") not in (attempts.WEDGED, attempts.FAILED)]
+    total_steps = sum(r.get("steps") or 0 for r in handed)  # kept: a failed attempt's steps are all lost
     billed = [r["billed_gpu_s"] for r in rows if r.get("billed_gpu_s") is not None]
-    totals = f"{len(rows)} sessions, {format_duration(total_s)} wall, {total_steps} steps"
+    totals = f"{len(handed)} sessions" + (f" ({len(rows)} attempts)" if len(rows) > len(handed) else "")
+    totals += f", {format_duration(total_s)} wall, {total_steps} steps"
     if billed:
         totals += f", {sum(billed) / 3600:.1f} GPU h billed"
     return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, cells), totals])
@@ -386,6 +404,7 @@ OUTCOME_COLORS = {  # stop reason or status -> (legend label, color)
     "steps": ("paused at session.max_steps", "#6baed6"),
     "sigterm": ("stopped by SIGTERM", "#fd8d3c"),
     "killed": ("killed (resumed from its last save)", "#fdae6b"),
+    "wedged": ("wedged (Kaggle ran it past its end)", "#7a0177"),
     "error": ("failed", "#de2d26"),
     "running": ("running", "#9e9ac8"),
     "planned": ("planned", "#d9d9d9"),
@@ -411,7 +430,11 @@ def plot_timeline(sessions: Iterable[Mapping[str, Any]], out_png: str | Path, *,
     quiet_matplotlib()
     import matplotlib.dates as mdates
 
-    bars = []  # (label, start, end, outcome, waited_for_quota)
+    bars = []  # (label, start, end, outcome, waited_for_quota, note)
+    sessions = list(sessions)
+    tries = {}  # session index -> its attempts drawn: a failed attempt and its retry are "S3 a1", "S3 a2"
+    for s in sessions:
+        tries[s.get("index")] = tries.get(s.get("index"), 0) + 1
     for s in sessions:
         if s.get("started") is None:
             continue
@@ -419,17 +442,22 @@ def plot_timeline(sessions: Iterable[Mapping[str, Any]], out_png: str | Path, *,
         end = as_utc(s["ended"], "ended") if s.get("ended") is not None else (as_utc(now, "now") if now else None)
         if end is None:
             end = start + timedelta(seconds=float(s.get("seconds") or 0))
-        bars.append((f"S{s.get('index', len(bars) + 1)}", start, end, _outcome(s), bool(s.get("waited_for_quota"))))
-    done_count = len(bars)
+        label = f"S{s.get('index', len(bars) + 1)}"
+        if tries.get(s.get("index"), 0) > 1 and "-a" in str(s.get("run_id") or ""):
+            label += f" a{str(s['run_id']).rsplit('-a', 1)[1]}"
+        outcome = "wedged" if s.get("stop_reason") == "wedged" or s.get("wedged") else _outcome(s)
+        note = f", {s['steps_lost']} steps lost" if s.get("steps_lost") else ""
+        bars.append((label, start, end, outcome, bool(s.get("waited_for_quota")), note))
+    done_count = len({label.split(" ")[0] for label, *_ in bars})  # sessions, not attempts
     if plan is not None:
         for p in plan.sessions:
-            bars.append((f"S{done_count + p.index} (plan)", p.starts, p.ends, "planned", p.waited_for_quota))
+            bars.append((f"S{done_count + p.index} (plan)", p.starts, p.ends, "planned", p.waited_for_quota, ""))
     if not bars:
         raise ValueError("plot_timeline: no sessions with a start time")
     fig, (ax,) = canvas.figure("timeline", (12, 1.6 + 0.45 * len(bars)), DPI, lambda new: [new.subplots()])
     span_s = max((max(b[2] for b in bars) - min(b[1] for b in bars)).total_seconds(), 1.0)
     seen = set()
-    for row, (label, start, end, outcome, _) in enumerate(bars):
+    for row, (label, start, end, outcome, _, note) in enumerate(bars):
         name, color = OUTCOME_COLORS[outcome]
         # A minimum drawn width keeps a short session visible on a timeline of weeks.
         width_days = max((end - start).total_seconds(), 0.004 * span_s) / 86400
@@ -437,7 +465,7 @@ def plot_timeline(sessions: Iterable[Mapping[str, Any]], out_png: str | Path, *,
                 color=color, edgecolor="0.3", hatch="//" if outcome == "planned" else None,
                 label=None if outcome in seen else name)
         seen.add(outcome)
-        ax.annotate(format_duration((end - start).total_seconds()), (mdates.date2num(end), row), xytext=(4, 0),
+        ax.annotate(format_duration((end - start).total_seconds()) + note, (mdates.date2num(end), row), xytext=(4, 0),
                     textcoords="offset points", va="center", fontsize=8, color="0.2")
     for row in range(1, len(bars)):  # the gap before each session: a handoff or a wait for quota
         prev_end, start, waited = bars[row - 1][2], bars[row][1], bars[row][4]

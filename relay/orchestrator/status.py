@@ -84,7 +84,7 @@ def find_relay(target: str, backend_factory: Callable, command: str = "relay sta
 
 def report(target: str, backend_factory: Callable, out_dir: Path | None = None, emit=print,
            follow_s: float = FOLLOW_S) -> int:
-    from relay.orchestrator import chain, goodput, goodput_chart, handoff, live_progress, policy, report as rep
+    from relay.orchestrator import attempts, chain, goodput, goodput_chart, handoff, live_progress, policy, report as rep
     from relay.orchestrator.kaggle import KaggleError, NotFound
 
     name, run_spec, backend, names, obs = find_relay(target, backend_factory)
@@ -121,7 +121,7 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
         emit(f"kernel: {names.kernel} v{obs.kernel_version or '?'} runs {obs.kernel_run}: {state}"
              + (f" ({obs.failure_message})" if obs.failure_message else ""))
     if records:
-        emit(live_progress.eta_text(records, run_spec.session.max_steps))
+        emit(live_progress.eta_text(records, run_spec.session.max_steps, obs.deadline, obs.kernel_state))
     if obs.stopped_by_user and action.do is not chain.Do.STOPPED:
         emit(f"stopped by the user (relay stop) {obs.stopped_by_user}: the running session is handed over, then"
              f" nothing more is pushed until `relay resume {name}`")
@@ -135,10 +135,11 @@ def report(target: str, backend_factory: Callable, out_dir: Path | None = None, 
     emit(policy.plan_text(run_spec, progress, quota, datetime.now(timezone.utc), running=eta))
     if progress.get("sessions"):
         try:
-            metrics = handoff.published_metrics(backend, names, out / "kaggle", progress)
+            # the history the relay's flow keeps beside it (relay-runs/<name>/history), added to if it lacks a session
+            metrics = handoff.published_metrics(backend, names, out, progress)
         except NotFound:
             metrics = None
-        emit(f"timeline: {rep.plot_timeline(progress['sessions'], out / 'timeline.png')}")
+        emit(f"timeline: {rep.plot_timeline(attempts.every_attempt(progress), out / 'timeline.png')}")
         if ledger.charged_s > 0:
             emit(f"goodput chart: {goodput_chart.plot_goodput(ledger, out / 'goodput.png')}")
         if metrics is not None and rep.read_metrics(metrics):

@@ -4,7 +4,6 @@ Both sides read this; importing the code itself is the kernel side's job (relay.
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import os
 import re
 from pathlib import Path
@@ -82,17 +81,6 @@ def accelerate_states(folder: Path, exclude: list[str] = ()) -> list[str]:
                 found.append((rel_root / d).as_posix())
                 dirs.remove(d)
     return sorted(found)
-
-
-def code_digest(folder: Path, exclude: list[str] = (), spec_path: Path | None = None, spec_raw: bytes = b"") -> str:
-    """The folder as it ships (its files' names and bytes), as one digest: a changed file changes it. The spec
-    file, when it lies in the folder, counts as `spec_raw`, the bytes already read of `spec_path`."""
-    spec_file = os.path.realpath(spec_path) if spec_path is not None and spec_raw else None
-    digest = hashlib.sha256()
-    for rel, file in code_files(Path(folder), exclude):
-        data = spec_raw if spec_file is not None and os.path.realpath(file) == spec_file else file.read_bytes()
-        digest.update(rel.encode() + b"\0" + data + b"\0")
-    return digest.hexdigest()
 
 
 def mark_outputs(folder: Path) -> None:

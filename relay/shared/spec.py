@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
-import threading
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
@@ -181,57 +178,30 @@ def validate(data: Any, source: str = "spec") -> RunSpec:
 
 @dataclass(frozen=True)
 class LoadedSpec:
-    """A spec file read once: the text a push ships and the spec parsed from that same text (they cannot differ),
-    and where it was read from. What the orchestrator passes down instead of re-opening the path."""
+    """A spec read and parsed once, where a process that runs a relay takes it in (`relay run`, a flow's `spec`
+    parameter: relay.front_door): the text a push ships and the spec parsed from that same text (they cannot
+    differ), and the file it was read from (None for a spec given as its text). What the orchestrator passes down
+    instead of a path."""
 
-    path: Path
-    text: str       # the file's text as shipped in a session kernel (UTF-8, universal newlines: `read_text()`'s)
+    path: Optional[Path]
+    text: str       # the spec's text as shipped in a session kernel (UTF-8, universal newlines: `read_text()`'s)
     spec: RunSpec
-    raw: bytes = field(default=b"", repr=False)  # the bytes read (the code folder's digest reuses them)
 
     @property
     def name(self) -> str:
         return self.spec.name
 
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        """As a flow's parameter (Prefect validates them with pydantic): taken as it is, never rebuilt from a
+        dict, and no form of its own in a deployment's parameters (a deployment run gives a path or the text)."""
+        from pydantic_core import core_schema
 
-# Inside `read_once()` (one `relay run`, the start of a flow): each spec file is opened once, and every later read of
-# it in that scope gets those bytes. `relay run` loads the spec before Prefect starts (a bad one: one line, exit 2),
-# then the flow, its run's name and the `relays` flow's account look at the same file: one read, not four.
-_held: dict[str, bytes] = {}
-_scopes = 0
-_scopes_lock = threading.Lock()
+        return core_schema.is_instance_schema(cls)
 
-
-@contextmanager
-def read_once(read_before: Optional[Mapping[str, bytes]] = None) -> Iterator[Mapping[str, bytes]]:
-    """Within: a spec file is read once; the bytes of that read serve every later read of it (nested scopes share
-    the outer one's). Outside: every read opens the file. Yields the reads held (real path -> bytes); `read_before`:
-    such reads made just before the scope, which serve it too."""
-    global _scopes
-    with _scopes_lock:
-        _scopes += 1
-        for where, raw in (read_before or {}).items():
-            _held.setdefault(where, raw)
-    try:
-        yield _held
-    finally:
-        with _scopes_lock:
-            _scopes -= 1
-            if not _scopes:
-                _held.clear()
-
-
-def read_bytes(path: str | Path) -> bytes:
-    """The bytes of the spec file `path` (OSError as open's); inside `read_once()`, its first read's."""
-    where = os.path.realpath(path)
-    held = _held.get(where) if _scopes else None
-    if held is not None:
-        return held
-    raw = Path(path).read_bytes()
-    with _scopes_lock:
-        if _scopes:
-            _held[where] = raw
-    return raw
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema: Any, handler: Any) -> dict:
+        return {}
 
 
 def shipped_text(text: str) -> str:
@@ -241,17 +211,29 @@ def shipped_text(text: str) -> str:
 
 
 def read(path: str | Path, overrides: dict[str, Any] | None = None) -> LoadedSpec:
-    """Read a YAML spec once and validate it: its text and the spec parsed from it. `overrides` as in `load`."""
+    """Read a YAML spec file and parse it (`parse`). `overrides` as in `load`."""
     path = Path(path)
     try:
-        raw = read_bytes(path)
+        raw = path.read_bytes()
     except OSError as err:
         raise SpecError(f"{path}: cannot read the spec ({err.strerror})") from None
     try:
         text = shipped_text(decode_utf8(raw, path))
+    except InputError as err:
+        raise SpecError(str(err)) from None
+    return parse(text, source=str(path), path=path, overrides=overrides)
+
+
+def parse(text: str, source: str = "spec", path: Optional[Path] = None, overrides: dict[str, Any] | None = None,
+          folder: str | Path = ".") -> LoadedSpec:
+    """The one parse of a spec's text (YAML, then the types): every spec a relay runs comes through here once.
+    Its relative paths (code.folder) are relative to the folder of `path`, the file it was read from, else to
+    `folder`; `source` names it in errors."""
+    text = shipped_text(text)
+    try:
         data = load_yaml(text)
     except DuplicateKey as err:
-        raise SpecError(f"{path}: {err}") from None
+        raise SpecError(f"{source}: {err}") from None
     except InputError as err:
         raise SpecError(str(err)) from None
     except yaml.YAMLError as err:
@@ -262,27 +244,18 @@ def read(path: str | Path, overrides: dict[str, Any] | None = None) -> LoadedSpe
             where = f" at line {text.count(chr(10), 0, err.position) + 1}"
         else:
             where = ""
-        raise SpecError(f"{path}: not valid YAML{where}") from None
+        raise SpecError(f"{source}: not valid YAML{where}") from None
     if isinstance(data, dict) and overrides:
         data = override(data, overrides)
     if isinstance(data, dict) and isinstance(data.get("code"), dict):
-        data["code"]["folder"] = str(resolve_folder(path, data["code"].get("folder", ".")))
-    return LoadedSpec(path, text, validate(data, source=str(path)), raw)
+        where = path if path is not None else Path(folder) / "spec.yaml"  # resolve_folder takes the spec file's path
+        data["code"]["folder"] = str(resolve_folder(where, data["code"].get("folder", ".")))
+    return LoadedSpec(path, text, validate(data, source=source))
 
 
 def load(path: str | Path, overrides: dict[str, Any] | None = None) -> RunSpec:
     """Read and validate a YAML spec. `overrides` are dotted keys (`session.budget`) applied first."""
     return read(path, overrides).spec
-
-
-def name_of(path: str | Path) -> Optional[str]:
-    """The `name:` a spec file gives, before (or without) validating it: a run's label. None if unreadable."""
-    try:
-        data = load_yaml(shipped_text(decode_utf8(read_bytes(path), path)))
-    except Exception:  # noqa: BLE001 - the flow itself says what is wrong with the spec
-        return None
-    name = data.get("name") if isinstance(data, dict) else None
-    return str(name) if name else None
 
 
 def override(data: dict, overrides: Mapping[str, Any], none_deletes: bool = False) -> dict:

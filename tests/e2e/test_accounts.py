@@ -41,7 +41,10 @@ def test_the_spec_names_its_account_block_and_its_session_cap(tmp_path):
 
 
 def test_one_relays_run_drives_one_account(tmp_path):
-    from flows.relays_sharing_quota import one_account
+    from flows.relays_sharing_quota import one_account as account_of, read_specs
+
+    def one_account(paths):  # the specs as the flow parsed them at its start
+        return account_of(read_specs(paths))
 
     ann = write(tmp_path, "relay-ann", **{"kaggle.credentials_block": "kaggle-ann"})
     ann2 = write(tmp_path, "relay-ann-2", **{"kaggle.credentials_block": "kaggle-ann"})

@@ -99,20 +99,20 @@ def test_bad_input_to_the_new_commands_is_one_line_exit_2_and_writes_nothing(mak
     assert not (project / "relay-runs").exists() and not emulator.store.kernels  # nothing written, nothing pushed
 
 
-def test_the_users_code_is_checked_once_per_spec_and_files(tmp_path, monkeypatch):
-    """`relay run` loads the spec before Prefect starts and the flow loads it again: the user's code is
-    import-checked once, and again only when a file of the code folder (or the spec) changed."""
+def test_the_users_code_is_checked_once_where_the_spec_is_taken_in(tmp_path, monkeypatch):
+    """`relay run` loads the spec before Prefect starts and hands the flow what it loaded: the user's code is
+    import-checked once in the process, and the flow checks nothing again (relay.front_door.spec_at_flow); a spec
+    loaded again (another process, a deployment's path) is checked again, a changed file with it."""
     from relay import front_door
     from relay.kernel import usercode
 
     checks = []
     real = usercode.check_code
     monkeypatch.setattr(usercode, "check_code", lambda spec, source: checks.append(source) or real(spec, source))
-    monkeypatch.setattr(front_door, "_checked", set())
     spec = copy_example("byo-plain", tmp_path / "ex", **RELAYED)
-    front_door.load_spec(spec)
-    front_door.load_spec(spec)
+    loaded = front_door.read_spec(spec)
+    assert front_door.spec_at_flow(loaded) is loaded
     assert len(checks) == 1
     (spec.parent / "train.py").write_text((spec.parent / "train.py").read_text() + "\n# changed\n")
-    front_door.load_spec(spec)
+    front_door.spec_at_flow(str(spec))
     assert len(checks) == 2

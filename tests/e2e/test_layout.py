@@ -233,8 +233,7 @@ def test_both_session_paths_keep_their_books_through_one_core():
     (kernel/run.py) drives a Session as a user's loop does: nothing else in the kernel loads, saves or writes
     progress.json and the session record itself."""
     core_calls = {("checkpoint", "CheckpointWriter"), ("checkpoint", "load_resume"),
-                  ("books", "write_progress"), ("books", "open_record"), ("books", "update_record"),
-                  ("books", "carry_metrics")}
+                  ("books", "write_progress"), ("books", "open_record"), ("books", "update_record")}
     owners = {"relay/kernel/session/core.py", "relay/kernel/session/checkpoint.py", "relay/kernel/session/books.py"}
     found = []
     for path in sorted((REPO / "relay" / "kernel").rglob("*.py")):

@@ -15,7 +15,7 @@ from relay.emulator.faults import FaultPlan
 from relay.orchestrator.kaggle import KaggleHTTPError, RetriesExhausted, RetryPolicy, SessionKernel
 from relay.orchestrator.kaggle.bundle import build_bundle
 from relay.orchestrator.kaggle.credentials import resolve
-from relay.orchestrator.kaggle.kernel_source import render, run_id_marker
+from relay.orchestrator.kaggle.kernel_source import find_plan, render, run_id_marker
 from relay.orchestrator.kaggle.retry import call, is_transient, unless_absent
 from relay.orchestrator.kaggle.types import KaggleError, NotFound
 from relay.shared.errors import InputError
@@ -112,8 +112,9 @@ def test_kernel_source_is_valid_python_with_marker_and_rejects_bad_run_ids(tmp_p
         render(SessionKernel(kernel="u/k", title="Title", spec_text="", run_id="bad id; rm -rf"), build_bundle())
 
 
-def test_kernel_source_runs_relay_with_mounted_paths(tmp_path):
-    """Run the generated script with a stand-in for `python -m relay`, and check the command it builds."""
+def test_kernel_source_runs_relay_with_the_plan_it_was_pushed_with(tmp_path):
+    """Run the generated script with a stand-in for `python -m relay`, and check the command it builds: the plan the
+    orchestrator made, passed on as it is (the session finds the mounts: tests/shared/test_session_plan.py)."""
     bundle = build_bundle()
     session = SessionKernel(kernel="u/k", title="Title", spec_text="name: x\n", run_id="r-9", budget_s=30,
                             checkpoint_dataset="u/ckpt", data_dataset="u/data", features_datasets=("u/feat",))
@@ -131,10 +132,11 @@ def test_kernel_source_runs_relay_with_mounted_paths(tmp_path):
     assert done.returncode == 0, done.stderr
     argv = json.loads((tmp_path / "working" / "argv.json").read_text())
     assert not {"--budget", "--run-id", "--resume-from", "--data", "--features"} & set(argv)  # one typed plan
-    plan = SessionPlan.read(argv[argv.index("--plan") + 1])
-    assert plan.resume_from == (str(tmp_path / "input" / "ckpt"),)
-    assert plan.data == str(tmp_path / "input" / "data")
-    assert plan.features == ()  # not mounted: skipped
+    plan_file = argv[argv.index("--plan") + 1]
+    plan = SessionPlan.read(plan_file)
+    with open(plan_file) as f:  # the JSON the orchestrator embedded, byte for byte
+        assert f.read() == json.dumps(find_plan(source), sort_keys=True)
+    assert plan.resume == ("u/ckpt",) and plan.data == "u/data" and plan.features == ("u/feat",)
     assert plan.budget == 30.0 and plan.run_id == "r-9" and plan.deadline is None
     marker = json.loads((tmp_path / "working" / "relay-kernel.json").read_text())
     assert marker["run_id"] == "r-9" and marker["code_version"] == bundle.code_version

@@ -15,8 +15,8 @@ Every wait is for an event (a file the kernel writes, a state reached), never a 
 """
 from __future__ import annotations
 
+import inspect
 import json
-import re
 import time
 from pathlib import Path
 
@@ -26,7 +26,7 @@ from kaggle_fixtures import USER, backend_for, isolated_env, make_emulator, push
 from relay.orchestrator import chain, handoff
 from relay.orchestrator.kaggle import KernelState, Refusal, SessionKernel
 from relay.orchestrator.kaggle.backend import ClientBackend
-from relay.orchestrator.kaggle.kernel_source import _RUNNER
+from relay.kernel.session import mounts
 from relay.shared.errors import InputError
 from relay.shared.spec import DEFAULT_GPU_SHAPE, KaggleConfig
 
@@ -154,9 +154,10 @@ def test_the_session_limit_ends_cancel_acknowledged_and_is_classified_as_a_budge
 
 
 # -- mounts -------------------------------------------------------------------------------------------------
-MOUNTED_SOURCE = re.search(r"\ndef mounted\(.*?\n    return None\n", _RUNNER, re.S).group(0)
-FINDER = ("import json, os\n" + MOUNTED_SOURCE + "inp = os.environ['KAGGLE_INPUT_DIR']\n"
-          "found = {ref: mounted(inp, ref) for ref in ('alice/mnt-data', 'alice/producer', 'alice/absent')}\n"
+# the session's own search (relay/kernel/session/mounts.py), run inside an emulator kernel as it is
+MOUNTED_SOURCE = inspect.getsource(mounts.mounted)
+FINDER = ("import json, os\nfrom typing import Optional\n" + MOUNTED_SOURCE + "inp = os.environ['KAGGLE_INPUT_DIR']\n"
+          "found = {ref: mounted(ref, inp) for ref in ('alice/mnt-data', 'alice/producer', 'alice/absent')}\n"
           "json.dump({k: v and os.path.relpath(v, inp) for k, v in found.items()}, open('found.json', 'w'))\n"
           "json.dump(sorted(os.listdir(found['alice/mnt-data'])), open('files.json', 'w'))\n")
 
@@ -191,9 +192,9 @@ def test_mounts_are_found_in_each_layout(make_emulator, tmp_path, layout, expect
 
 
 def test_the_kernel_search_prefers_the_owner_layouts_and_falls_back_to_the_slug(tmp_path):
-    namespace: dict = {"os": __import__("os")}
-    exec(MOUNTED_SOURCE, namespace)
-    mounted = namespace["mounted"]
+    def mounted(root, ref):
+        return mounts.mounted(ref, root)
+
     (tmp_path / "ckpt").mkdir()
     assert mounted(str(tmp_path), "bob/ckpt") == str(tmp_path / "ckpt")                 # /kaggle/input/<slug>
     (tmp_path / "notebooks" / "bob" / "ckpt").mkdir(parents=True)

@@ -327,7 +327,7 @@ def test_real_training_state_loads_with_weights_only(tmp_path):
     """Everything the Trainer saves (model, AdamW, scheduler, scaler, torch/numpy/python RNG, trainer state)
     is plain data and tensors: torch.load(weights_only=True) reads it without allowlisting anything."""
     spec = load_toy_spec(optim={"epochs": None, "max_steps": 6})
-    progress = run_session(spec, tmp_path, budget=None)
+    progress = run_session(spec, tmp_path)
     assert progress["status"] == "done"
     loaded = torch.load(tmp_path / progress["checkpoint"] / "state.pt", weights_only=True)
     assert set(loaded) == {"objects", "relay", "rng"}  # the Session API's layout too
@@ -387,7 +387,7 @@ def test_run_exports_weights_only_model(tmp_path):
     from safetensors.torch import load_file
 
     spec = load_toy_spec(optim={"epochs": None, "max_steps": 4})
-    progress = run_session(spec, tmp_path, budget=None)
+    progress = run_session(spec, tmp_path)
     tensors = load_file(tmp_path / "export" / "model.safetensors")
     final = torch.load(tmp_path / progress["checkpoint"] / "state.pt", weights_only=True)["objects"]["model"]
     assert set(tensors) == set(final)
@@ -475,7 +475,7 @@ def test_with_keep_best_the_best_checkpoints_weights_are_exported_beside_the_fin
 
     spec = load_toy_spec(optim={"epochs": None, "max_steps": 6, "eval_every_steps": 1, "lr": 0.5},
                          checkpoints={"keep_best": True, "keep_last": 1})
-    progress = run_session(spec, tmp_path, budget=None)
+    progress = run_session(spec, tmp_path)
     best = [c for c in ck.list_valid(tmp_path / "checkpoints") if c.step == progress["best"]["step"]]
     expected = torch.load(best[0].path / "state.pt", weights_only=True)["objects"]["model"]
     tensors = load_file(tmp_path / "export" / "best" / "model.safetensors")

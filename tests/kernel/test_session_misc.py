@@ -20,6 +20,7 @@ from relay.kernel.run import run_session
 from relay.kernel.session import checkpoint, data, memory
 from relay.kernel.session.budget import SAVE_SAFETY_FACTOR, SessionClock
 from relay.shared.errors import InputError
+from relay.shared.session_plan import SessionPlan
 
 
 # -- the clock --------------------------------------------------------------------------------------
@@ -147,7 +148,7 @@ def test_resume_reads_only_unconsumed_samples(counting, tmp_path):
 
 def test_progress_and_metrics_files(counting, tmp_path):
     counting.sigterm_at_call = 20  # in step 9: the first session stops at step 10
-    run_session(counting_spec(), tmp_path, run_id="run-42")
+    run_session(counting_spec(), tmp_path, SessionPlan(run_id="run-42"))
     counting.reset()
     progress = run_session(counting_spec(), tmp_path)
     on_disk = json.loads((tmp_path / "progress.json").read_text())
@@ -187,7 +188,7 @@ def test_resume_from_a_read_only_mounted_checkpoint(counting, tmp_path):
         p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
     try:
         counting.reset()
-        second = run_session(counting_spec(), tmp_path / "kaggle-2", resume_from=[mounted])
+        second = run_session(counting_spec(), tmp_path / "kaggle-2", SessionPlan(resume_from=(str(mounted),)))
     finally:
         for p in [mounted, *mounted.iterdir()]:
             p.chmod(p.stat().st_mode | stat.S_IWUSR)

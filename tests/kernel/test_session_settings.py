@@ -13,8 +13,7 @@ def test_the_defaults_are_the_specs_own(tmp_path):
     (tmp_path / "train.py").write_text("")  # the folder is the test's own: the checkout's size must not matter
     spec = spec_mod.validate({"name": "settings-test", "code": {"folder": str(tmp_path), "entry": "train.py"},
                               "optim": {"max_steps": 9}}, source="test")
-    relayed = SessionSettings.from_spec(spec, "w", budget=None, deadline=None, max_steps=None, resume_from=[],
-                                        data_dir=None, feature_dirs=[], run_id=None)
+    relayed = SessionSettings.from_spec(spec, "w")
     by_hand = SessionSettings(total_steps=9)
     for name in ("log_every", "save_every", "safety_margin", "stop_on_divergence", "keep_last", "disk_budget_gb",
                  "digest", "seed"):

@@ -16,6 +16,7 @@ from markdown_it import MarkdownIt
 
 from conftest import load_toy_spec
 from relay.orchestrator import goodput, goodput_chart, report
+from tasks.artifacts import fit_lines
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,8 @@ def test_summary_has_image_nodes_and_the_plan(run):
     markdown = summary_markdown(spec.name, progress, images, plan, state="done")
     tokens, image_nodes, fences, headings = parse(markdown)
     assert_images_render(image_nodes, images)
-    assert len(fences) == 1 and fences[0].type == "fence" and fences[0].content == plan.strip("\n") + "\n"
+    # the plan, its lines wrapped to the UI's code block (tests/orchestrator/test_ui_width.py)
+    assert len(fences) == 1 and fences[0].type == "fence" and fences[0].content == fit_lines(plan.strip("\n")) + "\n"
     assert not any("base64" in f.content or "![" in f.content for f in fences)  # nothing swallowed by the fence
     assert headings == [f"{spec.name}: done", "Plan and ETA", "Goodput", "Loss curves", "Sessions timeline"]
     assert "goodput " in markdown and "| **all** |" in markdown  # where the GPU time went (issue 47), drawn too
@@ -89,7 +91,7 @@ def test_summary_is_well_formed_whatever_the_plan(run, plan):
     tokens, image_nodes, fences, headings = parse(summary_markdown(spec.name, progress, images, plan))
     assert_images_render(image_nodes, images)
     if plan.strip():
-        assert [f.content for f in fences] == [plan.strip("\n") + "\n"]
+        assert [f.content for f in fences] == [fit_lines(plan.strip("\n")) + "\n"]
     else:
         assert fences == [] and "Plan and ETA" not in headings
 
@@ -126,7 +128,7 @@ def test_the_artifact_prefect_serves_renders(run, prefect_api):
     assert len(stored) == 1 and stored[0].type == "markdown"
     _, image_nodes, fences, _ = parse(stored[0].data)
     assert_images_render(image_nodes, {k: Path(v) for k, v in written.items()})
-    assert [f.content for f in fences] == [plan.strip("\n") + "\n"]
+    assert [f.content for f in fences] == [fit_lines(plan.strip("\n")) + "\n"]
 
     # while the next session runs, its live summary keeps the handed-over sessions' goodput chart
     from tasks.artifacts import publish_running

@@ -51,9 +51,29 @@ def test_figures_are_measured_from_the_relays_own_sessions_and_say_where_they_co
     while_running = measured.overheads(spec, progress, running_started=1_800_000_000.0 + 1)  # the third's first line
     assert while_running.handover == measured.Figure(20.0, "measured over 2 sessions")
     before = measured.overheads(spec, {})  # nothing measured yet: the spec's, then the default
-    assert before.startup == measured.Figure(120.0, "spec startup_overhead")
-    assert before.save == measured.Figure(1.0, "spec safety_margin")
-    assert before.handover == measured.Figure(measured.HANDOVER_DEFAULT_S, "default")
+    assert before.startup == measured.Figure(120.0, "assumed: the spec's startup_overhead")
+    assert before.save == measured.Figure(1.0, "assumed: the spec's safety_margin")
+    assert before.handover == measured.Figure(measured.HANDOVER_DEFAULT_S, "assumed")
+
+
+def test_the_hand_over_is_measured_over_clean_hand_overs_only():
+    """A gap after a killed session, after a wedged one, or with a failed attempt pushed within it measures the
+    fault (the relay waited for a deadline, retried), not a hand-over: only the clean 20 s one counts."""
+    from relay.orchestrator import measured
+
+    t0 = 1_800_000_000.0
+    one, two = _session(1, t0), _session(2, t0 + 130 + 30)            # clean: 30 s between clocks
+    three = _session(3, two["ended"] + 300)                            # after a failed attempt pushed between
+    four = _session(4, three["ended"] + 200)                           # after a wedged one
+    five = _session(5, four["ended"] + 400)                            # after a killed one
+    four["stop_reason"] = "running"                                    # salvaged at its last save
+    charges = [{"run_id": s["run_id"], "pushed_at": s["started"] - 10, "wedged": s is three} for s in
+               (one, two, three, four, five)]
+    charges.append({"run_id": f"{NAME}-s003-a1", "pushed_at": two["ended"] + 20, "failed": "wedged", "wedged": True})
+    progress = {"sessions": [one, two, three, four, five], "charges": charges}
+    assert measured.session_gaps(progress) == [30.0]
+    spec = SimpleNamespace(kaggle=SimpleNamespace(startup_overhead=120.0), session=SimpleNamespace(safety_margin=1.0))
+    assert measured.overheads(spec, progress, startup=10).handover == measured.Figure(20.0, "measured over 1 session")
 
 
 def test_status_the_progress_artifact_and_the_summary_say_one_finish(monkeypatch, tmp_path):

@@ -51,6 +51,18 @@ def test_each_bar_is_its_attempts_charge_split_in_the_ledgers_order(drawn, tmp_p
     assert [t.get_text() for t in ax.texts][3] == "15m, 0% kept"  # the failed attempt kept nothing
 
 
+def test_a_wedged_and_a_failed_attempt_are_named_beside_their_bars(drawn, tmp_path):
+    ledger = Ledger([FAULTED.attempts[0], AttemptLedger("r-s003-a1", 100.0, {**dict.fromkeys(CATEGORIES, 0.0),
+                                                                             "failed attempt": 60.0, "wedged": 40.0},
+                                                        failed="wedged", wedged=True),
+                     AttemptLedger("r-s003-a2", 50.0, {**dict.fromkeys(CATEGORIES, 0.0), "failed attempt": 50.0},
+                                   failed="killed")])
+    goodput_chart.plot_goodput(ledger, tmp_path / "goodput.png")
+    ax = drawn[0].axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["s001-a1", "s003-a1 (wedged)", "s003-a2 (failed)"]
+    assert "over 3 attempts (1 session handed over, 2 failed)" in ax.get_title()
+
+
 def test_short_sessions_are_drawn_in_seconds_and_nothing_charged_is_refused(drawn, tmp_path):
     goodput_chart.plot_goodput(CLEAN, tmp_path / "clean.png")
     ax = drawn[0].axes[0]

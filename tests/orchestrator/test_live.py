@@ -139,3 +139,21 @@ def test_a_session_whose_process_ended_while_kaggle_runs_it_is_named_waiting_not
     text = eta_text(ended, 50)
     assert text.startswith("its process ended at step 120 (steps, ") and "waiting for Kaggle to end the session" in text
     assert running_row(ended, "running")["stop_reason"] == "process ended (steps); Kaggle: running"
+
+
+def test_the_progress_text_names_a_wedge_while_the_relay_waits_for_its_deadline_and_after():
+    """Its process ended, Kaggle still runs it: until its deadline the text says the relay waits until when, past
+    it that it is wedged; a session Kaggle ended is said ended, and one past its deadline without an end line is
+    wedged too (its lines stopped or it never finished in time)."""
+    from relay.orchestrator.live_progress import eta_text
+
+    lines = [{"kind": "train", "step": 410, "time": 1000.0, "step_start": 268},
+             {"kind": "end", "step": 418, "time": 1010.0, "stop_reason": "steps"}]
+    waiting = eta_text(lines, deadline=1100.0, kernel_state="running", now=1050.0)
+    assert "its process ended at step 418" in waiting and "wedged if it still does at its deadline" in waiting
+    past = eta_text(lines, deadline=1100.0, kernel_state="running", now=1101.0)
+    assert "WEDGED: Kaggle still runs the session past its deadline" in past
+    assert "Kaggle ended the session (complete)" in eta_text(lines, deadline=1100.0, kernel_state="complete", now=1101.0)
+    silent = eta_text(lines[:1], deadline=1100.0, kernel_state="running", now=1101.0)
+    assert silent.startswith("WEDGED") and "step 410" in silent
+    assert "ETA" in eta_text(lines[:1], deadline=1100.0, kernel_state="running", now=1050.0)

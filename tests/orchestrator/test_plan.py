@@ -158,11 +158,14 @@ def test_zero_remaining_work_is_done():
 def test_format_plan_has_the_columns_finish_and_quota_line():
     text = format_plan(plan_sessions(10_000, 10.0, quota(20), TUESDAY, steps_per_epoch=3000))
     header = text.splitlines()[0].split()
-    assert header == ["session", "starts", "budget", "steps", "cum", "GPU", "h", "week"]
+    assert header == ["session", "starts", "budget", "steps", "GPU", "so", "far", "week"]
     # 12 h + the 8 h left this week, then the rest waits for Saturday's refresh.
     assert "12h00m" in text and " 8h00m" in text and "(quota wait)" in text
     assert "finish Sat 2026-11-28 08:31 UTC" in text and "ep 1.41)" in text
-    assert "quota: 20.0 h of 30.0 h GPU left this week" in text and "refreshes Sat 2026-11-28 00:00 UTC" in text
+    assert "quota: 20h00m of 30h00m GPU left this week" in text and "refreshes Sat 2026-11-28 00:00 UTC" in text
+    assert "(Kaggle's quota statistics)" in text  # where the refresh time comes from, said beside it
+    from_ledger = format_plan(plan_sessions(10_000, 10.0, quota_from_ledger([], TUESDAY), TUESDAY))
+    assert "(assumed: Kaggle's weekly reset, Saturday 00:00 UTC; the quota statistics were not read)" in from_ledger
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -1,13 +1,35 @@
-"""The orchestrator reads a spec once: `relay run spec.yaml --tick` parses it and ships the same bytes it parsed,
-never re-opening the file for the run's name, the flow, or the text a push ships (issue 46). Counted with an audit
-hook on `open` during one in-process tick against the emulator (it pushes the first session)."""
+"""The orchestrator reads and parses a spec once per process: `relay run spec.yaml --tick` parses it where it takes
+it in and hands the flow what it parsed, never re-opening or re-parsing the file for the run's name, the flow, or the
+text a push ships (issues 46, 59). Opens are counted with an audit hook on `open`, parses by counting calls of
+relay.shared.spec.parse (every parse goes through it), during one in-process tick against the emulator (it pushes the
+first session)."""
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 from byo_fixtures import RELAYED, copy_example
 from kaggle_fixtures import FAKE_KEY, USER
 from open_audit import opens_of
 
-def test_one_tick_opens_the_spec_at_most_twice(relay_env, monkeypatch, tmp_path):
+
+@contextmanager
+def parses_counted(monkeypatch):
+    """Within: a list that gets the source of each spec parse in this process."""
+    from relay.shared import spec as spec_mod
+
+    seen: list = []
+    real = spec_mod.parse
+
+    def counted(text, source="spec", *args, **kwargs):
+        seen.append(source)
+        return real(text, source, *args, **kwargs)
+
+    monkeypatch.setattr(spec_mod, "parse", counted)
+    yield seen
+    monkeypatch.setattr(spec_mod, "parse", real)
+
+
+def test_one_tick_opens_the_spec_at_most_twice_and_parses_it_once(relay_env, monkeypatch, tmp_path):
     import tasks.relay_step as relay_step
     from relay import launch
 
@@ -20,11 +42,12 @@ def test_one_tick_opens_the_spec_at_most_twice(relay_env, monkeypatch, tmp_path)
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(project)
     lines: list = []
-    with opens_of(spec) as opens:
+    with opens_of(spec) as opens, parses_counted(monkeypatch) as parses:
         code = launch.run("spec.yaml", out=str(tmp_path / "out"), tick=True, poll_seconds=0.3, emit=lines.append)
     assert code == 0, lines
     assert any(line.startswith("pushed: step 0/") for line in lines), lines
     assert len(relay_env.kernel_runs()) == 1
+    assert parses == ["spec.yaml"], parses  # `relay run` parsed it; the flow took what it parsed
     # parsed once, shipped once inside the code bundle (the spec is a file of code.folder)
     assert opens, "the audit hook saw no open of the spec"
     print(f"{len(opens)} opens of the spec in one tick:\n" + "\n".join(opens))  # shown by `pytest -rP`
@@ -38,23 +61,19 @@ def test_the_text_shipped_is_the_text_parsed_and_read_text_s(toy_spec, tmp_path)
     spec.write_bytes(spec.read_bytes().replace(b"\n", b"\r\n"))  # a spec saved on Windows
     loaded = read_spec(spec)
     assert loaded.text == spec.read_text()  # the spec_sha256 of kernels pushed before: unchanged
-    assert loaded.spec.name == loaded.name == "toy-test" and loaded.raw == spec.read_bytes()
+    assert loaded.spec.name == loaded.name == "toy-test" and loaded.path == spec
 
 
-def test_inside_read_once_a_spec_is_opened_once_and_outside_a_rewrite_is_seen(toy_spec, tmp_path):
-    from relay.front_door import read_spec
-    from relay.shared import spec as spec_mod
+def test_a_flow_takes_a_path_the_text_or_the_spec_read_and_parses_it_once(toy_spec, tmp_path, monkeypatch):
+    from relay.front_door import read_spec, spec_at_flow
 
     spec = toy_spec(tmp_path)
-    with opens_of(spec) as opens:
-        with spec_mod.read_once():
-            first = read_spec(spec)
-            with spec_mod.read_once():  # a nested scope shares the outer one's reads
-                assert spec_mod.name_of(spec) == "toy-test" and spec_mod.load(spec) == first.spec
-            assert read_spec(spec).text == first.text
-        assert len(opens) == 1, "\n".join(opens)
-        spec.write_text(spec.read_text().replace("name: toy-test", "name: toy-other"))
-        before = len(opens)
-        assert read_spec(spec).name == "toy-other"  # the scope ended: the file is read again
-        assert spec_mod.name_of(spec) == "toy-other"
-        assert len(opens) == before + 2
+    with parses_counted(monkeypatch) as parses:
+        loaded = read_spec(spec)
+        assert spec_at_flow(loaded) is loaded  # `relay run`'s, as it is: no second parse
+        assert len(parses) == 1
+        assert spec_at_flow(str(spec)).spec == loaded.spec  # a deployment run's path
+        monkeypatch.chdir(tmp_path)
+        from_text = spec_at_flow(spec.read_text())  # or the spec's text itself
+        assert from_text.spec == loaded.spec and from_text.text == loaded.text and from_text.path is None
+        assert len(parses) == 3

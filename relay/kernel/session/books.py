@@ -1,5 +1,5 @@
 """The session's books, one format for both session paths (written through session/core.py): the run's book
-(RunBook: what a session carries to the next besides tensors), what a fresh workdir carries from the run so far, the session's record in progress.json's `sessions`, what resuming on
+(RunBook: what a session carries to the next besides tensors), the session's record in progress.json's `sessions`, what resuming on
 another world size or thread count costs, the first save's time estimate, and progress.json itself: tables,
 plots and the handoff read one format.
 """
@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -41,17 +40,6 @@ def current_layout(state: dict) -> dict:
     old = dict(state)
     objects = {name: old.pop(name) for name in ("model", "optimizer", "scheduler", "scaler")}
     return {"objects": objects, "relay": old.pop("trainer"), **old}
-
-
-def carry_metrics(metrics: Path, resume_from: Sequence[Path]) -> None:
-    """A fresh kernel workdir starts with the metrics of the sessions before it, so the published
-    metrics.jsonl always covers the whole run (the loss curve across sessions is drawn from it)."""
-    if metrics.exists():
-        return
-    for source in resume_from:
-        if (Path(source) / "metrics.jsonl").is_file():
-            shutil.copyfile(Path(source) / "metrics.jsonl", metrics)
-            return
 
 
 def warn_if_threads_changed(saved: Optional[int]) -> None:

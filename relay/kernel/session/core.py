@@ -70,10 +70,9 @@ class SessionCore:
     # -- start ------------------------------------------------------------------------------------------
     def load(self) -> Optional[tuple[checkpoint.Checkpoint, dict]]:
         """The newest valid checkpoint, own workdir first, then the relay's resume folders (None when fresh;
-        InputError when a resume folder holds only corrupt ones). A fresh workdir gets the run's metrics so far."""
+        InputError when a resume folder holds only corrupt ones). A fresh workdir's metrics.jsonl holds this
+        session's lines only: the orchestrator keeps the run's whole history (relay/orchestrator/history.py)."""
         restored = checkpoint.load_resume(self.ckpt_root, self.resume_from)
-        if self.world.main:
-            books.carry_metrics(self.metrics_path, self.resume_from)
         self._restored = restored[0] if restored else None
         return (restored[0], books.current_layout(restored[1])) if restored else None
 

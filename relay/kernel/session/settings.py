@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from relay.shared.spec_sections import CheckpointConfig, KaggleConfig, OptimConfig, SessionConfig
 
 if TYPE_CHECKING:
+    from relay.shared.session_plan import SessionPlan
     from relay.shared.spec import RunSpec
 
 
@@ -50,16 +51,22 @@ class SessionSettings:
     extra: dict = field(default_factory=dict)    # keys a newer relay passes that this one does not know
 
     @classmethod
-    def from_spec(cls, spec: "RunSpec", workdir: Path, *, budget: Optional[float] = None,
-                  deadline: Optional[float] = None, max_steps: Optional[int] = None, resume_from: Sequence = (),
-                  data_dir: Optional[Path] = None, feature_dirs: Sequence = (), run_id: Optional[str] = None,
+    def from_spec(cls, spec: "RunSpec", workdir: Path, plan: Optional["SessionPlan"] = None, *,
                   total_steps: Optional[int] = None) -> "SessionSettings":
         """The one spec-to-session translation: what a user's loop is told (`relay train` with code.entry) and
-        what the built-in loop's Session is built from (relay.kernel.run, which passes the `total_steps` its
-        epochs come to and keeps the budget on its own clock). `total_steps` None: optim.max_steps."""
+        what the built-in loop's Session and clock are built from (relay.kernel.run, which passes the
+        `total_steps` its epochs come to). `plan`: the session's plan (relay/shared/session_plan.py: its run id,
+        budget, deadline, and the folders and mounted datasets it reads), read here once; None: a plan of
+        nothing (the spec's budget, no deadline, no folders). `total_steps` None: optim.max_steps."""
+        from relay.kernel.session.mounts import folders
+        from relay.shared.session_plan import SessionPlan
+
+        plan = plan or SessionPlan()
+        resume_from, data_dir, feature_dirs = folders(plan)
         s, c, k = spec.session, spec.checkpoints, spec.kaggle
         return cls(total_steps=spec.optim.max_steps if total_steps is None else total_steps, workdir=str(Path(workdir).resolve()), name=spec.name,
-                   run_id=run_id, seed=spec.seed, budget=budget, deadline=deadline, max_steps=max_steps,
+                   run_id=plan.run_id, seed=spec.seed, budget=s.budget if plan.budget is None else plan.budget,
+                   deadline=plan.deadline, max_steps=s.max_steps,
                    log_every=spec.optim.log_every_steps, resume_from=tuple(str(Path(p).resolve()) for p in resume_from),
                    data=str(Path(data_dir).resolve()) if data_dir else None,
                    features=tuple(str(Path(p).resolve()) for p in feature_dirs), save_every=s.save_every,

@@ -5,9 +5,10 @@ ships code and run spec atomically (no extra dataset version to publish and wait
 dataset and the kernel), GetKernel returns exactly the code that ran, and the run id marker used to make
 pushes idempotent lives in the same text. The bundle is small (the kernel side's .py files, deflated).
 The script needs no internet: it extracts the bundle outside the working folder (so it is not output),
-records the code version and run id in relay-kernel.json, writes the session's plan (relay/shared/session_plan.py:
-the run id, budget and mounted folders, one typed JSON object) and runs `python -m relay train --plan`,
-forwarding SIGTERM. PLAN (what `relay status` reads back) keeps its keys: kernels pushed before read the same.
+records the code version and run id in relay-kernel.json, writes the session's plan (PLAN: relay/shared/session_plan.py,
+made once by session_plan() and embedded as its JSON) beside the spec and runs `python -m relay train --plan`,
+forwarding SIGTERM. find_plan reads PLAN back by its keys (`relay status`, wedge deadlines, goodput), which the
+plans pushed before it share.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Optional
 from relay.orchestrator.kaggle.bundle import Bundle
 from relay.orchestrator.kaggle.types import SessionKernel
 from relay.shared.errors import InputError
+from relay.shared.session_plan import SessionPlan
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MARKER_FILE = "relay-kernel.json"
@@ -71,36 +73,33 @@ def validate_run_id(run_id: str) -> None:
         raise InputError(f"run id {run_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
 
 
+def session_plan(session: SessionKernel, bundle: Bundle) -> SessionPlan:
+    """The plan this push gives its session (relay/shared/session_plan.py), made once here."""
+    return SessionPlan(
+        run_id=session.run_id, budget=session.budget_s, workdir=session.workdir_name,
+        resume=(session.checkpoint_dataset,) if session.checkpoint_dataset else (),
+        data=session.data_dataset, features=tuple(session.features_datasets),
+        code_version=bundle.code_version, bundle_sha256=hashlib.sha256(bundle.data).hexdigest(),
+        spec_sha256=hashlib.sha256(session.spec_text.encode()).hexdigest(),
+        user_code=bool(session.code_folder), pip=tuple(session.pip),
+        canary=tuple(session.canary) if session.canary is not None else None,
+        # when it was pushed (this machine's clock): output of another run soon after is Kaggle's status lag
+        pushed_at=round(time.time(), 1),
+        # the limit the push asks Kaggle for: a session still running well past it is wedged (handoff.observe)
+        timeout_s=session.session_timeout_s,
+        charges=tuple(dict(c) for c in session.charges))
+
+
 def render(session: SessionKernel, bundle: Bundle) -> str:
     validate_run_id(session.run_id)
-    plan = {
-        "run_id": session.run_id,
-        "workdir": session.workdir_name,
-        "budget": session.budget_s,
-        "resume": [session.checkpoint_dataset] if session.checkpoint_dataset else [],
-        "data": session.data_dataset,
-        "features": list(session.features_datasets),
-        "code_version": bundle.code_version,
-        "bundle_sha256": hashlib.sha256(bundle.data).hexdigest(),
-        "spec_sha256": hashlib.sha256(session.spec_text.encode()).hexdigest(),
-        "user_code": bool(session.code_folder),
-        "pip": list(session.pip),
-        # when it was pushed (this machine's clock): output of another run soon after is Kaggle's status lag
-        "pushed_at": round(time.time(), 1),
-        # the limit the push asks Kaggle for: a session still running well past it is wedged (handoff.observe)
-        "timeout_s": session.session_timeout_s,
-    }
-    if session.canary is not None:
-        plan["canary"] = list(session.canary)
-    if session.charges:
-        plan["charges"] = [dict(c) for c in session.charges]
+    plan = session_plan(session, bundle)
     encoded = base64.b64encode(bundle.data).decode("ascii")
     lines = [encoded[i:i + 100] for i in range(0, len(encoded), 100)]
     return (
         "# kaggle-relay session kernel (generated; do not edit)\n"
         + run_id_marker(session.run_id)
         + f"# relay-code-version: {bundle.code_version}\n"
-        + f"PLAN = {json.dumps(plan, sort_keys=True)!r}\n"
+        + f"PLAN = {plan.to_json()!r}\n"
         + f"SPEC = {session.spec_text!r}\n"
         + "BUNDLE = (\n" + "".join(f"    {line!r}\n" for line in lines) + ")\n"
         + _RUNNER
@@ -111,20 +110,8 @@ _RUNNER = r'''
 import base64, hashlib, io, json, os, signal, subprocess, sys, tempfile, time, zipfile
 
 
-def mounted(input_dir, ref):
-    """Where Kaggle mounted dataset or kernel output `ref` (owner/slug); None when absent. Searched, not
-    assumed: datasets/<owner>/<slug> and notebooks/<owner>/<slug> since 2026-08, <slug> on older images."""
-    owner, slug = ref.split("/", 1)
-    for path in (os.path.join(input_dir, "datasets", owner, slug), os.path.join(input_dir, "notebooks", owner, slug),
-                 os.path.join(input_dir, slug)):
-        if os.path.isdir(path):
-            return path
-    return None
-
-
 def main():
-    plan = json.loads(PLAN)
-    input_dir = os.environ.get("KAGGLE_INPUT_DIR", "/kaggle/input")
+    plan = json.loads(PLAN)  # what this script itself needs of the plan; the session reads all of it (--plan)
     working = os.environ.get("KAGGLE_WORKING_DIR", "/kaggle/working")
     data = base64.b64decode("".join(BUNDLE))
     if hashlib.sha256(data).hexdigest() != plan["bundle_sha256"]:
@@ -154,28 +141,14 @@ def main():
         if subprocess.call([sys.executable, "-m", "pip", "install", "-q", *plan["pip"]]) != 0:
             print("relay: error: kaggle.pip: pip install failed (see the log above)", flush=True)
             sys.exit(2)
-    # the session's plan, one typed JSON object (relay/shared/session_plan.py) the session trusts as it is
-    session = {"format": 1, "run_id": plan["run_id"], "budget": plan["budget"], "deadline": None,
-               "resume_from": [], "data": None, "features": []}
-    for ref in plan["resume"]:
-        path = mounted(input_dir, ref)
-        if path:
-            session["resume_from"].append(path)
-        else:
-            print(f"relay: checkpoint dataset {ref} is not mounted; starting without it", flush=True)
-    if plan["data"]:
-        session["data"] = mounted(input_dir, plan["data"]) or os.path.join(input_dir, plan["data"].split("/")[1])
-    for ref in plan["features"]:
-        path = mounted(input_dir, ref)
-        if path:
-            session["features"].append(path)
-    session_path = os.path.join(code_dir, "session-plan.json")
-    with open(session_path, "w") as f:
-        json.dump(session, f, sort_keys=True)
-    cmd = [sys.executable, "-m", "relay", "train", spec_path, "--workdir", workdir, "--plan", session_path]
-    if "canary" in plan:  # `relay doctor`: the same start, then checks instead of training (relay/kernel/canary.py)
-        cmd = [sys.executable, "-m", "relay.kernel.canary", spec_path, "--out", os.path.join(workdir, "doctor.json")]
-        cmd += [f"--mount={ref}={mounted(input_dir, ref) or ''}" for ref in plan["canary"]]
+    # the session's plan as the orchestrator made it (relay/shared/session_plan.py); the session finds the mounts
+    plan_path = os.path.join(code_dir, "session-plan.json")
+    with open(plan_path, "w") as f:
+        f.write(PLAN)
+    cmd = [sys.executable, "-m", "relay", "train", spec_path, "--workdir", workdir, "--plan", plan_path]
+    if plan["canary"] is not None:  # `relay doctor`: the same start, then checks (relay/kernel/canary.py)
+        cmd = [sys.executable, "-m", "relay.kernel.canary", spec_path, "--out", os.path.join(workdir, "doctor.json"),
+               "--plan", plan_path]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (code_dir, env.get("PYTHONPATH")) if p)
     print("relay: code", plan["code_version"], "run", plan["run_id"], flush=True)
     child = subprocess.Popen(cmd, env=env)
