@@ -4,7 +4,7 @@
 
 Each bench module has `run() -> dict` of figures (bench_loop, bench_checkpoint, bench_features, bench_relay,
 bench_vqa, bench_recsys, bench_byo, bench_live, bench_tick, bench_tracking, bench_divergence, bench_scale, bench_prefect_writes,
-bench_step_overhead, bench_goodput, bench_history).
+bench_step_overhead, bench_goodput, bench_history, bench_relays).
 Timings are of this machine at this moment: the output and the results file name the machine (CPU model, cores,
 torch version, load average; bench/machine.py). Every figure is a ratio against a baseline measured in the same
 run, compared variants alternate, and each is reported as a median with its spread.
@@ -57,6 +57,9 @@ BENCHES = {
     "goodput": ("bench_goodput", {}, {}),
     # ~1-2 min: 10 synthetic sessions of 1,000,000 steps handed over on the emulator, bytes counted per hand-over
     "history": ("bench_history", {"sessions": 10, "steps": 1_000_000}, {"sessions": 3, "steps": 1_000_000}),
+    # ~10+ min: 20, then 50 toy relays of 2 sessions in ONE `relays` run on one worker, a SQLite server (issue 60);
+    # the 200 of its target: python bench/bench_relays.py --relays 200
+    "relays": ("bench_relays", {"counts": (20, 50)}, {"counts": (10,)}),
 }
 
 
@@ -153,6 +156,10 @@ def _lines(name: str, f: dict) -> list[str]:
         import bench_step_overhead
 
         return bench_step_overhead.format_lines(f)
+    if name == "relays":
+        import bench_relays
+
+        return bench_relays.format_lines(f)
     if name == "goodput":
         import bench_goodput
 

@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Literal, Optional
 
 from prefect import flow, get_run_logger
 
 from relay.orchestrator.kaggle.types import KaggleUnresponsive
-from relay.orchestrator.relay_state import State, Wait, move
-from relay.orchestrator.policy import plan_text, push_budget, session_budget, utc  # noqa: F401 - plan_text: part of the flow's API
+from relay.orchestrator.relay_state import State, Wait
+from relay.orchestrator.policy import plan_text, session_budget, utc  # noqa: F401 - plan_text: part of the flow's API
 from relay.front_door import SpecParameter, spec_at_flow
-from tasks import relay_step, relay_tasks, run_labels
+from flows import relay_rounds as rounds
+from flows.relay_rounds import Relay
+from tasks import relay_step, run_labels
 from tasks.account_slots import AccountSessions
 from tasks.live_view import follow_sessions
-from tasks.relay_step import RelayContext, RelayFailed, Step  # noqa: F401 - RelayFailed: the flow's API
+from tasks.relay_step import RelayContext, RelayFailed, Step  # noqa: F401 - RelayFailed, Step: the flow's API
 
 # A watch waiting for the weekly quota looks at it again this often before the refresh Kaggle announced: the
 # announced time is when the oldest charged session leaves the 7-day window, and quota freed sooner is used.
@@ -98,17 +100,15 @@ def drive(ctx: RelayContext, pace: Pace, slots: Optional[AccountSessions] = None
 
 
 def _steps(ctx: RelayContext, pace: Pace, slots: Optional[AccountSessions]) -> dict:
-    state = State.NEW
+    relay = Relay(ctx.spec.name, ctx.spec.name, ctx)  # its one state: the `relays` flow's Relay, here alone
+    slots = slots or AccountSessions(ctx.backend.username, ctx.spec.kaggle.account_sessions)
+    if ctx.spec.name not in slots.slots:
+        slots.add(ctx.spec.name, ctx.spec.kaggle.session_timeout + ctx.spec.kaggle.startup_overhead)
     while True:
-        step = relay_step.advance(ctx)
-        state = move(state, step.state)  # the state machine the `relays` flow drives too
-        if slots is not None:  # a running session's slot lasts; handed over, done, stopped: it goes back
-            slots.stepped(ctx.spec.name, step.state)
-        if step.state is State.READY:
-            step = _push(ctx, step, slots)
-            state = move(state, step.state)
-            if slots is not None:
-                slots.stepped(ctx.spec.name, step.state)
+        step = rounds.step(relay, slots)
+        if step.state is State.READY:  # the one push loop, the `relays` flow's, over this one relay
+            rounds.push_in_turn(ctx.backend, [relay], slots, rounds.Round(), get_run_logger())
+            step = relay.step
         if step.state in (State.DONE, State.STOPPED) or (pace.mode == "tick" and step.state is State.PUSHED):
             return step.summary()
         if step.state is State.RUNNING:
@@ -119,20 +119,6 @@ def _steps(ctx: RelayContext, pace: Pace, slots: Optional[AccountSessions]) -> d
             continue  # handed over, restored or pushed: look again
         if summary is not None:
             return summary
-
-
-def _push(ctx: RelayContext, ready: Step, slots: Optional[AccountSessions]) -> Step:
-    """The whole quota is this relay's: the session's budget is the spec's, within what is left of it. It
-    pushes only with a slot of its account's session limit (a tick too: the slot outlives the run)."""
-    quota = relay_tasks.read_quota(ctx.backend)
-    budget = push_budget(ctx.spec, quota, ready.progress)  # no longer than the session needs
-    relay_step.plan(ctx, ready.progress, quota)
-    if budget <= ctx.spec.session.safety_margin:
-        return relay_step.quota_spent(ctx, ready, quota)
-    if slots is not None and not slots.take(ctx.spec.name, ready.action.run_id):
-        return replace(ready, state=State.WAITING, waits_for=Wait.SLOT, why=slots.full())
-    # a push that did not land (a refusal, another orchestrator's claim) keeps the slot for the relay's retry
-    return relay_step.push(ctx, ready, budget, quota)
 
 
 def _follow(ctx: RelayContext, running: Step, pace: Pace) -> Optional[dict]:

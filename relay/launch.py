@@ -105,10 +105,10 @@ def _run_several(specs: Sequence[str], out: Optional[str], tick: bool, poll_seco
         _prepare(read.spec, folder)
     cap = min(read.spec.kaggle.account_sessions for _, read in loaded)
     if submit:  # a worker of the server runs the relays flow (deployment relays/relays)
-        from relay.orchestrator.submit import stop_reason, submit as submit_run
+        from relay.submit import stop_reason, submit as submit_run
 
         state, message, account = submit_run([path for path, _ in loaded], folder, tick, poll_seconds,
-                                             credentials_block, emit, cap=cap)
+                                             credentials_block, emit)
         for name in names:
             emit(f"-- {name}")
             _outputs(emit, name, folder / name, None, account)
@@ -129,7 +129,7 @@ def _run_several(specs: Sequence[str], out: Optional[str], tick: bool, poll_seco
     failed = None
     try:
         summary = relays(specs=[read for _, read in loaded], mode="tick" if tick else "watch",
-                         cap=cap, credentials_block=credentials_block, poll_seconds=poll_seconds,
+                         credentials_block=credentials_block, poll_seconds=poll_seconds,
                          state_dir=str(folder))
     except RelayFailed as err:
         summary, failed = None, str(err)
@@ -156,7 +156,7 @@ def _run(spec: str, out: Optional[str], tick: bool, poll_seconds: Optional[float
     local = folder / run_spec.name
 
     if submit:  # a worker of the server runs it: its environment says emulator or Kaggle, and how often to poll
-        from relay.orchestrator.submit import stop_reason, submit as submit_run
+        from relay.submit import stop_reason, submit as submit_run
 
         state, message, account = submit_run([path], folder, tick, poll_seconds, credentials_block, emit)
         if state != "Completed":

@@ -18,6 +18,7 @@ stay the guarantee. Slots are taken only with a Prefect server to count on (PREF
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Dict, List, Optional
 
@@ -36,31 +37,41 @@ def limit_name(username: str) -> str:
 
 class AccountSessions:
     """The one owner of an account's session slots, for both flows: the `relay` flow is the `relays` flow with one
-    relay. Two counts agree on the cap: the sessions in flight this flow run has seen (at most `sessions`, with
-    or without a Prefect server) and the account's Prefect limit (every flow run on the server). Each step's
-    state says whether its relay holds a slot (relay_state.holds_slot); a ready relay takes one before its push."""
+    relay. The cap is the specs' kaggle.account_sessions and it is counted one way: the account's Prefect limit
+    (every flow run on the server), or, with no server to count on, this process's count of the same slots
+    (LocalLimit). Each step's state says whether its relay holds a slot (relay_state.holds_slot); a ready relay
+    takes one before its push. Safe to call from the threads a round steps its relays in."""
 
     def __init__(self, username: str, sessions: int):
         self.username, self.sessions, self.limit = username, sessions, limit_name(username)
         self.slots: Dict[str, AccountSlot] = {}
-        self.in_flight: List[str] = []  # the relays whose session runs, in the order they were seen
+        self._in_flight: List[str] = []
         self.ready_since: Dict[str, float] = {}  # when each relay without a session became ready: its turn here
+        self._guard = threading.Lock()           # the round's threads step relays at once
+        self.local = LocalLimit()                # the count where no Prefect server counts (this flow run's)
 
     def add(self, relay: str, hold_s: float) -> None:
         """A relay of this account, whose session lasts at most `hold_s` on Kaggle (its timeout and start-up)."""
-        self.slots[relay] = AccountSlot(self.username, relay, self.sessions, hold_s)
+        self.slots[relay] = AccountSlot(self.username, relay, self.sessions, hold_s, self.local)
+
+    @property
+    def in_flight(self) -> List[str]:
+        """The relays whose session runs, in the order this run saw them (what the flow reports and waits on)."""
+        with self._guard:
+            return list(self._in_flight)
 
     def stepped(self, relay: str, state: State) -> None:
         """After a step: a running session's slot lasts; a relay with no session running gives its slot back."""
         holds = holds_slot(state)
-        if state is State.READY:
-            self.ready_since.setdefault(relay, time.time())
-        elif holds is not None or state in (State.FAILED, State.STOPPED):
-            self.ready_since.pop(relay, None)  # pushed, handed over, ended: the next time it is ready, at the back
-        if holds and relay not in self.in_flight:
-            self.in_flight.append(relay)
-        elif not holds and relay in self.in_flight:  # Kaggle counts running sessions only: one waiting for its
-            self.in_flight.remove(relay)             # hand-over, or ready, leaves room for another's push
+        with self._guard:
+            if state is State.READY:
+                self.ready_since.setdefault(relay, time.time())
+            elif holds is not None or state in (State.FAILED, State.STOPPED):
+                self.ready_since.pop(relay, None)  # pushed, handed over, ended: the next time it is ready, at the back
+            if holds and relay not in self._in_flight:
+                self._in_flight.append(relay)
+            elif not holds and relay in self._in_flight:  # Kaggle counts running sessions only: one waiting for its
+                self._in_flight.remove(relay)             # hand-over, or ready, leaves room for another's push
         if state is State.RUNNING:
             self.slots[relay].keep()  # queued or running (pushed by this run or another): its lease lasts
         elif holds is False:
@@ -73,22 +84,24 @@ class AccountSessions:
     def take(self, relay: str, run_id: Optional[str] = None) -> bool:
         """Before the push of `run_id`: a slot for the relay's next session; False when every session of the cap
         runs, or a relay that became ready before it waits for one (here, or in any flow run on the server)."""
-        if len([r for r in self.in_flight if r != relay]) >= self.sessions:
-            return False
-        since = self.ready_since.get(relay)
-        if since is not None and any(t < since for r, t in self.ready_since.items()
-                                     if r != relay and r not in self.in_flight):
-            return False
+        with self._guard:
+            since = self.ready_since.get(relay)
+            if since is not None and any(t < since for r, t in self.ready_since.items()
+                                         if r != relay and r not in self._in_flight):
+                return False
         return self.slots[relay].take(run_id)
 
     def failed(self, relay: str) -> None:
         """The relay needs a person and pushes nothing until one acts: its slot goes back, unless its session runs
         (kept until its lease ends: max_hours passed, a kernel that runs another session). It is stepped no more,
         so it leaves this run's count at once: the account's limit and Kaggle's refusal count its session."""
-        self.ready_since.pop(relay, None)
-        if relay in self.in_flight:
-            self.in_flight.remove(relay)
-        else:
+        with self._guard:
+            self.ready_since.pop(relay, None)
+            running = relay in self._in_flight
+            if running:
+                self._in_flight.remove(relay)
+        self.local.release(self.limit, relay)  # stepped no more: this run counts it no more
+        if not running:
             self.slots[relay].release()
 
     def full(self) -> str:
@@ -103,8 +116,11 @@ class AccountSessions:
 class AccountSlot:
     """The slot of one relay's session in its account's limit."""
 
-    def __init__(self, username: str, relay_name: str, sessions: int, hold_s: float):
-        self.limit, self.sessions = limit_name(username), sessions
+    def __init__(self, username: str, relay_name: str, sessions: int, hold_s: float,
+                 local: Optional["LocalLimit"] = None):
+        self.limit, self.sessions, self.relay = limit_name(username), sessions, relay_name
+        self._kept = 0.0  # when this flow run last renewed the lease (time.monotonic())
+        self.local = local or LocalLimit()
         self.record = f"kaggle-slot-{username}-{relay_name}"
         self.hold_s = min(MAX_LEASE_S, max(SERVER_LEASE_S, hold_s))
         self.queue = SlotQueue(username, relay_name)
@@ -118,7 +134,7 @@ class AccountSlot:
         try:
             with _client() as client:
                 if client is None:
-                    return True
+                    return self.local.take(self.limit, self.sessions, self.relay)
                 held = read_record(client, self.record)
                 if held is not None and held.get("for") == run_id and self._renew(client):
                     return True
@@ -165,18 +181,26 @@ class AccountSlot:
         return True
 
     def keep(self) -> None:
-        """While the relay's session is queued or running: its slot lasts another `hold_s`."""
+        """While the relay's session is queued or running: its slot lasts another `hold_s`. Renewed at most every
+        hold_s / 4 (the lease lasts the session's whole length): a running relay's round costs no write."""
+        if time.monotonic() - self._kept < self.hold_s / 4:
+            return
         try:
             with _client() as client:
-                if client is not None:
-                    self._renew(client)
+                if client is None:
+                    self.local.hold(self.limit, self.relay)
+                elif self._renew(client):
+                    self._kept = time.monotonic()
         except Exception as err:  # noqa: BLE001 - the lease still runs for the session's whole length
             log.warning("account limit %s: renewal failed (%s)", self.limit, type(err).__name__)
 
     def release(self) -> None:
         """Once no session of the relay runs (handed over, done): the slot is another relay's to take."""
+        self._kept = 0.0
         try:
             with _client() as client:
+                if client is None:
+                    self.local.release(self.limit, self.relay)
                 if client is not None and self.queue.since is not None:
                     self.queue.leave(client)  # done or stopped while it waited: the others' turn
                 record = read_record(client, self.record) if client is not None else None
@@ -217,6 +241,34 @@ def _not_found(err: Exception) -> bool:
 
     response = getattr(err, "response", None)
     return isinstance(err, ObjectNotFound) or getattr(response, "status_code", None) in (404, 405, 410)
+
+
+class LocalLimit:
+    """The account's slots counted by one flow run when no Prefect server counts them (no PREFECT_API_URL: the
+    flow called from Python, a test): the same take / hold / release as the Prefect limit, so the cap is still
+    counted one way. Kaggle's refusal guards the cap across flow runs."""
+
+    def __init__(self):
+        self._held: Dict[str, set] = {}
+        self._guard = threading.Lock()
+
+    def take(self, limit: str, sessions: int, relay: str) -> bool:
+        with self._guard:
+            held = self._held.setdefault(limit, set())
+            if relay in held or len(held) < sessions:
+                held.add(relay)
+                return True
+            return False
+
+    def hold(self, limit: str, relay: str) -> None:
+        """A session of the relay runs (pushed by another run, or before this one started): it counts."""
+        with self._guard:
+            self._held.setdefault(limit, set()).add(relay)
+
+    def release(self, limit: str, relay: str) -> None:
+        with self._guard:
+            self._held.get(limit, set()).discard(relay)
+
 
 
 class _client:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+REFUSED = [0]  # the 503 answers these writes got in this process: counted, not only retried (issue 60; the relays bench)
 QUICK_RETRIES_S = (0.01, 0.03, 0.1, 0.3)  # the pauses before each quick retry of a write the server refused (503)
 
 
@@ -23,6 +24,7 @@ def soon(call):
                 return call()
         except httpx.HTTPStatusError as err:
             code = err.response.status_code
+            REFUSED[0] += code == 503
             if code != 503:
                 if code < 500 and code != 429:  # an answer, not a refusal to answer: the caller's to read
                     raise

@@ -63,7 +63,7 @@ class RelayContext:
     names: chain.Names
     local: Path            # a cache only: everything here can be rebuilt from Kaggle
     tell: Notifier
-    lock: StepLock         # one step at a time per relay on this Prefect server (0 s: none)
+    lock: StepLock         # one step at a time per relay on this Prefect server (0 s: none; or a RunStepLocks member)
     lease: Lease           # claims on Kaggle, seen by every orchestrator
     view: LiveView
     links: str = ""                 # where the relay lives on Kaggle, as the summary artifacts link it
@@ -74,7 +74,9 @@ class RelayContext:
 
     @classmethod
     def open(cls, spec: RunSpec, spec_text: str, backend: KaggleBackend, state_dir: str | Path,
-             step_lock_wait_s: float = 0.0, tick: bool = False) -> "RelayContext":
+             step_lock_wait_s: float = 0.0, tick: bool = False, lock=None) -> "RelayContext":
+        """`lock`: the relay's step lock when its flow run holds its relays' locks together (the `relays` flow:
+        tasks/run_step_locks.py); else a StepLock of its own, waiting at most `step_lock_wait_s`."""
         quiet_logs.install()  # no "Finished in state Completed()" line per task run in the relay's flows
         names = chain.Names(backend.username, spec.name)
         local = Path(state_dir) / spec.name
@@ -86,7 +88,7 @@ class RelayContext:
         view = LiveView(backend, names, local, session_max_steps=spec.session.max_steps,
                         notify=lambda key, text: tell("warning", key, text), plan=plan,
                         marks=TickMarks(spec.name) if tick else None, finish=finish, links=links)
-        return cls(spec, spec_text, backend, names, local, tell, StepLock(spec.name, step_lock_wait_s),
+        return cls(spec, spec_text, backend, names, local, tell, lock or StepLock(spec.name, step_lock_wait_s),
                    Lease(backend, spec.name, spec.kaggle.lease), view, links)
 
     def pause(self) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, List, Optional
 
-from relay.orchestrator.submit import ACCOUNT_TAG  # what `relay run --submit` reads back
 
 RELAY_TAG = "relay:"
+ACCOUNT_TAG = "kaggle:"  # the Kaggle account a run is tagged with: what `relay run --submit` reads back
 
 
 def spec_name(spec) -> str:

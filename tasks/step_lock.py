@@ -60,8 +60,12 @@ class StepLock:
                     lease_id = self._take(client)
                     if lease_id is not None:
                         self._held = _Holding(self, lease_id)
-                        return True
-                    record = read_record(client, self.record_name)
+                        if not run_holds(client, self.limit[len("relay-"):]):
+                            return True
+                        self.release()  # a `relays` flow run holds the relay (RunStepLocks): its turn
+                        record = {"holder": "a relays flow run", "until": time.time() + self.lease_s}
+                    else:
+                        record = read_record(client, self.record_name)
                     if record is not None and record.get("until", 0) < time.time():
                         self._take_back(client, record)
                         continue
@@ -220,3 +224,25 @@ def delete_record(client, name: str) -> None:
         soon(lambda: client.delete_variable_by_name(name))
     except ObjectNotFound:
         pass
+
+
+RUN_RECORD = "relay-steps-"  # a RunStepLocks record: "relay-steps-<run>-<chunk>"
+RUN_CHUNK = 300              # relays a record names (a Prefect variable holds at most 5,000 characters)
+
+
+def relay_key(name: str) -> str:
+    """A relay as a RunStepLocks record names it: short and fixed in length, whatever the relay's name."""
+    import hashlib
+
+    return hashlib.sha256(name.encode()).hexdigest()[:10]
+
+
+def run_holds(client, relay_name: str) -> bool:
+    """Whether a live RunStepLocks record (a `relays` flow run) holds the relay. One read."""
+    from prefect.client.schemas.objects import Variable
+
+    response = soon(lambda: client.request("POST", "/variables/filter", json={
+        "variables": {"name": {"like_": RUN_RECORD}}, "limit": 200}))
+    key, now = relay_key(relay_name), time.time()
+    return any(isinstance(v.value, dict) and float(v.value.get("until", 0)) >= now and key in (v.value.get("relays") or [])
+               for v in Variable.model_validate_list(response.json()) if v.name.startswith(RUN_RECORD))

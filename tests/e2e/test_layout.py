@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 KERNEL_SIDE = ["relay/kernel", "relay/shared"]
 ORCHESTRATOR = ("prefect", "flows", "tasks", "kaggle", "kagglesdk", "relay.orchestrator", "relay.emulator")
 SIDES = ("relay.shared", "relay.kernel", "relay.orchestrator", "relay.emulator")
-COMMANDS = {"relay.__main__", "relay.cli", "relay.commands", "relay.launch", "relay.doctor", "relay.front_door"}
+COMMANDS = {"relay.__main__", "relay.cli", "relay.commands", "relay.launch", "relay.submit", "relay.doctor", "relay.front_door"}
 # What user code imports (docs/your-code.md), and the paths documented before the package split (deprecated).
 # It runs inside the session: it ships in the kernel bundle and imports only the kernel side and the shared part.
 PUBLIC = {"relay", "relay.hf", "relay.lightning", "relay.accelerate", "relay.recipes", "relay.integrations",
@@ -52,6 +52,16 @@ def test_kernel_side_modules_never_import_the_orchestrator():
     assert not offenders, "\n".join(offenders)
 
 
+def test_the_orchestrator_knows_nothing_of_prefect():
+    """relay/orchestrator is the relay's algorithm; Prefect is the flows' and tasks' (and the CLI's, relay/submit.py)."""
+    import re
+
+    found = [f"{p.relative_to(REPO)}:{n}" for p in sorted((REPO / "relay" / "orchestrator").rglob("*.py"))
+             for n, line in enumerate(p.read_text().splitlines(), 1)
+             if re.match(r"\s*(from|import)\s+prefect\b", line)]
+    assert not found, found
+
+
 def test_the_orchestrator_never_imports_torch():
     """The flows, the CLI and the spec loader (every built-in example spec) run without torch or anything else
     of the `[train]` extra (tests/orchestrator/test_tick.py runs whole ticks with them blocked): a GitHub-hosted tick stays
@@ -63,7 +73,7 @@ def test_the_orchestrator_never_imports_torch():
 import sys
 from pathlib import Path
 import flows.one_relay, flows.relays_sharing_quota, relay.cli, relay.launch, relay.doctor, relay.front_door, tasks.relays_artifacts
-import relay.orchestrator.handoff, relay.orchestrator.plan, relay.orchestrator.submit, relay.orchestrator.status
+import relay.orchestrator.handoff, relay.orchestrator.plan, relay.submit, relay.orchestrator.status
 import relay.orchestrator.restore, relay.orchestrator.live_progress, relay.orchestrator.report
 from relay.cli import TRAINING_STACK
 from relay.shared import spec

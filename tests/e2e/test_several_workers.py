@@ -9,7 +9,8 @@ refusal, and strict turns (tasks/slot_queue.py): ann's three relays are let in o
 opens ann's limit, created with 0 slots, when the server's queue holds all three: an event), and from then on no
 relay of hers pushes twice while another of hers still has a session to push. In the middle of one relay's first hand-over (its checkpoint version created, held unprocessed by the
 test: an event, not a time) the worker running it is SIGKILLed with its flow run, as a machine that dies. Its
-relay is then submitted again, as the next scheduled run would be, and the surviving worker finishes it.
+relay is then submitted again, as the next scheduled run would be, and the surviving worker finishes it; the slot
+the dead run held through its hand-over is pushed into again within an ordinary hand-over plus 60 s (issue 60).
 
 Proved: every relay ends with the weights of one uninterrupted run; no account ever had more sessions queued or
 running than its cap; no session was pushed twice and no checkpoint published twice. Real parts only: the Prefect
@@ -88,6 +89,11 @@ def worker_of(flow_run_id: str, workers: dict):
     except psutil.Error:
         return None
     return next((name for name, w in workers.items() if w.pid in ancestors), None)
+
+
+def specs_of(specs: dict, user: str) -> list:
+    """The names of the relays of `user`."""
+    return [name for name, (_, account) in specs.items() if account == user]
 
 
 def kill_tree(pid: int) -> None:
@@ -207,7 +213,7 @@ def test_several_workers_run_relays_of_several_accounts_through_a_worker_death(m
         # every relay whose flow run the dead worker was running, the victim's among them
         lost = [name for name, rid in runs.items() if worker_of(rid, workers) == dead]
         kill_tree(workers[dead].pid)
-        t_kill = time.monotonic() - t0
+        t_kill, killed_at = time.monotonic() - t0, time.time()  # the emulator stamps pushes with time.time()
         # the next scheduled run of each (a schedule, a person): on the worker that is left
         for name in lost:
             runs[name] = submit(api_url, deployment["id"], specs[name][0], state_dir)
@@ -255,7 +261,15 @@ def test_several_workers_run_relays_of_several_accounts_through_a_worker_death(m
         # ann's relays took strict turns, through the worker's death too
         ann = [name for _, name in sorted(order_by_account["ann"])]
         assert len(ann) == 3 * SESSIONS and not pushed_out_of_turn(ann, SESSIONS), ann
+        # a dead holder's wait is bounded (issue 60): the slot the victim held through its hand-over is pushed into
+        # again within an ordinary hand-over (ben's relay, alone on its account: its session's end to its next push)
+        # plus 60 s, the resubmitted run's start, the dead run's claim (kaggle.lease) and its hand-over included
+        ben = kernels[f"ben/{specs_of(specs, 'ben')[0]}-session"]["versions"]
+        ordinary = max(b["pushed"] - a["ended"] for a, b in zip(ben, ben[1:]))
+        after_kill = min(pushed for pushed, _ in order_by_account["ann"] if pushed > killed_at) - killed_at
+        assert after_kill <= ordinary + 60, (after_kill, ordinary)
         print(f"ready at {t_ready:.0f} s, worker killed at {t_kill:.0f} s with {len(lost)} relays ({', '.join(lost)}),"
+              f" ann's next push {after_kill:.0f} s after the kill (ordinary hand-over {ordinary:.0f} s),"
               f" all done at {time.monotonic() - t0:.0f} s")
     finally:
         procs.stop_all()

@@ -54,7 +54,7 @@ class Recorder:
     taken: set = set()
     limit = 2
 
-    def __init__(self, username, relay, sessions, hold_s):
+    def __init__(self, username, relay, sessions, hold_s, local=None):
         self.relay = relay
 
     def take(self, run_id=None):
@@ -84,11 +84,12 @@ def slots(monkeypatch):
     return sessions
 
 
-def test_the_scheduler_keeps_the_cap_here_and_by_the_accounts_limit(slots):
+def test_the_scheduler_counts_the_cap_one_way_by_the_accounts_limit(slots):
+    Recorder.limit = 2  # the account's limit, made with the spec's kaggle.account_sessions
     assert slots.take("a") and slots.take("b")
     slots.stepped("a", State.PUSHED)
     slots.stepped("b", State.PUSHED)
-    assert not slots.take("c") and ("take", "c") not in Recorder.calls  # the cap, counted here: no Prefect call
+    assert not slots.take("c") and ("take", "c") in Recorder.calls  # the cap, counted by the limit alone
     slots.stepped("a", State.RUNNING)
     assert Recorder.calls[-1] == ("keep", "a") and slots.in_flight == ["a", "b"]
     slots.stepped("a", State.HANDED_OVER)
@@ -118,6 +119,7 @@ def test_the_relay_flow_is_the_scheduler_with_one_relay(slots, monkeypatch):
     from types import SimpleNamespace
 
     import flows.one_relay as one_relay
+    import flows.relay_rounds as relay_rounds
     from relay.orchestrator import chain
     from tasks.relay_step import Step
 
@@ -129,8 +131,8 @@ def test_the_relay_flow_is_the_scheduler_with_one_relay(slots, monkeypatch):
     monkeypatch.setattr(one_relay.relay_step, "plan", lambda *a: None)
     monkeypatch.setattr(one_relay.relay_step, "push", lambda ctx, ready, budget, quota:
                         pushed.append(budget) or Step(State.PUSHED, ready.action, obs))
-    monkeypatch.setattr(one_relay.relay_tasks, "read_quota", lambda backend: None)
-    monkeypatch.setattr(one_relay, "push_budget", lambda spec, quota, progress: 100.0)
+    monkeypatch.setattr(relay_rounds.relay_tasks, "read_quota", lambda backend: None)
+    monkeypatch.setattr(relay_rounds, "push_budget", lambda spec, quota, progress: 100.0)
     monkeypatch.setattr(one_relay, "get_run_logger", lambda: logging.getLogger("test"))
     ctx = SimpleNamespace(spec=SimpleNamespace(name="a", session=SimpleNamespace(safety_margin=1)), backend=None,
                           pause=lambda: None)
@@ -156,7 +158,7 @@ def test_the_relay_flow_is_the_scheduler_with_one_relay(slots, monkeypatch):
 def test_within_one_flow_run_relays_take_turns_in_the_order_they_became_ready(slots):
     """First come, first served here too (a `relays` run, with or without a server): a relay that became ready
     later is refused while an earlier one waits; one that just handed over is ready again at the back."""
-    slots.sessions = 1
+    slots.sessions = Recorder.limit = 1
     slots.stepped("a", State.READY)
     slots.stepped("b", State.READY)
     assert slots.in_turn(["b", "a"]) == ["a", "b"]
@@ -166,3 +168,22 @@ def test_within_one_flow_run_relays_take_turns_in_the_order_they_became_ready(sl
     slots.stepped("a", State.HANDED_OVER)
     slots.stepped("a", State.READY)  # ready again, after b
     assert slots.in_turn(["a", "b"]) == ["b", "a"] and not slots.take("a") and slots.take("b")
+
+
+def test_without_a_server_the_flow_runs_own_count_is_the_limit(monkeypatch):
+    """No Prefect server to count on: LocalLimit takes the limit's place, the same take / keep / release, so the cap
+    is still counted one way (and Kaggle's refusal guards it across flow runs)."""
+    from contextlib import nullcontext
+
+    from tasks import account_slots
+
+    monkeypatch.setattr(account_slots, "_client", lambda: nullcontext(None))
+    sessions = account_slots.AccountSessions("ann", 1)
+    for name in ("a", "b"):
+        sessions.add(name, 600)
+    sessions.stepped("b", State.RUNNING)  # a session pushed before this run started: it counts
+    assert not sessions.take("a")
+    sessions.stepped("b", State.HANDED_OVER)
+    assert sessions.take("a") and not sessions.take("b")
+    sessions.failed("a")  # stepped no more: this run counts it no more
+    assert sessions.take("b")

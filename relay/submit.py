@@ -1,4 +1,5 @@
-"""`relay run SPEC --submit`: a flow run of the one generic deployment, `relay/run`, on the Prefect server at
+"""`relay run SPEC --submit` (the CLI's side: it talks to the Prefect server; relay/orchestrator knows nothing of
+Prefect): a flow run of the one generic deployment, `relay/run`, on the Prefect server at
 PREFECT_API_URL, followed to its end from this terminal; `relay run A B --submit`: one of `relays/relays`, the
 `relays` flow over every spec.
 
@@ -15,15 +16,17 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from relay.shared.errors import InputError
+from tasks.run_labels import ACCOUNT_TAG  # a relay's flow run is tagged with the Kaggle account it runs as
 
 DEPLOYMENT = "relay/run"
 SEVERAL = "relays/relays"  # several specs: the relays flow
 
 
 def submit(spec_paths: Sequence[Path], out: Path, tick: bool, poll_seconds: Optional[float],
-           credentials_block: Optional[str], emit: Callable[[str], None] = print, follow_every_s: float = 2.0,
-           cap: Optional[int] = None) -> tuple[str, str, Optional[str]]:
-    """Create the flow run (of relay/run for one spec, relays/relays with `cap` for several) and follow it; returns
+           credentials_block: Optional[str], emit: Callable[[str], None] = print,
+           follow_every_s: float = 2.0) -> tuple[str, str, Optional[str]]:
+    """Create the flow run (of relay/run for one spec, relays/relays for several: the cap is the specs'
+    kaggle.account_sessions) and follow it; returns
     (final state name, its message, the Kaggle account the run's tags name: the worker's, None if it never said)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
@@ -37,7 +40,7 @@ def submit(spec_paths: Sequence[Path], out: Path, tick: bool, poll_seconds: Opti
     deployment_name = DEPLOYMENT if len(spec_paths) == 1 else SEVERAL
     paths = [str(Path(p).resolve()) for p in spec_paths]
     parameters = {"state_dir": str(out.resolve()), "mode": "tick" if tick else "watch",
-                  **({"spec": paths[0]} if len(paths) == 1 else {"specs": paths, "cap": cap or 2})}
+                  **({"spec": paths[0]} if len(paths) == 1 else {"specs": paths})}
     if poll_seconds is not None:
         parameters["poll_seconds"] = poll_seconds
     if credentials_block:
@@ -69,9 +72,6 @@ def submit(spec_paths: Sequence[Path], out: Path, tick: bool, poll_seconds: Opti
             if state is not None and state.is_final():
                 return state.name, state.message or "", account_of(current.tags or [])
             time.sleep(follow_every_s)
-
-
-ACCOUNT_TAG = "kaggle:"  # a relay's flow run is tagged with the Kaggle account it runs as (tasks/run_labels.py)
 
 
 def account_of(run_tags) -> Optional[str]:

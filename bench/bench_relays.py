@@ -1,0 +1,232 @@
+"""N toy relays in ONE `relays` flow run on one worker (this process), on the emulator and a SQLite Prefect server.
+
+Each relay is a copy of examples/byo-plain with `sessions` short step-bounded sessions (session.max_steps), one
+account whose limit is `slots` sessions (the spec's kaggle.account_sessions and the emulator's cap). The flow runs
+here, as a worker's flow-run process would run it, against `prefect server start` on SQLite (what `relay run`
+and a newcomer's server use). Figures (issue 60's):
+    peak RSS of this process (the flow run) and of the server;
+    round time, median / max (flows.relay_rounds.run_round, timed);
+    free slots waiting for a ready relay: the fraction of the time (from the first push to the last session's end)
+        with fewer than `slots` sessions pushed-and-not-ended while a relay with work left had none (the hand-over
+        and the round's latency between one session and the next: the emulator's push and end times);
+    503 answers to the flow's lock and slot writes (tasks/prefect_writes.REFUSED: counted, not only retried);
+    Prefect database rows per relay-session (every table of the server's SQLite file, at the end).
+The kernels run on the same machine (on Kaggle they would not): on a small machine they compete with the flow.
+
+    python bench/bench_relays.py --relays 20 [--relays 200] [--sessions 2] [--slots 4]
+    python bench/run.py --only relays                      (20 and 50; --quick: 10)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import yaml
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+PREFECT = str(Path(sys.executable).parent / "prefect")
+USER, KEY = "bench", "bench-key-0123456789abcdef"
+STEPS_PER_SESSION = 20
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spec(name: str, sessions: int, slots: int) -> dict:
+    spec = yaml.safe_load((REPO / "examples" / "byo-plain" / "spec.yaml").read_text())
+    spec.update(name=name)
+    spec["code"]["folder"] = str(REPO / "examples" / "byo-plain")
+    spec["code"]["entry"] = f"train.py --lr 0.003 --steps {sessions * STEPS_PER_SESSION}"
+    spec["optim"].update(max_steps=sessions * STEPS_PER_SESSION)
+    spec["session"].update(max_steps=STEPS_PER_SESSION, save_every="5s", safety_margin="0.5s")
+    spec["kaggle"] = {"session_timeout": "15m", "startup_overhead": "1s", "account_sessions": slots}
+    return spec
+
+
+def _idle_fraction(kernels: dict, slots: int) -> float:
+    """The fraction of time free slots waited while a relay had work left and no session in flight."""
+    events, last_end = [], {}
+    for ref, kernel in kernels.items():
+        versions = [v for v in kernel["versions"] if v.get("pushed")]
+        for v in versions:
+            events += [(v["pushed"], 1, ref), (v.get("ended") or v["pushed"], -1, ref)]
+        if versions:
+            last_end[ref] = max(v.get("ended") or v["pushed"] for v in versions)
+    if not events:
+        return 0.0
+    events.sort(key=lambda e: (e[0], e[1]))
+    start, end = events[0][0], max(last_end.values())
+    running: dict = {}
+    idle, t_prev = 0.0, start
+    for t, delta, ref in events:
+        flying = sum(running.values())
+        waiting = sum(1 for r, done in last_end.items() if t_prev < done and not running.get(r))
+        if flying < slots and waiting:
+            idle += t - t_prev
+        running[ref] = running.get(ref, 0) + delta
+        t_prev = t
+    return idle / max(1e-9, end - start)
+
+
+def _rows(db: Path) -> int:
+    with sqlite3.connect(db) as conn:
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        return sum(conn.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0] for t in tables)
+
+
+def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
+    from relay.emulator import Emulator, EmulatorConfig
+
+    port = _port()
+    api = f"http://127.0.0.1:{port}/api"
+    prefect_home = root / "prefect"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "KAGGLE_", "RELAY_"))}
+    env.update(PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+    emulator = Emulator(root / "emulator", EmulatorConfig(users={USER: KEY}, max_gpu_sessions=slots,
+                                                          kernel_env={"OMP_NUM_THREADS": "1"}))
+    emulator.start()
+    logs = open(root / "server.log", "w")
+    server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                              cwd=REPO, stdout=logs, stderr=subprocess.STDOUT, start_new_session=True)
+    peak = {"flow": 0.0, "server": 0.0}
+    stop = threading.Event()
+
+    def sample() -> None:
+        me = psutil.Process()
+        while not stop.wait(1.0):
+            try:
+                peak["flow"] = max(peak["flow"], me.memory_info().rss / 2 ** 20)
+                tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
+                peak["server"] = max(peak["server"], sum(p.memory_info().rss for p in tree) / 2 ** 20)
+            except psutil.Error:
+                continue
+
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"{api}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the Prefect server did not start in 300 s"
+                time.sleep(0.5)
+        os.environ.update(PREFECT_API_URL=api, PREFECT_HOME=str(prefect_home), RELAY_KAGGLE_ENDPOINT=emulator.url,
+                          KAGGLE_USERNAME=USER, KAGGLE_KEY=KEY, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        specs = []
+        for i in range(n):
+            path = root / "specs" / f"toy-{i}.yaml"
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(yaml.safe_dump(_spec(f"toy-{i}", sessions, slots)))
+            specs.append(str(path))
+        import flows.relays_sharing_quota as relays_flow
+        from tasks import prefect_writes
+
+        rounds, timed = [], relays_flow.run_round
+
+        def run_round(*args, **kwargs):
+            t = time.monotonic()
+            try:
+                return timed(*args, **kwargs)
+            finally:
+                rounds.append(time.monotonic() - t)
+
+        relays_flow.run_round = run_round
+        refused_before = prefect_writes.REFUSED[0]
+        threading.Thread(target=sample, daemon=True).start()
+        t0 = time.monotonic()
+        try:
+            summary = relays_flow.relays(specs=specs, state_dir=str(root / "orchestrator"), poll_seconds=2.0,
+                                         live_seconds=30.0, step_lock_wait_s=5)
+        finally:
+            relays_flow.run_round = timed
+        wall = time.monotonic() - t0
+        stop.set()
+        states = {r["state"] for r in summary["relays"].values()}
+        assert states == {"done"}, summary
+        with emulator.store.lock:
+            kernels = {ref: {"versions": [dict(v) for v in k["versions"]]} for ref, k in emulator.store.kernels.items()}
+        rows = _rows(prefect_home / "prefect.db")
+        return {f"relays_{n}_wall_s": round(wall, 1), f"relays_{n}_rounds": len(rounds),
+                f"relays_{n}_round_s_median": round(statistics.median(rounds), 2),
+                f"relays_{n}_round_s_max": round(max(rounds), 2),
+                f"relays_{n}_flow_rss_mb_peak": round(peak["flow"]), f"relays_{n}_server_rss_mb_peak": round(peak["server"]),
+                f"relays_{n}_slots_idle_while_ready": round(_idle_fraction(kernels, slots), 3),
+                f"relays_{n}_lock_503": prefect_writes.REFUSED[0] - refused_before,
+                f"relays_{n}_db_rows_per_relay_session": round(rows / (n * sessions), 1)}
+    finally:
+        stop.set()
+        for p in [*psutil.Process(server.pid).children(recursive=True), psutil.Process(server.pid)]:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        server.wait()
+        emulator.stop()
+
+
+def run(counts: tuple = (20, 50), sessions: int = 2, slots: int = 4) -> dict:
+    """Each size in a process of its own (Prefect reads its settings, PREFECT_API_URL among them, once)."""
+    import json
+
+    figures: dict = {"relays_counts": list(counts), "relays_sessions": sessions, "relays_slots": slots}
+    for n in counts:
+        out = subprocess.run([sys.executable, __file__, "--one", str(n), "--sessions", str(sessions), "--slots",
+                              str(slots)], cwd=REPO, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-3000:]
+        figures.update(json.loads(out.stdout.strip().splitlines()[-1]))
+    return figures
+
+
+def format_lines(f: dict) -> list:
+    lines = [f"relays (N toy relays of {f['relays_sessions']} sessions in ONE `relays` run on one worker, SQLite"
+             f" Prefect server, {f['relays_slots']} session slots; kernels on the same machine):"]
+    for n in f["relays_counts"]:
+        lines.append(f"  N={n}: done in {f[f'relays_{n}_wall_s']} s, {f[f'relays_{n}_rounds']} rounds of median"
+                     f" {f[f'relays_{n}_round_s_median']} s / max {f[f'relays_{n}_round_s_max']} s; peak RSS flow"
+                     f" {f[f'relays_{n}_flow_rss_mb_peak']} MB, server {f[f'relays_{n}_server_rss_mb_peak']} MB;"
+                     f" free slots waiting for a ready relay {100 * f[f'relays_{n}_slots_idle_while_ready']:.0f} % of"
+                     f" the time; lock/slot writes answered 503: {f[f'relays_{n}_lock_503']}; Prefect DB rows per"
+                     f" relay-session {f[f'relays_{n}_db_rows_per_relay_session']}")
+    first, last = f["relays_counts"][0], f["relays_counts"][-1]
+    if first != last:
+        lines.append(f"  {last} vs {first} relays: round median x"
+                     f"{f[f'relays_{last}_round_s_median'] / max(1e-9, f[f'relays_{first}_round_s_median']):.2f},"
+                     f" DB rows per relay-session x"
+                     f"{f[f'relays_{last}_db_rows_per_relay_session'] / max(1e-9, f[f'relays_{first}_db_rows_per_relay_session']):.2f}")
+    return lines
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--relays", type=int, action="append", help="relays in the run (repeat for several sizes)")
+    ap.add_argument("--sessions", type=int, default=2)
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # one size, its figures as JSON (run())
+    a = ap.parse_args()
+    if a.one:
+        import json
+
+        tmp = Path(tempfile.mkdtemp(prefix="bench-relays-"))
+        try:
+            print(json.dumps(one_size(a.one, a.sessions, a.slots, tmp)))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        print("\n".join(format_lines(run(tuple(a.relays or (20,)), a.sessions, a.slots))))

@@ -1,0 +1,204 @@
+"""The one relay driver both flows use: a relay's state (`Relay`), its step, and the one push loop (`push_in_turn`)
+that gives ready relays the free slots of their account's session limit, in turn, each with its share of the
+quota. The `relays` flow runs rounds of it over many relays (`run_round`); the `relay` flow is the same driver
+over one relay, adding only how it waits (watch or tick) and how it follows its one session.
+
+A round steps its relays concurrently (at most ROUND_THREADS at once: a step is mostly waiting on Kaggle and on
+Prefect), so a round lasts about as long as its slowest step, not the sum of them (issue 60: 52 s rounds at 30
+relays, stepped one after another). A relay with nothing left to do (done, failed) is not stepped.
+"""
+from __future__ import annotations
+
+import contextvars
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Dict, List, Optional
+
+from relay.orchestrator.kaggle.types import Refusal
+from relay.orchestrator.policy import push_budget, utc
+from relay.orchestrator.relay_state import FINAL, LOOK_AGAIN, State, Wait, label, move
+from relay.shared.errors import InputError
+from relay.shared.progress import Progress
+from tasks import relay_step, relay_tasks
+from tasks.account_slots import AccountSessions
+from tasks.relay_step import RelayContext, RelayFailed, Step
+
+MAX_ERROR_ROUNDS = 3  # a relay whose round raised this many times in a row (after task retries) is failed
+ROUND_THREADS = 8     # relays stepped at once in a round: Kaggle's and Prefect's calls, not this process's CPU
+
+
+@dataclass
+class Relay:
+    """One relay as a flow drives it: its one state (relay/orchestrator/relay_state.py) and its last step."""
+
+    spec_path: str
+    name: str
+    ctx: Optional[RelayContext] = None
+    failed: str = ""              # why it stopped for good (this flow run)
+    errors: int = 0               # rounds in a row that raised
+    state: State = State.NEW
+    waits_for: Optional[Wait] = None
+    step: Optional[Step] = None   # what its last step found or did
+
+    @property
+    def progress(self) -> Optional[Progress]:
+        return self.step.progress if self.step else None
+
+    def enter(self, state: State, step: Optional[Step] = None, waits_for: Optional[Wait] = None) -> None:
+        self.state, self.waits_for = move(self.state, state), waits_for
+        self.step = step or self.step
+
+    def took(self, step: Step) -> Step:
+        """Enter the state `step` left the relay in; returns the step."""
+        self.enter(step.state, step, step.waits_for)
+        return step
+
+    def fail(self, why: str) -> None:
+        self.failed = why
+        self.enter(State.FAILED)
+
+    @property
+    def shown(self) -> str:
+        """Its state in the relays table and the flow's result."""
+        return label(self.state, self.waits_for, self.step.why if self.step else "")
+
+
+@dataclass
+class Round:
+    rows: Dict[str, dict] = field(default_factory=dict)
+    in_flight: List[str] = field(default_factory=list)
+    pushed: List[str] = field(default_factory=list)
+    handed_over: List[str] = field(default_factory=list)
+    refused: int = 0
+    quota_wait: Optional[datetime] = None  # the refresh every waiting relay waits for
+
+
+def step(relay: Relay, slots: AccountSessions) -> Step:
+    """One step of the relay (tasks/relay_step.py), its state entered and its slot kept or given back."""
+    taken = relay.took(relay_step.advance(relay.ctx))
+    slots.stepped(relay.name, taken.state)
+    return taken
+
+
+def push_in_turn(backend, relays: List[Relay], slots: AccountSessions, rnd: Round, logger) -> None:
+    """The one push loop: the ready relays pushed into the free slots in the order they became ready (first come,
+    first served, as across flow runs: tasks/slot_queue.py), each session's budget the spec's, within an equal
+    share of the quota left among the unfinished relays. A ready relay not pushed is left waiting, for the quota
+    (its refresh in rnd.quota_wait) or for a slot."""
+    ready = [r for r in relays if not r.failed and r.state is State.READY]
+    if not ready:
+        return
+    quota = relay_tasks.read_quota(backend)
+    unfinished = [r for r in relays if r.state not in FINAL]
+    turns = slots.in_turn([r.name for r in ready])
+    ready.sort(key=lambda r: turns.index(r.name))
+    short = False  # the quota cannot pay for the next session
+    for relay in ready:
+        budget = push_budget(relay.ctx.spec, quota, relay.step.progress)  # no longer than it needs
+        if quota is not None and quota.allowed_s > 0:
+            budget = min(budget, quota.remaining_s / max(1, len(unfinished)))  # equal shares of what is left
+        if budget <= relay.ctx.spec.session.safety_margin or rnd.quota_wait:
+            rnd.quota_wait = utc(quota.refresh_time) if quota is not None and quota.refresh_time else None
+            short = True
+            break
+        if not slots.take(relay.name, relay.step.action.run_id):  # the account's sessions all run, or not its turn
+            break
+        relay_step.plan(relay.ctx, relay.step.progress, quota)
+        pushed = relay.took(relay_step.push(relay.ctx, relay.step, budget, quota))
+        slots.stepped(relay.name, pushed.state)  # a refused push keeps its slot for the retry
+        if pushed.refusal is not None:
+            logger.warning("relay %s: %s", relay.name, pushed.why)
+            rnd.refused += 1
+            if pushed.refusal is Refusal.QUOTA and quota is not None:
+                rnd.quota_wait = utc(quota.refresh_time)
+            break  # the cap (or the quota) is reached on Kaggle's side: the rest wait their turn
+        if pushed.state is State.WAITING:  # claimed by another orchestrator, or the claim failed: it tries again
+            logger.info("relay %s: %s", relay.name, pushed.why)
+        elif pushed.state is State.PUSHED:  # (or stopped by the user, `relay stop`, since its step observed)
+            rnd.pushed.append(relay.name)
+    for relay in ready:
+        if relay.state is not State.READY:
+            continue
+        if short or rnd.quota_wait:
+            relay.took(relay_step.quota_spent(relay.ctx, relay.step, quota))
+        else:
+            relay.took(replace(relay.step, state=State.WAITING, waits_for=Wait.SLOT, why=slots.full()))
+
+
+def run_round(backend, relays: List[Relay], slots: AccountSessions, logger,
+              still_running: frozenset = frozenset()) -> Round:
+    """The relays' steps (concurrently, bounded), then the ready ones pushed into the free slots in turn. Stepped:
+    every unfinished relay but those whose session the flow saw still running (`still_running`, its deadline
+    ahead) and those waiting for a slot beyond the free ones: a relay with nothing to do costs no task run, no
+    log line and no write, so a round's cost follows what changed, not the number of relays."""
+    rnd = Round()
+    active = [r for r in relays if not r.failed and r.state is not State.DONE]  # done: no step, no lock, no write
+    queued = [r for r in active if r.state is State.WAITING and r.waits_for is Wait.SLOT]
+    now = [r for r in active if r not in queued and not _still_running(r, still_running)]
+    _step_all(now, rnd, slots, logger)
+    free = slots.sessions - len(slots.in_flight)  # (a hint only: the push takes its slot from the account's limit)
+    if free > 0 and queued:  # their turn may have come (before a relay ready only now): looked at again, in turn
+        turns = slots.in_turn([r.name for r in queued])
+        _step_all(sorted(queued, key=lambda r: turns.index(r.name))[:free], rnd, slots, logger)
+    try:
+        push_in_turn(backend, relays, slots, rnd, logger)
+    finally:
+        for relay in relays:
+            if relay.ctx is not None:
+                relay.ctx.close()  # claims that took no effect: free for another orchestrator at once
+    rnd.in_flight = list(slots.in_flight)
+    return rnd
+
+
+def _still_running(relay: Relay, still_running: frozenset) -> bool:
+    """The flow saw its session still running since its last step, and its deadline (wedged?) is ahead."""
+    deadline = relay.step.deadline if relay.step else None
+    return (relay.state is State.RUNNING and relay.name in still_running and deadline is not None
+            and deadline > time.time())
+
+
+def _step_all(relays: List[Relay], rnd: Round, slots: AccountSessions, logger) -> None:
+    if len(relays) <= 1:
+        for relay in relays:
+            _advance(relay, rnd, slots, logger)
+        return
+    with ThreadPoolExecutor(max_workers=min(ROUND_THREADS, len(relays)), thread_name_prefix="relay-step") as pool:
+        # each step in a copy of the flow run's context: its task runs and log lines are the flow run's
+        futures = [pool.submit(contextvars.copy_context().run, _advance, r, rnd, slots, logger) for r in relays]
+        for future in futures:
+            future.result()
+
+
+def _advance(relay: Relay, rnd: Round, slots: AccountSessions, logger) -> None:
+    """One relay's step, as the `relay` flow takes it; after a hand-over it looks again, so that its next session
+    may go into a slot this round. A failure is the relay's, never the round's."""
+    try:
+        taken = step(relay, slots)
+        if taken.state in LOOK_AGAIN:
+            if taken.state is State.HANDED_OVER:
+                rnd.handed_over.append(relay.name)
+            taken = step(relay, slots)
+        if taken.state is State.RUNNING:
+            relay_step.show_running(relay.ctx, taken)
+        relay.errors = 0
+    except RelayFailed as err:
+        failed(relay, str(err), slots, logger)
+        relay_step.stopped(relay.ctx, err)
+    except InputError as err:
+        failed(relay, str(err), slots, logger)
+    except Exception as err:  # noqa: BLE001 - transient after the tasks' retries: try again next round
+        relay.errors += 1
+        relay.enter(State.ERROR)  # its slot as it was: the step says nothing of its session
+        logger.warning("relay %s: %s (%d/%d)", relay.name, err, relay.errors, MAX_ERROR_ROUNDS)
+        if relay.errors >= MAX_ERROR_ROUNDS:
+            failed(relay, f"{type(err).__name__}: {err}", slots)
+
+
+def failed(relay: Relay, why: str, slots: AccountSessions, logger=None) -> None:
+    """The relay needs a person: reported and left (its slot given back unless its session runs)."""
+    relay.fail(why)
+    slots.failed(relay.name)
+    if logger is not None:
+        logger.error("relay %s failed: %s (the others go on)", relay.name, why)
