@@ -71,7 +71,8 @@ def seeds_session(spec_path: str, workdir: str, resume: Optional[str], every_epo
     """The seed notebooks' policy on the relay runtime: save every N epochs, no budget, no SIGTERM handler
     (the session cap kills the process), resume from the newest epoch checkpoint."""
     from relay.kernel.run import run_session
-    from relay.kernel.session import budget, loop
+    from relay.kernel import trainer as loop
+    from relay.kernel.session import budget
     from relay.shared import spec as spec_mod
 
     budget.SessionClock.install_signal_handlers = lambda self: None
