@@ -281,19 +281,20 @@ class Trainer:
     def _train_fields(self, step: int) -> dict:
         """What the Trainer's train line says at log step `step` beside the window's mean loss (the session reads
         and averages the window, its finite losses): the epoch the logged steps were in, lr, samples/s, the batch
-        split, the recipe's report and stage, and now and then a memory sample."""
+        split, the recipe's report and stage; and, `measured` (not carried in a checkpoint: they differ from run to
+        run), samples/s and now and then a memory sample."""
         st = self.state
         record = {
             "epoch": self.schedule.epoch_of(max(0, step - 1)),
             "lr": self.scheduler.get_last_lr()[0] if self.scheduler else 0.0,
-            "samples_per_s": self.session.samples_per_s or 0.0,
             "micro_batch": self._stage_micro_batch(), "grad_accum": st.grad_accum, **(self._shown or {}),
         }
         if len(self.spans) > 1:
             record["stage"] = self.span.stage.name
+        measured = {"samples_per_s": self.session.samples_per_s or 0.0}
         if step % self.spec.session.memory_log_every_steps == 0:
-            record.update(self.monitor.sample())
-        return record
+            measured.update(self.monitor.sample())
+        return {**record, "measured": measured}
 
     def save(self, reason: str) -> None:
         """The session's save, with the peak memory so far in its record; periodic and best saves commit in the

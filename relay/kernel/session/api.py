@@ -244,7 +244,7 @@ class Session(SessionData):
 
     def step_done(self, loss: Any = None, *, save: bool = True, samples: Optional[int] = None,
                   phase: Optional[str] = None, started: Optional[float] = None, eval_next: bool = False,
-                  **metrics: Any) -> None:
+                  measured: Optional[dict] = None, **metrics: Any) -> None:
         """Count one optimizer step: its time (from the previous step_done, data loading included),
         its loss into metrics.jsonl every `log_every` steps (with `metrics`, given at that step), and a periodic
         insurance save. `samples`: the step's batch, for samples/s, when the script does not take its batches from
@@ -253,7 +253,9 @@ class Session(SessionData):
         `phase` names what the divergence guard compares this loss within (a stage; a new phase starts a new
         history); `started` (time.perf_counter()) is when the step began, so an eval or a save between steps is
         not counted as the step's time; `eval_next`: the next step ends with an eval, which a stop decided before
-        it keeps time for (the session's longest eval so far, clock.eval_seconds)."""
+        it keeps time for (the session's longest eval so far, clock.eval_seconds); `measured`: what this process
+        measured for the log step's line (samples/s, memory), written with it but not carried in a checkpoint
+        with the window, as `metrics` are: the resumed run's books stay the uninterrupted run's."""
         if samples is None and self._schedule is not None:
             samples = self._schedule.effective_batch
         self._eval_next = eval_next
@@ -266,11 +268,11 @@ class Session(SessionData):
             # step instead of queueing the next), but with its window, all at once, its copy started at a log step.
             self.step_books.add_loss(step, loss, phase)
         if self.world.size > 1:
-            return self._step_done_together(save, metrics)
+            return self._step_done_together(save, {**metrics, **(measured or {})})
         if self.step_books.closed is not None:  # the last log step's window: its copy is done by now
             self._judge_closed_window()
         if step % self.config.log_every == 0 or step == self.total_steps:
-            self.step_books.close_window(step, metrics)
+            self.step_books.close_window(step, metrics, measured)
             if step == self.total_steps:  # no next step to judge it at
                 self._judge_closed_window()
         # not at the step the session stops after: close() saves then, with what the loop runs after step_done
@@ -295,7 +297,7 @@ class Session(SessionData):
             return
         losses, step = self.step_books.kept(window.read()), window.at
         if losses or window.metrics:
-            values = {"loss": sum(losses) / len(losses) if losses else None, **window.metrics}
+            values = {"loss": sum(losses) / len(losses) if losses else None, **window.metrics, **window.measured}
             self.core.log({"kind": "train", "step": step, "epoch": self._schedule.epoch_of(step) if self._schedule
                            else 0, **values}, shown=self._train_extras(self.step_books.samples_per_s()))
         window.logged = True

@@ -50,6 +50,7 @@ class ClosedWindow:
     metrics: dict = field(default_factory=dict)  # what the script gave step_done() at the log step
     logged: bool = False  # its metrics.jsonl line is written (a save writes it before its checkpoint)
     phases: list = field(default_factory=list)
+    measured: dict = field(default_factory=dict, compare=False)  # this process's (samples/s, memory): not saved
 
     def read(self) -> list[float]:
         if isinstance(self.losses, tuple):
@@ -105,13 +106,13 @@ class StepBooks:
         self.losses, self.steps, self.phases = [], [], []
         return self._judge(steps, losses, phases, judge)
 
-    def close_window(self, step: int, metrics: dict) -> None:
+    def close_window(self, step: int, metrics: dict, measured: Optional[dict] = None) -> None:
         """A log step in one process: the window's read starts, without a wait; take_closed() at the next step
         judges it."""
         if self.closed is not None:  # read before its staging buffer is reused (step_done reads it first anyway)
             self.closed.read()
         self.closed = ClosedWindow(step, self.steps, start_read(self.losses, self.staging), metrics,
-                                   phases=self.phases)
+                                   phases=self.phases, measured=measured or {})
         self.losses, self.steps, self.phases = [], [], []
 
     def take_closed(self, judge: bool = True) -> ClosedWindow:
