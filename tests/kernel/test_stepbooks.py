@@ -61,6 +61,10 @@ def test_a_closed_window_resumes_unjudged_with_its_metrics_and_whether_its_line_
     assert b.closed == a.closed and b.steps == [11]
     assert b.take_closed().logged and b.closed is None and b.guard.h.n == 10
     assert a.take_closed() is not None and b.guard.state_dict() == a.guard.state_dict()
+    measured = books()  # what a process measured for the line (samples/s, memory) is not carried: it differs by run
+    measured.add_loss(1, 1.0)
+    measured.close_window(1, {"lr": 0.1}, {"samples_per_s": 123.0})
+    assert measured.state_dict()["closed_metrics"] == {"lr": 0.1} and measured.closed.measured
     old = {k: v for k, v in saved.items() if k != "closed_phases"}  # a closed window saved before phases were
     c = books()
     c.load_state_dict(old)
