@@ -55,7 +55,7 @@ from torch import nn
 
 from relay.kernel.recipes.toy import ToyParams, ToyRecipe
 from relay.kernel.run import run_session
-from relay.kernel.session import loop as loop_mod
+from relay.kernel import trainer as loop_mod
 from relay.shared import spec as spec_mod
 from relay.shared.environment import DEVICE
 

@@ -72,24 +72,25 @@ def seeds_session(spec_path: str, workdir: str, resume: Optional[str], every_epo
     (the session cap kills the process), resume from the newest epoch checkpoint."""
     from relay.kernel.run import run_session
     from relay.shared.session_plan import SessionPlan
-    from relay.kernel.session import budget, loop
+    from relay.kernel import trainer as loop
+    from relay.kernel.session import budget
     from relay.shared import spec as spec_mod
 
     budget.SessionClock.install_signal_handlers = lambda self: None
 
-    def after_step(self, loss: float) -> None:
+    def step_done(self, loss: float) -> None:
         st = self.state
-        if math.isfinite(loss):
-            self.step_books.losses.append(loss)  # the window, without the divergence guard
-        if st.global_step % self.spec.optim.log_every_steps == 0 or st.global_step == self.total_steps:
-            self._log_train()
+        step = st.global_step + 1
+        log_due = step % self.spec.optim.log_every_steps == 0 or step == self.total_steps
+        self.session.step_done(loss, save=False, samples=self.stage_schedule.effective_batch, phase=self._phase,
+                               started=self._started, **(self._train_fields(step) if log_due else {}))
         if self._eval_due(st.global_step):
             self.evaluate()
         if self.schedule.is_epoch_end(st.global_step):
             if (st.global_step // self.schedule.steps_per_epoch) % every_epochs == 0:
                 self.save("epoch")
 
-    loop.Trainer._after_step = after_step
+    loop.Trainer._step_done = step_done
     run_session(spec_mod.load(spec_path, {"session.budget": None}), Path(workdir),  # no budget
                 SessionPlan(resume_from=(str(resume),) if resume else ()))
 

@@ -17,14 +17,13 @@ from typing import Optional
 import torch
 
 from relay.kernel import usercode
+from relay.kernel.trainer import Trainer
 from relay.kernel.session import books, checkpoint, data, distributed, memory
 from relay.kernel.session.api import Session
 from relay.kernel.session.books import RunBook
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.device import configure_backends, pick_device, seed_everything
-from relay.kernel.session.loop import Trainer
 from relay.kernel.session.settings import SessionSettings
-from relay.kernel.session.stepbooks import StepBooks
 from relay.shared.errors import InputError
 from relay.shared.session_plan import SessionPlan
 from relay.shared.spec import RunSpec
@@ -116,12 +115,8 @@ def _run(spec, workdir: Path, settings: SessionSettings, clock: SessionClock, wo
 
     total = data.total_steps(schedule, spec.optim.epochs, spec.optim.max_steps)
     settings = replace(settings, total_steps=total)
-    # one process: the losses stay on the device and are read, counted and judged at log steps (a "window");
-    # several: each step's loss is agreed on by every rank (read on the host), and not judged
-    step_books = StepBooks(clock, spec.session.save_every, mode="step" if world.active else "window",
-                           guard=spec.session.stop_on_divergence and not world.active)
-    session = Session(settings, world, device, clock=clock, step_books=step_books, schedule=schedule)
-    trainer = Trainer(spec, recipe, model, session, total_steps=total, schedule=schedule)
+    trainer = Trainer(spec, recipe, model, settings, world, device, clock, schedule)  # and its Session
+    session = trainer.session
     try:
         trainer.restore()
     except InputError:  # nothing valid to resume from: leave nothing behind

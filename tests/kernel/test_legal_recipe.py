@@ -160,7 +160,7 @@ def test_oom_backs_off_to_the_seeds_ultra_low_memory_ladder(data_dir, tmp_path, 
 
     register_recipe("legal_oom", OomAbove4)
     spec = spec_mod.validate({**tiny_spec(data_dir, max_steps=3, epochs=None), "recipe": "legal_oom"})
-    with caplog.at_level(logging.WARNING, logger="relay.kernel.session.loop"):
+    with caplog.at_level(logging.WARNING, logger="relay.kernel.trainer"):
         result = run_session(spec, tmp_path / "wd")
     assert (result["micro_batch"], result["grad_accum"]) == (4, 4) and result["status"] == "done"
     assert "micro-batch 4 x accumulation 4" in caplog.text
@@ -169,7 +169,7 @@ def test_oom_backs_off_to_the_seeds_ultra_low_memory_ladder(data_dir, tmp_path, 
 def test_precision_auto_is_fp16_on_a_t4(monkeypatch):
     """The seed's fp16 on a T4: torch.cuda.is_bf16_supported() counts emulated bf16 by default (True on a
     T4, sm_75); the runtime asks for native support. Faked here: this machine has no GPU."""
-    from relay.kernel.session.loop import resolve_precision
+    from relay.kernel.trainer import resolve_precision
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     assert resolve_precision("auto", torch.device("cuda")) == "fp16"

@@ -17,7 +17,7 @@ import torch
 from conftest import load_toy_spec
 from relay.kernel.recipes.toy import ToyRecipe
 from relay.kernel.run import run_session
-from relay.kernel.session.loop import NonFiniteLossError, Trainer
+from relay.kernel.trainer import NonFiniteLossError, Trainer
 
 
 class Script:
@@ -204,7 +204,7 @@ def test_nonfinite_steps_are_skipped_without_touching_weights(scripted, tmp_path
     loss's gradients are NaN too or finite. Under fp16 (a T4's, with a GradScaler; taken here on CPU) the scaler
     skips the step on the device, from its gradients, which a NaN loss poisons when they are finite."""
     if precision == "fp16":
-        from relay.kernel.session import loop
+        from relay.kernel import trainer as loop
 
         monkeypatch.setattr(loop, "resolve_precision", lambda requested, device: "fp16")
     scripted.nan_steps, scripted.nan_gradients = {1, 3, 5}, nan_gradients
@@ -229,7 +229,7 @@ def test_an_infinite_loss_with_finite_gradients_is_skipped_as_a_nan_one(scripted
     mean * 0 (NaN exactly when the mean is NaN or infinite): the fused AdamW's found_inf in fp32, the gradient
     poison that makes fp16's GradScaler skip. The weights equal a run without that step."""
     if precision == "fp16":
-        from relay.kernel.session import loop
+        from relay.kernel import trainer as loop
 
         monkeypatch.setattr(loop, "resolve_precision", lambda requested, device: "fp16")
     scripted.nan_steps, scripted.nan_gradients, scripted.bad = {2}, False, bad
@@ -242,31 +242,33 @@ def test_an_infinite_loss_with_finite_gradients_is_skipped_as_a_nan_one(scripted
 
 
 def test_k_nonfinite_in_a_row_under_bf16_falls_back_to_fp32(scripted, tmp_path, caplog):
-    """The losses are read at log steps (here every 4 steps: right after step 3, the third NaN in a row)."""
+    """The losses are read at log steps (here every 4 steps: right after step 3, the third NaN in a row) and judged
+    at the step after (the session's window, as a script's loop has it): step 4 still runs in bf16."""
     scripted.nan_steps = {1, 2, 3}
     with caplog.at_level(logging.WARNING):
         progress = run_session(spec(optim={"precision": "bf16", "nonfinite_patience": 3, "max_steps": 7,
                                            "log_every_steps": 4}), tmp_path / "w")
     assert progress["status"] == "done" and progress["precision"] == "fp32"
     modes = [(s, m) for s, _, m in scripted.calls if s != "preflight"]
-    assert modes == [(s, "bfloat16") for s in (0, 0, 1, 1, 2, 2, 3, 3)] + [(s, "fp32") for s in (4, 4, 5, 5, 6, 6)]
+    assert modes == [(s, "bfloat16") for s in (0, 0, 1, 1, 2, 2, 3, 3, 4, 4)] + [(s, "fp32") for s in (5, 5, 6, 6)]
     assert "falling back from bf16 to fp32 after 3 non-finite losses" in caplog.text
     trainer = final_state(tmp_path / "w")["relay"]
     assert (trainer["precision"], trainer["skipped_steps"], trainer["nonfinite_streak"]) == ("fp32", 3, 0)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_the_fallback_comes_at_the_log_step_that_reads_the_streak_and_a_split_run_decides_alike(scripted,
+def test_the_fallback_comes_after_the_log_step_that_reads_the_streak_and_a_split_run_decides_alike(scripted,
                                                                                                  tmp_path,
                                                                                                  monkeypatch,
                                                                                                  precision):
     """No loss is read between log steps (the skip itself happens on the device): NaN at steps 1-3 with a log
-    step every 6 fall back after step 5, not 3. A run cut at step 2 or 4 (inside that window, its losses saved
-    unread) falls back at the same step and ends with the same weights. fp16 takes a GradScaler, which skips the
+    step every 6 fall back after step 6 (the step after the log step, where the session judges the window), not 3.
+    A run cut at step 2, 4 or 6 (inside that window, its losses saved unread, or closed and not yet judged) falls
+    back at the same step and ends with the same weights. fp16 takes a GradScaler, which skips the
     NaN steps itself (and lowers its scale, a state the split run saves and restores); it is a CUDA precision,
     run here on CPU, where torch has fp16 autocast and a GradScaler too."""
     if precision == "fp16":
-        from relay.kernel.session import loop
+        from relay.kernel import trainer as loop
 
         monkeypatch.setattr(loop, "resolve_precision", lambda requested, device: "fp16")
     dtype = {"bf16": "bfloat16", "fp16": "float16"}[precision]
@@ -274,9 +276,9 @@ def test_the_fallback_comes_at_the_log_step_that_reads_the_streak_and_a_split_ru
     scripted.nan_steps = {1, 2, 3}
     whole = run_session(cfg, tmp_path / "whole")
     modes = [(s, m) for s, _, m in scripted.calls if s != "preflight"]
-    assert modes == [(s, dtype) for s in range(6) for _ in (0, 1)] + [(s, "fp32") for s in (6, 7, 8) for _ in (0, 1)]
+    assert modes == [(s, dtype) for s in range(7) for _ in (0, 1)] + [(s, "fp32") for s in (7, 8) for _ in (0, 1)]
     assert (whole["precision"], final_state(tmp_path / "whole")["relay"]["skipped_steps"]) == ("fp32", 3)
-    for cut in (2, 4):
+    for cut in (2, 4, 6):
         scripted.reset()
         scripted.nan_steps, scripted.sigterm_at = {1, 2, 3}, (cut - 1, 1)
         first = run_session(cfg, tmp_path / f"cut{cut}")

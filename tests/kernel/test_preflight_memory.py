@@ -36,7 +36,8 @@ from torch import nn
 from relay.kernel.recipes.vqa_student import VQAStudentRecipe
 from relay.kernel.run import run_session
 from relay.kernel.session import device as device_mod
-from relay.kernel.session import loop, memory, preflight
+from relay.kernel import trainer as loop
+from relay.kernel.session import memory, preflight
 from relay.shared.errors import InputError
 from test_vqa_recipe import data_dir, load  # noqa: F401 - the module's data fixture
 

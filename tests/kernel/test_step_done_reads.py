@@ -143,14 +143,15 @@ def test_a_split_inside_the_window_stops_at_the_uninterrupted_runs_step_with_its
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_the_built_in_loop_reads_no_device_value_between_log_steps(tmp_path, monkeypatch, precision):
-    """The Trainer too (one process): a step's loss stays on the device, a non-finite one is skipped there (the
-    fused AdamW's found_inf; under fp16, the GradScaler's), and the window is read at log steps, where the skips
-    are counted and the guard judges. Every way a tensor reaches the host is counted, with the step it happens
+    """The Trainer too (one process), through the same step_done: a step's loss stays on the device, a non-finite
+    one is skipped there (the fused AdamW's found_inf; under fp16, the GradScaler's), and the window is read at log
+    steps (a CPU window at once; a CUDA one is copied then and read at the next step, where the session counts the
+    skips and the guard judges). Every way a tensor reaches the host is counted, with the step it happens
     in. fp16 + GradScaler is a T4's precision: CUDA only in a real run, taken here on CPU (torch has both there)."""
     from conftest import load_toy_spec
     from relay.kernel.run import run_session
-    from relay.kernel.session import loop
-    from relay.kernel.session.loop import Trainer
+    from relay.kernel import trainer as loop
+    from relay.kernel.trainer import Trainer
 
     if precision == "fp16":
         monkeypatch.setattr(loop, "resolve_precision", lambda requested, device: "fp16")
@@ -166,7 +167,7 @@ def test_the_built_in_loop_reads_no_device_value_between_log_steps(tmp_path, mon
             return _base(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, read)
-    real_step, real_after = Trainer._step, Trainer._after_step
+    real_step, real_after = Trainer._step, Trainer._step_done
 
     def step(self):
         now["step"] = self.state.global_step + 1
@@ -176,14 +177,14 @@ def test_the_built_in_loop_reads_no_device_value_between_log_steps(tmp_path, mon
             now["step"] = None
 
     def after(self, loss):
-        now["step"] = self.state.global_step
+        now["step"] = self.state.global_step + 1  # step_done counts it
         try:
             return real_after(self, loss)
         finally:
             now["step"] = None
 
     monkeypatch.setattr(Trainer, "_step", step)
-    monkeypatch.setattr(Trainer, "_after_step", after)
+    monkeypatch.setattr(Trainer, "_step_done", after)
     spec = load_toy_spec(optim={"epochs": None, "max_steps": 12, "log_every_steps": 5, "eval_every_steps": 100,
                                 "clip_grad_norm": 1.0},
                          session={"save_every": 1e9, "stop_on_divergence": True})

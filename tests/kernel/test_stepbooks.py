@@ -1,7 +1,10 @@
-"""The per-step books both loops keep alike (relay.kernel.session.stepbooks.StepBooks): each mode's keys in the
-checkpoint stay what that loop saved before the books were one, a window round-trips through a checkpoint, and
-samples/s and the insurance timer read the same for both."""
+"""The per-step books of a session, whichever loop drives it (relay.kernel.session.stepbooks.StepBooks): one set
+of keys in the checkpoint, which older checkpoints' keys (the Trainer's books of several processes held only
+`window_losses` and `divergence`) still read into; a window round-trips through a checkpoint; a loop that skips
+non-finite steps keeps them out of the mean and the guard; samples/s and the insurance timer."""
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -9,38 +12,39 @@ from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.stepbooks import KEYS, StepBooks
 
 
-def books(mode: str, guard: bool = True, save_every: float = 1e9) -> StepBooks:
-    return StepBooks(SessionClock(None, None, 0.0), save_every, guard=guard, mode=mode)
+def books(guard: bool = True, save_every: float = 1e9, on_loss=None) -> StepBooks:
+    return StepBooks(SessionClock(None, None, 0.0), save_every, guard=guard, on_loss=on_loss)
 
 
-def test_each_mode_saves_the_keys_its_loop_saved():
-    trainer = books("step")
-    trainer.add_loss(1, 2.0, phase="p")
-    assert trainer.state_dict().keys() == {"window_losses", "divergence"}  # the Trainer's, divergence None or not
-    assert books("step", guard=False).state_dict() == {"window_losses": [], "divergence": None}
-    session = books("window")
+def test_one_set_of_keys_whatever_the_loop():
+    session = books()
     session.add_loss(1, torch.tensor(2.0))
-    assert session.state_dict().keys() == {"window_losses", "window_steps", "divergence"}
-    assert books("window", guard=False).state_dict() == {"window_losses": [], "window_steps": []}
-    assert set(KEYS) >= set(session.state_dict())
+    trainer = books(on_loss=lambda step, loss: None)
+    trainer.add_loss(1, torch.tensor(2.0), phase="p")
+    assert session.state_dict().keys() == trainer.state_dict().keys() == {
+        "window_losses", "window_steps", "window_phases", "divergence"}
+    assert books(guard=False).state_dict() == {"window_losses": [], "window_steps": [], "window_phases": [],
+                                               "divergence": None}
+    session.close_window(1, {})
+    assert set(KEYS) == set(session.state_dict())
 
 
 def test_a_window_cut_by_a_save_resumes_with_its_losses_steps_and_guard_history():
-    a = books("window")
+    a = books()
     for step in range(1, 8):
         a.add_loss(step, torch.tensor(float(step)))
     saved = {"global_step": 7, **a.state_dict()}
     assert saved["window_losses"] == [float(s) for s in range(1, 8)] and saved["window_steps"] == list(range(1, 8))
-    b = books("window")
+    b = books()
     b.load_state_dict(saved)
     assert b.end_window() == a.end_window() and b.guard.state_dict() == a.guard.state_dict()
-    old = books("window")  # a checkpoint written before window_steps was saved: one loss a step, up to its step
+    old = books()  # a checkpoint written before window_steps was saved: one loss a step, up to its step
     old.load_state_dict({"global_step": 10, "window_losses": [1.0, 2.0]})
     assert old.steps == [9, 10]
 
 
 def test_a_closed_window_resumes_unjudged_with_its_metrics_and_whether_its_line_is_written():
-    a = books("window")
+    a = books()
     for step in range(1, 11):
         a.add_loss(step, torch.tensor(float(step)))
     a.close_window(10, {"acc": torch.tensor(0.5), "note": "x"})
@@ -52,35 +56,53 @@ def test_a_closed_window_resumes_unjudged_with_its_metrics_and_whether_its_line_
                                                                                    [float(s) for s in range(1, 11)])
     assert saved["closed_metrics"] == {"acc": 0.5, "note": "x"} and saved["closed_logged"] is True
     assert saved["window_losses"] == [11.0] and a.guard.h.n == 0  # nothing judged yet
-    b = books("window")
+    b = books()
     b.load_state_dict(saved)
     assert b.closed == a.closed and b.steps == [11]
     assert b.take_closed().logged and b.closed is None and b.guard.h.n == 10
     assert a.take_closed() is not None and b.guard.state_dict() == a.guard.state_dict()
+    measured = books()  # what a process measured for the line (samples/s, memory) is not carried: it differs by run
+    measured.add_loss(1, 1.0)
+    measured.close_window(1, {"lr": 0.1}, {"samples_per_s": 123.0})
+    assert measured.state_dict()["closed_metrics"] == {"lr": 0.1} and measured.closed.measured
+    old = {k: v for k, v in saved.items() if k != "closed_phases"}  # a closed window saved before phases were
+    c = books()
+    c.load_state_dict(old)
+    assert c.closed.phases == [None] * 10
 
 
-def test_step_mode_judges_each_loss_and_window_mode_at_the_window_end():
-    step, window = books("step"), books("window")
+def test_a_window_is_judged_when_read_and_only_by_a_guard_asked_to():
+    window = books()
     for s in range(1, 4):
-        step.add_loss(s, float(s))
         window.add_loss(s, torch.tensor(float(s)))
-    assert step.guard.h.n == 3 and window.guard.h.n == 0
-    assert window.end_window() == [1.0, 2.0, 3.0] and window.guard.h.n == 3
-    assert step.end_window() == [1.0, 2.0, 3.0] and step.losses == []
-    unjudged = books("window")
+    assert window.guard.h.n == 0
+    assert window.end_window() == [1.0, 2.0, 3.0] and window.guard.h.n == 3 and window.losses == []
+    unjudged = books()
     unjudged.add_loss(1, 1.0)
     assert unjudged.end_window(judge=False) == [1.0] and unjudged.guard.h.n == 0
 
 
+def test_a_loop_that_skips_nonfinite_steps_gets_each_loss_and_keeps_the_nonfinite_out_of_mean_and_guard():
+    seen = []
+    b = books(on_loss=lambda step, loss: seen.append((step, loss)))
+    for step, loss in [(1, 2.0), (2, float("nan")), (3, 1.5)]:
+        b.add_loss(step, torch.tensor(loss))
+    assert b.end_window() == [2.0, 1.5] and b.guard.h.n == 2
+    assert [s for s, _ in seen] == [1, 2, 3] and math.isnan(seen[1][1])
+    plain = books()  # a script's loop: every loss counts, a NaN too (the guard's own non-finite patience)
+    plain.add_loss(1, torch.tensor(float("nan")))
+    assert math.isnan(plain.end_window()[0]) and plain.guard.h.nonfinite == 1
+
+
 def test_samples_per_s_and_the_insurance_timer():
-    b = books("window", save_every=0.0)
+    b = books(save_every=0.0)
     assert b.samples_per_s() is None
     b.count(0.5, None)
     assert b.samples_per_s() is None and b.clock.steps_taken == 1  # the step time is on the clock too
     b.count(0.5, 8)
     assert b.samples_per_s() == 8.0
     assert b.insurance_due()
-    later = books("window", save_every=3600.0)
+    later = books(save_every=3600.0)
     assert not later.insurance_due()
     later.last_save -= 3600.0
     assert later.insurance_due()
@@ -88,20 +110,24 @@ def test_samples_per_s_and_the_insurance_timer():
     assert not later.insurance_due()
 
 
-def test_the_trainers_window_keeps_each_losss_step_and_phase_through_a_checkpoint():
-    a = books("window")
-    for step, loss, phase in [(1, 2.0, "A"), (2, float("nan"), "A"), (3, 1.5, "B")]:
+def test_each_losss_step_and_phase_go_through_a_checkpoint_and_the_guard_compares_within_a_phase():
+    a = books()
+    for step, loss, phase in [(1, 2.0, "A"), (2, 3.0, "A"), (3, 1.5, "B")]:
         a.add_loss(step, torch.tensor(loss), phase=phase)
     saved = {"global_step": 3, **a.state_dict()}
     assert saved["window_phases"] == ["A", "A", "B"]
-    b = books("window")
+    b = books()
     b.load_state_dict(saved)
-    window = b.take_window()
-    assert [(s, p) for s, _, p in window] == [(1, "A"), (2, "A"), (3, "B")] and window[1][1] != window[1][1]
-    assert b.take_window() == [] and "window_phases" not in b.state_dict()
-    old = books("window")  # a window saved without phases takes the phase it is read in
+    assert (b.steps, b.phases) == ([1, 2, 3], ["A", "A", "B"])
+    b.end_window()
+    assert (b.guard.h.phase, b.guard.h.n) == ("B", 1)  # B's loss started a history of its own
+    old = books()  # a window saved without phases takes the phase of the loss added next
     old.load_state_dict({"global_step": 2, "window_losses": [1.0, 2.0]})
-    assert [p for *_, p in old.take_window("C")] == ["C", "C"]
+    assert old.state_dict()["window_phases"] == []  # still unknown: saved as it was read
+    old.add_loss(3, 3.0, phase="C")
+    assert old.phases == ["C", "C", "C"]
+    old.end_window()
+    assert (old.guard.h.phase, old.guard.h.n) == ("C", 3)
 
 
 def test_a_closed_cuda_window_is_read_only_after_its_copy_is_done():

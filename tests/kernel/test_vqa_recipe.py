@@ -264,7 +264,8 @@ class SizedVQA(VQAStudentRecipe):
 def test_preflight_steps_the_optimizer_and_a_peak_over_90_percent_is_an_oom(data_dir, tmp_path, monkeypatch,
                                                                             register_recipe):
     """The simulated device: micro-batches above 1 fit a forward/backward but not with AdamW's state."""
-    from relay.kernel.session import loop, memory
+    from relay.kernel import trainer as loop
+    from relay.kernel.session import memory
 
     register_recipe(SizedVQA.name, SizedVQA)
     optimizers, SizedVQA.last = [], []

@@ -15,22 +15,24 @@ happens at the next step boundary (never inside the handler: Lightning #21406). 
 the measured step and save times (relay.kernel.session.budget.SessionClock), not a fixed lead.
 
 Longer than most modules (~530 lines): the Session class is the API users read, one documented method per
-thing a script does; what it writes to the workdir is session/core.py's. The built-in Trainer drives it too.
+thing a script does; what it writes to the workdir is session/core.py's. The built-in Trainer
+(relay/kernel/trainer.py) drives it through these same calls.
 """
 from __future__ import annotations
 
 import copy
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 
 from relay.kernel.session import api_distributed, books, checkpoint, data, distributed, rng, trace
+from relay.kernel.session.api_data import SessionData
 from relay.kernel.session.api_distributed import unwrap
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.core import SessionCore
@@ -38,6 +40,8 @@ from relay.kernel.session.device import pick_device, seed_everything
 from relay.kernel.session.settings import SessionSettings
 from relay.kernel.session.stepbooks import (ClosedWindow, StepBooks,  # noqa: F401 - read_losses: its old home
                                             read_losses)
+
+NonFiniteHook = Callable[[int, float], None]
 from relay.shared import environment
 from relay.shared.environment import SessionEnvironment
 from relay.shared.errors import InputError
@@ -84,13 +88,17 @@ def open_session(total_steps: Optional[int] = None, **settings: Any) -> "Session
     return session
 
 
-class Session:
+class Session(SessionData):
     def __init__(self, config: SessionSettings, world: distributed.World = distributed.SINGLE,
                  device: Optional[torch.device] = None, *, clock: Optional[SessionClock] = None,
-                 step_books: Optional[StepBooks] = None, schedule: Optional[data.StepSchedule] = None):
-        """`clock`, `step_books` and `schedule` are the built-in loop's (relay.kernel.run): a clock started when the
-        process did, books that judge a loss already read at every step, and its step schedule; a script's
-        session makes its own."""
+                 schedule: Optional[data.StepSchedule] = None, on_nonfinite: Optional[NonFiniteHook] = None):
+        """`clock` and `schedule` are the built-in loop's (relay.kernel.run): a clock started when the process
+        did, and its step schedule; a script's session makes its own. `on_nonfinite(step, loss)`: for a loop that
+        skips a step whose loss is not finite (the Trainer: its fused optimizer or GradScaler skip it on the
+        device). Such a loss, when its window is read (the step after a log step; at the log step with several
+        processes), is counted in the book (`skipped_steps`; `nonfinite_streak`, which a finite loss resets) and
+        given to the hook with its 0-based step, where the loop acts on a streak; it stays out of the train line's
+        mean and the divergence guard."""
         self.config = config
         self.world = world  # rank 0 alone writes checkpoints, metrics.jsonl, progress.json and the export
         self.device = device or pick_device()  # where this rank trains (cuda:LOCAL_RANK under several GPUs)
@@ -116,15 +124,17 @@ class Session:
         self.closed = False
         self.book = books.RunBook()  # the run's book: the step, the sessions, the last eval and best, ...
         # the loss window (device tensors read once a window), samples/s, the insurance timer, the divergence guard
-        self.step_books = step_books or StepBooks(self.clock, config.save_every, guard=config.stop_on_divergence,
-                                                  mode="window")
+        self._on_nonfinite = on_nonfinite
+        self.step_books = StepBooks(self.clock, config.save_every, guard=config.stop_on_divergence,
+                                    on_loss=self._count_skip if on_nonfinite else None)
+        self._eval_next = False  # the next step ends with an eval: a stop decided now keeps time for it
         self._mark = time.perf_counter()
         self._saved_step: Optional[int] = None  # a save at this step holds the session's final state
         self._schedule = schedule
         # what a driver that tracks a best checkpoint sets (the built-in loop): the retention of the best
         # checkpoint and the exports counted against the disk budget; `exporter(out)` writes the final export
-        self.keep_best_mode: Optional[str] = None
-        self.exports = 1
+        self._keep_best_mode: Optional[str] = None
+        self._exports = 1
         self.exporter: Optional[Callable[[Path], None]] = None
         self._trace = trace.StepTrace.from_env()  # per-step fingerprints, under `relay verify-resume` only
         # the workdir's books: checkpoints, metrics.jsonl, progress.json, trackers (started by restore())
@@ -220,118 +230,49 @@ class Session:
                 self.book.exactness_lost = lost         # between runs by `relay verify-resume`
         self.book.world_size = self.world.size
 
-    # -- data -------------------------------------------------------------------------------------------
-    def batch_indices(self, n_samples: int, batch_size: int, seed: Optional[int] = None, *,
-                      drop_last: bool = True) -> np.ndarray:
-        """The sample indices of the current step, an int64 numpy array (it indexes a tensor, an array or a
-        DataFrame directly; `.tolist()` for a list): epoch e is a permutation seeded by (seed, e), so any step's
-        batch costs one permutation (O(1) in the step), never a replay of the batches before it. With several
-        processes, `batch_size` is the effective batch and rank r gets the r-th equal slice of it. An epoch is
-        n_samples // batch_size steps: the few samples left over are dropped (others each epoch); with
-        `drop_last=False` they are the epoch's last, smaller step (ceil(n_samples / batch_size) steps, a
-        DataLoader's len)."""
-        s = self._schedule_for(n_samples, batch_size, seed, drop_last)
-        indices = data.rank_indices(s, self.book.global_step, self.world.rank, self.world.size)
-        if self._trace:
-            self._trace.batch(indices, self.book.global_step)
-        return indices
-
-    def _schedule_for(self, n_samples: int, batch_size: int, seed: Optional[int],
-                      drop_last: bool = True) -> data.StepSchedule:
-        seed = self.config.seed if seed is None else seed
-        s = self._schedule
-        if (s is None or s.effective_batch != batch_size or s.n_samples != n_samples or s.seed != seed
-                or s.drop_last != drop_last):
-            api_distributed.rank_batch(self.world, batch_size)  # checked once per schedule, not every step
-            self._schedule = s = data.StepSchedule(n_samples, batch_size, seed, setting="batch_size",
-                                                   drop_last=drop_last)
-        return s
-
-    def batches(self, n_samples: int, batch_size: int, seed: Optional[int] = None, *, drop_last: bool = True,
-                per_epoch: bool = False) -> Iterator[np.ndarray]:
-        """The current step's indices, until should_stop(); call step_done() after each. `per_epoch`: until the
-        end of the epoch the current step is in, too (an epoch loop's inner loop)."""
-        first = True
-        while not self.should_stop():
-            if per_epoch and not first and self.epoch_end:
-                return
-            first = False
-            yield self.batch_indices(n_samples, batch_size, seed, drop_last=drop_last)
-
-    def batch_sampler(self, n_samples: int, batch_size: int, seed: Optional[int] = None, *,
-                      drop_last: bool = True, per_epoch: bool = False) -> data.RunBatchSampler:
-        """A DataLoader batch_sampler, in the same step-derived order as batches(): each iteration starts at the
-        session's current step. Its length is the whole run, so a trainer that owns the loop (Lightning) and
-        resumes mid-"epoch" counts the remaining batches right and never starts a second pass; with `per_epoch`,
-        an iteration ends at the end of the epoch it started in (an epoch loop over a DataLoader) and its length
-        is the epoch's."""
-        return data.RunBatchSampler(self, self._schedule_for(n_samples, batch_size, seed, drop_last), per_epoch)
-
-    def dataloader(self, dataset, batch_size: int, *, seed: Optional[int] = None, drop_last: bool = True,
-                   per_epoch: bool = True, **loader_kwargs: Any) -> data.SessionLoader:
-        """`DataLoader(dataset, batch_size=..., shuffle=True)` made resumable: its batches are batch_sampler()'s
-        (an iteration is the rest of the current epoch; `per_epoch=False`: the rest of the run), it ends where
-        the session must stop (should_stop(), asked before each step's batch is fetched), and its iterator seed
-        comes from its own generator, not the global RNG (a resumed session makes an iterator where the
-        uninterrupted run did not). `loader_kwargs` go to the DataLoader (collate_fn, num_workers, pin_memory)."""
-        sampler = self.batch_sampler(len(dataset), batch_size, seed, drop_last=drop_last, per_epoch=per_epoch)
-        seed = self.config.seed if seed is None else seed
-        return data.SessionLoader(self, torch.utils.data.DataLoader(
-            dataset, batch_sampler=sampler, generator=torch.Generator().manual_seed(seed), **loader_kwargs))
-
-    @property
-    def epoch(self) -> int:
-        """The epoch the next step is in (0-based: steps done // steps per epoch) of the schedule batches() or
-        batch_sampler() made (0 before there is one: make the sampler before reading it)."""
-        return self._schedule.epoch_of(self.step) if self._schedule else 0
-
-    @property
-    def step_in_epoch(self) -> int:
-        """Steps done in the current epoch (0 at an epoch's start): a loop's `enumerate` index within its epoch."""
-        return self._schedule.step_in_epoch(self.step) if self._schedule else self.step
-
-    @property
-    def steps_per_epoch(self) -> Optional[int]:
-        """Steps in an epoch of the schedule batches() or batch_sampler() made (None before there is one)."""
-        return self._schedule.steps_per_epoch if self._schedule else None
-
-    @property
-    def epoch_end(self) -> bool:
-        """True right after the last step of an epoch (step_done() counted it): where an epoch loop evaluates."""
-        return bool(self._schedule is not None and self._schedule.is_epoch_end(self.step))
-
     # -- the loop ---------------------------------------------------------------------------------------
     def should_stop(self) -> bool:
         """True when the work is done, the session's step cap is reached, a SIGTERM came, or one more step
         plus the final save would not fit before the deadline. With several processes every rank gets the
         same answer: a SIGTERM to any rank, rank 0's clock for the budget."""
-        reason = self.core.stop_reason(self.book.global_step, self.step_books.diverged)  # every step: no properties
+        reason = self.core.stop_reason(self.book.global_step, self.step_books.diverged,  # every step: no properties
+                                       eval_due=self._eval_next)
         if reason not in books.RANK_INDEPENDENT and self.world.size > 1:  # the same on every rank
-            reason = self._agreement.stop_reason(self.step, reason)
+            reason = self._agreed(reason).reason
         self.stop_reason = reason
         return reason is not None
 
     def step_done(self, loss: Any = None, *, save: bool = True, samples: Optional[int] = None,
-                  **metrics: float) -> None:
+                  phase: Optional[str] = None, started: Optional[float] = None, eval_next: bool = False,
+                  measured: Optional[dict] = None, **metrics: Any) -> None:
         """Count one optimizer step: its time (from the previous step_done, data loading included),
-        its loss into metrics.jsonl every `log_every` steps, and a periodic insurance save. `samples`: the
-        step's batch, for samples/s, when the script does not take its batches from session.batches()."""
+        its loss into metrics.jsonl every `log_every` steps (with `metrics`, given at that step), and a periodic
+        insurance save. `samples`: the step's batch, for samples/s, when the script does not take its batches from
+        session.batches(). For a loop that does more between steps (the built-in Trainer): `save=False` leaves the
+        insurance save to the loop (insurance_due(), then save("periodic"), after its own work at this step);
+        `phase` names what the divergence guard compares this loss within (a stage; a new phase starts a new
+        history); `started` (time.perf_counter()) is when the step began, so an eval or a save between steps is
+        not counted as the step's time; `eval_next`: the next step ends with an eval, which a stop decided before
+        it keeps time for (the session's longest eval so far, clock.eval_seconds); `measured`: what this process
+        measured for the log step's line (samples/s, memory), written with it but not carried in a checkpoint
+        with the window, as `metrics` are: the resumed run's books stay the uninterrupted run's."""
         if samples is None and self._schedule is not None:
             samples = self._schedule.effective_batch
-        self.step_books.count(time.perf_counter() - self._mark, samples)
+        self._eval_next = eval_next
+        self.step_books.count(time.perf_counter() - (self._mark if started is None else started), samples)
         if self._trace:
             self._trace.step_done(self, loss, sys._getframe(1))
         self.book.global_step = step = self.book.global_step + 1  # self.step, without its property's call
         if loss is not None:
             # Kept as given: a CUDA tensor is not read here (float() would make the CPU wait for the GPU every
             # step instead of queueing the next), but with its window, all at once, its copy started at a log step.
-            self.step_books.add_loss(step, loss)
+            self.step_books.add_loss(step, loss, phase)
         if self.world.size > 1:
-            return self._step_done_together(save, metrics)
+            return self._step_done_together(save, {**metrics, **(measured or {})})
         if self.step_books.closed is not None:  # the last log step's window: its copy is done by now
             self._judge_closed_window()
         if step % self.config.log_every == 0 or step == self.total_steps:
-            self.step_books.close_window(step, metrics)
+            self.step_books.close_window(step, metrics, measured)
             if step == self.total_steps:  # no next step to judge it at
                 self._judge_closed_window()
         # not at the step the session stops after: close() saves then, with what the loop runs after step_done
@@ -354,9 +295,9 @@ class Session:
         step, a save or an explicit log, whichever comes first, writes it)."""
         if window is None or window.logged:
             return
-        losses, step = window.read(), window.at
+        losses, step = self.step_books.kept(window.read()), window.at
         if losses or window.metrics:
-            values = {"loss": sum(losses) / len(losses) if losses else None, **window.metrics}
+            values = {"loss": sum(losses) / len(losses) if losses else None, **window.metrics, **window.measured}
             self.core.log({"kind": "train", "step": step, "epoch": self._schedule.epoch_of(step) if self._schedule
                            else 0, **values}, shown=self._train_extras(self.step_books.samples_per_s()))
         window.logged = True
@@ -366,28 +307,32 @@ class Session:
         if self.step_books.closed is not None:  # closed by one process before a resume with several: logged only
             self._write_window_line(self.step_books.take_closed(judge=False))
         log_due = self.step % self.config.log_every == 0 or self.step == self.total_steps
-        clock_reason = None if self.step >= self.total_steps else self.clock.should_stop()
-        insure = save and self.step < self.total_steps and self.insurance_due()  # at a stop: close() saves
+        clock_reason = None if self.step >= self.total_steps else self.clock.should_stop(eval_due=self._eval_next)
+        insure = self.step < self.total_steps and self.step_books.insurance_due()  # at a stop: close() saves
         _, save_now, mean = self._agreement.decide(self.step, clock_reason, insure,
                                                    self.step_books.end_window(judge=False) if log_due else None)
         if log_due:
             if mean is not None or metrics:
                 self.log("train", loss=mean, **metrics)
-        if save_now:
+        if save and save_now:
             self.save("periodic")
         self._mark = time.perf_counter()
 
-    def decide(self, eval_due: bool = False) -> tuple[Optional[str], bool]:
-        """Before the next step, for a loop that saves before its step rather than in step_done (the built-in
-        one): stop now (why, as should_stop() decides it, also kept in `stop_reason`), and is an insurance save
-        due. `eval_due`: the next step ends with an eval, which the clock reserves time for. With several
-        processes both are agreed in one all-reduce."""
-        reason = self.core.stop_reason(self.step, self.diverged, eval_due=eval_due)
-        save_due = self.step_books.insurance_due()
-        if reason not in books.RANK_INDEPENDENT and self.world.size > 1:  # the same on every rank
-            reason, save_due, _ = self._agreement.decide(self.step, reason, save_due)
-        self.stop_reason = reason
-        return reason, save_due and reason is None
+    def _agreed(self, reason: Optional[str]) -> distributed.StepAgreement:
+        """Several processes: the agreement at this step (made by step_done, else now from `reason`)."""
+        if self._agreement.step != self.step:
+            self._agreement.decide(self.step, reason, self.step < self.total_steps
+                                   and self.step_books.insurance_due())
+        return self._agreement
+
+    def _count_skip(self, step: int, loss: float) -> None:
+        """A loss judged, for a loop that skips a step whose loss is not finite: the book's count of skips."""
+        if math.isfinite(loss):
+            self.book.nonfinite_streak = 0
+            return
+        self.book.nonfinite_streak += 1
+        self.book.skipped_steps += 1
+        self._on_nonfinite(step - 1, loss)  # the window holds the step count after it
 
     def heartbeat(self) -> None:
         """A sign of progress between steps, for the stall watchdog (session.stall_after): call it in a long
@@ -395,8 +340,27 @@ class Session:
         self.clock.alive()
 
     def insurance_due(self) -> bool:
-        """A periodic save is due (session.save_every since the last one): insurance against a SIGKILL."""
+        """A periodic save is due (session.save_every since the last one): insurance against a SIGKILL. With
+        several processes, agreed (rank 0's timer) and asked after should_stop(); not due once the session stops."""
+        if self.world.size > 1:
+            return self._agreed(self.stop_reason).save
         return self.step_books.insurance_due()
+
+    def keep_best(self, metric_mode: Optional[str]) -> None:
+        """For a loop that saves its best checkpoint (save("best") when its metric improved): keep that checkpoint
+        apart from the newest ones (`metric_mode` "min" or "max", how the metric compares; None: none kept), and
+        count the second export it makes (export/best/) against the disk budget."""
+        self._keep_best_mode, self._exports = metric_mode, 1 + (metric_mode is not None)
+
+    def note(self, **fields: Any) -> None:
+        """Fields of this session's record in progress.json's `sessions` (a peak memory, a curriculum stage),
+        written with the record at the next save and at close()."""
+        self.core.record.update(fields)
+
+    @property
+    def samples_per_s(self) -> Optional[float]:
+        """This session's training speed so far (None until a step counted its samples)."""
+        return self.step_books.samples_per_s()
 
     @property
     def diverged(self) -> Optional[str]:
@@ -443,12 +407,13 @@ class Session:
         ckpt = self.core.save(state, reason, step=self.step, meta={"epoch": progress.epoch, "best": self.book.best},
                               # a background commit writes progress.json later: from a copy training won't change
                               progress=copy.deepcopy(progress) if background else progress, model=self._model(),
-                              started=t0, background=background, keep_best_mode=self.keep_best_mode,
-                              exports=self.exports)
+                              started=t0, background=background, keep_best_mode=self._keep_best_mode,
+                              exports=self._exports)
         # only a save taken once the session decided to stop (an integration's, at its trainer's stop) holds
         # the state the next session starts from: after an insurance save the loop may still run code (an eval
         # whose DataLoader draws from the global RNG) before it asks should_stop(), and close() must save that
         self.step_books.saved()
+        self._agreement.save = False  # taken: a loop asking insurance_due() again at this step is told no
         self._saved_step = self.step if self.stop_reason is not None else None
         return ckpt
 

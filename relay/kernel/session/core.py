@@ -1,5 +1,5 @@
 """The one session path, whose one client is the Session (session/api.py): a user's loop drives it, and so
-does the built-in Trainer (session/loop.py, from relay.kernel.run). What a session does to its workdir happens
+does the built-in Trainer (relay/kernel/trainer.py, from relay.kernel.run). What a session does to its workdir happens
 here, once: load the newest valid checkpoint, open the session's record, write metrics.jsonl with its progress
 lines and trackers, save atomically (waited for, or committed in the background) with progress.json after each
 commit, and end with progress.json and the last progress line. The books' formats are in session/books.py. When

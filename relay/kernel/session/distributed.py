@@ -176,13 +176,14 @@ def agree(world: World, values: Sequence[float], device: torch.device) -> list[f
 
 class StepAgreement:
     """One all-reduce per optimizer step: stop (and why), periodic save, and the mean loss when logging. A SIGTERM
-    to any rank or a step cap stops every rank; rank 0 alone decides the budget and the insurance save. Both
-    session paths use it (the Trainer and the Session API)."""
+    to any rank or a step cap stops every rank; rank 0 alone decides the budget and the insurance save. The
+    Session API's, whichever loop drives it."""
 
     def __init__(self, world: World, device: torch.device):
         self.world, self.device = world, device
         self.step: Optional[int] = None  # the step the last agreement was made at
         self.reason: Optional[str] = None
+        self.save = False  # the periodic save agreed at that step
 
     def decide(self, step: int, reason: Optional[str], save_due: bool,
                losses: Optional[list] = None) -> tuple[Optional[str], bool, Optional[float]]:
@@ -195,14 +196,8 @@ class StepAgreement:
         sig, steps, budget, save = out[:4]
         agreed = "sigterm" if sig else "steps" if steps else "budget" if budget else None
         mean = out[4] / out[5] if losses is not None and out[5] else None
-        self.step, self.reason = step, agreed
-        return agreed, bool(save) and agreed is None, mean
-
-    def stop_reason(self, step: int, clock_reason: Optional[str]) -> Optional[str]:
-        """The agreed stop decision for `step` (made by step_done, else now)."""
-        if self.step != step:
-            self.decide(step, clock_reason, False)
-        return self.reason
+        self.step, self.reason, self.save = step, agreed, bool(save) and agreed is None
+        return agreed, self.save, mean
 
 
 def average_gradients(model: torch.nn.Module, world: World) -> None:

@@ -18,16 +18,17 @@ begins already there can be (a model trained to a loss of ~1e-7 on 8 batches, th
 AdamW's spikes there gave back more than its nothing gained, and bench_step_overhead's session "diverged").
 Calibrated on the project's own runs (docs/benchmarks.md, `bench/bench_divergence.py`).
 
-The guard's state is part of the run's exact state: both session paths save `state_dict()` in the checkpoint and
-load it back, so a run split into sessions stops, or does not, at the step an uninterrupted run would. Both wire it
-through session/stepbooks.py's StepBooks and judge only once a window, from its losses read off the device in one
-go, so a step costs no host-device sync: the built-in Trainer at its log steps (multiples of log_every and the last
-step), loss by loss within each loss's phase, after counting its non-finite skips; the Session API with
-`update_many` at the step after each log step (the window's copy started at the log step, so the host does not
-wait for it) and at the last step. Those steps do not depend on where sessions are cut, and the windows not yet
-judged are saved with the checkpoint. A new `phase` (a new model of a multi-model recipe, a curriculum stage) and a
-stop restart the history: losses of a new phase do not compare with the last one's, and a run resumed after a stop
-is judged from where it stands.
+The guard's state is part of the run's exact state: the Session saves `state_dict()` in the checkpoint and loads
+it back, so a run split into sessions stops, or does not, at the step an uninterrupted run would. It is wired
+through session/stepbooks.py's StepBooks and judges only once a window, loss by loss within each loss's phase,
+from the window's losses read off the device in one go, so a step costs no host-device sync: at the step after
+each log step (the window's copy started at the log step, so the host does not wait for it) and at the last step,
+whichever loop drives the Session (the built-in Trainer's too, its non-finite skips counted first and kept out),
+in one process (with several, a window's mean is agreed on by every rank, not judged).
+Those steps do not depend on where sessions are cut, and the windows not yet judged are saved with the
+checkpoint. A new `phase` (a new model of a multi-model recipe, a curriculum stage) and a stop restart the
+history: losses of a new phase do not compare with the last one's, and a run resumed after a stop is judged from
+where it stands.
 """
 from __future__ import annotations
 
@@ -104,17 +105,6 @@ class DivergenceGuard:
                f" steps in a row, now {h.smoothed:.4g} (best {h.best:.4g}, start {h.start:.4g}, noise {h.noise:.3g})")
         self.h = _History(phase=phase)  # judged afresh if the run is resumed
         return why
-
-    def update_many(self, steps: list[int], losses: list[float], phase: Optional[str] = None) -> Optional[str]:
-        """A window of losses at once, in step order (the Session API reads its losses from the device together,
-        once a window, and judges them then): the reason at the first loss that stops the run, else None. The
-        losses after it are not counted: the run stops at the window's end, and a run resumed after a stop is
-        judged from where it stands (a fresh history, as update() leaves it)."""
-        for step, loss in zip(steps, losses):
-            why = self.update(step, loss, phase)
-            if why is not None:
-                return why
-        return None
 
     def _smooth(self, loss: float) -> None:
         h = self.h

@@ -1,7 +1,7 @@
 """The pre-flight: the session's worst case run before training, so an OOM shows (and is backed off) now rather
 than hours in, and a figure that bounds the session's peak memory. It leaves no trace on the run.
 
-A part of the built-in loop (session/loop.py's Trainer), whose step, OOM ladder and memory phases it uses.
+A part of the built-in loop (relay/kernel/trainer.py's Trainer, duck-typed: nothing here imports it), whose step, OOM ladder and memory phases it uses.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 class PreFlight:
     def __init__(self, trainer: Any):
-        self.t = trainer  # session/loop.py's Trainer, whose step, OOM ladder and memory phases this uses
+        self.t = trainer  # relay/kernel/trainer.py's Trainer, whose step, OOM ladder and memory phases this uses
         self.held_mb = 0.0  # what train's forward/backward ran on top of (weights, AdamW state, held gradients)
 
     def run(self) -> dict:

@@ -1,42 +1,43 @@
-"""The per-step books of one session, the Session's (session/api.py), whether a user's loop or the built-in
-Trainer (session/loop.py) drives it: the step times and samples (the clock's step time, samples/s), the
-logging window of losses, the divergence guard's wiring (session/divergence.py) and the insurance-save timer,
-with what of them goes into the checkpoint's `relay` dict.
+"""The per-step books of one session, the Session's (session/api.py), whichever loop drives it (a script's, an
+integration's, the built-in Trainer's, relay/kernel/trainer.py): the step times and samples (the clock's step time,
+samples/s), the logging window of losses, the divergence guard's wiring (session/divergence.py) and the
+insurance-save timer, with what of them goes into the checkpoint's `relay` dict.
 
-The loss reaches the books in one of two modes, each with its own keys in the checkpoint:
+A loss is kept as given (a device tensor unread) with its step and its phase (what the guard compares it within: a
+stage of the Trainer's, None for a script), so a step costs no host-device sync. In one process a log step only
+starts the window's read (`close_window`: a CUDA window is copied into pinned memory behind the step's kernels, with
+an event) and the window is judged and logged at the next step (`take_closed`), when the copy is long done: the host
+never waits for the step it just queued (on an H200, a hand-written loop that read a 10-step window at its log step
+ran 1.4 % slower at 1.7 ms steps and 2.9 % at 1.3 ms than one that read nothing, 0.5 % and 2.8 % when it copied the
+window without a wait and read it later; bench/step_split.py). With several processes the window is read at its log
+step (`end_window`) and its mean agreed on by every rank, not judged.
 
-- "window" (a script's loop, and the built-in Trainer in one process): the loss is kept as given, a device
-  tensor unread, and the window is read off the device at once at a log step, so a step costs no host-device
-  sync; there the Session API's guard judges it (`update_many`), and the Trainer counts its non-finite skips and
-  judges each loss within its phase (take_window, judge). The checkpoint holds `window_losses`, `window_steps`,
-  the Trainer's `window_phases` and, with a guard, `divergence`.
-  A script's loop in one process (Session.step_done) goes one step further: its log step only starts the read
-  (`close_window`: a CUDA window is copied into pinned memory behind the step's kernels, with an event) and the
-  window is judged and logged at the next step (`take_closed`), when the copy is long done: the host never waits
-  for the step it just queued (on an H200, a hand-written loop that read a 10-step window at its log step ran 1.4 %
-  slower at 1.7 ms steps and 2.9 % at 1.3 ms than one that read nothing, 0.5 % and 2.8 % when it copied the window
-  without a wait and read it later; bench/step_split.py). The closed window and whether its line is written yet go
-  into the checkpoint too (`closed_*`); a save or an explicit log writes its line first.
-- "step" (the Trainer with several processes): the loss is a float every rank agreed on, added as it comes (no
-  guard judges it); the checkpoint holds `window_losses` and `divergence` (None).
+Judging a window takes its losses in step order. A loop that skips a step whose loss is not finite (the Trainer:
+its fused optimizer or GradScaler skip it on the device) gives `on_loss`: each loss goes to it first (the Session
+counts the skips there), and a non-finite one then stays out of the mean and the guard.
 
-Either way the guard's history and the unjudged window are part of the run's exact state: a run split into
-sessions logs the uninterrupted run's means and stops, or not, at its step.
+One set of keys in the checkpoint: `window_losses`, `window_steps`, `window_phases`, `divergence` (None without a
+guard) and, while a closed window waits for its judging, `closed_*`. A checkpoint written before a key was saved
+(the Trainer's older books held `window_losses` and `divergence` alone under several processes) reads as: one loss
+a step up to the checkpoint's step, in the phase of the loss added next, no closed window, a fresh guard history.
+The unjudged windows and the guard's history are part of the run's exact state: a run split into sessions logs the
+uninterrupted run's means and stops, or not, at its step.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.divergence import DivergenceGuard
 
-MODES = ("step", "window")
 KEYS = ("window_losses", "window_steps", "window_phases", "closed_at", "closed_losses", "closed_steps",
-        "closed_metrics", "closed_logged", "divergence")  # what the books own in the checkpoint's `relay` dict
+        "closed_phases", "closed_metrics", "closed_logged", "divergence")  # the books' keys in the `relay` dict
+UNKNOWN = object()  # the phase of a loss restored from a checkpoint that kept none: the next loss's
 
 
 @dataclass
@@ -48,6 +49,8 @@ class ClosedWindow:
     losses: Any  # floats, or (pinned host tensor, CUDA event) while the copy is in flight
     metrics: dict = field(default_factory=dict)  # what the script gave step_done() at the log step
     logged: bool = False  # its metrics.jsonl line is written (a save writes it before its checkpoint)
+    phases: list = field(default_factory=list)
+    measured: dict = field(default_factory=dict, compare=False)  # this process's (samples/s, memory): not saved
 
     def read(self) -> list[float]:
         if isinstance(self.losses, tuple):
@@ -58,16 +61,17 @@ class ClosedWindow:
 
 
 class StepBooks:
-    def __init__(self, clock: SessionClock, save_every: float, *, guard: bool, mode: str):
-        if mode not in MODES:
-            raise ValueError(f"StepBooks mode {mode!r}: one of {MODES}")
-        self.clock, self.save_every, self.mode = clock, float(save_every), mode
+    def __init__(self, clock: SessionClock, save_every: float, *, guard: bool,
+                 on_loss: Optional[Callable[[int, float], None]] = None):
+        """`on_loss(step, loss)`: a loop that skips a step whose loss is not finite gets each loss as it is judged,
+        in step order; its non-finite ones then stay out of the mean and the guard."""
+        self.clock, self.save_every, self.on_loss = clock, float(save_every), on_loss
         self.guard = DivergenceGuard() if guard else None
         self.diverged: Optional[str] = None  # why the session stops itself on a diverging loss
-        self.losses: list = []  # the losses since the last log step ("window": as given, device tensors unread)
-        self.steps: list[int] = []  # "window": the step of each, what the guard's reason names
-        self.phases: list = []  # "window" given phases (the Trainer's): the phase of each, which the guard compares within
-        self.closed: Optional[ClosedWindow] = None  # the Session API's last log step's window, judged at the next step
+        self.losses: list = []  # the losses since the last log step, as given (device tensors unread)
+        self.steps: list[int] = []  # the step of each, what the guard's reason names
+        self.phases: list = []  # the phase of each, which the guard compares within
+        self.closed: Optional[ClosedWindow] = None  # the last log step's window, judged at the next step
         self.staging = HostStaging()  # where each closed CUDA window is copied to
         self.samples = 0  # this session's samples and training seconds: its samples/s
         self.seconds = 0.0
@@ -88,58 +92,52 @@ class StepBooks:
 
     # -- the loss window --------------------------------------------------------------------------------
     def add_loss(self, step: int, loss: Any, phase: Optional[str] = None) -> None:
-        """The loss of `step`. "step": a float, judged now (within `phase`: a stage's losses compare only with
-        each other); "window": kept as given until the log step reads and judges it."""
+        """The loss of `step` (the step count after it), kept as given until its window is read and judged."""
+        if self.phases and self.phases[-1] is UNKNOWN:
+            self.phases = [phase if p is UNKNOWN else p for p in self.phases]
         self.losses.append(loss)
-        if self.mode == "window":
-            self.steps.append(step)
-            if phase is not None:
-                self.phases.append(phase)
-        else:
-            self.judge(step, loss, phase)
+        self.steps.append(step)
+        self.phases.append(phase)
 
     def end_window(self, judge: bool = True) -> list[float]:
-        """A log step: the window's losses as floats (one device read) and a new window. "window" mode judges them
-        here unless `judge` is False (several processes: the losses are agreed on, not judged)."""
-        losses, steps = read_losses(self.losses) if self.mode == "window" else self.losses, self.steps
+        """A log step read now (several processes): the losses kept (one device read, judged) and a new window;
+        the guard judges them unless `judge` is False (several processes: agreed on, not judged)."""
+        losses, steps, phases = read_losses(self.losses), self.steps, self.phases
         self.losses, self.steps, self.phases = [], [], []
-        if judge and self.mode == "window":
-            self._judge_many(steps, losses)
-        return losses
+        return self._judge(steps, losses, phases, judge)
 
-    def close_window(self, step: int, metrics: dict) -> None:
-        """A log step of a script's loop: the window's read starts, without a wait; take_closed() at the next step
+    def close_window(self, step: int, metrics: dict, measured: Optional[dict] = None) -> None:
+        """A log step in one process: the window's read starts, without a wait; take_closed() at the next step
         judges it."""
         if self.closed is not None:  # read before its staging buffer is reused (step_done reads it first anyway)
             self.closed.read()
-        self.closed = ClosedWindow(step, self.steps, start_read(self.losses, self.staging), metrics)
+        self.closed = ClosedWindow(step, self.steps, start_read(self.losses, self.staging), metrics,
+                                   phases=self.phases, measured=measured or {})
         self.losses, self.steps, self.phases = [], [], []
 
     def take_closed(self, judge: bool = True) -> ClosedWindow:
-        """The closed window, read (waiting only for a copy not yet done) and judged by the guard."""
+        """The closed window, read (waiting only for a copy not yet done) and judged: given to `on_loss`, and to
+        the guard unless `judge` is False."""
         window, self.closed = self.closed, None
-        if judge:
-            self._judge_many(window.steps, window.read())
+        self._judge(window.steps, window.read(), window.phases, judge)
         return window
 
-    def _judge_many(self, steps: list[int], losses: list[float]) -> None:
-        if losses and self.guard is not None and self.diverged is None:
-            self.diverged = self.guard.update_many(steps, losses)
+    def kept(self, losses: list[float]) -> list[float]:
+        """The losses a window's mean is over: the finite ones for a loop that skips the others, else all."""
+        return losses if self.on_loss is None else [x for x in losses if math.isfinite(x)]
 
-    def take_window(self, phase: Optional[str] = None) -> list[tuple[int, float, Optional[str]]]:
-        """"window": the window read off the device at once, each loss with its step and phase, in step order, and
-        a new window; the caller judges them (judge()). A window saved before phases were kept takes `phase`."""
-        losses = read_losses(self.losses)
-        phases = self.phases if len(self.phases) == len(losses) else [phase] * len(losses)
-        window = list(zip(self.steps, losses, phases))
-        self.losses, self.steps, self.phases = [], [], []
-        return window
-
-    def judge(self, step: int, loss: float, phase: Optional[str] = None) -> None:
-        """One finite loss to the divergence guard, within its phase (a stage's losses compare only with each
-        other), unless the run already diverged."""
-        if self.guard is not None and self.diverged is None:
-            self.diverged = self.guard.update(step, loss, phase=phase)
+    def _judge(self, steps: list[int], losses: list[float], phases: list, guard: bool) -> list[float]:
+        """The losses in step order to `on_loss`, then the kept ones to the guard (within their phase) until the
+        run diverges; returns the kept ones."""
+        hook = self.on_loss
+        for step, loss, phase in zip(steps, losses, phases):
+            if hook is not None:
+                hook(step, loss)
+                if not math.isfinite(loss):
+                    continue
+            if guard and self.guard is not None and self.diverged is None:
+                self.diverged = self.guard.update(step, loss, phase=None if phase is UNKNOWN else phase)
+        return self.kept(losses)
 
     # -- the insurance save -----------------------------------------------------------------------------
     def insurance_due(self) -> bool:
@@ -163,35 +161,34 @@ class StepBooks:
         """What goes into the checkpoint's `relay` dict. The window not yet logged and judged is read now (a save
         waits for the device anyway) and kept read: a session resumed inside it logs the uninterrupted run's
         mean, and its guard judges the same losses."""
-        if self.mode == "window":
-            self.losses = read_losses(self.losses)
-        guard = self.guard.state_dict() if self.guard is not None else None
-        if self.mode == "step":
-            return {"window_losses": list(self.losses), "divergence": guard}
-        closed = self.closed
+        self.losses = read_losses(self.losses)
+        unknown = bool(self.phases) and self.phases[0] is UNKNOWN  # restored without phases, none added since
         return {"window_losses": list(self.losses), "window_steps": list(self.steps),
-                **({"window_phases": list(self.phases)} if self.phases else {}),
-                **(_closed_state(closed) if closed is not None else {}),
-                **({"divergence": guard} if guard is not None else {})}
+                "window_phases": [] if unknown else list(self.phases),
+                **(_closed_state(self.closed) if self.closed is not None else {}),
+                "divergence": self.guard.state_dict() if self.guard is not None else None}
 
     def load_state_dict(self, relay: dict) -> None:
-        """From the checkpoint's `relay` dict (at its `global_step`); a checkpoint written before a key was saved
-        reads as: an empty window, a fresh guard history, one loss a step up to the checkpoint's step."""
+        """From the checkpoint's `relay` dict (at its `global_step`), whichever keys of KEYS it holds."""
         self.losses = list(relay.get("window_losses") or [])
         if self.guard is not None:
             self.guard.load_state_dict(relay.get("divergence"))
-        if self.mode == "window":
-            step = int(relay.get("global_step", 0))
-            self.steps = list(relay.get("window_steps") or range(step - len(self.losses) + 1, step + 1))
-            self.phases = list(relay.get("window_phases") or [])
-            self.closed = None if relay.get("closed_at") is None else ClosedWindow(
-                int(relay["closed_at"]), list(relay["closed_steps"]), list(relay["closed_losses"]),
-                dict(relay.get("closed_metrics") or {}), bool(relay.get("closed_logged")))
+        step, n = int(relay.get("global_step", 0)), len(self.losses)
+        self.steps = list(relay.get("window_steps") or range(step - n + 1, step + 1))
+        phases = list(relay.get("window_phases") or [])
+        self.phases = phases if len(phases) == n else [UNKNOWN] * n
+        self.closed = None
+        if relay.get("closed_at") is not None:
+            steps = list(relay["closed_steps"])
+            self.closed = ClosedWindow(int(relay["closed_at"]), steps, list(relay["closed_losses"]),
+                                       dict(relay.get("closed_metrics") or {}), bool(relay.get("closed_logged")),
+                                       list(relay.get("closed_phases") or [None] * len(steps)))
 
 
 def _closed_state(closed: ClosedWindow) -> dict:
     """A closed window in the checkpoint, read (a save waits for the device anyway), its metrics as numbers."""
     return {"closed_at": closed.at, "closed_losses": list(closed.read()), "closed_steps": list(closed.steps),
+            "closed_phases": [None if p is UNKNOWN else p for p in closed.phases],
             "closed_metrics": {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in closed.metrics.items()},
             "closed_logged": closed.logged}
 

@@ -1,6 +1,7 @@
 """The built-in training loop of one session: optimizer steps until the session says stop or the work is done.
 
-The Trainer drives a Session (session/api.py) as a user's loop does: the session holds the run's book
+The Trainer drives a Session (session/api.py) through its public calls, as a user's loop does (should_stop,
+step_done, insurance_due, save, log): the session holds the run's book
 (books.RunBook), restores and saves the model, optimizer, scheduler and scaler with the RNGs, decides when to
 stop and to save, logs and exports. What changes during training is in that book or derived from
 `global_step` (data position, epoch, stage, learning rate), so a checkpoint taken at any optimizer-step
@@ -11,9 +12,9 @@ The Trainer adds what a recipe's training needs: the stages (session/stages.py),
 with the non-finite guard, the OOM ladder, eval and the best checkpoint; the pre-flight is session/preflight.py,
 the optimizer and precision session/optim.py.
 
-Longer than most modules (~500 lines): the step, the OOM ladder that retries it (the same batches, the same
-dropout masks) and the loss window read at log steps share one step's state, the Trainer's; cut apart they would
-pass it back and forth.
+It sits beside recipes/, above session/: it runs any Recipe, and the session runtime imports neither.
+Longer than most modules (~440 lines): the step and the OOM ladder that retries it (the same batches, the same
+dropout masks) share one step's state, the Trainer's; cut apart they would pass it back and forth.
 """
 from __future__ import annotations
 
@@ -28,15 +29,17 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from relay.kernel.session import data, distributed, memory, rng, stages
+from relay.kernel.session.api import Session
 from relay.kernel.session.books import RunBook
+from relay.kernel.session.budget import SessionClock
 from relay.kernel.session.optim import build_optimizer, lr_lambda, resolve_precision
 from relay.kernel.session.preflight import PreFlight
+from relay.kernel.session.settings import SessionSettings
 from relay.kernel.session.stages import StageSlot
 from relay.shared.spec import RunSpec
 
-if TYPE_CHECKING:  # the Trainer runs any Recipe; the session runtime does not import the recipes
+if TYPE_CHECKING:
     from relay.kernel.recipes.base import Recipe
-    from relay.kernel.session.api import Session
 
 log = logging.getLogger(__name__)
 
@@ -46,27 +49,30 @@ class NonFiniteLossError(RuntimeError):
 
 
 class Trainer:
-    """The built-in loop, a driver of one Session (session/api.py), as a user's loop is: the session holds the
-    run's book, restores and saves the registered model, optimizer, scheduler and scaler with the RNGs, decides
-    when to stop and to save, logs and exports. The Trainer adds what a recipe's training needs: the stages,
-    the step over micro-batches, the pre-flight and the OOM ladder, the non-finite guard, eval and the best."""
+    """The built-in loop, the driver of its own Session (session/api.py), as a user's loop is: the session holds
+    the run's book, restores and saves the registered model, optimizer, scheduler and scaler with the RNGs, keeps
+    the loss window and the divergence guard, decides when to stop and to save, logs and exports. The Trainer adds
+    what a recipe's training needs: the stages, the step over micro-batches, the pre-flight and the OOM ladder, the
+    non-finite skips and the fp32 fallback, eval and the best."""
 
-    def __init__(self, spec: RunSpec, recipe: Recipe, model: nn.Module, session: "Session", *, total_steps: int,
-                 schedule: data.StepSchedule):
-        self.spec, self.recipe, self.model, self.session = spec, recipe, model, session
+    def __init__(self, spec: RunSpec, recipe: Recipe, model: nn.Module, settings: SessionSettings,
+                 world: distributed.World, device: torch.device, clock: SessionClock, schedule: data.StepSchedule):
+        # a non-finite loss skips its step (the fused optimizer, the GradScaler): the session counts it when it
+        # reads the window, and _non_finite acts on the streak
+        self.session = session = Session(settings, world, device, clock=clock, schedule=schedule,
+                                         on_nonfinite=self._non_finite)
+        self.spec, self.recipe, self.model = spec, recipe, model
         self.device, self.clock, self.world = session.device, session.clock, session.world
-        self.step_books = session.step_books  # the loss window, samples/s, insurance timer, divergence guard
-        self.total_steps, self.schedule = total_steps, schedule
+        self.total_steps, self.schedule = session.total_steps, schedule
         self.span: Optional[stages.Span] = None
-        self.spans = stages.plan(recipe.stages(), total_steps)
+        self.spans = stages.plan(recipe.stages(), self.total_steps)
         for span in self.spans:  # a stage's scaled batch larger than the training set: an error now, not mid-run
             schedule.scaled(span.stage.batch_scale, span.stage.name)
         # A best checkpoint compares one metric over the run; with several stages (models trained one after
         # another, fits) an untrained later model would be scored against a trained earlier one, so the best is
         # not tracked and keep_best does not apply: each stage's last eval is in metrics.jsonl, the export is final.
         self.track_best = len(self.spans) == 1
-        keep_best = spec.checkpoints.keep_best and self.track_best
-        session.keep_best_mode, session.exports = (recipe.metric_mode if keep_best else None), 1 + keep_best
+        session.keep_best(recipe.metric_mode if spec.checkpoints.keep_best and self.track_best else None)
         # the optimizer, its schedule and the scaler change with the stage (and the precision): registered as
         # slots that save what the stage holds, and keep a loaded state until the stage is entered (restore)
         self.slots = {name: StageSlot() for name in ("optimizer", "scheduler", "scaler")}
@@ -78,7 +84,9 @@ class Trainer:
         self.train_set = recipe.train_dataset()
         self._batches: Optional[Iterator] = None
         self._shown: Optional[dict] = None  # what recipe.on_step last reported (e.g. the curriculum stage)
-        self._logged_loss = float("nan")  # the last train record's mean loss, for the progress bar
+        self._noted: dict = {}  # what this session's record says of those reports ("A -> B" across a change)
+        self._rungs: list[str] = []  # the memory rungs taken in this session, for its record
+        self._started = 0.0  # when the current step began (time.perf_counter())
 
     @property
     def state(self) -> RunBook:
@@ -154,15 +162,12 @@ class Trainer:
         """Train until done or told to stop; returns "done", "budget", "steps" or "sigterm"."""
         self.model.train()
         self._memory_phase("train")
-        st = self.state
+        st, session = self.state, self.session
         bar = tqdm(total=self.total_steps, initial=st.global_step, desc=f"session {st.sessions[-1]['index']}",
                    unit="step", dynamic_ncols=True, mininterval=1.0, disable=not self.world.main)
         try:
-            while True:
-                reason, save_due = self.session.decide(eval_due=self._eval_due(st.global_step + 1))
-                if reason:
-                    return reason
-                if save_due:
+            while not session.should_stop():
+                if session.insurance_due():  # before the step: after the last one's eval, stage change and best
                     self.save("periodic")
                 try:
                     loss = self._step()
@@ -171,11 +176,11 @@ class Trainer:
                         raise
                     self._back_off(err)
                     continue
-                self._after_step(loss)
+                self._step_done(loss)
                 bar.update(1)
                 if st.global_step % self.spec.optim.log_every_steps == 0:  # ~40 us: not every step
-                    bar.set_postfix(loss=f"{self._logged_loss:.4f}", left=f"{self.clock.remaining():.0f}s",
-                                    refresh=False)
+                    bar.set_postfix(left=f"{self.clock.remaining():.0f}s", refresh=False)
+            return session.stop_reason
         finally:
             bar.close()
 
@@ -190,7 +195,7 @@ class Trainer:
             self._batches = iter(self._loader(st.global_step))
         self._step_rng = self._torch_rng()  # an OOM retry replays the same dropout masks
         self._recipe_step(st.global_step)
-        t0 = time.perf_counter()
+        self._started = time.perf_counter()
         losses, oom = [], None
         try:
             for _ in range(st.grad_accum):
@@ -209,13 +214,10 @@ class Trainer:
                                                 self.device)
             if n_oom:
                 raise oom or _peer_oom()
-            loss = loss_sum / self.world.size
+            loss = loss_sum / self.world.size  # counted when the session reads it, at the log step
             distributed.average_gradients(self.model, self.world)
             if math.isfinite(loss):
-                st.nonfinite_streak = 0
                 self._optimizer_step(opt)
-            else:
-                self._non_finite(loss, st.global_step)
         elif self._skips_on_device():
             # No host read: the fused optimizer skips a non-finite step on the device, and the skip is counted
             # when the loss is read, at the next log step. Without a GradScaler we hand it the loss's found_inf;
@@ -237,8 +239,6 @@ class Trainer:
                 self._optimizer_step(opt)
         self.scheduler.step()  # per optimizer step, skipped or not: lr stays a function of the step
         opt.zero_grad(set_to_none=True)
-        st.global_step += 1
-        self._record_step(t0)
         return loss
 
     def _optimizer_step(self, opt: torch.optim.Optimizer) -> None:
@@ -254,27 +254,21 @@ class Trainer:
         return getattr(self.optimizer, "_step_supports_amp_scaling", False)
 
     def _fit_step(self) -> float:
-        t0 = time.perf_counter()
+        self._started = time.perf_counter()
         with torch.no_grad():
-            loss = float(self.recipe.fit_step(self.model, self.span.stage, self.state.global_step - self.span.start))
-        self.state.global_step += 1
-        self._record_step(t0)
-        return loss
+            return float(self.recipe.fit_step(self.model, self.span.stage, self.state.global_step - self.span.start))
 
-    def _record_step(self, t0: float) -> None:
-        self.step_books.count(time.perf_counter() - t0, self.stage_schedule.effective_batch)
-
-    def samples_per_s(self) -> float:
-        return self.step_books.samples_per_s() or 0.0
-
-    def _after_step(self, loss: Any) -> None:
+    def _step_done(self, loss: Any) -> None:
+        """The session counts the step (one process: its loss stays on the device, read with its window; several:
+        the agreed float), then the step's own end: the cache, the eval, the next stage, the best checkpoint."""
         st, spec = self.state, self.spec
-        # one process: a device tensor, counted and judged when read at the log step (_read_window); several: the
-        # agreed float, a non-finite one already counted in _step
-        if self.step_books.mode == "window" or math.isfinite(loss):
-            self.step_books.add_loss(st.global_step, loss, phase=self._phase)
-        if st.global_step % spec.optim.log_every_steps == 0 or st.global_step == self.total_steps:
-            self._log_train()
+        step = st.global_step + 1
+        log_due = step % spec.optim.log_every_steps == 0 or step == self.total_steps
+        # a stop decided with several processes is agreed in step_done, before this step's eval: keep time for it
+        eval_next = self._eval_due(step + 1) or (self.world.active and self._eval_due(step))
+        self.session.step_done(loss, save=False, samples=self.stage_schedule.effective_batch, phase=self._phase,
+                               started=self._started, eval_next=eval_next,
+                               **(self._train_fields(step) if log_due else {}))
         every = spec.session.empty_cache_every_steps
         if every and self.device.type == "cuda" and st.global_step % every == 0:
             memory.free_cached(self.device)
@@ -284,47 +278,30 @@ class Trainer:
             self.save("best")
             return
 
-    def _read_window(self) -> list[float]:
-        """The window's losses read off the device at once (one sync per log step), taken in step order: a
-        non-finite one counts as a skipped step (its update was skipped on the device; enough in a row fall back
-        to fp32, or stop in fp32), a finite one resets that count and is judged by the divergence guard within
-        its phase. Log steps do not depend on where sessions are cut, and a save carries the window unread, so a
-        split run decides as the uninterrupted one. Returns the finite losses, what the train record averages."""
-        if self.step_books.mode != "window":
-            return self.step_books.end_window()
-        finite = []
-        for step, loss, phase in self.step_books.take_window(self._phase):
-            if math.isfinite(loss):
-                self.state.nonfinite_streak = 0
-                finite.append(loss)
-                self.step_books.judge(step, loss, phase)
-            else:
-                self._non_finite(loss, step - 1)  # the window holds the step count after it
-        return finite
-
-    def _log_train(self) -> None:
+    def _train_fields(self, step: int) -> dict:
+        """What the Trainer's train line says at log step `step` beside the window's mean loss (the session reads
+        and averages the window, its finite losses): the epoch the logged steps were in, lr, samples/s, the batch
+        split, the recipe's report and stage; and, `measured` (not carried in a checkpoint: they differ from run to
+        run), samples/s and now and then a memory sample."""
         st = self.state
-        losses = self._read_window()
-        self._logged_loss = sum(losses) / max(1, len(losses))
         record = {
-            "kind": "train", "step": st.global_step, "epoch": self.schedule.epoch_of(max(0, st.global_step - 1)),
-            "loss": self._logged_loss,
+            "epoch": self.schedule.epoch_of(max(0, step - 1)),
             "lr": self.scheduler.get_last_lr()[0] if self.scheduler else 0.0,
-            "samples_per_s": self.samples_per_s(),
             "micro_batch": self._stage_micro_batch(), "grad_accum": st.grad_accum, **(self._shown or {}),
         }
         if len(self.spans) > 1:
             record["stage"] = self.span.stage.name
-        if st.global_step % self.spec.session.memory_log_every_steps == 0:
-            record.update(self.monitor.sample())
-        self.session.log(**record)
+        measured = {"samples_per_s": self.session.samples_per_s or 0.0}
+        if step % self.spec.session.memory_log_every_steps == 0:
+            measured.update(self.monitor.sample())
+        return {**record, "measured": measured}
 
     def save(self, reason: str) -> None:
         """The session's save, with the peak memory so far in its record; periodic and best saves commit in the
         background while training goes on, the last is waited for."""
         back = self._memory_phase("save")
         try:
-            self.state.sessions[-1]["peak_mem_mb"] = round(self.monitor.peak_mb() or self.monitor.sample()["rss_mb"], 1)
+            self.session.note(peak_mem_mb=round(self.monitor.peak_mb() or self.monitor.sample()["rss_mb"], 1))
             self.session.save(reason, background=reason in ("periodic", "best"))
         finally:
             self._memory_phase(back)
@@ -364,12 +341,12 @@ class Trainer:
         return self.track_best and self.state.score(metric, self.recipe.metric_mode, metrics.get(metric))
 
     # -- failure handling -----------------------------------------------------------------------
-    def _non_finite(self, loss: float, step: int) -> None:
-        """Step `step` (0-based) had a non-finite loss and was skipped: count it; `nonfinite_patience` in a row
-        fall back to fp32, or stop a run already in fp32."""
+    def _non_finite(self, step: int, loss: float) -> None:
+        """Step `step` (0-based) had a non-finite loss and was skipped, as the session counted when it read the
+        window: `nonfinite_patience` in a row fall back to fp32, or stop a run already in fp32. The window is read
+        at steps that do not depend on where sessions are cut (the step after a log step), so a split run falls
+        back at the uninterrupted run's step."""
         st = self.state
-        st.nonfinite_streak += 1
-        st.skipped_steps += 1
         log.warning("non-finite loss %s at step %d: step skipped (%d in a row)", loss, step, st.nonfinite_streak)
         if st.nonfinite_streak < self.spec.optim.nonfinite_patience:
             return
@@ -407,8 +384,8 @@ class Trainer:
             st.memory_rungs.append(rung)
             log.warning("out of memory in %s at step %d: %s (kept for the rest of the run)", phase,
                         st.global_step, detail)
-        session = st.sessions[-1] if st.sessions else {}
-        session["memory_rungs"] = [*session.get("memory_rungs", []), rung]
+        self._rungs.append(rung)
+        self.session.note(memory_rungs=list(self._rungs))
         self.session.log("memory", phase=phase, rung=rung, detail=detail)
         memory.free_cached(self.device)
         if phase != "train":
@@ -428,7 +405,7 @@ class Trainer:
         left = book.enter(phase, fresh=fresh, step=self.state.global_step)
         if book.active and self.state.sessions:
             profile = memory.emulated(self.device)
-            self.state.sessions[-1].update(book.fields(), **({"emulated": profile.name} if profile else {}))
+            self.session.note(**book.fields(), **({"emulated": profile.name} if profile else {}))
         return left
 
     def _recipe_step(self, step: int) -> None:
@@ -439,11 +416,12 @@ class Trainer:
         self._shown = dict(shown)
         self._set_phase()
         self.session.log("stage", step=step, epoch=self.schedule.epoch_of(step), **shown)
-        session = self.state.sessions[-1] if self.state.sessions else {}
         for key, value in shown.items():  # e.g. "A" or "A -> B" for a session that crossed a stage change
-            if session.get(key) not in (None, value) and not str(session[key]).endswith(f"-> {value}"):
-                value = f"{session[key]} -> {value}"
-            session[key] = value
+            before = self._noted.get(key)
+            if before not in (None, value) and not str(before).endswith(f"-> {value}"):
+                value = f"{before} -> {value}"
+            self._noted[key] = value
+        self.session.note(**self._noted)
 
     def _set_phase(self) -> None:
         """The model and curriculum stage a loss belongs to (the divergence guard compares losses within one),
