@@ -197,21 +197,27 @@ def run_ids(progress: Progress | Mapping) -> dict:
 def local_metrics(backend, dataset: str, local: Path, progress: Progress | Mapping) -> Optional[Path]:
     """The whole history of the run up to `progress`'s last session, in `local` (LocalHistory): what the curves,
     the summary and `relay status` read. Only a session this folder did not see is downloaded (its published
-    metrics.jsonl; the sessions before it from history.jsonl, once). None when nothing is published."""
+    metrics.jsonl; the sessions before it from history.jsonl, once). None when nothing is published or logged."""
     from relay.orchestrator.kaggle.types import NotFound
 
     history = LocalHistory(local)
     if not sessions_of(progress):
-        return history.path if history.path.is_file() else None
+        return _drawable(history.path)
     index, run_id = session_key(progress)
     if not history.has(index, run_id):
         tmp = Path(local) / "published" / "history-tmp"
         try:
             own = read_records(backend.download_dataset_file(dataset, METRICS, tmp))
         except NotFound:
-            return history.path if history.path.is_file() else None
+            return _drawable(history.path)
         if own and not any(r.get("session") == index for r in own):  # a newer version than `progress`: later
-            return history.path if history.path.is_file() else None
+            return _drawable(history.path)
         history.add(index, run_id, own, earlier=lambda: previous_records(backend, dataset, tmp),
                     run_ids=run_ids(progress))
-    return history.path
+    return _drawable(history.path)
+
+
+def _drawable(path: Path) -> Optional[Path]:
+    """The history when it holds a line (a session that logged nothing, a user loop crashing before its first log
+    step, leaves an empty one): None tells every reader there is nothing to draw."""
+    return path if path.is_file() and path.stat().st_size > 0 else None
