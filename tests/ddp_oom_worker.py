@@ -32,11 +32,12 @@ NAME, PATH = "oom-on-rank-1", f"{__name__}:OomOnRank1"
 def worker(rank: int, world_size: int, port: int, errors, spec, workdir: str) -> None:
     from relay.kernel.run import _session
     from relay.kernel.session import distributed
+    from relay.kernel.session.settings import SessionSettings
 
     recipes._REGISTRY[NAME] = PATH
     torch.set_num_threads(1)
     world = distributed.init(rank, world_size, port, "cpu")
     try:
-        _session(world, time.time(), spec, Path(workdir), None, None, (), None, (), None)
+        _session(world, time.time(), spec, Path(workdir), SessionSettings.from_spec(spec, Path(workdir), None))
     finally:
         distributed.shutdown(world)

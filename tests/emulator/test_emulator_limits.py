@@ -187,7 +187,7 @@ def test_stale_output_after_failed_run_is_detected(make_emulator, tmp_path):
     assert backend.push_session(good).pushed
     assert wait_state(backend, kernel, 90).state is KernelState.COMPLETE
     fresh = backend.download_output(kernel, tmp_path / "good", "good-1")
-    assert fresh.fresh and fresh.progress["run_id"] == "good-1"
+    assert fresh.fresh and fresh.progress.run_id == "good-1"
 
     bad = SessionKernel(kernel=kernel, title="Toy stale", spec_text="name: broken\nrecipe: nope\n",
                         run_id="bad-2")

@@ -71,7 +71,7 @@ def test_every_operation_ends_right_under_faults(make_emulator, tmp_path):
 
     assert wait_finished(backend, session.kernel) is KernelState.COMPLETE
     out = backend.download_output(session.kernel, tmp_path / "out", "run-0001")
-    assert out.fresh and out.progress["status"] == "done"
+    assert out.fresh and out.progress.status == "done"
     working = emu.store.kernel_dir(session.kernel, 1) / "working"
     for name in out.files:
         assert sha(out.directory / name) == sha(working / name)

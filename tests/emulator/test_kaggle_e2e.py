@@ -45,7 +45,7 @@ def run_session(backend, tmp_path: Path, index: int, resume: bool) -> dict:
     assert out.fresh, out.found_run_id
     marker = json.loads((out.directory / "relay-kernel.json").read_text())
     assert marker["code_version"] == pushed.code_version and marker["exit_code"] == 0
-    assert out.progress["code_version"] == pushed.code_version  # the session ran the bundled code
+    assert out.progress.code_version == pushed.code_version  # the session ran the bundled code
     return out.progress
 
 
@@ -57,18 +57,18 @@ def test_price_tiny_session_checkpoint_roundtrip(make_emulator, tmp_path):
     backend.publish_folder(data, f"{USER}/price-tiny-data", "Price tiny data", "synthetic")
 
     first = run_session(backend, tmp_path, 1, resume=False)
-    assert first["status"] == "paused" and first["stop_reason"] == "steps"
-    assert first["global_step"] == STEPS_PER_SESSION
+    assert first.status == "paused" and first.stop_reason == "steps"
+    assert first.global_step == STEPS_PER_SESSION
     published = backend.publish_folder(checkpoint_folder(tmp_path / "out1" / "relay", tmp_path / "pub1"),
                                        CKPT, "Price tiny checkpoint", "after session 1")
     assert published.version == 1 and published.created
-    state = f"{first['checkpoint']}/state.pt"
+    state = f"{first.checkpoint}/state.pt"
     assert state in {f.name for f in backend.list_dataset_files(CKPT)}
 
     second = run_session(backend, tmp_path, 2, resume=True)
-    sessions = second["sessions"]
-    assert [s["run_id"] for s in sessions] == ["price-s1", "price-s2"]
-    assert sessions[1]["step_start"] == first["global_step"] and second["global_step"] == 2 * STEPS_PER_SESSION
+    sessions = second.sessions
+    assert [s.run_id for s in sessions] == ["price-s1", "price-s2"]
+    assert sessions[1].step_start == first.global_step and second.global_step == 2 * STEPS_PER_SESSION
     pub2 = backend.publish_folder(checkpoint_folder(tmp_path / "out2" / "relay", tmp_path / "pub2"),
                                   CKPT, "Price tiny checkpoint", "after session 2")
     assert pub2.version == 2 and not pub2.created
