@@ -43,7 +43,7 @@ class LiveView:
 
     def follow(self, run_id: str, deadline: Optional[float] = None) -> LiveSession:
         """The follower of `run_id`'s session; a tick's view goes on from what the earlier ticks showed of it."""
-        if self.session.follow(run_id, deadline) and self.marks is not None:
+        if self.session.follow_run(run_id, deadline) and self.marks is not None:
             logged, summarized, warned, self.progress_artifact = self.marks.recall(run_id)
             self.session.resume(logged, summarized, warned, self.marks.eval_shown(run_id))
         return self.session.live
@@ -59,11 +59,11 @@ class LiveView:
             self.marks.keep(progress_artifact=self.progress_artifact)
 
     def refresh(self, progress: Optional[Progress], kernel_state: str, show_progress: bool = True) -> None:
-        """Write what the session shows since the last refresh (SessionView.read): the new early warnings to the
+        """Write what the session shows since the last refresh (SessionView.to_show): the new early warnings to the
         flow's log and as notifications, the progress artifact, the summary versions, the log lines; a tick's
         marks after. Each write to Prefect's server is one of the session's events, never one per refresh."""
         logger, view = get_run_logger(), self.session
-        shown = view.read(progress, kernel_state, show_progress, catch_up=self.marks is not None, logger=logger)
+        shown = view.to_show(progress, kernel_state, show_progress, catch_up=self.marks is not None, logger=logger)
         if shown is None:
             return
         try:

@@ -65,7 +65,7 @@ class SessionView:
         self._seen = 0                          # records of this session read
         self._wedge_shown: Optional[str] = None  # the run whose wedge the table and summary were given
 
-    def follow(self, run_id: str, deadline: Optional[float] = None) -> bool:
+    def follow_run(self, run_id: str, deadline: Optional[float] = None) -> bool:
         """Follow `run_id`'s session (a new follower for a new run, or when the last stream ended empty: right
         after a push it can still be the previous version's log); True when it is a new one, shown from its start."""
         self.deadline = deadline  # a session still running past it is wedged: the progress card says so
@@ -80,8 +80,8 @@ class SessionView:
         self.logged, self.summarized, self.eval_shown = logged, summarized, eval_shown
         self.warned |= {(self.live.run_id, key) for key in warned}
 
-    def read(self, progress: Optional[Progress], kernel_state: str, show_progress: bool = True,
-             catch_up: bool = False, logger=None) -> Optional[Shown]:
+    def to_show(self, progress: Optional[Progress], kernel_state: str, show_progress: bool = True,
+                catch_up: bool = False, logger=None) -> Optional[Shown]:
         """What to show of the lines read since the last read: a log line and a summary version for each of their
         events, in order; the progress artifact at the newest line if `show_progress` or with a summary version.
         `catch_up` (a tick's view, reading a session it did not follow from its start): one log line and one
