@@ -22,7 +22,7 @@ from relay.orchestrator.relay_state import FINAL, LOOK_AGAIN, State, Wait, label
 from relay.shared.errors import InputError
 from relay.shared.progress import Progress
 from relay.orchestrator import relay_step
-from relay.orchestrator.relay_step import RelayContext, RelayFailed, Step
+from relay.orchestrator.relay_context import RelayContext, RelayFailed, Step
 from tasks import relay_tasks
 from tasks.account_slots import AccountSessions
 

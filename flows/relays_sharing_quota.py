@@ -35,7 +35,7 @@ from relay.shared.errors import InputError
 from relay.shared.progress import Progress, SessionRecord
 from relay.shared.spec import LoadedSpec
 from relay.orchestrator import relay_step
-from relay.orchestrator.relay_step import RelayFailed
+from relay.orchestrator.relay_context import RelayFailed
 from tasks import relay_host, relay_tasks
 from tasks import relays_artifacts, run_labels
 from tasks.account_slots import AccountSessions

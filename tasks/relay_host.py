@@ -14,7 +14,7 @@ from relay.orchestrator import chain
 from relay.orchestrator.kaggle.backend import KaggleBackend
 from relay.orchestrator.kaggle.lease import Lease
 from relay.orchestrator.policy import view_forecasts
-from relay.orchestrator.relay_step import RelayContext
+from relay.orchestrator.relay_context import RelayContext
 from relay.orchestrator.session_view import SessionView
 from relay.shared.code_folder import mark_outputs
 from relay.shared.spec import RunSpec
@@ -79,16 +79,19 @@ def open_relay(spec: RunSpec, spec_text: str, backend: KaggleBackend, state_dir:
     relays' locks together (the `relays` flow: tasks/run_step_locks.py); else a StepLock of its own, waiting at
     most `step_lock_wait_s`."""
     quiet_logs.install()  # no "Finished in state Completed()" line per task run in the relay's flows
-    names = chain.Names(backend.username, spec.name)
     local = Path(state_dir) / spec.name
     local.mkdir(parents=True, exist_ok=True)
     mark_outputs(Path(state_dir))  # never shipped as code when it lies in a code folder
-    tell = Notifier(spec.name, spec.notify.block)
+    # the orchestrator's parts: the relay's names on Kaggle, its forecasts, its running session's view, its claims
+    names = chain.Names(backend.username, spec.name)
     plan, finish = view_forecasts(spec, backend)
     links = names.links(getattr(backend, "endpoint", None))
     session = SessionView(backend, names, session_max_steps=spec.session.max_steps, plan=plan, finish=finish,
                           links=links)
+    lease = Lease(backend, spec.name, spec.kaggle.lease)
+    # Prefect's: a person told, the live view's artifacts (and a tick's marks), the step lock
+    tell = Notifier(spec.name, spec.notify.block)
     view = LiveView(session, local, notify=lambda key, text: tell("warning", key, text),
                     marks=TickMarks(spec.name) if tick else None)
-    return RelayContext(spec, spec_text, backend, names, local, tell, lock or StepLock(spec.name, step_lock_wait_s),
-                        Lease(backend, spec.name, spec.kaggle.lease), view, PrefectHost(), links)
+    lock = lock or StepLock(spec.name, step_lock_wait_s)
+    return RelayContext(spec, spec_text, backend, names, local, tell, lock, lease, view, PrefectHost(), links)

@@ -5,115 +5,27 @@ checkpoint version, a new attempt once the code changed, a retry, stop), tell a 
 and push when the flow gives the relay a slot and a budget. A flow adds only its own part: how it waits (watch or
 tick), and, for several relays, the shared cap, the joint quota plan and the order in which ready relays get slots.
 What it needs of the process it runs in (the Kaggle calls with retries, the log, the artifacts, a person told, the
-step lock, the live view) is the context's: tasks/relay_host.py gives Prefect's (relay.orchestrator knows nothing
-of Prefect).
+step lock, the live view) is its context's (relay_context.py; tasks/relay_host.py gives Prefect's).
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import Callable, Optional, Protocol
+from typing import Optional
 
 from relay.orchestrator import chain, goodput, handoff, restore, storage
 from relay.orchestrator.chain import Do
 from relay.orchestrator.relay_state import State, Wait
-from relay.orchestrator.kaggle.backend import KaggleBackend
-from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
+from relay.orchestrator.kaggle.lease import LeaseBusy, LeaseLost, NotALease
 from relay.orchestrator.kaggle.selective_output import DiskSpaceError
-from relay.orchestrator.kaggle.types import KaggleUnresponsive, PushResult, Quota, Refusal, SessionKernel
+from relay.orchestrator.kaggle.types import KaggleUnresponsive, Quota, Refusal
 from relay.orchestrator.policy import environment_change, plan_text, recovery, wedge_notice
+from relay.orchestrator.relay_context import RelayContext, RelayFailed, Step
 from relay.orchestrator.session_view import Running
 from relay.shared.progress import Charge, Progress
-from relay.shared.spec import RunSpec
-
-
-class RelayFailed(RuntimeError):
-    """The relay stopped and needs a person; the first line says why."""
-
-
-class Host(Protocol):
-    """What a step asks of the process it runs in (tasks/relay_host.py PrefectHost: a Prefect flow run's): the
-    Kaggle calls, each retried as the host retries (handoff's, control_record's, the backend's), its log, and what
-    a person reads (the report and a stop, as artifacts)."""
-
-    def logger(self) -> logging.Logger | logging.LoggerAdapter: ...
-    def observe(self, backend, names: chain.Names, local: Path, grace_s: Optional[float]) -> chain.Observation: ...
-    def hand_over(self, backend, spec: RunSpec, names: chain.Names, action: chain.Action, obs: chain.Observation,
-                  local: Path, confirm: Callable[[], None]) -> handoff.HandOver: ...
-    def note_deleted(self, backend, names: chain.Names, run_id: str, charges: list) -> None: ...
-    def delete_kernel(self, backend, kernel: str) -> bool: ...
-    def user_stop(self, backend, names: chain.Names) -> str: ...
-    def push_session(self, backend, session: SessionKernel) -> PushResult: ...
-    def read_quota(self, backend) -> Optional[Quota]: ...
-    def publish_report(self, name: str, progress: Progress, local: Path, metrics: Optional[Path], plan_text: str,
-                       state: str, links: str, save_every_s: Optional[float]) -> None: ...
-    def publish_stop(self, name: str, reason: str) -> None: ...
-
-
-@dataclass
-class RelayContext:
-    """Everything one relay's steps act with, built once per flow run from a spec that was loaded and checked once
-    (tasks/relay_host.py open_relay)."""
-
-    spec: RunSpec
-    spec_text: str
-    backend: KaggleBackend
-    names: chain.Names
-    local: Path            # a cache only: everything here can be rebuilt from Kaggle
-    tell: Callable[..., bool]  # tell a person once per key (kind, key, text): tasks/notify.py Notifier
-    lock: object           # one step at a time per relay (acquire, release): tasks/step_lock.py, run_step_locks.py
-    lease: Lease           # claims on Kaggle, seen by every orchestrator
-    view: object           # the running session's live view (follow, refresh, show_progress): tasks/live_view.py
-    host: Host             # the Kaggle calls, the log, the artifacts: tasks/relay_host.py
-    links: str = ""                 # where the relay lives on Kaggle, as the summary artifacts link it
-    reported: Optional[str] = None  # the handed-over run the artifacts show
-    # failed attempts since the last hand-over that handed nothing over (goodput.failed_charge): the next push
-    # carries them in its plan, and the hand-over after it lists them in the published `charges`
-    unlisted: list = field(default_factory=list)
-
-    def pause(self) -> None:
-        """Between steps (waiting, following a session): another flow run of this relay may take a step."""
-        self.lock.release()
-
-    def close(self) -> None:
-        """Claims whose step took no effect are free for the next tick or run at once, not at their expiry."""
-        self.lock.release()
-        self.lease.release_open()
-
-
-@dataclass(frozen=True)
-class Step:
-    """What one step found or did, the one outcome both flows act on. Its state is one of the relay's states
-    (relay/orchestrator/relay_state.py): READY (to push, given a slot and a budget), RUNNING, HANDED_OVER,
-    RESTORED, PUSHED, WAITING (Kaggle's status lag, another orchestrator's claim, a refused push, a slot, the
-    quota), DONE, STOPPED (by the user: `relay stop`; why says so)."""
-
-    state: State
-    action: chain.Action
-    obs: chain.Observation
-    progress: Optional[Progress] = None   # the newest handed-over progress.json
-    why: str = ""                          # what it waits for
-    until: Optional[datetime] = None       # the quota refresh it waits for
-    lease_end: Optional[float] = None      # when the claim it waits for ends (unix time)
-    refusal: Optional[Refusal] = None      # Kaggle refused the push
-    deadline: Optional[float] = None       # running: when it is wedged if still running (look again then)
-    waits_for: Optional[Wait] = None       # waiting: for what a flow acts on (a slot of the account's cap, the quota)
-    stored: Optional[dict] = None          # done: what the relay stores on Kaggle (relay/orchestrator/storage.py)
-
-    def __post_init__(self) -> None:  # a parsed document (tests, old callers) reads as the model
-        object.__setattr__(self, "progress", Progress.read(self.progress))
-
-    def summary(self) -> dict:
-        p = self.progress or Progress()
-        return {"state": self.state.value, "run_id": self.action.run_id, "step": p.global_step,
-                "total_steps": p.total_steps, "sessions": len(p.sessions),
-                "metrics": p.metrics if p.metrics is not None else {}, "weights_sha256": p.weights_sha256,
-                "why": self.why,
-                **({"stored": self.stored} if self.stored is not None else {})}
 
 
 def advance(ctx: RelayContext) -> Step:
@@ -350,11 +262,15 @@ def quota_spent(ctx: RelayContext, ready: Step, quota: Optional[Quota]) -> Step:
                 why=f"weekly GPU quota spent; waiting until {until}", until=until, waits_for=Wait.QUOTA)
 
 
-def show_running(ctx: RelayContext, running: Step):
-    """Follow the running session's log and refresh its live view (progress, table, curves, early warnings)."""
+def show_running(ctx: RelayContext, running: Step, catch_up_s: float = 0.0):
+    """Follow the running session's log and refresh its live view (progress, table, curves, early warnings);
+    with `catch_up_s` (a tick), once more with what the log gives within that many seconds."""
     # a session still running past its deadline is wedged: the progress card says so
     live = ctx.view.follow(running.action.run_id, running.deadline)
     ctx.view.refresh(running.progress, running.obs.kernel_state or "starting")
+    if catch_up_s > 0:  # a tick's view: catches up
+        live.wait(catch_up_s)
+        ctx.view.refresh(running.progress, running.obs.kernel_state or "starting")
     return live
 
 

@@ -11,7 +11,7 @@ from byo_fixtures import CRASHING, FINISHING
 
 
 def test_a_fixed_script_goes_on_after_a_code_error(relay_env, both_flows, monkeypatch):
-    from relay.orchestrator.relay_step import RelayFailed
+    from relay.orchestrator.relay_context import RelayFailed
 
     relay_env.start()
     folder = relay_env.root / "byo-fix"
