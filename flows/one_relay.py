@@ -23,7 +23,7 @@ from relay.front_door import SpecParameter, spec_at_flow
 from flows import relay_rounds as rounds
 from flows.relay_rounds import Relay
 from relay.orchestrator import relay_step
-from relay.orchestrator.relay_context import RelayContext, RelayFailed, Step  # noqa: F401 - RelayFailed, Step: the flow's API
+from relay.orchestrator.relay_context import RelayContext, RelayFailed, Step  # noqa: F401 - the flow's API
 from tasks import relay_host, run_labels
 from tasks.account_slots import AccountSessions
 from tasks.live_view import follow_sessions
