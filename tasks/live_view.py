@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from relay.orchestrator import handoff
 from relay.orchestrator.kaggle.types import KaggleUnresponsive, KernelState, NotFound
 from relay.orchestrator.live_progress import LiveSession
 from relay.orchestrator.session_view import Running, SessionView
@@ -34,9 +32,9 @@ class LiveView:
     """A relay's running session in Prefect: what its SessionView shows, written as log lines, notifications and
     artifact versions; a tick's view (one with marks) remembers across flow runs what it showed."""
 
-    def __init__(self, session: SessionView, local: Path,
-                 notify: Callable[[str, str], None] = lambda key, text: None, marks: Optional["TickMarks"] = None):
-        self.session, self.local = session, local
+    def __init__(self, session: SessionView, notify: Callable[[str, str], None] = lambda key, text: None,
+                 marks: Optional["TickMarks"] = None):
+        self.session = session
         self.notify = notify
         self.marks = marks  # a tick's: what the earlier ticks showed
         self.progress_artifact: Optional[str] = None  # this flow run's progress artifact, updated in place
@@ -77,11 +75,9 @@ class LiveView:
         try:  # the live view never fails a relay
             if shown.card is not None:
                 self.show_progress(*shown.card)
-            metrics = (handoff.published_metrics(view.backend, view.names, self.local, shown.progress)
-                       if shown.progress and shown.summaries else None)
             for summary in shown.summaries:
-                artifacts.publish_running(view.names.name, shown.progress or Progress(), summary.upto, self.local,
-                                          metrics, summary.text, shown.state, summary.plan, view.links)
+                artifacts.publish_running(view.names.name, shown.progress or Progress(), summary.upto, view.local,
+                                          shown.metrics, summary.text, shown.state, summary.plan, view.links)
         except Exception as err:  # noqa: BLE001
             logger.warning("live view of %s not refreshed: %s", shown.run_id, err)
         for line in shown.log_lines:

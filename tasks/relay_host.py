@@ -86,12 +86,12 @@ def open_relay(spec: RunSpec, spec_text: str, backend: KaggleBackend, state_dir:
     names = chain.Names(backend.username, spec.name)
     plan, finish = view_forecasts(spec, backend)
     links = names.links(getattr(backend, "endpoint", None))
-    session = SessionView(backend, names, session_max_steps=spec.session.max_steps, plan=plan, finish=finish,
-                          links=links)
+    session = SessionView(backend, names, local, session_max_steps=spec.session.max_steps, plan=plan,
+                          finish=finish, links=links)
     lease = Lease(backend, spec.name, spec.kaggle.lease)
     # Prefect's: a person told, the live view's artifacts (and a tick's marks), the step lock
     tell = Notifier(spec.name, spec.notify.block)
-    view = LiveView(session, local, notify=lambda key, text: tell("warning", key, text),
+    view = LiveView(session, notify=lambda key, text: tell("warning", key, text),
                     marks=TickMarks(spec.name) if tick else None)
     lock = lock or StepLock(spec.name, step_lock_wait_s)
     return RelayContext(spec, spec_text, backend, names, local, tell, lock, lease, view, PrefectHost(), links)

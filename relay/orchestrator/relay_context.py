@@ -27,8 +27,8 @@ class RelayFailed(RuntimeError):
 
 class Host(Protocol):
     """What a step asks of the process it runs in (tasks/relay_host.py PrefectHost: a Prefect flow run's): the
-    Kaggle calls, each retried as the host retries (handoff's, control_record's, the backend's), its log, and what
-    a person reads (the report and a stop, as artifacts)."""
+    Kaggle calls (handoff's observe and hand-over, control_record's deleted run and stop line, the backend's push,
+    delete and quota), each retried as the host retries them; its log; what a person reads (the report, a stop)."""
 
     def logger(self) -> logging.Logger | logging.LoggerAdapter: ...
     def observe(self, backend, names: chain.Names, local: Path, grace_s: Optional[float]) -> chain.Observation: ...

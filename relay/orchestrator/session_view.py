@@ -1,7 +1,7 @@
 """What the relay's live view shows of the running session, computed from its progress lines (live_progress.py
 follows them): which lines are events (the first line within each tenth of the session's steps for the flow's
 log, within each quarter for a summary version; each eval; its end), which early warnings are new, the progress
-text with its ETA and finish, the plan, and the log lines. Bounded by the session's events, not by how long it runs
+text with its ETA and finish, the plan, the metrics history its curves are drawn from, and the log lines. Bounded by the session's events, not by how long it runs
 or how often it is read: each read shows the events of the lines read since the last one, in their order.
 tasks/live_view.py writes what a read shows into Prefect (the flow's log, the artifacts, a tick's marks).
 """
@@ -10,8 +10,10 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
+from relay.orchestrator import handoff
 from relay.orchestrator.live_progress import Eta, LiveSession, early_warnings, estimate, eta_text, session_fraction
 from relay.shared import progress_line
 from relay.shared.progress import Progress
@@ -32,7 +34,8 @@ class Summary:
 @dataclass
 class Shown:
     """What one read shows, in the order it is written: the new early warnings, the progress artifact (step,
-    total, text), the summary versions, the log lines. `lines`: the session has a progress line to show."""
+    total, text), the summary versions (their curves from `metrics`, the handed-over sessions' history), the log
+    lines. `lines`: the session has a progress line to show."""
 
     run_id: str
     progress: Optional[Progress]
@@ -40,6 +43,7 @@ class Shown:
     card: Optional[Tuple[int, int, str]] = None
     summaries: List[Summary] = field(default_factory=list)
     state: str = ""                                                 # the kernel state the summaries say
+    metrics: Optional[Path] = None
     log_lines: List[str] = field(default_factory=list)
     lines: bool = False
 
@@ -48,11 +52,12 @@ class SessionView:
     """The running session as the live view shows it: the session it follows and what of it was shown (the tenth
     logged, the quarter summarized, the newest eval, the warnings given), so nothing is shown twice."""
 
-    def __init__(self, backend, names, session_max_steps: Optional[int] = None, stuck_after_s: float = 1800.0,
+    def __init__(self, backend, names, local: Path, session_max_steps: Optional[int] = None,
+                 stuck_after_s: float = 1800.0,
                  plan: Callable[[Optional[Progress], Optional[Eta]], str] = lambda progress, eta: "",
                  finish: Callable[[Optional[Progress], Optional[Eta]], str] = lambda progress, eta: "",
                  links: str = ""):
-        self.backend, self.names = backend, names
+        self.backend, self.names, self.local = backend, names, local
         self.session_max_steps, self.stuck_after_s = session_max_steps, stuck_after_s
         self.plan = plan
         self.finish = finish  # the run's finish, policy.forecast's: the one the summary's plan and `relay status` say
@@ -125,6 +130,12 @@ class SessionView:
                 shown.summaries.append(Summary(upto, self._text(upto, progress, kernel_state, logger), plan))
         except Exception as err:  # noqa: BLE001 - the live view never fails a relay
             logger.warning("live view of %s not refreshed: %s", live.run_id, err)
+        if shown.summaries and progress:
+            try:  # what the handed-over sessions logged, kept in `local`: the summaries' curves go on from it
+                shown.metrics = handoff.published_metrics(self.backend, self.names, self.local, progress)
+            except Exception as err:  # noqa: BLE001
+                logger.warning("live view of %s not refreshed: %s", live.run_id, err)
+                shown.summaries = []
         try:
             shown.log_lines = [self._log_line(records[:i + 1], progress) for i in log_at]
         except Exception as err:  # noqa: BLE001

@@ -104,7 +104,7 @@ def test_status_the_progress_artifact_and_the_summary_say_one_finish(monkeypatch
 
     spec = status.pushed_spec(backend, names.kernel)  # the flow runs with the spec it pushed
     plan, finish = policy.view_forecasts(spec, backend)
-    view = live_view.LiveView(SessionView(backend, names, session_max_steps=130, plan=plan, finish=finish), tmp_path)
+    view = live_view.LiveView(SessionView(backend, names, tmp_path, session_max_steps=130, plan=plan, finish=finish))
     view.session.live = SimpleNamespace(run_id=f"{NAME}-s003-a1", records=records, silent_for=lambda: 0.0)
     shown, summaries = [], []
     monkeypatch.setattr(live_view, "get_run_logger", lambda: logging.getLogger("test"))

@@ -117,7 +117,7 @@ def test_the_flow_log_says_an_eval_at_its_own_step_once(monkeypatch):
     monkeypatch.setattr(session_view, "LiveSession", lambda backend, kernel, run_id: SimpleNamespace(
         start=lambda: SimpleNamespace(run_id=run_id, records=records, ended=False, silent_for=lambda: 0.0)))
     for tick in range(2):  # two ticks of one running session, each a view of its own reading it from its start
-        view = live_view.LiveView(session_view.SessionView(None, names, session_max_steps=40), None, marks=marks)
+        view = live_view.LiveView(session_view.SessionView(None, names, None, session_max_steps=40), marks=marks)
         view.follow("ev-s001-a1")
         view.refresh(None, "running")
         view.refresh(None, "running")  # nothing new
