@@ -1,5 +1,5 @@
-"""The live view's writes into Prefect: what relay.orchestrator.session_view computes the running session shows
-(it follows the session's log through relay.orchestrator.live_progress) written into the relay's artifacts and
+"""The live view's writes into Prefect: what the running session shows, as relay.orchestrator.session_view computes
+it from the session's log (relay.orchestrator.live_progress follows it), written into the relay's artifacts and
 the flow's log, bounded by the session's events, not by how long it runs:
 - the progress artifact is updated in place (no new version) every `live_seconds` and with each summary version
   (each update is a write that Prefect's server handles: not at every status poll); the flow run creates it once
