@@ -262,13 +262,13 @@ def quota_spent(ctx: RelayContext, ready: Step, quota: Optional[Quota]) -> Step:
                 why=f"weekly GPU quota spent; waiting until {until}", until=until, waits_for=Wait.QUOTA)
 
 
-def show_running(ctx: RelayContext, running: Step, catch_up_s: float = 0.0):
+def show_running(ctx: RelayContext, running: Step, catch_up_s: Optional[float] = None):
     """Follow the running session's log and refresh its live view (progress, table, curves, early warnings);
-    with `catch_up_s` (a tick), once more with what the log gives within that many seconds."""
+    given `catch_up_s` (a tick), once more with what the log gives within that many seconds."""
     # a session still running past its deadline is wedged: the progress card says so
     live = ctx.view.follow(running.action.run_id, running.deadline)
     ctx.view.refresh(running.progress, running.obs.kernel_state or "starting")
-    if catch_up_s > 0:  # a tick's view: catches up
+    if catch_up_s is not None:  # a tick's view: catches up
         live.wait(catch_up_s)
         ctx.view.refresh(running.progress, running.obs.kernel_state or "starting")
     return live
