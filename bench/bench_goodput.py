@@ -82,7 +82,7 @@ def relay_once(work: Path, name: str, faulted: bool) -> dict:
     """The `relay` flow to the end of the toy relay `name` on an emulator of its own; what it left (see measure)."""
     import yaml
 
-    import tasks.relay_step as relay_step
+    import tasks.relay_host as relay_host
     from flows.one_relay import relay
     from relay.emulator import Emulator, EmulatorConfig
     from relay.emulator.mid_save_kill import MidSaveKiller
@@ -97,8 +97,8 @@ def relay_once(work: Path, name: str, faulted: bool) -> dict:
         faults=json.loads(json.dumps(FAULTS)) if faulted else None)).start()
     kernel = f"{USER}/{name}-session"
     killer = MidSaveKiller(emu, kernel, run_id_of=find_run_id) if faulted else None
-    saved = relay_step.make_backend
-    relay_step.make_backend = lambda credentials_block=None: _backend(emu)
+    saved = relay_host.make_backend
+    relay_host.make_backend = lambda credentials_block=None: _backend(emu)
     t0 = time.time()
     try:
         if killer:
@@ -107,7 +107,7 @@ def relay_once(work: Path, name: str, faulted: bool) -> dict:
                         step_lock_wait_s=0)
         wall = time.time() - t0
     finally:
-        relay_step.make_backend = saved
+        relay_host.make_backend = saved
         if killer:
             killer.done.set()
             killer.join(5)

@@ -22,10 +22,11 @@ from relay.orchestrator.policy import plan_text, session_budget, utc  # noqa: F4
 from relay.front_door import SpecParameter, spec_at_flow
 from flows import relay_rounds as rounds
 from flows.relay_rounds import Relay
-from tasks import relay_step, run_labels
+from relay.orchestrator import relay_step
+from relay.orchestrator.relay_context import RelayContext, RelayFailed, Step  # noqa: F401 - the flow's API
+from tasks import relay_host, run_labels
 from tasks.account_slots import AccountSessions
 from tasks.live_view import follow_sessions
-from tasks.relay_step import RelayContext, RelayFailed, Step  # noqa: F401 - RelayFailed, Step: the flow's API
 
 # A watch waiting for the weekly quota looks at it again this often before the refresh Kaggle announced: the
 # announced time is when the oldest charged session leaves the 7-day window, and quota freed sooner is used.
@@ -50,9 +51,8 @@ def relay(spec: SpecParameter = "examples/price-demo.yaml", mode: Literal["watch
     once, here (relay.front_door.spec_at_flow)."""
     loaded = spec_at_flow(spec)  # the one parse in this process: the spec, and the text a push ships
     run_spec = loaded.spec
-    ctx = RelayContext.open(run_spec, loaded.text,
-                            relay_step.make_backend(credentials_block or run_spec.kaggle.credentials_block),
-                            state_dir, step_lock_wait_s, tick=mode == "tick")
+    backend = relay_host.make_backend(credentials_block or run_spec.kaggle.credentials_block)
+    ctx = relay_host.open_relay(run_spec, loaded.text, backend, state_dir, step_lock_wait_s, tick=mode == "tick")
     get_run_logger().info("relay %s on Kaggle account %s", run_spec.name, ctx.backend.username)
     run_labels.label(name=run_labels.relay_name(run_spec.name, mode),  # named by a path's stem before the parse
                      add_tags=run_labels.tags(ctx.spec.name, ctx.names.owner))
@@ -85,9 +85,9 @@ class Pace:
 
 
 def drive(ctx: RelayContext, pace: Pace, slots: Optional[AccountSessions] = None) -> dict:
-    """The relay's loop: one step (tasks/relay_step.py), then wait or return; in tick mode it returns at the first
-    wait or push. A watch outlives a Kaggle that stops answering (every step is rebuilt from Kaggle); a tick
-    reports it."""
+    """The relay's loop: one step (relay/orchestrator/relay_step.py), then wait or return; in tick mode it
+    returns at the first wait or push. A watch outlives a Kaggle that stops answering (every step is rebuilt from
+    Kaggle); a tick reports it."""
     while True:
         try:
             return _steps(ctx, pace, slots)
@@ -124,11 +124,10 @@ def _steps(ctx: RelayContext, pace: Pace, slots: Optional[AccountSessions]) -> d
 def _follow(ctx: RelayContext, running: Step, pace: Pace) -> Optional[dict]:
     """The kernel is queued or running: follow its log and show the running session; None: look again."""
     ctx.pause()
-    live = relay_step.show_running(ctx, running)
     if pace.mode == "tick":  # what the stream gives within a bounded time
-        live.wait(pace.tick_follow_seconds)
-        ctx.view.refresh(running.progress, running.obs.kernel_state or "starting")  # a tick's view: catches up
+        relay_step.show_running(ctx, running, catch_up_s=pace.tick_follow_seconds)
         return running.summary()
+    relay_step.show_running(ctx, running)
     if time.monotonic() > pace.give_up:
         raise RelayFailed(f"gave up waiting for {running.action.run_id}: the flow's max_hours have passed")
     run_labels.label(name=f"{ctx.spec.name}: session {running.action.session}")

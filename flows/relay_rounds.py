@@ -21,9 +21,10 @@ from relay.orchestrator.policy import push_budget, utc
 from relay.orchestrator.relay_state import FINAL, LOOK_AGAIN, State, Wait, label, move
 from relay.shared.errors import InputError
 from relay.shared.progress import Progress
-from tasks import relay_step, relay_tasks
+from relay.orchestrator import relay_step
+from relay.orchestrator.relay_context import RelayContext, RelayFailed, Step
+from tasks import relay_tasks
 from tasks.account_slots import AccountSessions
-from tasks.relay_step import RelayContext, RelayFailed, Step
 
 MAX_ERROR_ROUNDS = 3  # a relay whose round raised this many times in a row (after task retries) is failed
 ROUND_THREADS = 8     # relays stepped at once in a round: Kaggle's and Prefect's calls, not this process's CPU
@@ -76,7 +77,7 @@ class Round:
 
 
 def step(relay: Relay, slots: AccountSessions) -> Step:
-    """One step of the relay (tasks/relay_step.py), its state entered and its slot kept or given back."""
+    """One step of the relay (relay/orchestrator/relay_step.py), its state entered and its slot kept or given back."""
     taken = relay.took(relay_step.advance(relay.ctx))
     slots.stepped(relay.name, taken.state)
     return taken

@@ -2,10 +2,10 @@
 session cap and one weekly GPU quota.
 
 Each round (flows/relay_rounds.py, the one driver the `relay` flow uses with one relay) takes every unfinished
-relay's step, concurrently (tasks/relay_step.py: observe, decide, hand over finished sessions and recover from
-their failures, notify, show the running ones; no slot or quota needed), then fills the free slots of each
-account's session limit (tasks/account_slots.py: its specs' kaggle.account_sessions, counted by the account's
-Prefect limit), given to the relays waiting to push in the order they became ready (first come, first served;
+relay's step, concurrently (relay/orchestrator/relay_step.py: observe, decide, hand over finished sessions and
+recover from their failures, notify, show the running ones; no slot or quota needed), then fills the free slots
+of each account's session limit (tasks/account_slots.py: its specs' kaggle.account_sessions, counted by the
+account's Prefect limit), given to the relays waiting to push in the order they became ready (first come, first served;
 one that just handed over goes to the back), as across every flow run on the server (tasks/slot_queue.py). Every
 new session's budget is an equal share of the quota left among the unfinished relays (capped by its spec), so
 one relay cannot spend the week alone. When the quota is spent, every waiting relay waits for the same refresh
@@ -34,11 +34,12 @@ from relay.front_door import SpecParameter, spec_at_flow
 from relay.shared.errors import InputError
 from relay.shared.progress import Progress, SessionRecord
 from relay.shared.spec import LoadedSpec
-from tasks import relay_step, relay_tasks
+from relay.orchestrator import relay_step
+from relay.orchestrator.relay_context import RelayFailed
+from tasks import relay_host, relay_tasks
 from tasks import relays_artifacts, run_labels
 from tasks.account_slots import AccountSessions
 from tasks.live_view import follow_sessions
-from tasks.relay_step import RelayContext, RelayFailed
 from tasks.run_step_locks import RunStepLocks
 
 
@@ -62,8 +63,8 @@ def load_relays(specs: List[Tuple[str, Union[LoadedSpec, Exception]]], backend, 
         try:
             if isinstance(loaded, Exception):
                 raise loaded
-            relay.ctx = RelayContext.open(loaded.spec, loaded.text, backend, state_dir, tick=tick,
-                                          lock=locks.member(loaded.spec.name) if locks else None)
+            relay.ctx = relay_host.open_relay(loaded.spec, loaded.text, backend, state_dir, tick=tick,
+                                              lock=locks.member(loaded.spec.name) if locks else None)
         except (InputError, OSError) as err:  # one bad spec is that relay's failure, not everyone's
             relay.fail(f"bad spec: {err}")
             relays.append(relay)
@@ -145,7 +146,7 @@ def relays(specs: List[SpecParameter], mode: Literal["watch", "tick"] = "watch",
     locks = RunStepLocks(step_lock_wait_s)  # one lease for every relay of this run
     try:
         parsed = read_specs(specs)  # each spec parsed once: its account, its relay, the text its pushes ship
-        backend = relay_step.make_backend(credentials_block or one_account(parsed))
+        backend = relay_host.make_backend(credentials_block or one_account(parsed))
         logger.info("relays on Kaggle account %s", backend.username)
         all_relays = load_relays(parsed, backend, state_dir, locks, tick=mode == "tick")
         return _drive(backend, all_relays, mode, cap, poll_seconds, max_hours, state_dir, live_seconds, locks, logger)

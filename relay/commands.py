@@ -160,7 +160,7 @@ def _backend(credentials_block: Optional[str]):
     """Kaggle (or the emulator at RELAY_KAGGLE_ENDPOINT) with the account of a Prefect Secret block, or of the
     environment / ~/.kaggle without one."""
     if credentials_block:
-        from tasks.relay_step import make_backend
+        from tasks.relay_host import make_backend
 
         return make_backend(credentials_block)
     from relay.orchestrator.kaggle import from_env

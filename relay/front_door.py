@@ -34,9 +34,9 @@ def spec_at_flow(spec: SpecParameter) -> spec_mod.LoadedSpec:
     the worker's working folder); anything else is the path of a spec file."""
     if isinstance(spec, spec_mod.LoadedSpec):
         return spec
-    if "\n" in spec:
-        return _checked(spec_mod.parse(spec, source="spec (the flow's spec parameter)", folder=Path.cwd()), "spec")
-    return read_spec(spec)
+    text = "\n" in spec
+    return _checked(spec_mod.parse(spec, source="spec (the flow's spec parameter)", folder=Path.cwd()) if text
+                    else spec_mod.read(spec), "spec" if text else spec)
 
 
 def _checked(loaded: spec_mod.LoadedSpec, source: str) -> spec_mod.LoadedSpec:

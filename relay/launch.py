@@ -122,7 +122,7 @@ def _run_several(specs: Sequence[str], out: Optional[str], tick: bool, poll_seco
     signal.signal(signal.SIGTERM, _interrupt)
     from flows.relays_sharing_quota import relays
     from relay.orchestrator.kaggle import KaggleUnresponsive
-    from tasks.relay_step import RelayFailed
+    from relay.orchestrator.relay_context import RelayFailed
 
     emit(f"relays {', '.join(names)}: {'one tick' if tick else 'to the end'}, at most {cap} session(s) at once;"
          f" outputs in {folder}")

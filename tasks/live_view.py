@@ -1,5 +1,6 @@
-"""The flow's view of the running session in Prefect: follows its log (relay.orchestrator.live_progress reads it) and
-keeps the relay's artifacts current, bounded by the session's events, not by how long it runs:
+"""The live view's writes into Prefect: what the running session shows, as relay.orchestrator.session_view computes
+it from the session's log (relay.orchestrator.live_progress follows it), written into the relay's artifacts and
+the flow's log, bounded by the session's events, not by how long it runs:
 - the progress artifact is updated in place (no new version) every `live_seconds` and with each summary version
   (each update is a write that Prefect's server handles: not at every status poll); the flow run creates it once
   and the hand-over's report updates the same one, so the key's latest version is always the newest state;
@@ -13,215 +14,78 @@ keeps the relay's artifacts current, bounded by the session's events, not by how
 from __future__ import annotations
 
 import json
-import math
 import time
-from pathlib import Path
-from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from relay.orchestrator import handoff
 from relay.orchestrator.kaggle.types import KaggleUnresponsive, KernelState, NotFound
-from relay.orchestrator.live_progress import Eta, LiveSession, early_warnings, estimate, eta_text, session_fraction
-from relay.shared import progress_line
+from relay.orchestrator.live_progress import LiveSession
+from relay.orchestrator.session_view import Running, SessionView
 from relay.shared.progress import Progress
 from tasks import artifacts
 from tasks.prefect_writes import soon
 
-LOG_EVERY = 10        # log lines per session: one at each tenth of its steps
-SUMMARY_EVERY = 4     # summary and table versions per session: one at each quarter of its steps
-
 
 class LiveView:
-    def __init__(self, backend, names, local: Path, session_max_steps: Optional[int] = None,
-                 stuck_after_s: float = 1800.0, notify: Callable[[str, str], None] = lambda key, text: None,
-                 plan: Callable[[Optional[Progress], Optional[Eta]], str] = lambda progress, eta: "",
-                 marks: Optional["TickMarks"] = None,
-                 finish: Callable[[Optional[Progress], Optional[Eta]], str] = lambda progress, eta: "",
-                 links: str = ""):
-        self.backend, self.names, self.local = backend, names, local
-        self.marks = marks  # a tick's: what the earlier ticks showed
-        self.session_max_steps, self.stuck_after_s = session_max_steps, stuck_after_s
-        self.notify, self.plan = notify, plan
-        self.finish = finish  # the run's finish, policy.forecast's: the one the summary's plan and `relay status` say
-        self.links = links    # where the relay lives on Kaggle (chain.Names.links), in every summary
-        self.deadline: Optional[float] = None  # unix time: Kaggle still running the session after it is a wedge
-        self._wedge_shown: Optional[str] = None  # the run whose wedge the table and summary were given
-        self.live: Optional[LiveSession] = None
-        self.progress_artifact: Optional[str] = None  # this flow run's progress artifact, updated in place
-        self._warned: set = set()
-        self._logged = self._summarized = -1  # the tenth logged and the quarter summarized of this session
-        self._seen = 0                          # records of this session read by refresh
-        self._eval_shown: Optional[list] = None  # [step, metric names] of the newest eval shown
+    """A relay's running session in Prefect: what its SessionView shows, written as log lines, notifications and
+    artifact versions; a tick's view (one with marks) remembers across flow runs what it showed."""
 
-    def follow(self, run_id: str) -> LiveSession:
-        """The follower of `run_id`'s session (a new one for a new run, or when the last stream ended empty:
-        right after a push it can still be the previous version's log)."""
-        if self.live is None or self.live.run_id != run_id or (self.live.ended and not self.live.records):
-            self.live = LiveSession(self.backend, self.names.kernel, run_id).start()
-            self._logged, self._summarized, self._seen = -1, -1, 0  # a new session: its events start again
-            self._eval_shown = None
-            if self.marks is not None:
-                self._logged, self._summarized, warned, self.progress_artifact = self.marks.recall(run_id)
-                self._eval_shown = self.marks.eval_shown(run_id)
-                self._warned |= {(run_id, key) for key in warned}
-        return self.live
+    def __init__(self, session: SessionView, notify: Callable[[str, str], None] = lambda key, text: None,
+                 marks: Optional["TickMarks"] = None):
+        self.session = session
+        self.notify = notify
+        self.marks = marks  # a tick's: what the earlier ticks showed
+        self.progress_artifact: Optional[str] = None  # this flow run's progress artifact, updated in place
+
+    def follow(self, run_id: str, deadline: Optional[float] = None) -> LiveSession:
+        """The follower of `run_id`'s session; a tick's view goes on from what the earlier ticks showed of it."""
+        if self.session.follow_run(run_id, deadline) and self.marks is not None:
+            logged, summarized, warned, self.progress_artifact = self.marks.recall(run_id)
+            self.session.resume(logged, summarized, warned, self.marks.eval_shown(run_id))
+        return self.session.live
 
     def show_progress(self, step: int, total: int, text: str) -> None:
         """The relay's progress artifact: this flow run's, updated in place; created once per flow run (then
         the key's latest version), or once for all the ticks of a relay."""
         if self.progress_artifact is None and self.marks is not None:  # a tick: the one the earlier ticks made
             self.progress_artifact = self.marks.recall()[3]
-        self.progress_artifact = artifacts.show_progress(self.names.name, step, total, text, self.progress_artifact)
+        self.progress_artifact = artifacts.show_progress(self.session.names.name, step, total, text,
+                                                         self.progress_artifact)
         if self.marks is not None:
             self.marks.keep(progress_artifact=self.progress_artifact)
 
     def refresh(self, progress: Optional[Progress], kernel_state: str, show_progress: bool = True) -> None:
-        """A log line and a summary version for each event of the lines read since the last refresh, in their
-        order (so how often this runs changes nothing); the progress artifact at the newest line if
-        `show_progress` or with a summary version (each update is a write to Prefect's server). A tick's view
-        (one with marks) reads history, a session it did not follow from its start: one log line and one summary
-        version for all of it that the earlier ticks did not show."""
-        live, logger = self.live, get_run_logger()
-        if live is None:
+        """Write what the session shows since the last refresh (SessionView.to_show): the new early warnings to the
+        flow's log and as notifications, the progress artifact, the summary versions, the log lines; a tick's
+        marks after. Each write to Prefect's server is one of the session's events, never one per refresh."""
+        logger, view = get_run_logger(), self.session
+        shown = view.to_show(progress, kernel_state, show_progress, catch_up=self.marks is not None, logger=logger)
+        if shown is None:
             return
-        progress = Progress.read(progress)  # a parsed document reads as the model
-        catch_up = self.marks is not None
-        records = list(live.records)
         try:
-            warned = self._warn(records, progress, kernel_state)
+            for key, text in shown.warnings:
+                logger.warning("early warning, %s: %s", shown.run_id, text)
+                self.notify(f"warning-{shown.run_id}-{key}", f"{view.names.name} {shown.run_id}: {text}")
         except Exception as err:  # noqa: BLE001 - a notification that failed never fails a relay
-            logger.warning("early warnings of %s not given: %s", live.run_id, err)
-            warned = False
-        if self._newest(records) is None:
+            logger.warning("early warnings of %s not given: %s", shown.run_id, err)
+        if not shown.lines:
             return
-        log_at, summary_at = [], []
-        for i in range(self._seen, len(records)):
-            log, summary = self._events(records[:i + 1])
-            log_at += [i] if log else []
-            summary_at += [i] if summary else []
-        self._seen = len(records)
-        if warned and not summary_at:
-            summary_at.append(len(records) - 1)
-        wedged = self.deadline is not None and kernel_state == "running" and time.time() >= self.deadline
-        if wedged and self._wedge_shown != live.run_id:  # once: the table's row and the summary's title say it
-            self._wedge_shown = live.run_id
-            summary_at = sorted(set(summary_at) | {len(records) - 1})
-        shown_state = "running past its deadline: wedged" if wedged else kernel_state
-        if catch_up:
-            log_at, summary_at = log_at[-1:], summary_at[-1:]
         try:  # the live view never fails a relay
-            newest = self._newest(records)
-            if show_progress or summary_at:
-                self.show_progress(int(newest["step"]), self._total(records, progress),
-                                   self._text(records, progress, kernel_state))
-            for i in summary_at:
-                upto = records[:i + 1]
-                metrics = (handoff.published_metrics(self.backend, self.names, self.local, progress)
-                           if progress else None)
-                artifacts.publish_running(self.names.name, progress or Progress(), upto, self.local, metrics,
-                                          self._text(upto, progress, kernel_state), shown_state,
-                                          self._plan(replace(progress or Progress(), total_steps=self._total(upto, progress)),
-                                                     estimate(upto, self.session_max_steps)),
-                                          self.links)
+            if shown.card is not None:
+                self.show_progress(*shown.card)
+            for summary in shown.summaries:
+                artifacts.publish_running(view.names.name, shown.progress or Progress(), summary.upto, view.local,
+                                          shown.metrics, summary.text, shown.state, summary.plan, view.links)
         except Exception as err:  # noqa: BLE001
-            logger.warning("live view of %s not refreshed: %s", live.run_id, err)
-        try:
-            for i in log_at:
-                self._log(records[:i + 1], progress)
-        except Exception as err:  # noqa: BLE001 - a view never fails a relay
-            logger.warning("progress of %s not logged: %s", live.run_id, err)
+            logger.warning("live view of %s not refreshed: %s", shown.run_id, err)
+        for line in shown.log_lines:
+            logger.info("%s", line)
         if self.marks is not None:
-            self.marks.keep(run_id=live.run_id, logged=self._logged, summarized=self._summarized,
-                            eval_shown=self._eval_shown,
-                            warned=sorted(key for run_id, key in self._warned if run_id == live.run_id))
-
-    def _events(self, upto: list) -> tuple:
-        """(log line?, summary version?) for the newest of `upto`: a tenth (for the log) or a quarter (for the
-        summary) of the session's steps passed, an eval, the session's end."""
-        record = upto[-1]
-        if record.get("kind") == "eval":  # once: a tick reads the session's history again from its start
-            shown = [int(record.get("step") or 0), sorted(k for k in record if k.startswith("eval_"))]
-            if self._eval_shown is not None and (shown[0] < self._eval_shown[0] or shown == self._eval_shown):
-                return False, False
-            self._eval_shown = shown
-            return True, True
-        if record.get("kind") not in ("train", "end"):
-            return False, False
-        fraction = 1.0 if record.get("kind") == "end" else session_fraction(upto, self.session_max_steps)
-        # the first line within each tenth (quarter): as many per session whether it is 10 or 10,000 steps long
-        tenth, quarter = math.ceil(fraction * LOG_EVERY), math.ceil(fraction * SUMMARY_EVERY)
-        log, summary = tenth > self._logged, quarter > self._summarized
-        self._logged, self._summarized = max(self._logged, tenth), max(self._summarized, quarter)
-        return log, summary
-
-    def _log(self, upto: list, progress: Optional[Progress]) -> None:
-        record = upto[-1]
-        newest = self._newest(upto) or record  # an eval before the session's first train line
-        step = newest["step"]
-        if record.get("kind") == "eval":  # at its own step: the newest train line (rate-bounded) can be older
-            step, newest = record.get("step"), newest if newest.get("step") == record.get("step") else {}
-        loss = newest.get("loss")
-        said = f", loss {loss:.4g}" if isinstance(loss, (int, float)) else ""
-        if record.get("kind") == "eval":
-            said += f"; eval {_pairs(record)}"
-        get_run_logger().info("%s step %s of %s%s; %s", self.live.run_id, step,
-                              self._total(upto, progress), said, eta_text(upto, self.session_max_steps))
-
-    def _text(self, upto: list, progress: Optional[Progress], kernel_state: str) -> str:
-        newest = self._newest(upto) or upto[-1]
-        steps = int(newest["step"]) - int(upto[0].get("step_start") or 0)
-        return (f"{self.names.name}: step {newest['step']} of {self._total(upto, progress)}; session"
-                f" {newest.get('session')} ({self.live.run_id}): {steps} steps, {kernel_state};"
-                f" {eta_text(upto, self.session_max_steps, self.deadline, kernel_state)}"
-                f"{self._finish(upto, progress)};"
-                f" updated {time.strftime('%H:%M:%S UTC', time.gmtime())}")
-
-    def _finish(self, upto: list, progress: Optional[Progress]) -> str:
-        """'; finish ~...' as the plan says it, from the same progress and estimate the summary's plan is given."""
-        try:
-            said = self.finish(replace(progress or Progress(), total_steps=self._total(upto, progress)),
-                               estimate(upto, self.session_max_steps))
-        except Exception as err:  # noqa: BLE001 - a finish that cannot be told is left out, never fatal
-            get_run_logger().info("no finish estimate: %s", err)
-            return ""
-        return f"; {said}" if said else ""
-
-    @staticmethod
-    def _newest(records: list) -> Optional[dict]:
-        return progress_line.newest(records)
-
-    def _total(self, records: list, progress: Optional[Progress]) -> int:
-        newest = self._newest(records) or {}
-        return int(newest.get("total_steps") or (progress.total_steps if progress else None) or newest.get("step")
-                   or 1)
-
-    def _warn(self, records: list, progress: Optional[Progress], kernel_state: str) -> bool:
-        """Each early warning once per session, to the flow's log and a notification; True if one was new."""
-        new = False
-        for key, text in self._warnings(records, progress, kernel_state):
-            if (self.live.run_id, key) not in self._warned:
-                self._warned.add((self.live.run_id, key))
-                new = True
-                get_run_logger().warning("early warning, %s: %s", self.live.run_id, text)
-                self.notify(f"warning-{self.live.run_id}-{key}", f"{self.names.name} {self.live.run_id}: {text}")
-        return new
-
-    def _warnings(self, records: list, progress: Optional[Progress], kernel_state: str) -> list:
-        speeds = [s.samples_per_s for s in (progress.sessions if progress else ()) if s.samples_per_s]
-        found = early_warnings(records, slow_below=sorted(speeds)[len(speeds) // 2] if speeds else None)
-        if kernel_state == "running" and self.live.silent_for() > self.stuck_after_s:
-            found.append(("stuck", f"no progress line for {self.live.silent_for() / 60:.0f} min (a stuck data loader"
-                                   " or collective?)"))
-        return found
-
-    def _plan(self, progress: Optional[Progress], eta: Optional[Eta]) -> str:
-        try:
-            return self.plan(progress, eta)
-        except Exception as err:  # noqa: BLE001 - a plan that cannot be made is said, never fatal
-            return f"(no plan: {err})"
+            self.marks.keep(run_id=shown.run_id, logged=view.logged, summarized=view.summarized,
+                            eval_shown=view.eval_shown,
+                            warned=sorted(key for run_id, key in view.warned if run_id == shown.run_id))
 
 
 class TickMarks:
@@ -269,22 +133,6 @@ class TickMarks:
             get_run_logger().warning("the view's marks of %s not kept: %s", self.variable, err)
 
 
-def _pairs(record: dict) -> str:
-    """An eval record's metrics as `name value` pairs."""
-    return ", ".join(f"{k[len('eval_'):]} {v:.4g}" if isinstance(v, float) else f"{k[len('eval_'):]} {v}"
-                     for k, v in record.items() if k.startswith("eval_"))
-
-
-@dataclass(frozen=True)
-class Running:
-    """One running session to wait on: its relay's view, run id, kernel version and handed-over progress."""
-
-    view: LiveView
-    run_id: str
-    version: int
-    progress: Optional[Progress]
-
-
 @task(name="follow-sessions", cache_policy=NO_CACHE, task_run_name="follow {label}")
 def follow_sessions(sessions: List[Running], label: str, poll_seconds: float, live_seconds: float,
                     give_up: float, max_status_errors: int = 10) -> Dict[str, str]:
@@ -323,8 +171,8 @@ def follow_sessions(sessions: List[Running], label: str, poll_seconds: float, li
             s.view.refresh(s.progress, states[s.run_id], show_progress=show)
         if finished:
             for s in sessions:  # the stored log's last lines: the session's end in its view
-                if s.view.live is not None and states[s.run_id] in _FINISHED:
-                    s.view.live.wait(60)  # returns at the stream's end: the stored log is served at once
+                if s.view.session.live is not None and states[s.run_id] in _FINISHED:
+                    s.view.session.live.wait(60)  # returns at the stream's end: the stored log is served at once
                     s.view.refresh(s.progress, states[s.run_id])
             return states
         time.sleep(min(live_seconds, poll_seconds))
@@ -336,6 +184,6 @@ _FINISHED = {s.value for s in KernelState if s.finished}
 
 def _state(s: Running) -> Optional[KernelState]:
     try:
-        return s.view.backend.kernel_status(s.view.names.kernel, s.version).state
+        return s.view.session.backend.kernel_status(s.view.session.names.kernel, s.version).state
     except NotFound:  # the new version is not visible to the status call yet
         return None

@@ -7,7 +7,7 @@ import prefect.task_engine  # noqa: F401
 
 import flows.one_relay  # noqa: F401
 import flows.relays_sharing_quota  # noqa: F401
-import tasks.relay_step  # noqa: F401
+import tasks.relay_host  # noqa: F401
 from relay.orchestrator import report
 from relay.orchestrator.kaggle.client import kaggle_api_class
 

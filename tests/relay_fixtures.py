@@ -11,7 +11,7 @@ make_emulator, which give every test its own HOME/TMPDIR and stop the emulators 
 - `relay_env`: an emulator + the spec + helpers for one test (see RelayEnv).
 - `both_flows`: a test that takes it runs twice, its relay driven once by the `relay` flow (one relay) and once
   by the `relays` flow (several under one cap; here the one spec): both take the same per-relay step
-  (tasks/relay_step.py), so every recovery must hold in both.
+  (relay/orchestrator/relay_step.py), so every recovery must hold in both.
 - `reference`: uninterrupted `relay train` runs of a spec, started in the background at first use and shared
   by the session; `reference.weights(spec)` waits for the run and returns its weights_sha256.
 - Deterministic session lengths: the toy spec sets `session.max_steps`, so every session ends after exactly
@@ -237,9 +237,9 @@ class RelayEnv:
                  poll_seconds: float = 0.3, step_lock: bool = False) -> dict:
         """The relay's flow (`self.flow`) in this process (the session's Prefect server), with a fast retry policy;
         the `relays` flow's summary of this relay, in the `relay` flow's keys."""
-        import tasks.relay_step as relay_step
+        import tasks.relay_host as relay_host
 
-        monkeypatch.setattr(relay_step, "make_backend", lambda credentials_block=None: self.backend(seed))
+        monkeypatch.setattr(relay_host, "make_backend", lambda credentials_block=None: self.backend(seed))
         args = dict(mode=mode, poll_seconds=poll_seconds, state_dir=str(self.root / state_dir),
                     step_lock_wait_s=STEP_LOCK_WAIT_S if step_lock else 0)
         if self.flow == "relays":
@@ -255,14 +255,14 @@ class RelayEnv:
         """The `relay` flow (watch) on a user script (`folder`/train.py with `spec`) in a thread of this process,
         so the test can look at Prefect while it runs; returns (the thread, the dict its summary lands in)."""
         import flows.one_relay as one_relay
-        import tasks.relay_step as relay_step
+        import tasks.relay_host as relay_host
 
         code = self.root / folder
         code.mkdir()
         (code / "train.py").write_text(script)
         self.spec = code / "spec.yaml"
         self.spec.write_text(yaml.safe_dump({"code": {"folder": ".", "entry": "train.py"}, **spec}))
-        monkeypatch.setattr(relay_step, "make_backend", lambda credentials_block=None: self.backend())
+        monkeypatch.setattr(relay_host, "make_backend", lambda credentials_block=None: self.backend())
         result: dict = {}
         thread = threading.Thread(target=lambda: result.update(one_relay.relay(
             spec=str(self.spec), poll_seconds=poll_seconds, live_seconds=live_seconds,
@@ -408,7 +408,7 @@ import random
 import sys
 import time
 
-import tasks.relay_step as relay_step
+import tasks.relay_host as relay_host
 from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
 
 
@@ -419,7 +419,7 @@ def make_backend(credentials_block=None):
                          os.environ["RELAY_TEST_ENDPOINT"], policy, dataset_poll_s=0.1, dataset_wait_s=60)
 
 
-relay_step.make_backend = make_backend
+relay_host.make_backend = make_backend
 kwargs = dict(poll_seconds=0.3, state_dir=sys.argv[3], step_lock_wait_s=float(os.environ["RELAY_TEST_STEP_LOCK_WAIT"]))
 if sys.argv[5] == "relays":
     import flows.relays_sharing_quota as relays_sharing_quota

@@ -4,7 +4,8 @@ A thread follows `backend.log_stream` (the client's kernels_logs_stream: server-
 runs, the stored log after) and keeps the session's `relay-progress` records (relay/shared/progress_line.py)
 of one run id. The stream replays from the start on every connection, so after a drop it reconnects and skips
 the events it has already counted: nothing is counted twice. Early warnings are pure functions of the records.
-What it reads is shown in Prefect by tasks/live_view.py; `relay logs` and handoff.deadline_from_log read it too.
+What the live view shows of it is session_view.py's (written into Prefect by tasks/live_view.py); `relay logs`
+and handoff.deadline_from_log read it too.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A relay's states and the moves between them: the one state machine the `relay` and the `relays` flows drive.
 
-A step (tasks/relay_step.py) leaves a relay in one State; a flow acts on it the same way for one relay or for
+A step (relay_step.py) leaves a relay in one State; a flow acts on it the same way for one relay or for
 several: looks again after a hand-over, gives a ready relay a slot of its account's session cap (and takes it
 back once no session of the relay runs), waits, or ends. The values are the words the flows have always
 reported (flow results, the relays table, log lines), so a State compares equal to its old string.

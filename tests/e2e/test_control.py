@@ -232,7 +232,7 @@ def test_control_commands_refuse_a_relay_kaggle_does_not_hold(make_emulator, tmp
 
 
 def test_both_flows_push_nothing_while_the_relay_is_stopped(relay_env, both_flows, monkeypatch):
-    """The per-relay step both flows take (tasks/relay_step.py) obeys a stop recorded on Kaggle before any push."""
+    """The per-relay step both flows take (relay/orchestrator/relay_step.py) obeys a stop recorded on Kaggle before any push."""
     from relay.orchestrator.kaggle import control_record
 
     relay_env.start()

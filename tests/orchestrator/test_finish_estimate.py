@@ -78,10 +78,12 @@ def test_the_hand_over_is_measured_over_clean_hand_overs_only():
 
 def test_status_the_progress_artifact_and_the_summary_say_one_finish(monkeypatch, tmp_path):
     """A constructed relay: `relay status fin-relay` (by name, the spec read from the kernel), the flow's progress
-    artifact text and its summary (tasks/live_view.py refreshing the running session) show the same finish."""
+    artifact text and its summary (tasks/live_view.py writing what relay/orchestrator/session_view.py shows of the
+    running session) show the same finish."""
     import tasks.live_view as live_view
     from relay.orchestrator import chain, handoff, policy, status
-    from tasks import artifacts, relay_step
+    from relay.orchestrator.session_view import SessionView
+    from tasks import artifacts
 
     t0 = time.time() - 33  # the running session ends in the future: the finish does not depend on when it is asked
     progress, records = _relay_state(t0)
@@ -101,9 +103,9 @@ def test_status_the_progress_artifact_and_the_summary_say_one_finish(monkeypatch
     assert "spec: the one its sessions run with" in by_status and "at step 390 (its step cap" in by_status, by_status
 
     spec = status.pushed_spec(backend, names.kernel)  # the flow runs with the spec it pushed
-    plan, finish = relay_step.view_forecasts(spec, backend)
-    view = live_view.LiveView(backend, names, tmp_path, session_max_steps=130, plan=plan, finish=finish)
-    view.live = SimpleNamespace(run_id=f"{NAME}-s003-a1", records=records, silent_for=lambda: 0.0)
+    plan, finish = policy.view_forecasts(spec, backend)
+    view = live_view.LiveView(SessionView(backend, names, tmp_path, session_max_steps=130, plan=plan, finish=finish))
+    view.session.live = SimpleNamespace(run_id=f"{NAME}-s003-a1", records=records, silent_for=lambda: 0.0)
     shown, summaries = [], []
     monkeypatch.setattr(live_view, "get_run_logger", lambda: logging.getLogger("test"))
     monkeypatch.setattr(artifacts, "show_progress", lambda name, step, total, text, artifact_id=None: shown.append(text))

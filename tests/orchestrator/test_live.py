@@ -92,6 +92,7 @@ def test_the_flow_log_says_an_eval_at_its_own_step_once(monkeypatch):
     is a flow run of its own) does not log it again."""
     from types import SimpleNamespace
 
+    import relay.orchestrator.session_view as session_view
     import tasks.live_view as live_view
     from relay.shared.progress_line import ProgressLines, parse
 
@@ -113,10 +114,10 @@ def test_the_flow_log_says_an_eval_at_its_own_step_once(monkeypatch):
     marks._kept = {}
     monkeypatch.setattr(marks, "keep", lambda **changes: marks._kept.update(changes))
     names = SimpleNamespace(name="ev", kernel="u/ev", owner="u")
-    monkeypatch.setattr(live_view, "LiveSession", lambda backend, kernel, run_id: SimpleNamespace(
+    monkeypatch.setattr(session_view, "LiveSession", lambda backend, kernel, run_id: SimpleNamespace(
         start=lambda: SimpleNamespace(run_id=run_id, records=records, ended=False, silent_for=lambda: 0.0)))
     for tick in range(2):  # two ticks of one running session, each a view of its own reading it from its start
-        view = live_view.LiveView(None, names, None, session_max_steps=40, marks=marks)
+        view = live_view.LiveView(session_view.SessionView(None, names, None, session_max_steps=40), marks=marks)
         view.follow("ev-s001-a1")
         view.refresh(None, "running")
         view.refresh(None, "running")  # nothing new

@@ -120,7 +120,7 @@ def test_ticks_that_find_a_session_as_it_was_add_nothing_and_share_one_progress_
     finds the running session where the last tick left it adds no log line, no summary or table version and no
     progress version (the progress artifact is the first tick's, updated in place)."""
     import flows.one_relay as one_relay
-    import tasks.relay_step as relay_step
+    import tasks.relay_host as relay_host
     from prefect.artifacts import Artifact
 
     name, hold_at = "ticked-view", 20  # one session of 40 steps, held at step 20 until the test lets it go
@@ -133,7 +133,7 @@ def test_ticks_that_find_a_session_as_it_was_add_nothing_and_share_one_progress_
                                     "optim": {"max_steps": 40, "log_every_steps": 1},
                                     "session": {"threads": 1, "safety_margin": "0.5s"},
                                     "kaggle": {"session_timeout": "10m", "startup_overhead": "1s"}}))
-    monkeypatch.setattr(relay_step, "make_backend", lambda credentials_block=None: relay_env.backend())
+    monkeypatch.setattr(relay_host, "make_backend", lambda credentials_block=None: relay_env.backend())
 
     def tick() -> dict:
         return one_relay.relay(spec=str(spec), mode="tick", poll_seconds=0.2, tick_follow_seconds=0.5,

@@ -1,7 +1,7 @@
 """After a code error in the user's script (session 2 raises), the relay stops and says so; run again unchanged it
 stops again without pushing anything; once the script is fixed it pushes a new attempt of session 2, from the
 same checkpoint, and finishes. Through the `relay` flow and the `relays` flow alike: both carry out
-chain.after_handover in one per-relay step (tasks/relay_step.py)."""
+chain.after_handover in one per-relay step (relay/orchestrator/relay_step.py)."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +11,7 @@ from byo_fixtures import CRASHING, FINISHING
 
 
 def test_a_fixed_script_goes_on_after_a_code_error(relay_env, both_flows, monkeypatch):
-    from tasks.relay_step import RelayFailed
+    from relay.orchestrator.relay_context import RelayFailed
 
     relay_env.start()
     folder = relay_env.root / "byo-fix"

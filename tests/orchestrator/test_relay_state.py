@@ -121,7 +121,7 @@ def test_the_relay_flow_is_the_scheduler_with_one_relay(slots, monkeypatch):
     import flows.one_relay as one_relay
     import flows.relay_rounds as relay_rounds
     from relay.orchestrator import chain
-    from tasks.relay_step import Step
+    from relay.orchestrator.relay_context import Step
 
     obs = chain.Observation(None, None, None)
     script: list = []

@@ -41,7 +41,7 @@ def _published(emu, name: str) -> dict:
 
 def test_three_relays_share_the_cap_and_one_quota_wait(relay_env, reference, monkeypatch, tmp_path):
     import flows.relays_sharing_quota as relays_sharing_quota
-    import tasks.relay_step as relay_step
+    import tasks.relay_host as relay_host
     from flows.one_relay import RelayFailed
 
     emu = relay_env.start()
@@ -52,7 +52,7 @@ def test_three_relays_share_the_cap_and_one_quota_wait(relay_env, reference, mon
     broken.write_text("name: toy-broken\nrecipe: toy\noptim: {max_steps: -1}\n")
     for spec in specs:
         reference.start(spec)
-    monkeypatch.setattr(relay_step, "make_backend", lambda credentials_block=None: relay_env.backend())
+    monkeypatch.setattr(relay_host, "make_backend", lambda credentials_block=None: relay_env.backend())
     args = dict(specs=[str(s) for s in specs] + [str(broken)], cap=2, poll_seconds=0.3,
                 state_dir=str(tmp_path / "orchestrator"))
     allowed = emu.config.gpu_quota_s

@@ -30,14 +30,14 @@ def parses_counted(monkeypatch):
 
 
 def test_one_tick_opens_the_spec_at_most_twice_and_parses_it_once(relay_env, monkeypatch, tmp_path):
-    import tasks.relay_step as relay_step
+    import tasks.relay_host as relay_host
     from relay import launch
 
     relay_env.start()
     project = relay_env.root / "my-project"
     spec = copy_example("byo-plain", project, **RELAYED)  # the spec lies inside the code folder it ships
     relay_env.spec = spec
-    monkeypatch.setattr(relay_step, "make_backend", lambda credentials_block=None: relay_env.backend())
+    monkeypatch.setattr(relay_host, "make_backend", lambda credentials_block=None: relay_env.backend())
     for name, value in {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": FAKE_KEY, "RELAY_KAGGLE_ENDPOINT": relay_env.emu.url}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(project)

@@ -194,7 +194,8 @@ def test_a_failed_attempt_is_said_once_with_the_steps_it_lost():
     from types import SimpleNamespace
 
     from relay.shared.progress_line import PREFIX
-    from tasks import relay_step, relay_tasks
+    from relay.orchestrator import relay_step
+    from tasks import relay_tasks
 
     log = "\n".join(PREFIX + json.dumps({"kind": "train", "run_id": "r-s003-a1", "step": step, "time": T0 + step})
                     for step in (280, 350, 418))

@@ -1,144 +1,40 @@
-"""One relay's step, carried out the same way by the `relay` flow (one relay) and the `relays` flow (several under
-one session cap and one quota): observe Kaggle, decide (relay.orchestrator.chain.decide), hand a finished
-session over under a claim on Kaggle, act on what chain.after_handover decides (restore a corrupt checkpoint
-version, a new attempt once the code changed, a retry, stop), tell a person, show the running session, and push
-when the flow gives the relay a slot and a budget. A flow adds only its own part: how it waits (watch or tick),
-and, for several relays, the shared cap, the joint quota plan and the order in which ready relays get slots.
+"""One relay's step, the relay's algorithm, carried out the same way by the `relay` flow (one relay) and the
+`relays` flow (several under one session cap and one quota): observe Kaggle, decide (chain.decide), hand a
+finished session over under a claim on Kaggle, act on what chain.after_handover decides (restore a corrupt
+checkpoint version, a new attempt once the code changed, a retry, stop), tell a person, show the running session,
+and push when the flow gives the relay a slot and a budget. A flow adds only its own part: how it waits (watch or
+tick), and, for several relays, the shared cap, the joint quota plan and the order in which ready relays get slots.
+What it needs of the process it runs in (the Kaggle calls with retries, the log, the artifacts, a person told, the
+step lock, the live view) is its context's (relay_context.py; tasks/relay_host.py gives Prefect's).
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Optional
-
-from prefect import get_run_logger
 
 from relay.orchestrator import chain, goodput, handoff, restore, storage
 from relay.orchestrator.chain import Do
 from relay.orchestrator.relay_state import State, Wait
-from relay.orchestrator.kaggle.backend import KaggleBackend
-from relay.orchestrator.kaggle.lease import Lease, LeaseBusy, LeaseLost, NotALease
+from relay.orchestrator.kaggle.lease import LeaseBusy, LeaseLost, NotALease
 from relay.orchestrator.kaggle.selective_output import DiskSpaceError
 from relay.orchestrator.kaggle.types import KaggleUnresponsive, Quota, Refusal
-from relay.orchestrator.policy import environment_change, plan_text, recovery, view_forecasts, wedge_notice
-from relay.shared.code_folder import mark_outputs
+from relay.orchestrator.policy import environment_change, plan_text, recovery, wedge_notice
+from relay.orchestrator.relay_context import RelayContext, RelayFailed, Step
+from relay.orchestrator.session_view import Running
 from relay.shared.progress import Charge, Progress
-from relay.shared.spec import RunSpec
-from tasks import artifacts, quiet_logs, relay_tasks
-from tasks.live_view import LiveView, Running, TickMarks
-from tasks.notify import Notifier
-from tasks.step_lock import StepLock
-
-
-class RelayFailed(RuntimeError):
-    """The relay stopped and needs a person; the first line says why."""
-
-
-def make_backend(credentials_block: Optional[str] = None) -> KaggleBackend:
-    """The real Kaggle, or the emulator when RELAY_KAGGLE_ENDPOINT is set; credentials from the environment /
-    kaggle.json, or from a Prefect Secret block holding {"username", "key"} JSON."""
-    from relay.orchestrator.kaggle import from_env
-
-    creds = None
-    if credentials_block:
-        from prefect.blocks.system import Secret
-
-        value = Secret.load(credentials_block).get()
-        creds = json.loads(value) if isinstance(value, str) else value
-    return from_env(credentials=creds)
-
-
-@dataclass
-class RelayContext:
-    """Everything one relay's steps act with, built once per flow run from a spec that was loaded and checked once."""
-
-    spec: RunSpec
-    spec_text: str
-    backend: KaggleBackend
-    names: chain.Names
-    local: Path            # a cache only: everything here can be rebuilt from Kaggle
-    tell: Notifier
-    lock: StepLock         # one step at a time per relay on this Prefect server (0 s: none; or a RunStepLocks member)
-    lease: Lease           # claims on Kaggle, seen by every orchestrator
-    view: LiveView
-    links: str = ""                 # where the relay lives on Kaggle, as the summary artifacts link it
-    reported: Optional[str] = None  # the handed-over run the artifacts show
-    # failed attempts since the last hand-over that handed nothing over (goodput.failed_charge): the next push
-    # carries them in its plan, and the hand-over after it lists them in the published `charges`
-    unlisted: list = field(default_factory=list)
-
-    @classmethod
-    def open(cls, spec: RunSpec, spec_text: str, backend: KaggleBackend, state_dir: str | Path,
-             step_lock_wait_s: float = 0.0, tick: bool = False, lock=None) -> "RelayContext":
-        """`lock`: the relay's step lock when its flow run holds its relays' locks together (the `relays` flow:
-        tasks/run_step_locks.py); else a StepLock of its own, waiting at most `step_lock_wait_s`."""
-        quiet_logs.install()  # no "Finished in state Completed()" line per task run in the relay's flows
-        names = chain.Names(backend.username, spec.name)
-        local = Path(state_dir) / spec.name
-        local.mkdir(parents=True, exist_ok=True)
-        mark_outputs(Path(state_dir))  # never shipped as code when it lies in a code folder
-        tell = Notifier(spec.name, spec.notify.block)
-        plan, finish = view_forecasts(spec, backend)
-        links = names.links(getattr(backend, "endpoint", None))
-        view = LiveView(backend, names, local, session_max_steps=spec.session.max_steps,
-                        notify=lambda key, text: tell("warning", key, text), plan=plan,
-                        marks=TickMarks(spec.name) if tick else None, finish=finish, links=links)
-        return cls(spec, spec_text, backend, names, local, tell, lock or StepLock(spec.name, step_lock_wait_s),
-                   Lease(backend, spec.name, spec.kaggle.lease), view, links)
-
-    def pause(self) -> None:
-        """Between steps (waiting, following a session): another flow run of this relay may take a step."""
-        self.lock.release()
-
-    def close(self) -> None:
-        """Claims whose step took no effect are free for the next tick or run at once, not at their expiry."""
-        self.lock.release()
-        self.lease.release_open()
-
-
-@dataclass(frozen=True)
-class Step:
-    """What one step found or did, the one outcome both flows act on. Its state is one of the relay's states
-    (relay/orchestrator/relay_state.py): READY (to push, given a slot and a budget), RUNNING, HANDED_OVER,
-    RESTORED, PUSHED, WAITING (Kaggle's status lag, another orchestrator's claim, a refused push, a slot, the
-    quota), DONE, STOPPED (by the user: `relay stop`; why says so)."""
-
-    state: State
-    action: chain.Action
-    obs: chain.Observation
-    progress: Optional[Progress] = None   # the newest handed-over progress.json
-    why: str = ""                          # what it waits for
-    until: Optional[datetime] = None       # the quota refresh it waits for
-    lease_end: Optional[float] = None      # when the claim it waits for ends (unix time)
-    refusal: Optional[Refusal] = None      # Kaggle refused the push
-    deadline: Optional[float] = None       # running: when it is wedged if still running (look again then)
-    waits_for: Optional[Wait] = None       # waiting: for what a flow acts on (a slot of the account's cap, the quota)
-    stored: Optional[dict] = None          # done: what the relay stores on Kaggle (relay/orchestrator/storage.py)
-
-    def __post_init__(self) -> None:  # a parsed document (tests, old callers) reads as the model
-        object.__setattr__(self, "progress", Progress.read(self.progress))
-
-    def summary(self) -> dict:
-        p = self.progress or Progress()
-        return {"state": self.state.value, "run_id": self.action.run_id, "step": p.global_step,
-                "total_steps": p.total_steps, "sessions": len(p.sessions),
-                "metrics": p.metrics if p.metrics is not None else {}, "weights_sha256": p.weights_sha256,
-                "why": self.why,
-                **({"stored": self.stored} if self.stored is not None else {})}
 
 
 def advance(ctx: RelayContext) -> Step:
     """Observe, decide, and do what needs no session slot: hand over a finished session and recover from its
     failure, or stop. Returns "ready" with the next session's action, or the step taken or waited for; raises
     RelayFailed when the relay needs a person. Holds the step lock (ctx.pause releases it)."""
-    logger = get_run_logger()
+    logger = ctx.host.logger()
     ctx.lock.acquire()
-    obs = relay_tasks.observe(ctx.backend, ctx.names, ctx.local, ctx.spec.kaggle.startup_overhead)
+    obs = ctx.host.observe(ctx.backend, ctx.names, ctx.local, ctx.spec.kaggle.startup_overhead)
     action = chain.decide(ctx.spec.name, obs)
     logger.info("decide: %s %s (%s)", action.do.value, action.run_id or "", action.reason)
     _report(ctx, obs, action)
@@ -175,9 +71,9 @@ def _wedged(ctx: RelayContext, obs: chain.Observation, wedged: chain.Action) -> 
     notice = wedge_notice(ctx.spec.name, then, obs.published_step)
     told = ctx.tell("session.wedged", f"wedged-{wedged.run_id}", notice)
     if then.do is Do.WAIT:  # said once; every later look only decides it again
-        get_run_logger().log(logging.WARNING if told else logging.INFO, "%s", notice)
+        ctx.host.logger().log(logging.WARNING if told else logging.INFO, "%s", notice)
         return Step(State.RUNNING, then, obs, obs.published)
-    get_run_logger().warning("%s", notice)
+    ctx.host.logger().warning("%s", notice)
     key = f"handover-{wedged.run_id}"
     held = _claim(ctx, key, obs, wedged)
     if isinstance(held, Step):
@@ -185,7 +81,7 @@ def _wedged(ctx: RelayContext, obs: chain.Observation, wedged: chain.Action) -> 
     confirm = ctx.lease.guard(held)
     harvested = None
     try:
-        harvested = relay_tasks.hand_over(ctx.backend, ctx.spec, ctx.names, wedged, obs, ctx.local,
+        harvested = ctx.host.hand_over(ctx.backend, ctx.spec, ctx.names, wedged, obs, ctx.local,
                                           confirm=confirm)
         confirm()
     except LeaseLost as lost:
@@ -193,7 +89,7 @@ def _wedged(ctx: RelayContext, obs: chain.Observation, wedged: chain.Action) -> 
     except (DiskSpaceError, KaggleUnresponsive):
         raise  # its output may hold a checkpoint: never deleted unread for want of disk here or of an answer
     except Exception as err:  # noqa: BLE001 - Kaggle may refuse a running session's output: nothing to harvest
-        get_run_logger().warning("wedged %s: its output could not be read (%s); nothing harvested", wedged.run_id, err)
+        ctx.host.logger().warning("wedged %s: its output could not be read (%s); nothing harvested", wedged.run_id, err)
     pushed = _current_plan(ctx)  # the wedged attempt's push, read while its kernel is there
     ok = harvested is not None and harvested.ok
     then = chain.after_wedge(ctx.spec.name, wedged, ok, ctx.spec.kaggle.max_failed_sessions + 1)
@@ -204,8 +100,8 @@ def _wedged(ctx: RelayContext, obs: chain.Observation, wedged: chain.Action) -> 
     # for a while after a delete (the session count still counts the deleted session, kaggle-cli #185), and every
     # later look (this flow's, a tick's, another orchestrator's) must decide the same new attempt, never push the
     # deleted run id again, and push it with the deleted attempt's GPU time
-    relay_tasks.note_deleted(ctx.backend, ctx.names, wedged.run_id, ctx.unlisted if not ok else [])
-    relay_tasks.delete_kernel(ctx.backend, ctx.names.kernel)
+    ctx.host.note_deleted(ctx.backend, ctx.names, wedged.run_id, ctx.unlisted if not ok else [])
+    ctx.host.delete_kernel(ctx.backend, ctx.names.kernel)
     ctx.lease.took_effect(key)
     if then.failed:
         why_not = f" (its output: {harvested.reason})" if harvested is not None and not harvested.ok else ""
@@ -232,9 +128,9 @@ def _stored(ctx: RelayContext) -> Optional[dict]:
     try:
         stored = storage.relay_storage(ctx.backend, ctx.names)
     except Exception as err:  # noqa: BLE001 - a report never stops a relay
-        get_run_logger().info("what the relay stores on Kaggle was not read: %s", err)
+        ctx.host.logger().info("what the relay stores on Kaggle was not read: %s", err)
         return None
-    get_run_logger().info("%s", storage.storage_line(stored, ctx.spec.kaggle.checkpoint_versions))
+    ctx.host.logger().info("%s", storage.storage_line(stored, ctx.spec.kaggle.checkpoint_versions))
     return stored
 
 
@@ -254,7 +150,7 @@ def _steps_lost(run_id: str, log_tail: str, obs: chain.Observation) -> str:
 
 def _session_failed(ctx: RelayContext, run_id: str, why: str) -> None:
     """A failed session (a code error, a stall, another accelerator than asked): in the flow's log and told."""
-    get_run_logger().warning("%s", why)
+    ctx.host.logger().warning("%s", why)
     ctx.tell("session.failed", f"failed-{run_id}", f"{ctx.spec.name}: {why}")
 
 
@@ -266,7 +162,7 @@ def _hand_over(ctx: RelayContext, obs: chain.Observation, action: chain.Action) 
         return held
     confirm = ctx.lease.guard(held)
     try:
-        result = relay_tasks.hand_over(ctx.backend, ctx.spec, ctx.names, action, obs, ctx.local, confirm=confirm)
+        result = ctx.host.hand_over(ctx.backend, ctx.spec, ctx.names, action, obs, ctx.local, confirm=confirm)
     except LeaseLost as lost:
         return Step(State.WAITING, action, obs, obs.published, why=f"hand-over of {action.run_id} stopped: {lost}")
     facts = recovery(ctx.backend, ctx.names, ctx.spec, ctx.spec_text, action, result)
@@ -274,7 +170,7 @@ def _hand_over(ctx: RelayContext, obs: chain.Observation, action: chain.Action) 
     if then.failed:  # its reason says why nothing was handed over: said once, with the steps it cost
         _session_failed(ctx, action.run_id, then.failed + _steps_lost(action.run_id, result.log_tail, obs))
     elif not result.ok:
-        get_run_logger().warning("session %d not handed over: %s%s", action.session, result.reason,
+        ctx.host.logger().warning("session %d not handed over: %s%s", action.session, result.reason,
                                  _steps_lost(action.run_id, result.log_tail, obs))
     if then.do is Do.HANDED_OVER:
         ctx.lease.took_effect(key)
@@ -297,7 +193,7 @@ def _current_plan(ctx: RelayContext) -> Optional[dict]:
     try:
         return ctx.backend.current_plan(ctx.names.kernel)
     except Exception as err:  # noqa: BLE001 - the ledger never stops a relay
-        get_run_logger().info("the pushed plan of %s not read: %s", ctx.names.kernel, err)
+        ctx.host.logger().info("the pushed plan of %s not read: %s", ctx.names.kernel, err)
         return None
 
 
@@ -309,7 +205,7 @@ def _unlisted(ctx: RelayContext, run_id: str, log_tail: str, why: str, plan: Opt
         record = goodput.failed_charge(run_id, log_tail, plan, time.time(), why, wedged=wedged)
         ctx.unlisted = goodput.failed_charges(plan, record)
     except Exception as err:  # noqa: BLE001 - the ledger never stops a relay
-        get_run_logger().info("the charge of %s not recorded: %s", run_id, err)
+        ctx.host.logger().info("the charge of %s not recorded: %s", run_id, err)
 
 
 def _restore(ctx: RelayContext, obs: chain.Observation, action: chain.Action, confirm) -> Step:
@@ -323,7 +219,7 @@ def _restore(ctx: RelayContext, obs: chain.Observation, action: chain.Action, co
     except LeaseLost as lost:
         return Step(State.WAITING, action, obs, obs.published, why=f"restore after {action.run_id} stopped: {lost}")
     ctx.lease.took_effect(f"handover-{action.run_id}")
-    get_run_logger().warning("%s", done)
+    ctx.host.logger().warning("%s", done)
     return Step(State.RESTORED, action, obs, obs.published)
 
 
@@ -339,11 +235,11 @@ def push(ctx: RelayContext, ready: Step, budget_s: float, quota: Optional[Quota]
     held = _claim(ctx, key, obs, action)  # its act, SaveKernel, follows within seconds
     if isinstance(held, Step):
         return held
-    stop = relay_tasks.user_stop(ctx.backend, ctx.names)  # a `relay stop` since this step observed: no push
+    stop = ctx.host.user_stop(ctx.backend, ctx.names)  # a `relay stop` since this step observed: no push
     if stop:
         stopped = chain.unless_stopped(ctx.spec.name, replace(obs, stopped_by_user=stop), action)
         return Step(State.STOPPED, stopped, obs, obs.published, why=stopped.reason)
-    pushed = relay_tasks.push_session(ctx.backend, session)
+    pushed = ctx.host.push_session(ctx.backend, session)
     if pushed.refusal is not None:
         until = quota.refresh_time if (pushed.refusal is Refusal.QUOTA and quota) else None
         return Step(State.WAITING, action, obs, obs.published, why=f"push refused ({pushed.refusal.value}):"
@@ -354,7 +250,7 @@ def push(ctx: RelayContext, ready: Step, budget_s: float, quota: Optional[Quota]
 
 
 def plan(ctx: RelayContext, progress: Optional[Progress], quota: Optional[Quota]) -> None:
-    get_run_logger().info("plan:\n%s", plan_text(ctx.spec, progress, quota, datetime.now(timezone.utc)))
+    ctx.host.logger().info("plan:\n%s", plan_text(ctx.spec, progress, quota, datetime.now(timezone.utc)))
 
 
 def quota_spent(ctx: RelayContext, ready: Step, quota: Optional[Quota]) -> Step:
@@ -366,16 +262,20 @@ def quota_spent(ctx: RelayContext, ready: Step, quota: Optional[Quota]) -> Step:
                 why=f"weekly GPU quota spent; waiting until {until}", until=until, waits_for=Wait.QUOTA)
 
 
-def show_running(ctx: RelayContext, running: Step):
-    """Follow the running session's log and refresh its live view (progress, table, curves, early warnings)."""
-    live = ctx.view.follow(running.action.run_id)
-    ctx.view.deadline = running.deadline  # a session still running after it is wedged: the progress card says so
+def show_running(ctx: RelayContext, running: Step, catch_up_s: Optional[float] = None):
+    """Follow the running session's log and refresh its live view (progress, table, curves, early warnings);
+    given `catch_up_s` (a tick), once more with what the log gives within that many seconds."""
+    # a session still running past its deadline is wedged: the progress card says so
+    live = ctx.view.follow(running.action.run_id, running.deadline)
     ctx.view.refresh(running.progress, running.obs.kernel_state or "starting")
+    if catch_up_s is not None:  # a tick's view: catches up
+        live.wait(catch_up_s)
+        ctx.view.refresh(running.progress, running.obs.kernel_state or "starting")
     return live
 
 
 def following(ctx: RelayContext, running: Step) -> Optional[Running]:
-    """The running session to wait on (tasks/live_view.follow_sessions); None while Kaggle does not show its
+    """The running session to wait on (tasks/live_view.py follow_sessions); None while Kaggle does not show its
     version yet (right after a push)."""
     if not running.obs.kernel_version:
         return None
@@ -384,7 +284,7 @@ def following(ctx: RelayContext, running: Step) -> Optional[Running]:
 
 def stopped(ctx: RelayContext, err: RelayFailed) -> None:
     """The relay stopped and needs a person: the summary artifact says why, and a person is told once."""
-    artifacts.publish_stop(ctx.spec.name, str(err))
+    ctx.host.publish_stop(ctx.spec.name, str(err))
     reason = str(err).split("\n")[0]
     ctx.tell("stopped", "stopped-" + hashlib.sha256(reason.encode()).hexdigest()[:12],
              f"{ctx.spec.name} stopped and needs you: {reason}")
@@ -406,8 +306,8 @@ def _report(ctx: RelayContext, obs: chain.Observation, action: chain.Action) -> 
     """The session table, curves and plan as artifacts, once per handed-over session."""
     if obs.published and obs.published.run_id != ctx.reported:
         metrics = handoff.published_metrics(ctx.backend, ctx.names, ctx.local, obs.published)
-        text = plan_text(ctx.spec, obs.published, relay_tasks.read_quota(ctx.backend), datetime.now(timezone.utc))
-        artifacts.publish_report(ctx.spec.name, obs.published, ctx.local, metrics, plan_text=text,
+        text = plan_text(ctx.spec, obs.published, ctx.host.read_quota(ctx.backend), datetime.now(timezone.utc))
+        ctx.host.publish_report(ctx.spec.name, obs.published, ctx.local, metrics, plan_text=text,
                                  state=action.do.value, links=ctx.links, save_every_s=ctx.spec.session.save_every)
         done, total = obs.published.global_step, obs.published.total_steps or 1
         ctx.view.show_progress(done, total, f"{ctx.spec.name}: step {done} of {total},"
