@@ -62,7 +62,7 @@ def test_the_orchestrator_knows_nothing_of_prefect():
     assert not found, found
 
 
-def test_the_orchestrator_never_imports_torch():
+def test_the_orchestrator_never_imports_torch(spawns_processes):
     """The flows, the CLI and the spec loader (every built-in example spec) run without torch or anything else
     of the `[train]` extra (tests/orchestrator/test_tick.py runs whole ticks with them blocked): a GitHub-hosted tick stays
     small, and the handoff's peak RSS stays under its 300 MB goal (bench/bench_handoff.py)."""
