@@ -148,7 +148,7 @@ _RUNNING: dict[str, Any] = {}
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item, nextitem):
+def pytest_runtest_setup(item):
     _RUNNING["item"] = item
 
 
@@ -168,9 +168,9 @@ def _fast_tier_starts_no_process(request):
     def guard(original):
         def refuse(*args, **kwargs):
             item = _RUNNING.get("item")
-            if item is None or item.get_closest_marker("slow"):
+            if item is not None and item.get_closest_marker("slow"):
                 return original(*args, **kwargs)
-            raise RuntimeError(f"{item.nodeid} starts a process but is not marked slow: request the "
+            raise RuntimeError(f"{getattr(item, 'nodeid', 'a test')} starts a process but is not marked slow: request the "
                                "`spawns_processes` fixture (tests/conftest.py) so `make test-fast` leaves it out")
         return refuse
 
