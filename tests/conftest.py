@@ -143,18 +143,41 @@ def spawns_processes():
     the test `slow`."""
 
 
-@pytest.fixture(autouse=True)
-def _fast_tier_starts_no_process(request, monkeypatch):
-    """In the fast tier, starting a process is a mistake in the tier, reported as such (not a slow pass)."""
-    if request.node.get_closest_marker("slow") or "not slow" not in (request.config.option.markexpr or ""):
+# The test being run (its setup, call and teardown), for the fast tier's guard below.
+_RUNNING: dict[str, Any] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _RUNNING["item"] = item
+
+
+# What starts a process: subprocess binds _posixsubprocess.fork_exec at its import, so both names are patched.
+_PROCESS_STARTERS = [(_posixsubprocess, "fork_exec"), (subprocess, "_fork_exec")] + [
+    (os, name) for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system") if hasattr(os, name)]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fast_tier_starts_no_process(request):
+    """In the fast tier, starting a process is a mistake in the tier, reported as such (not a slow pass). Patched
+    for the whole session, so that a module- or session-scoped fixture that starts one is caught too."""
+    if "not slow" not in (request.config.option.markexpr or ""):
+        yield
         return
 
-    def refuse(*args, **kwargs):
-        raise RuntimeError(f"{request.node.nodeid} starts a process but is not marked slow: request the "
-                           "`spawns_processes` fixture (tests/conftest.py) so `make test-fast` leaves it out")
+    def guard(original):
+        def refuse(*args, **kwargs):
+            item = _RUNNING.get("item")
+            if item is not None and item.get_closest_marker("slow"):
+                return original(*args, **kwargs)
+            raise RuntimeError(f"{getattr(item, 'nodeid', 'a test')} starts a process but is not marked slow: request the "
+                               "`spawns_processes` fixture (tests/conftest.py) so `make test-fast` leaves it out")
+        return refuse
 
-    monkeypatch.setattr(_posixsubprocess, "fork_exec", refuse)
-    monkeypatch.setattr(os, "fork", refuse)
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, name in _PROCESS_STARTERS:
+            patch.setattr(owner, name, guard(getattr(owner, name)))
+        yield
 
 
 def deep_merge(base: dict, overrides: dict) -> dict:

@@ -9,6 +9,7 @@ neither Prefect nor the `kaggle` client, and orchestrator changes cannot break a
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +63,7 @@ def test_the_orchestrator_knows_nothing_of_prefect():
     assert not found, found
 
 
-def test_the_orchestrator_never_imports_torch():
+def test_the_orchestrator_never_imports_torch(spawns_processes):
     """The flows, the CLI and the spec loader (every built-in example spec) run without torch or anything else
     of the `[train]` extra (tests/orchestrator/test_tick.py runs whole ticks with them blocked): a GitHub-hosted tick stays
     small, and the handoff's peak RSS stays under its 300 MB goal (bench/bench_handoff.py)."""
@@ -87,9 +88,10 @@ print([m for m in TRAINING_STACK if m in sys.modules and m != "PIL"] or False)
     assert out.stdout.strip().splitlines()[-1] == "False", "an orchestrator module imports torch at module level"
 
 
+@functools.lru_cache(maxsize=None)
 def import_graph() -> dict[str, set[str]]:
     """module -> the project modules it imports anywhere in its body (lazy imports too: a cycle through a
-    function's import is still a cycle in the design)."""
+    function's import is still a cycle in the design). Read once per process: the tests only read it."""
     modules = {}
     for base in ("relay", "flows", "tasks"):
         for path in (REPO / base).rglob("*.py"):

@@ -261,7 +261,7 @@ def test_init_refuses_to_overwrite_and_names_bad_options(tmp_path, monkeypatch, 
 
 
 @pytest.fixture
-def relay_checkout(tmp_path) -> tuple[Path, str]:
+def relay_checkout(tmp_path, spawns_processes) -> tuple[Path, str]:
     """A copy of this checkout's sources committed to a fresh git repository, as a user's clone of kaggle-relay
     is (its remote is added by the test); its commit."""
     src = tmp_path / "kaggle-relay"
@@ -316,7 +316,7 @@ def test_init_pins_the_commit_it_runs_from_and_the_workflows_install_step_instal
     assert where.startswith(str(venv)), where  # the relay installed from the pinned commit, not the checkout
 
 
-def test_the_install_step_refuses_a_committed_wheel_whose_bytes_changed(wheel, tmp_path):
+def test_the_install_step_refuses_a_committed_wheel_whose_bytes_changed(wheel, tmp_path, spawns_processes):
     repo = tmp_path / "my-model"
     repo.mkdir()
     (repo / "train.py").write_text(tiny_session_script())
@@ -334,7 +334,7 @@ def test_the_install_step_refuses_a_committed_wheel_whose_bytes_changed(wheel, t
 
 
 @pytest.mark.parametrize("name", ["ci.yml", "relay-tick.yml"])
-def test_the_projects_own_workflows_lint_clean(name):
+def test_the_projects_own_workflows_lint_clean(name, spawns_processes):
     """The project's own CI and tick workflows meet the bar the generated one does (pinned actions, no persisted
     checkout token, read-only permissions)."""
     _lint(REPO / ".github" / "workflows" / name)

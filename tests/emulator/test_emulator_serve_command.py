@@ -44,7 +44,7 @@ def stop_serve(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture
-def served(tmp_path):
+def served(tmp_path, spawns_processes):
     home, tmp = tmp_path / "home", tmp_path / "tmp"
     home.mkdir()
     tmp.mkdir()

@@ -87,7 +87,7 @@ def test_credentials_from_env_and_kaggle_json(tmp_path):
         resolve(env={"KAGGLE_CONFIG_DIR": str(tmp_path)})
 
 
-def test_bundle_is_deterministic_and_versioned_like_code_version(tmp_path):
+def test_bundle_is_deterministic_and_versioned_like_code_version(tmp_path, spawns_processes):
     bundle = build_bundle()
     names = zipfile.ZipFile(io.BytesIO(bundle.data)).namelist()
     # the kernel side, what `python -m relay train` enters by and what user code imports; the orchestrator stays home
@@ -112,7 +112,7 @@ def test_kernel_source_is_valid_python_with_marker_and_rejects_bad_run_ids(tmp_p
         render(SessionKernel(kernel="u/k", title="Title", spec_text="", run_id="bad id; rm -rf"), build_bundle())
 
 
-def test_kernel_source_runs_relay_with_the_plan_it_was_pushed_with(tmp_path):
+def test_kernel_source_runs_relay_with_the_plan_it_was_pushed_with(tmp_path, spawns_processes):
     """Run the generated script with a stand-in for `python -m relay`, and check the command it builds: the plan the
     orchestrator made, passed on as it is (the session finds the mounts: tests/shared/test_session_plan.py)."""
     bundle = build_bundle()

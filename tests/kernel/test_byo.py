@@ -352,6 +352,8 @@ def test_make_bench_reports_the_session_api_overhead(tmp_path, capsys):
     bench_run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_run)
     assert "byo" in bench_run.BENCHES
+    module, full, quick = bench_run.BENCHES["byo"]  # --quick smaller still: 1 round of 2 turns (not 3 of 4)
+    bench_run.BENCHES["byo"] = (module, full, {**quick, "steps": 50, "repeats": 1})
     bench_run.main(["--only", "byo", "--quick", "--out", str(tmp_path / "results.json")])
     figures = json.loads((tmp_path / "results.json").read_text())["figures"]
     assert figures["byo_target_overhead"] == 1.03 and figures["byo_session_over_plain"] > 0

@@ -55,7 +55,7 @@ def test_verify_resume_on_a_notebook_says_identical(relay_cli, tmp_path):
 
 
 # -- the cells run in one __main__ namespace, shell lines in a shell -----------------------------------------
-def test_cells_run_in_order_in_one_main_namespace(tmp_path, monkeypatch, capfd):
+def test_cells_run_in_order_in_one_main_namespace(tmp_path, monkeypatch, capfd, spawns_processes):
     """What a cell defines is the next cell's (a class pickles as __main__.Point, as in Jupyter); `%` inside a
     string or a bracket is Python's; `!` lines run in a shell and a failing one does not stop the notebook."""
     monkeypatch.chdir(tmp_path)

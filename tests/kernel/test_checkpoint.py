@@ -443,7 +443,7 @@ for step in (1, 2, 5):
 """
 
 
-def test_stop_mid_save_seam_leaves_a_torn_save_to_kill(tmp_path):
+def test_stop_mid_save_seam_leaves_a_torn_save_to_kill(tmp_path, spawns_processes):
     """RELAY_TEST_STOP_MID_SAVE=3: the process stops itself in its first save at step >= 3 (after saves
     below it), every file written, the folder not renamed; SIGKILL there leaves step 2 the latest."""
     import signal

@@ -52,9 +52,15 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained(data_dir, tmp_path_factory):
+def recipe(data_dir, tmp_path_factory) -> PriceModelRecipe:
+    """The tiny config, prepared: what the tests that train no model of their own need (an xdist worker handed
+    only these does not make `trained`)."""
+    return make_recipe(data_dir, tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def trained(recipe):
     """A hand-written loop (batch 8, AdamW) over the tiny config: metrics before and after 250 steps."""
-    recipe = make_recipe(data_dir, tmp_path_factory.mktemp("cache"))
     torch.manual_seed(0)
     model = recipe.build_model()
     start = evaluate(recipe, model)
@@ -156,8 +162,7 @@ def test_prepare_splits_rows_and_second_prepare_hits_the_cache(data_dir, tmp_pat
     assert not make_recipe(data_dir, tmp_path / "cache", max_len=32).feature_cache.events[0].hit
 
 
-def test_items_are_pure_functions_of_the_index_and_collate_pads(trained):
-    recipe = trained[0]
+def test_items_are_pure_functions_of_the_index_and_collate_pads(recipe):
     dataset = recipe.train_dataset()
     for i in (0, 5, len(dataset) - 1):
         a, b = dataset[i], dataset[i]
@@ -182,8 +187,7 @@ def test_smape_matches_the_challenge_definition():
     assert smape(np.array([1.0]), np.array([1.0])) == 0.0
 
 
-def test_activation_checkpointing_keeps_gradients_and_uses_the_current_api(trained):
-    recipe = trained[0]
+def test_activation_checkpointing_keeps_gradients_and_uses_the_current_api(recipe):
     batch = recipe.collate([recipe.train_dataset()[i] for i in range(4)])
     grads = []
     for checkpointing in (False, True):
@@ -226,10 +230,9 @@ def test_export_round_trips_through_safetensors(trained, tmp_path):
     model.train()
 
 
-def test_pretrained_loads_from_a_local_folder_and_falls_back_when_missing(trained, data_dir, tmp_path, caplog):
+def test_pretrained_loads_from_a_local_folder_and_falls_back_when_missing(recipe, data_dir, tmp_path, caplog):
     from transformers import DebertaV2Model, PreTrainedTokenizerFast
 
-    recipe = trained[0]
     torch.manual_seed(3)
     source = recipe.build_model().text_encoder
     source.save_pretrained(tmp_path / "local_model")

@@ -65,7 +65,7 @@ def run_script(source: str, workdir: Path, mode: str) -> None:
     assert proc.returncode == (-signal.SIGKILL if mode == "kill" else 0), proc.stderr[-2000:]
 
 
-def test_a_resumed_session_supersedes_the_steps_logged_after_its_checkpoint(tmp_path):
+def test_a_resumed_session_supersedes_the_steps_logged_after_its_checkpoint(tmp_path, spawns_processes):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
@@ -130,7 +130,8 @@ session.close()
 """
 
 
-def test_lightnings_logger_records_the_relays_step_so_the_handoff_cut_supersedes_its_tail(tmp_path):
+def test_lightnings_logger_records_the_relays_step_so_the_handoff_cut_supersedes_its_tail(tmp_path,
+                                                                                               spawns_processes):
     """Lightning alone logs a training step at the steps done before it; at the relay's step, the handoff's cut
     at the checkpoint (20) drops exactly the steps the next session trains again (21-24), none twice."""
     pytest.importorskip("lightning")

@@ -25,7 +25,7 @@ for message, error in [("Error flushing 3 events (3 to retry, 0 dropped)", sqlit
 '''
 
 
-def test_the_embedded_servers_retried_sqlite_write_is_one_warning_line_and_real_errors_keep_their_traceback(tmp_path):
+def test_the_embedded_servers_retried_sqlite_write_is_one_warning_line_and_real_errors_keep_their_traceback(tmp_path, spawns_processes):
     settings = embedded_prefect.settings_file(tmp_path)
     assert settings is not None and settings.parent == tmp_path
     env = {**os.environ, "PREFECT_LOGGING_SETTINGS_PATH": str(settings), "PREFECT_SERVER_LOGGING_LEVEL": "WARNING"}

@@ -31,7 +31,7 @@ def _checkout(root: Path, version: str = "1.2.3", remote: str | None = None, sub
                           check=True).stdout.strip()
 
 
-def test_the_default_pins_the_running_checkouts_commit_from_its_remote(tmp_path):
+def test_the_default_pins_the_running_checkouts_commit_from_its_remote(tmp_path, spawns_processes):
     commit = _checkout(tmp_path / "relay-src", remote="git@github.com:me/kaggle-relay.git")
     pin = install_source.running("1.2.3", tmp_path / "relay-src")
     assert pin.requirement == f"kaggle-relay @ git+https://github.com/me/kaggle-relay.git@{commit}"
@@ -46,7 +46,7 @@ def test_the_default_pins_the_running_checkouts_commit_from_its_remote(tmp_path)
         install_source.running("9.9.9", tmp_path / "relay-src")  # the committed version is what a runner gets
 
 
-def test_a_checkout_inside_a_larger_repository_pins_its_subdirectory(tmp_path):
+def test_a_checkout_inside_a_larger_repository_pins_its_subdirectory(tmp_path, spawns_processes):
     commit = _checkout(tmp_path / "mono", remote="https://github.com/me/mono", sub="tools/kaggle-relay")
     pin = install_source.running("1.2.3", tmp_path / "mono/tools/kaggle-relay")
     assert pin.requirement == f"kaggle-relay @ git+https://github.com/me/mono@{commit}#subdirectory=tools/kaggle-relay"
@@ -58,7 +58,7 @@ def test_a_checkout_inside_a_larger_repository_pins_its_subdirectory(tmp_path):
     ("/srv/git/kaggle-relay", "is not an https or ssh URL a runner can clone"),
     ("file:///srv/git/kaggle-relay", "is not an https or ssh URL a runner can clone"),
 ])
-def test_a_checkout_a_runner_cannot_fetch_is_one_line_naming_both_flags(tmp_path, remote, why):
+def test_a_checkout_a_runner_cannot_fetch_is_one_line_naming_both_flags(tmp_path, remote, why, spawns_processes):
     if remote == "(not a git repository)":
         (tmp_path / "src/relay").mkdir(parents=True)
         (tmp_path / "src/pyproject.toml").write_text("")
@@ -70,7 +70,7 @@ def test_a_checkout_a_runner_cannot_fetch_is_one_line_naming_both_flags(tmp_path
     assert "\n" not in line and why in line and "--git URL@COMMIT" in line and "--wheel FILE" in line
 
 
-def test_plan_without_flags_uses_the_running_pin_and_checks_existing_files_first(tmp_path):
+def test_plan_without_flags_uses_the_running_pin_and_checks_existing_files_first(tmp_path, spawns_processes):
     commit = _checkout(tmp_path / "src", remote="https://github.com/me/kaggle-relay")
     (tmp_path / "user").mkdir()
     (tmp_path / "user/t.py").write_text("")

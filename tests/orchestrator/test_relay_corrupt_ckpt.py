@@ -41,7 +41,7 @@ def _train(tmp_path: Path, spec: Path, workdir: Path, *extra: str) -> subprocess
 
 @pytest.mark.parametrize("damage, why", [(flip_bytes, "state.pt crc32 mismatch"),
                                          (truncate, "bytes, its manifest says")])
-def test_session_refuses_to_start_over_from_a_corrupt_mount(tmp_path, damage, why):
+def test_session_refuses_to_start_over_from_a_corrupt_mount(tmp_path, damage, why, spawns_processes):
     spec = write_spec(tmp_path / "spec", **{"optim.max_steps": 40, "session.max_steps": 20})
     first = _train(tmp_path, spec, tmp_path / "first")
     assert first.returncode == 0, first.stderr[-3000:]

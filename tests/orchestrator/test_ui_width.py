@@ -164,7 +164,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium here (CI has none): the width model alone checks")
-def test_in_chromium_no_table_or_code_block_is_wider_than_the_uis_column(tmp_path):
+def test_in_chromium_no_table_or_code_block_is_wider_than_the_uis_column(tmp_path, spawns_processes):
     """The same markdown rendered to HTML in a column as wide as the UI's (859 px, nowrap cells, Prefect's fonts
     approximated by the system's sans and mono at 14 px): every table and code block fits."""
     body = MarkdownIt("commonmark").enable("table").render(summary())

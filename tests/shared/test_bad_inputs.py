@@ -342,7 +342,7 @@ SUB_CASES = [c for c in CASES if c.sub]
 
 
 @pytest.mark.parametrize("case", SUB_CASES, ids=[c.id for c in SUB_CASES])
-def test_bad_input_through_the_real_command(case: Case, case_root: Path, tmp_path):
+def test_bad_input_through_the_real_command(case: Case, case_root: Path, tmp_path, spawns_processes):
     argv = case.setup(case_root)
     cli = RelayCLI(tmp_path / "env")  # HOME, TMPDIR outside the case folder
     before = snapshot(case_root)
