@@ -272,13 +272,11 @@ class RelayEnv:
 
     def flow_process(self, mode: str = "watch", state_dir: str = "orchestrator", seed: int = 0,
                      log_name: str = "flow.log", step_lock: bool = False,
-                     flow: Optional[str] = None, tick_every: float = 0.2, poll_seconds: float = 0.3
-                     ) -> subprocess.Popen:
+                     flow: Optional[str] = None, tick_every: float = 0.2) -> subprocess.Popen:
         """The relay's flow (`flow`, else self.flow: "relay" or "relays") in a child process (so a test can
         SIGKILL it), against the same Prefect server.
         mode "tick-loop": ticks until done, as a schedule would, `tick_every` seconds after each tick's end (each
-        tick is a whole flow run, ~0.6 CPU s of the flow process and the server); `poll_seconds`: the flow's (its
-        Kaggle looks while a session runs, ~0.1 CPU s each). step_lock=True: it takes the
+        tick is a whole flow run, ~0.6 CPU s of the flow process and the server). step_lock=True: it takes the
         relay's Prefect step lock; without it, it stands for an orchestrator that shares nothing with the others
         but Kaggle (a GitHub Actions tick beside a Prefect server)."""
         driver = self.root / "flow_driver.py"
@@ -288,7 +286,7 @@ class RelayEnv:
                         PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
                         RELAY_TEST_ENDPOINT=self.emu.url, RELAY_TEST_USER=USER, RELAY_TEST_KEY=FAKE_KEY,
                         RELAY_TEST_STEP_LOCK_WAIT=str(STEP_LOCK_WAIT_S if step_lock else 0),
-                        RELAY_TEST_TICK_EVERY=str(tick_every), RELAY_TEST_POLL_S=str(poll_seconds))
+                        RELAY_TEST_TICK_EVERY=str(tick_every))
         for d in ("flow-home", "flow-tmp"):
             (self.root / d).mkdir(exist_ok=True)
         with open(self.root / log_name, "a") as log:
@@ -451,8 +449,7 @@ def make_backend(credentials_block=None):
 
 
 relay_step.make_backend = make_backend
-kwargs = dict(poll_seconds=float(os.environ["RELAY_TEST_POLL_S"]), state_dir=sys.argv[3],
-              step_lock_wait_s=float(os.environ["RELAY_TEST_STEP_LOCK_WAIT"]))
+kwargs = dict(poll_seconds=0.3, state_dir=sys.argv[3], step_lock_wait_s=float(os.environ["RELAY_TEST_STEP_LOCK_WAIT"]))
 if sys.argv[5] == "relays":
     import flows.relays_sharing_quota as relays_sharing_quota
     from relay.shared.spec import load
