@@ -272,19 +272,21 @@ class RelayEnv:
 
     def flow_process(self, mode: str = "watch", state_dir: str = "orchestrator", seed: int = 0,
                      log_name: str = "flow.log", step_lock: bool = False,
-                     flow: Optional[str] = None) -> subprocess.Popen:
+                     flow: Optional[str] = None, tick_every: float = 0.2) -> subprocess.Popen:
         """The relay's flow (`flow`, else self.flow: "relay" or "relays") in a child process (so a test can
         SIGKILL it), against the same Prefect server.
-        mode "tick-loop": ticks until done, as a schedule would. step_lock=True: it takes the relay's Prefect
-        step lock; without it, it stands for an orchestrator that shares nothing with the others but Kaggle (a
-        GitHub Actions tick beside a Prefect server)."""
+        mode "tick-loop": ticks until done, as a schedule would, `tick_every` seconds after each tick's end (each
+        tick is a whole flow run, ~0.6 CPU s of the flow process and the server). step_lock=True: it takes the
+        relay's Prefect step lock; without it, it stands for an orchestrator that shares nothing with the others
+        but Kaggle (a GitHub Actions tick beside a Prefect server)."""
         driver = self.root / "flow_driver.py"
         driver.write_text(FLOW_DRIVER)
         env = clean_env(HOME=str(self.root / "flow-home"), TMPDIR=str(self.root / "flow-tmp"),
                         PREFECT_API_URL=self.prefect_api, PREFECT_HOME=os.environ.get("PREFECT_HOME", ""),
                         PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
                         RELAY_TEST_ENDPOINT=self.emu.url, RELAY_TEST_USER=USER, RELAY_TEST_KEY=FAKE_KEY,
-                        RELAY_TEST_STEP_LOCK_WAIT=str(STEP_LOCK_WAIT_S if step_lock else 0))
+                        RELAY_TEST_STEP_LOCK_WAIT=str(STEP_LOCK_WAIT_S if step_lock else 0),
+                        RELAY_TEST_TICK_EVERY=str(tick_every))
         for d in ("flow-home", "flow-tmp"):
             (self.root / d).mkdir(exist_ok=True)
         with open(self.root / log_name, "a") as log:
@@ -388,6 +390,33 @@ def forget_account_slots() -> None:
                 client.delete_variable_by_name(variable.name)
 
 
+def forget_relays() -> None:
+    """forget_account_slots, and what relays keep on the worker's shared Prefect server under their names: their
+    step locks (the limits `relay-<name>` and records `relay-step-lock-<name>`: tasks/step_lock.py) and the notices
+    told (`relay-notified-<name>`: tasks/notify.py). The tests of a worker run one at a time."""
+    from prefect import get_client
+
+    forget_account_slots()
+    with get_client(sync_client=True) as client:
+        for limit in client.read_global_concurrency_limits(limit=200, offset=0):
+            if limit.name.startswith("relay-"):
+                client.delete_global_concurrency_limit_by_name(limit.name)
+        for variable in client.read_variables(limit=200):
+            if variable.name.startswith(("relay-step-lock-", "relay-notified-")):
+                client.delete_variable_by_name(variable.name)
+
+
+@pytest.fixture
+def prefect_server(prefect_api) -> dict:
+    """{"PREFECT_API_URL": the worker's shared Prefect server}: what a user's shell exports for `relay run` to report
+    to a server (README) instead of starting an embedded one, ~5 CPU s a run, for a test whose subject is not that
+    start (the README newcomer's keeps it). What relays kept on the server under their names is forgotten before
+    and after the test, so a relay of the same name in another test starts clean."""
+    forget_relays()
+    yield {"PREFECT_API_URL": prefect_api}
+    forget_relays()
+
+
 @pytest.fixture(params=["relay", "relays"])
 def both_flows(request, relay_env) -> str:
     relay_env.flow = request.param
@@ -435,12 +464,12 @@ else:
 
     def run(mode, **extra):
         return one_relay.relay(spec=sys.argv[1], mode=mode, **extra, **kwargs)
-if sys.argv[2] == "tick-loop":  # a schedule's ticks, back to back
+if sys.argv[2] == "tick-loop":  # a schedule's ticks, RELAY_TEST_TICK_EVERY seconds apart
     while True:
         summary = run("tick", tick_follow_seconds=0.2)
         if summary["state"] == "done":
             break
-        time.sleep(0.2)
+        time.sleep(float(os.environ["RELAY_TEST_TICK_EVERY"]))
 else:
     summary = run(sys.argv[2])
 print("RELAY-SUMMARY " + json.dumps(summary), flush=True)

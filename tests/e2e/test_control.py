@@ -4,6 +4,10 @@
 Events, not sleeps: the user's script blocks at a given step until a gate file appears (the kernel's environment
 names both; the reference run has no gate), so a session is still training whenever the test needs it to be,
 whatever the machine's speed; sessions are step-bounded (session.max_steps), so their number is a fact.
+
+`relay run` reports to the worker's Prefect server (the `prefect_server` fixture: PREFECT_API_URL, as a user with a
+server exports it) instead of starting an embedded one each run: the subject here is the control commands; `relay
+run` on its embedded Prefect is the front door's (tests/e2e/test_front_door.py).
 """
 from __future__ import annotations
 
@@ -32,8 +36,6 @@ GATE = '''        gate = os.environ.get("CONTROL_TEST_GATE", "")
             while not os.path.exists(gate.split(":", 1)[1]):
                 time.sleep(0.05)
 '''
-# a machine running every test's Prefect at once may start its embedded one slowly
-SLOW_START = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "600"}
 
 
 # -- the decision (pure) --------------------------------------------------------------------------------------
@@ -85,11 +87,11 @@ def _project(tmp_path: Path) -> Path:
     return project
 
 
-def _start_relay(tmp_path, emulator, project, log_name: str) -> subprocess.Popen:
-    """`relay run spec.yaml` (to the end) in the background, its output to a file."""
+def _start_relay(tmp_path, emulator, project, log_name: str, server: dict) -> subprocess.Popen:
+    """`relay run spec.yaml` (to the end) in the background, its output to a file; `server`: PREFECT_API_URL."""
     log = open(tmp_path / log_name, "w")
     return subprocess.Popen([sys.executable, "-m", "relay", "run", "spec.yaml", "--poll", "0.3"], cwd=project,
-                            env=shell_env(tmp_path, emulator, SLOW_START), stdout=log, stderr=subprocess.STDOUT,
+                            env=shell_env(tmp_path, emulator, server), stdout=log, stderr=subprocess.STDOUT,
                             text=True)
 
 
@@ -123,13 +125,13 @@ def _ok(ran: subprocess.CompletedProcess) -> str:
 
 
 def test_stop_hands_the_session_over_every_orchestrator_obeys_and_resume_ends_identical(
-        make_emulator, tmp_path, reference, spawns_processes):  # noqa: F811
+        make_emulator, tmp_path, reference, prefect_server):  # noqa: F811
     gate = tmp_path / "gate-1"
     emulator = make_emulator(kernel_env={**KERNEL_ENV, "CONTROL_TEST_GATE": f"5:{gate}"},
                              faults={"stream_drop": {"after_events": 4}})  # `relay logs` reconnects
     project = _project(tmp_path)
     reference.start(project / "spec.yaml")
-    relay = _start_relay(tmp_path, emulator, project, "run-1.log")
+    relay = _start_relay(tmp_path, emulator, project, "run-1.log", prefect_server)
     wait_for(lambda: (_version(emulator, 1) or {}).get("status") == "RUNNING", 900, "session 1 to run")
     follow = subprocess.Popen([sys.executable, "-m", "relay", "logs", NAME, "--follow"], cwd=project,
                               env=shell_env(tmp_path, emulator), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -162,7 +164,8 @@ def test_stop_hands_the_session_over_every_orchestrator_obeys_and_resume_ends_id
     out = _ok(relay_in_shell(tmp_path, emulator, project, "resume", NAME))
     assert f"relay {NAME}: resumed; the next `relay run` or tick goes on from the last published checkpoint" \
            f" (step 30)" in out
-    out = _ok(relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3", env_extra=SLOW_START))
+    out = _ok(relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3",
+                             env_extra=prefect_server))
     assert "done: step 60/60, 2 session(s) handed over" in out, out[-3000:]
     assert _runs(emulator) == [f"{NAME}-s001-a1", f"{NAME}-s002-a1"]
     assert _published(emulator)["weights_sha256"] == reference.weights(project / "spec.yaml")
@@ -174,7 +177,7 @@ def test_stop_hands_the_session_over_every_orchestrator_obeys_and_resume_ends_id
 
 
 def test_stop_now_deletes_the_kernel_after_asking_and_resume_goes_on_from_the_published_checkpoint(
-        make_emulator, tmp_path, reference, spawns_processes):  # noqa: F811
+        make_emulator, tmp_path, reference, prefect_server):  # noqa: F811
     gate = tmp_path / "gate-2"
     # held after step 41: the line of the log step 40 is written at the step after it. One GPU session allowed, and
     # the deleted session holds it for 100 more requests (Kaggle goes on counting a deleted kernel's session:
@@ -184,7 +187,7 @@ def test_stop_now_deletes_the_kernel_after_asking_and_resume_goes_on_from_the_pu
                              faults={"delete_lag": {"calls": 100}})
     project = _project(tmp_path)
     reference.start(project / "spec.yaml")
-    relay = _start_relay(tmp_path, emulator, project, "run-1.log")
+    relay = _start_relay(tmp_path, emulator, project, "run-1.log", prefect_server)
 
     def at_step_40() -> bool:  # session 2 logged step 40 and blocks after the next
         entries = emulator.runner.live_log(KERNEL, 2) or []
@@ -211,7 +214,8 @@ def test_stop_now_deletes_the_kernel_after_asking_and_resume_goes_on_from_the_pu
 
     gate.touch()  # the next attempt of session 2 passes step 41
     _ok(relay_in_shell(tmp_path, emulator, project, "resume", NAME))
-    out = _ok(relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3", env_extra=SLOW_START))
+    out = _ok(relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3",
+                             env_extra=prefect_server))
     assert "done: step 60/60, 2 session(s) handed over" in out, out[-3000:]
     assert _runs(emulator) == [f"{NAME}-s002-a2"]  # the kernel pushed again after the delete, once
     assert emulator.faults.injected["delete_lag_refusal"] >= 1 and not emulator.store.ghosts

@@ -3,8 +3,11 @@ deploy/prefect.yaml (`prefect deploy --all`), a process worker, a Kaggle emulato
 credentials in a Prefect Secret block (as production keeps Kaggle's), and
 `prefect deployment run 'relay/price-model-demo' --watch` completing a short relay of 2 sessions (one hand-over).
 
-Every process runs in its own process group with an isolated HOME, TMPDIR and PREFECT_HOME, on free ports of
-127.0.0.1, and is stopped at the end. About 2-3 minutes on 2 CPU cores.
+The server is the worker's shared Prefect server (the `prefect_api` fixture), not one `prefect server start`ed for
+this test (~10 CPU s with its start and idle services): the subject is what is deployed on a server and run by its
+worker, not how a server starts. What the test put on it (deployments, work pool, Secret block, the relays' slots
+and locks) is deleted at its end. Every process runs in its own process group with an isolated HOME, TMPDIR and
+PREFECT_HOME, and is stopped at the end. About 2-3 minutes on 2 CPU cores.
 """
 from __future__ import annotations
 
@@ -22,10 +25,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-import prefect_template
 from byo_fixtures import copy_example
 from kaggle_fixtures import KERNEL_ENV, isolated_env, make_emulator  # noqa: F401
 from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials
+from relay_fixtures import forget_relays
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -142,11 +145,33 @@ def test_byo_demo_deployment_is_declared_like_the_price_demo():
     assert spec_mod.load(REPO / byo["parameters"]["spec"]).code.entry.startswith("train.py")
 
 
-def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
+def forget_deployed(names: set) -> None:
+    """Delete from the worker's shared Prefect server what this test deployed and saved on it."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        for deployment in client.read_deployments():
+            if deployment.name in names:
+                client.delete_deployment(deployment.id)
+        for remove in (lambda: client.delete_work_pool("relay-pool"),
+                       lambda: client.delete_block_document(
+                           client.read_block_document_by_name("emulator-credentials", "secret").id)):
+            try:
+                remove()
+            except ObjectNotFound:
+                pass
+    forget_relays()
+
+
+DEPLOYMENTS = {"run", "relays", "price-model-demo", "byo-plain-demo", "price-model-kaggle", "price-model-tick",
+               "relays-kaggle", "relays-tick"}
+
+
+def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path, prefect_api):
     t0 = time.monotonic()
     key = secrets.token_hex(16)
-    port = free_port()
-    api_url = f"http://127.0.0.1:{port}/api"
+    api_url = prefect_api
     (tmp_path / "logs").mkdir()
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PREFECT_", "KAGGLE_")) and k.lower() not in ("http_proxy", "https_proxy")}
@@ -154,18 +179,13 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
                PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1", PREFECT_CLI_PROMPT="false",
                HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = Processes(tmp_path / "logs")
-    prefect_template.migrated(tmp_path / "prefect")  # a server that has run before: its database migrated
     try:
-        server = procs.start("server", [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                             env)
-        # While the server starts: the emulator and the data a user would upload.
+        # the emulator and the data a user would upload
         emulator = make_emulator(users={USER: key}, kernel_env=dict(KERNEL_ENV))
         backend = ClientBackend(KaggleCredentials(USER, key=key), emulator.url, dataset_poll_s=0.1)
         published = seed_emulator.seed(backend, tmp_path / "data")
         assert published.dataset == "demo/price-data" and published.version == 1
         spec = short_spec(tmp_path / "price-deploy-test.yaml")
-
-        wait_healthy(api_url, server)
         t_healthy = time.monotonic() - t0
         project = tmp_path / "my-project"  # a user's own script, outside the repository, that fails at once
         spec_file = copy_example("byo-plain", project, **{"optim.max_steps": 20})
@@ -191,8 +211,7 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         assert secret.wait(60) == 0, procs.tails()
         deployments = {d["name"]: d for d in api_post(api_url, "/deployments/filter", {})}
-        assert set(deployments) == {"run", "relays", "price-model-demo", "byo-plain-demo", "price-model-kaggle",
-                                    "price-model-tick", "relays-kaggle", "relays-tick"}
+        assert set(deployments) == DEPLOYMENTS
         assert all(d["work_pool_name"] == "relay-pool" for d in deployments.values())
         tick = deployments["price-model-tick"]
         assert tick["parameters"]["mode"] == "tick"
@@ -244,10 +263,11 @@ def test_deployment_run_watch_completes_a_relay(make_emulator, tmp_path):
         print([(s["step_start"], s["step_end"], round(s["seconds"], 1)) for s in progress["sessions"]])
         run_id, version = backend.current_run("demo/price-deploy-test-session")
         assert version >= len(progress["sessions"]) and run_id == progress["run_id"]
-        print(f"server healthy at {t_healthy:.0f} s, deployed at {t_ready:.0f} s;"
+        print(f"emulator seeded at {t_healthy:.0f} s, deployed at {t_ready:.0f} s;"
               f" relay of {len(progress['sessions'])} sessions in {t_run:.0f} s")
     finally:
         procs.stop_all()
+        forget_deployed(DEPLOYMENTS)
     for name, proc in procs.started:
         with pytest.raises(ProcessLookupError):
             os.killpg(proc.pid, 0)  # nothing left of any process group

@@ -1,6 +1,7 @@
 """The front door, played as a newcomer: a copy of examples/byo-plain outside the repository, relative paths
 only, the commands the README's "Run it on Kaggle" lists, in fresh processes against the emulator (the real
-`kaggle` client; `relay run` on its embedded, ephemeral Prefect)."""
+`kaggle` client; the newcomer's `relay run` on its embedded, ephemeral Prefect, a fresh machine's first; the code
+fix's on the worker's Prefect server, which PREFECT_API_URL names)."""
 from __future__ import annotations
 
 import json
@@ -14,10 +15,18 @@ from byo_fixtures import RELAYED, copy_example, relay_in_shell
 FRESH = {"fresh_prefect": True}  # a fresh machine: `relay run`'s Prefect migrates an empty database
 
 
-def test_a_newcomer_relays_their_script_with_the_readme_commands(make_emulator, tmp_path, spawns_processes):
+def test_a_newcomer_relays_their_script_with_the_readme_commands(make_emulator, tmp_path, reference):
     emulator = make_emulator(kernel_env=dict(KERNEL_ENV))
     project = tmp_path / "my-project"
     copy_example("byo-plain", project, **RELAYED)
+    # what the relayed weights are checked against: the same script trained straight (`relay train`, not one of
+    # the README's commands: forked warm by the reference fixture, beside the relay), its spec outside the project
+    straight = yaml.safe_load((project / "spec.yaml").read_text())
+    straight["code"]["folder"] = str(project)
+    straight_spec = tmp_path / "straight" / "spec.yaml"
+    straight_spec.parent.mkdir()
+    straight_spec.write_text(yaml.safe_dump(straight, sort_keys=False))
+    reference.start(straight_spec)
 
     doctor = relay_in_shell(tmp_path, emulator, project, "doctor", "spec.yaml", "--poll", "0.2", **FRESH)
     assert doctor.returncode == 0 and "all checks passed" in doctor.stdout, doctor.stdout + doctor.stderr[-2000:]
@@ -33,11 +42,8 @@ def test_a_newcomer_relays_their_script_with_the_readme_commands(make_emulator, 
     status = relay_in_shell(tmp_path, emulator, project, "status", "byo-plain", "--out", "status", **FRESH)
     assert status.returncode == 0 and "2 session(s) handed over" in status.stdout and "next: done" in status.stdout
 
-    straight = relay_in_shell(tmp_path, emulator, project, "train", "spec.yaml", "--workdir", "straight",
-                              "--max-steps", "none", **FRESH)
-    assert straight.returncode == 0, straight.stderr[-2000:]
     published = json.loads((outputs / "published" / "progress.json").read_text())
-    assert published["weights_sha256"] == json.loads((project / "straight" / "progress.json").read_text())["weights_sha256"]
+    assert published["weights_sha256"] == reference.weights(straight_spec)
     assert not list(REPO.glob("relay-runs")) and not (REPO / "examples" / "byo-plain" / "relay-runs").exists()
 
 
@@ -45,7 +51,9 @@ BROKEN = "    session.restore()  # relay\n"
 
 
 def test_after_a_code_error_a_fixed_script_is_pushed_and_an_unchanged_one_is_refused(make_emulator, tmp_path,
-                                                                                     spawns_processes):
+                                                                                     prefect_server):
+    """Its `relay run`s report to the worker's Prefect server (PREFECT_API_URL, as a user with a server exports it):
+    the embedded Prefect's start is the newcomer's subject, not this one's."""
     emulator = make_emulator(kernel_env=dict(KERNEL_ENV))
     project = tmp_path / "my-project"
     spec = copy_example("byo-plain", project, **RELAYED)  # the fault's session is the last
@@ -54,17 +62,17 @@ def test_after_a_code_error_a_fixed_script_is_pushed_and_an_unchanged_one_is_ref
     assert BROKEN in good
     script.write_text(good.replace(BROKEN, BROKEN + "    if session.step >= 30:\n        raise KeyError('label')\n"))
 
-    failed = relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3")
+    failed = relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3", env_extra=prefect_server)
     assert failed.returncode == 1 and "relay: stopped: session 2 failed with a code error" in failed.stdout, \
         failed.stdout + failed.stderr[-3000:]
     versions = len(emulator.store.kernels[f"{USER}/byo-plain-session"]["versions"])
 
-    again = relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3")
+    again = relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3", env_extra=prefect_server)
     assert again.returncode == 1 and "the code and spec are unchanged since that push" in again.stdout, again.stdout
     assert len(emulator.store.kernels[f"{USER}/byo-plain-session"]["versions"]) == versions  # nothing pushed
 
     script.write_text(good)  # the fix
-    fixed = relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3")
+    fixed = relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3", env_extra=prefect_server)
     assert fixed.returncode == 0 and "done: step 60/60" in fixed.stdout, fixed.stdout + fixed.stderr[-3000:]
     runs = [v for v in emulator.store.kernels[f"{USER}/byo-plain-session"]["versions"]]
     sources = [(emulator.store.kernel_dir(f"{USER}/byo-plain-session", v["number"]) / "source.py").read_text()

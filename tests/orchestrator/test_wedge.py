@@ -223,17 +223,23 @@ def test_a_wedged_session_is_deleted_told_and_redone_from_the_last_checkpoint(re
 
 @pytest.mark.deadline  # the wedged session reads running until its deadline, a minute away
 def test_ticks_notice_a_wedged_session_too(relay_env, reference):
-    """A schedule's ticks, back to back, none waiting: a tick that observes the wedge takes it."""
-    _wedged_relay_is_deleted_and_redone(relay_env, reference, "wedge-ticks", "tick-loop")
+    """A schedule's ticks (TICK_EVERY_S apart), none waiting: a tick that observes the wedge takes it."""
+    _wedged_relay_is_deleted_and_redone(relay_env, reference, "wedge-ticks", "tick-loop", tick_every=TICK_EVERY_S)
 
 
-def _wedged_relay_is_deleted_and_redone(relay_env, reference, name: str, mode: str) -> None:
+# A schedule's ticks while the wedged session reads running until its deadline (~1 min): each tick is a whole flow
+# run (~0.6 CPU s of the flow process and the Prefect server), 47 of them back to back (0.2 s apart), ~16 at 3 s.
+# How often a schedule ticks changes when a tick sees the deadline passed, not what it does then.
+TICK_EVERY_S = 3.0
+
+
+def _wedged_relay_is_deleted_and_redone(relay_env, reference, name: str, mode: str, tick_every: float = 0.2) -> None:
     # one GPU session allowed and the delete lag on (its default): the deleted session holds the slot for a while,
     # so the retry's first push is refused ("Maximum batch GPU session count of 1 reached.", kaggle-cli #185)
     emu = relay_env.start(faults=WEDGED_SECOND, max_gpu_sessions=1)
     spec = _relay_spec(relay_env, name, "delete")
     reference.start(spec)
-    flow = relay_env.flow_process(mode=mode)
+    flow = relay_env.flow_process(mode=mode, tick_every=tick_every)
     assert flow.wait(600) == 0, _log(relay_env)
     log = _log(relay_env)
     summary = _summary(log)
