@@ -128,21 +128,29 @@ def push_in_turn(backend, relays: List[Relay], slots: AccountSessions, rnd: Roun
 
 
 def run_round(backend, relays: List[Relay], slots: AccountSessions, logger,
-              still_running: frozenset = frozenset()) -> Round:
-    """The relays' steps (concurrently, bounded), then the ready ones pushed into the free slots in turn. Stepped:
+              still_running: frozenset = frozenset(), ended: frozenset = frozenset()) -> Round:
+    """The relays' steps (concurrently, bounded), the ready ones pushed into the free slots in turn. Stepped:
     every unfinished relay but those whose session the flow saw still running (`still_running`, its deadline
     ahead) and those waiting for a slot beyond the free ones: a relay with nothing to do costs no task run, no
-    log line and no write, so a round's cost follows what changed, not the number of relays."""
+    log line and no write, so a round's cost follows what changed, not the number of relays.
+
+    A slot is filled before the round's hand-overs: the sessions the flow saw end (`ended`) give their slots back
+    at once (Kaggle counts running sessions only), and the relays that waited longest are stepped and pushed into
+    the free slots first; a hand-over takes seconds to minutes, and its relay goes to the back of the queue."""
     rnd = Round()
     active = [r for r in relays if not r.failed and r.state is not State.DONE]  # done: no step, no lock, no write
+    for relay in active:
+        if relay.name in ended and relay.state is State.RUNNING:
+            slots.session_ended(relay.name)
     queued = [r for r in active if r.state is State.WAITING and r.waits_for is Wait.SLOT]
     now = [r for r in active if r not in queued and not _still_running(r, still_running)]
-    _step_all(now, rnd, slots, logger)
-    free = slots.sessions - len(slots.in_flight)  # (a hint only: the push takes its slot from the account's limit)
-    if free > 0 and queued:  # their turn may have come (before a relay ready only now): looked at again, in turn
-        turns = slots.in_turn([r.name for r in queued])
-        _step_all(sorted(queued, key=lambda r: turns.index(r.name))[:free], rnd, slots, logger)
     try:
+        free = slots.sessions - len(slots.in_flight)  # (a hint only: the push takes its slot from the account's limit)
+        if free > 0 and queued:  # their turn may have come (before a relay ready only now): looked at again, in turn
+            turns = slots.in_turn([r.name for r in queued])
+            _step_all(sorted(queued, key=lambda r: turns.index(r.name))[:free], rnd, slots, logger)
+            push_in_turn(backend, relays, slots, rnd, logger)
+        _step_all(now, rnd, slots, logger)
         push_in_turn(backend, relays, slots, rnd, logger)
     finally:
         for relay in relays:

@@ -28,6 +28,7 @@ from prefect import flow, get_run_logger
 
 from flows.relay_rounds import Relay, Round, run_round
 from relay.orchestrator import joint_plan, measured, plan as planner, policy
+from relay.orchestrator.kaggle.types import KernelState
 from relay.orchestrator.policy import utc
 from relay.orchestrator.relay_state import FINAL, IN_FLIGHT, State, Wait, overall
 from relay.front_door import SpecParameter, spec_at_flow
@@ -167,9 +168,9 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
                      add_tags=run_labels.account_tags(r.ctx.names.owner for r in all_relays if r.ctx))
     locks.hold([r.name for r in all_relays if r.ctx is not None])  # one write for all, before the first round
     give_up = time.monotonic() + max_hours * 3600
-    announced_wait, refused, last_shown, still_running = None, 0, None, frozenset()
+    announced_wait, refused, last_shown, still_running, ended = None, 0, None, frozenset(), frozenset()
     while True:
-        rnd = run_round(backend, all_relays, slots, logger, still_running)
+        rnd = run_round(backend, all_relays, slots, logger, still_running, ended)
         refused += rnd.refused
         if rnd.quota_wait and rnd.quota_wait != announced_wait:
             waiting = [r.name for r in all_relays if r.waits_for is Wait.QUOTA]
@@ -205,6 +206,8 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
         # the relays whose session the wait saw still running: the next round need not look at them
         still_running = frozenset(r.name for r in active if r.state is State.RUNNING and r.step is not None
                                   and (seen or {}).get(r.step.action.run_id) in ("running", "queued"))
+        ended = frozenset(r.name for r in active if r.state is State.RUNNING and r.step is not None  # slots free
+                          and _finished((seen or {}).get(r.step.action.run_id)))
         if seen is None:
             time.sleep(min(delay, 3600))
 
@@ -228,6 +231,11 @@ def _wait_on_sessions(active: List[Relay], rnd: Round, poll_seconds: float, live
     if rnd.quota_wait:
         until = min(until, time.monotonic() + max(0.0, (rnd.quota_wait - datetime.now(timezone.utc)).total_seconds()))
     return follow_sessions(running, ", ".join(s.run_id for s in running), poll_seconds, live_seconds, until)
+
+
+def _finished(kernel_state: Optional[str]) -> bool:
+    """Kaggle showed the session ended (its slot no longer counts there)."""
+    return kernel_state in {s.value for s in KernelState if s.finished}
 
 
 def _rows(relays: List[Relay], plan) -> List[dict]:
