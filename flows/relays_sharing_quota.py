@@ -170,7 +170,7 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
     give_up = time.monotonic() + max_hours * 3600
     announced_wait, refused, last_shown, still_running, ended = None, 0, None, frozenset(), frozenset()
     while True:
-        rnd = run_round(backend, all_relays, slots, logger, still_running, ended)
+        rnd = run_round(backend, all_relays, slots, logger, still_running, ended, poll_seconds)
         refused += rnd.refused
         if rnd.quota_wait and rnd.quota_wait != announced_wait:
             waiting = [r.name for r in all_relays if r.waits_for is Wait.QUOTA]
