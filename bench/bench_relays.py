@@ -145,6 +145,11 @@ def _server_503s(log: Path) -> dict:
     return dict(found)
 
 
+def _spread(values: list) -> list:
+    """[count, median, max] of `values` (seconds)."""
+    return [len(values), round(statistics.median(values), 2), round(max(values), 2)] if values else [0, 0, 0]
+
+
 def _rows(db: Path) -> dict:
     """Rows by table of the server's SQLite file."""
     with sqlite3.connect(db) as conn:
@@ -220,6 +225,13 @@ def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
             return stepped(self, relay, state)
 
         AccountSessions.stepped = record
+        seen_ended, session_ended = [], AccountSessions.session_ended
+
+        def record_end(self, relay):  # when the flow saw a session end and gave its slot back
+            seen_ended.append(time.time())
+            return session_ended(self, relay)
+
+        AccountSessions.session_ended = record_end
         threading.Thread(target=sample, daemon=True).start()
         t0 = time.monotonic()
         try:
@@ -227,6 +239,7 @@ def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
                                          live_seconds=30.0, step_lock_wait_s=5)
         finally:
             relays_flow.run_round, AccountSessions.stepped = timed, stepped
+            AccountSessions.session_ended = session_ended
         wall = time.monotonic() - t0
         stop.set()
         states = {r["state"] for r in summary["relays"].values()}
@@ -235,6 +248,10 @@ def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
             kernels = {ref: {"versions": [dict(v) for v in k["versions"]]} for ref, k in emulator.store.kernels.items()}
         rows = _rows(prefect_home / "prefect.db")
         free_while_ready, gaps = _free_while_ready(kernels, changes, slots)
+        ends = sorted(e for _, e in _sessions_on_kaggle(kernels))
+        seen_after = [min(t for t in seen_ended if t >= e) - e for e in ends if any(t >= e for t in seen_ended)]
+        pushes = sorted(p for p, _ in _sessions_on_kaggle(kernels))
+        pushed_after = [min(p for p in pushes if p >= t) - t for t in seen_ended if any(p >= t for p in pushes)]
         return {f"relays_{n}_wall_s": round(wall, 1), f"relays_{n}_rounds": len(rounds),
                 f"relays_{n}_round_s_median": round(statistics.median(rounds), 2),
                 f"relays_{n}_round_s_max": round(max(rounds), 2),
@@ -242,6 +259,7 @@ def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
                 f"relays_{n}_free_while_ready": round(free_while_ready, 3),
                 f"relays_{n}_free_gap_s": [len(gaps), round(statistics.median(gaps), 2) if gaps else 0,
                                            round(max(gaps), 2) if gaps else 0],
+                f"relays_{n}_end_seen_s": _spread(seen_after), f"relays_{n}_seen_push_s": _spread(pushed_after),
                 f"relays_{n}_session_s_median": round(statistics.median(e - p for p, e in _sessions_on_kaggle(kernels)), 2),
                 f"relays_{n}_handover_gap": round(_idle_fraction(kernels, slots), 3),
                 f"relays_{n}_lock_503": prefect_writes.REFUSED[0] - refused_before,
@@ -285,7 +303,9 @@ def format_lines(f: dict) -> list:
                      f" the time (hand-over gap: a slot free while a relay had no session in flight,"
                      f" {100 * f[f'relays_{n}_handover_gap']:.0f} %; {f[f'relays_{n}_free_gap_s'][0]} stretches of a"
                      f" free slot and a ready relay, median {f[f'relays_{n}_free_gap_s'][1]} s / max"
-                     f" {f[f'relays_{n}_free_gap_s'][2]} s; sessions of median {f[f'relays_{n}_session_s_median']} s);"
+                     f" {f[f'relays_{n}_free_gap_s'][2]} s; sessions of median {f[f'relays_{n}_session_s_median']} s;"
+                     f" a session's end seen (its slot given back) after [n, median, max]"
+                     f" {f[f'relays_{n}_end_seen_s']} s, the next push after that {f[f'relays_{n}_seen_push_s']} s);"
                      f" lock/slot writes answered 503:"
                      f" {f[f'relays_{n}_lock_503']} {f[f'relays_{n}_lock_503_by']}; all 503s the server answered:"
                      f" {f[f'relays_{n}_server_503']}; Prefect DB rows per"

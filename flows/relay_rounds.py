@@ -27,6 +27,8 @@ from tasks.relay_step import RelayContext, RelayFailed, Step
 
 MAX_ERROR_ROUNDS = 3  # a relay whose round raised this many times in a row (after task retries) is failed
 ROUND_THREADS = 8     # relays stepped at once in a round: Kaggle's and Prefect's calls, not this process's CPU
+FIRST_LOOKS = 2 * ROUND_THREADS  # relays looked at for the first time in one round: the others in the next rounds,
+                                 # so that a round's length does not grow with the relays (200 first looks: ~40 s)
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Round:
     handed_over: List[str] = field(default_factory=list)
     refused: int = 0
     quota_wait: Optional[datetime] = None  # the refresh every waiting relay waits for
+    unseen: int = 0  # relays left for the next round's first looks (FIRST_LOOKS): the next round follows at once
 
 
 def step(relay: Relay, slots: AccountSessions) -> Step:
@@ -130,7 +133,7 @@ def push_in_turn(backend, relays: List[Relay], slots: AccountSessions, rnd: Roun
 
 def run_round(backend, relays: List[Relay], slots: AccountSessions, logger,
               still_running: frozenset = frozenset(), ended: frozenset = frozenset(),
-              poll_seconds: float = 30.0) -> Round:
+              poll_seconds: float = 30.0, first_looks: int = FIRST_LOOKS) -> Round:
     """The relays' steps (concurrently, bounded), the ready ones pushed into the free slots in turn. Stepped:
     every unfinished relay but those whose session the flow saw still running (`still_running`, its deadline
     ahead) and those waiting for a slot beyond the free ones: a relay with nothing to do costs no task run, no
@@ -140,14 +143,20 @@ def run_round(backend, relays: List[Relay], slots: AccountSessions, logger,
     (`ended`) give their slots back at once (Kaggle counts running sessions only) and the relays that waited
     longest are pushed into the free slots first; while the steps run, the sessions seen running are asked their
     state every `poll_seconds`, and one that ended gives its slot to the queue's head at once (its own hand-over
-    is stepped beside the others: its relay then goes to the back of the queue)."""
+    is stepped beside the others: its relay then goes to the back of the queue). At most `first_looks` relays
+    are looked at for the first time (Round.unseen: those left for the next round)."""
     rnd = Round()
     active = [r for r in relays if not r.failed and r.state is not State.DONE]  # done: no step, no lock, no write
-    for relay in active:
-        if relay.name in ended and relay.state is State.RUNNING:
-            slots.session_ended(relay.name)
+    running = [r for r in active if r.state is State.RUNNING]
+    # the sessions seen ended, and those that ended since (one status call each: the round's own step of such a
+    # relay would hand its session over first, seconds to minutes, before its slot went back)
+    for relay in [r for r in running if r.name in ended] + _ended_meanwhile([r for r in running if r.name not in ended]):
+        slots.session_ended(relay.name)
     watched = [r for r in active if _still_running(r, still_running)]
     now = [r for r in active if not _waits_for_slot(r) and r not in watched]
+    first = [r for r in now if r.state is State.NEW]
+    rnd.unseen = max(0, len(first) - first_looks)
+    now = [r for r in now if r.state is not State.NEW] + first[:first_looks]
     try:
         stepping: set = set()
         _fill(backend, relays, slots, rnd, logger, stepping)

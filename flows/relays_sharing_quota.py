@@ -26,7 +26,7 @@ from typing import List, Literal, Optional, Tuple, Union
 
 from prefect import flow, get_run_logger
 
-from flows.relay_rounds import Relay, Round, run_round
+from flows.relay_rounds import FIRST_LOOKS, Relay, Round, run_round
 from relay.orchestrator import joint_plan, measured, plan as planner, policy
 from relay.orchestrator.kaggle.types import KernelState
 from relay.orchestrator.policy import utc
@@ -169,8 +169,10 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
     locks.hold([r.name for r in all_relays if r.ctx is not None])  # one write for all, before the first round
     give_up = time.monotonic() + max_hours * 3600
     announced_wait, refused, last_shown, still_running, ended = None, 0, None, frozenset(), frozenset()
+    next_report = 0.0  # when the relays report may show a new version (time.monotonic())
     while True:
-        rnd = run_round(backend, all_relays, slots, logger, still_running, ended, poll_seconds)
+        rnd = run_round(backend, all_relays, slots, logger, still_running, ended, poll_seconds,
+                        first_looks=len(all_relays) if mode == "tick" else FIRST_LOOKS)  # a tick looks at all
         refused += rnd.refused
         if rnd.quota_wait and rnd.quota_wait != announced_wait:
             waiting = [r.name for r in all_relays if r.waits_for is Wait.QUOTA]
@@ -183,11 +185,13 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
         rows, sessions = _rows(all_relays, plan), _sessions(all_relays)
         etas = [f"{when:%Y-%m-%d %H:%M}" for when in (plan.eta_all, *plan.quota_waits) if when] if plan else None
         shown = (rows, sessions, etas)
-        if shown != last_shown:  # a new version only when it shows something new (ETAs to the minute, as shown)
-            relays_artifacts.publish_relays_report(rows, sessions, Path(state_dir), plan)
-            last_shown = shown
-        summary = _summary(all_relays, rnd, plan, refused)
         active = [r for r in all_relays if r.state not in FINAL]
+        # a new version only when it shows something new (ETAs to the minute, as shown), at most every
+        # live_seconds while relays run (a version is a table of every relay and a timeline: not one per round)
+        if shown != last_shown and (mode == "tick" or not active or time.monotonic() >= next_report):
+            relays_artifacts.publish_relays_report(rows, sessions, Path(state_dir), plan)
+            last_shown, next_report = shown, time.monotonic() + live_seconds
+        summary = _summary(all_relays, rnd, plan, refused)
         if mode == "tick" or not active:
             failed = [r for r in all_relays if r.failed]
             if mode == "watch" and failed:
@@ -198,6 +202,9 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
         delay = poll_seconds
         if rnd.quota_wait and not rnd.in_flight:  # nothing to hand over meanwhile: sleep to the refresh
             delay = max(poll_seconds, (rnd.quota_wait - now).total_seconds())
+        if rnd.unseen:  # relays not looked at yet: the next round looks at them now
+            still_running, ended = frozenset(), frozenset()
+            continue
         try:
             seen = _wait_on_sessions(active, rnd, poll_seconds, live_seconds, give_up)
         except Exception as err:  # noqa: BLE001 - Kaggle unanswered, status errors: the next round looks again
