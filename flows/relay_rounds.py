@@ -5,7 +5,8 @@ over one relay, adding only how it waits (watch or tick) and how it follows its 
 
 A round steps its relays concurrently (at most ROUND_THREADS at once: a step is mostly waiting on Kaggle and on
 Prefect), so a round lasts about as long as its slowest step, not the sum of them (issue 60: 52 s rounds at 30
-relays, stepped one after another). A relay with nothing left to do (done, failed) is not stepped.
+relays, stepped one after another). A relay with nothing left to do (done, failed) is not stepped. A slot freed by
+a session's end goes to the queue's head at once, not after the round's hand-overs (`run_round`).
 """
 from __future__ import annotations
 
@@ -150,7 +151,8 @@ def run_round(backend, relays: List[Relay], slots: AccountSessions, logger,
     running = [r for r in active if r.state is State.RUNNING]
     # the sessions seen ended, and those that ended since (one status call each: the round's own step of such a
     # relay would hand its session over first, seconds to minutes, before its slot went back)
-    for relay in [r for r in running if r.name in ended] + _ended_meanwhile([r for r in running if r.name not in ended]):
+    seen_ended = [r for r in running if r.name in ended]
+    for relay in seen_ended + _ended_meanwhile([r for r in running if r.name not in ended]):
         slots.session_ended(relay.name)
     watched = [r for r in active if _still_running(r, still_running)]
     now = [r for r in active if not _waits_for_slot(r) and r not in watched]

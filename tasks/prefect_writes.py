@@ -2,12 +2,13 @@
 
 A Prefect server on SQLite (`prefect server start`'s default, the one `relay run` starts for itself, the tests')
 answers 503 "database is locked" when a write's transaction read before it wrote (increment-with-lease, PATCH
-and DELETE of a variable: Prefect begins them DEFERRED) and another write committed in between: SQLite refuses the
-stale reader at once (SQLITE_BUSY_SNAPSHOT), without its busy timeout. Two causes, both removed where they are
-the relay's own: its threads' writes meeting each other (a round steps 8 relays at once), and writes made for
-nothing (a record written with the value it has). So `soon` lets one write of this process go at a time
-(`_ONE_WRITER`), and tries a refused one again within milliseconds (Prefect's client waits 2 s, 4 s, ...): a
-safety net for the server's own writes (events, logs) meeting ours, counted by kind in REFUSED_BY.
+and DELETE of a variable: Prefect begins them DEFERRED) and another write held the database or committed in
+between: SQLite refuses the stale reader at once (SQLITE_BUSY, SQLITE_BUSY_SNAPSHOT), without its busy timeout.
+The relay's own writes go one at a time per process (`_ONE_WRITER`: a round's 8 threads never refuse each other),
+a record is not written again with the value it has, and every refusal is counted by kind (REFUSED_BY). What
+they still meet is the server's own writing (its event persister and task-run recorder storing the flow's task
+runs and events; the relays bench, docs/benchmarks.md), so `soon` tries a refused write again within
+milliseconds (Prefect's client waits 2 s, 4 s, ...).
 """
 from __future__ import annotations
 
