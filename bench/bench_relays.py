@@ -60,8 +60,54 @@ def _spec(name: str, sessions: int, slots: int) -> dict:
     return spec
 
 
+def _sessions_on_kaggle(kernels: dict) -> list:
+    """[(pushed, ended)] of every session, the emulator's clock (Kaggle's view: a slot is taken from push to end)."""
+    return [(v["pushed"], v.get("ended") or v["pushed"]) for k in kernels.values() for v in k["versions"]
+            if v.get("pushed")]
+
+
+def _ready_spans(changes: list) -> list:
+    """[(from, to)] in which a relay was ready to push (its hand-over done, or nothing to hand over) and not yet
+    pushed: from the flow's own state changes [(time, relay, state)] (AccountSessions.stepped), READY until the
+    next state that is neither READY nor WAITING (waiting for a slot)."""
+    spans, since = [], {}
+    for t, relay, state in sorted(changes, key=lambda c: c[0]):
+        if state == "ready":
+            since.setdefault(relay, t)
+        elif state != "waiting" and relay in since:
+            spans.append((since.pop(relay), t))
+    return spans
+
+
+def _free_while_ready(kernels: dict, changes: list, slots: int) -> tuple:
+    """The scheduler's figure (issue 60: "free slots waiting for a ready relay"): the fraction of the time (first
+    push to last session's end) in which fewer than `slots` sessions ran on Kaggle while some relay was ready to
+    push. A relay's own hand-over is not in it: it is not ready then. Also each such stretch's length (a slot
+    free, a relay ready, until a push filled it): the scheduler's latency, whatever the sessions' length."""
+    sessions = _sessions_on_kaggle(kernels)
+    if not sessions:
+        return 0.0, []
+    start, end = min(p for p, _ in sessions), max(e for _, e in sessions)
+    edges = sorted({start, end, *[t for s in sessions for t in s], *[t for s in _ready_spans(changes) for t in s]})
+    ready = _ready_spans(changes)
+    free, gaps, open_at = 0.0, [], None
+    for a, b in zip(edges, edges[1:]):
+        if a < start or b > end:
+            continue
+        mid = (a + b) / 2
+        running = sum(1 for p, e in sessions if p <= mid < e)
+        if running < slots and any(f <= mid < t for f, t in ready):
+            free += b - a
+            open_at = a if open_at is None else open_at
+        elif open_at is not None:
+            gaps.append(a - open_at)
+            open_at = None
+    return free / max(1e-9, end - start), gaps
+
+
 def _idle_fraction(kernels: dict, slots: int) -> float:
-    """The fraction of time free slots waited while a relay had work left and no session in flight."""
+    """The hand-over gap: the fraction of time with a free slot while a relay had work left and no session in
+    flight (its own hand-over, download and publish, counts as waiting here: not the scheduler's figure)."""
     events, last_end = [], {}
     for ref, kernel in kernels.items():
         versions = [v for v in kernel["versions"] if v.get("pushed")]
@@ -85,10 +131,31 @@ def _idle_fraction(kernels: dict, slots: int) -> float:
     return idle / max(1e-9, end - start)
 
 
-def _rows(db: Path) -> int:
+def _server_503s(log: Path) -> dict:
+    """Every 503 the server answered, to anyone (the flow's logs, artifacts and task runs too, which Prefect's
+    client retries unseen), by the server's route function: its log with PREFECT_SERVER_LOG_RETRYABLE_ERRORS."""
+    import re
+    from collections import Counter
+
+    found: Counter = Counter()
+    marker = "Encountered retryable exception in request"
+    for block in log.read_text(errors="replace").split(marker)[1:]:
+        m = re.search(r'prefect/server/api/(?!server\.py)(\w+)\.py", line \d+, in (\w+)', block)
+        found[f"{m.group(1)}.{m.group(2)}" if m else "?"] += 1  # the route refused, past the middleware
+    return dict(found)
+
+
+def _spread(values: list) -> list:
+    """[count, median, max] of `values` (seconds)."""
+    return [len(values), round(statistics.median(values), 2), round(max(values), 2)] if values else [0, 0, 0]
+
+
+def _rows(db: Path) -> dict:
+    """Rows by table of the server's SQLite file."""
     with sqlite3.connect(db) as conn:
         tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
-        return sum(conn.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0] for t in tables)
+        counts = {t: conn.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0] for t in tables}
+    return {t: c for t, c in sorted(counts.items(), key=lambda tc: -tc[1]) if c}
 
 
 def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
@@ -98,7 +165,8 @@ def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
     api = f"http://127.0.0.1:{port}/api"
     prefect_home = root / "prefect"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "KAGGLE_", "RELAY_"))}
-    env.update(PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+    env.update(PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
+               PREFECT_SERVER_LOG_RETRYABLE_ERRORS="true")  # every 503 the server answers, in its log
     emulator = Emulator(root / "emulator", EmulatorConfig(users={USER: KEY}, max_gpu_sessions=slots,
                                                           kernel_env={"OMP_NUM_THREADS": "1"}))
     emulator.start()
@@ -136,6 +204,7 @@ def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
             path.write_text(yaml.safe_dump(_spec(f"toy-{i}", sessions, slots)))
             specs.append(str(path))
         import flows.relays_sharing_quota as relays_flow
+        from tasks.account_slots import AccountSessions
         from tasks import prefect_writes
 
         rounds, timed = [], relays_flow.run_round
@@ -148,14 +217,29 @@ def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
                 rounds.append(time.monotonic() - t)
 
         relays_flow.run_round = run_round
-        refused_before = prefect_writes.REFUSED[0]
+        refused_before, refused_by = prefect_writes.REFUSED[0], dict(prefect_writes.REFUSED_BY)
+        changes, stepped = [], AccountSessions.stepped
+
+        def record(self, relay, state):  # the flow's own state changes: when each relay became ready, was pushed
+            changes.append((time.time(), relay, state.value))
+            return stepped(self, relay, state)
+
+        AccountSessions.stepped = record
+        seen_ended, session_ended = [], AccountSessions.session_ended
+
+        def record_end(self, relay):  # when the flow saw a session end and gave its slot back
+            seen_ended.append(time.time())
+            return session_ended(self, relay)
+
+        AccountSessions.session_ended = record_end
         threading.Thread(target=sample, daemon=True).start()
         t0 = time.monotonic()
         try:
             summary = relays_flow.relays(specs=specs, state_dir=str(root / "orchestrator"), poll_seconds=2.0,
                                          live_seconds=30.0, step_lock_wait_s=5)
         finally:
-            relays_flow.run_round = timed
+            relays_flow.run_round, AccountSessions.stepped = timed, stepped
+            AccountSessions.session_ended = session_ended
         wall = time.monotonic() - t0
         stop.set()
         states = {r["state"] for r in summary["relays"].values()}
@@ -163,13 +247,27 @@ def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
         with emulator.store.lock:
             kernels = {ref: {"versions": [dict(v) for v in k["versions"]]} for ref, k in emulator.store.kernels.items()}
         rows = _rows(prefect_home / "prefect.db")
+        free_while_ready, gaps = _free_while_ready(kernels, changes, slots)
+        ends = sorted(e for _, e in _sessions_on_kaggle(kernels))
+        seen_after = [min(t for t in seen_ended if t >= e) - e for e in ends if any(t >= e for t in seen_ended)]
+        pushes = sorted(p for p, _ in _sessions_on_kaggle(kernels))
+        pushed_after = [min(p for p in pushes if p >= t) - t for t in seen_ended if any(p >= t for p in pushes)]
         return {f"relays_{n}_wall_s": round(wall, 1), f"relays_{n}_rounds": len(rounds),
                 f"relays_{n}_round_s_median": round(statistics.median(rounds), 2),
                 f"relays_{n}_round_s_max": round(max(rounds), 2),
                 f"relays_{n}_flow_rss_mb_peak": round(peak["flow"]), f"relays_{n}_server_rss_mb_peak": round(peak["server"]),
-                f"relays_{n}_slots_idle_while_ready": round(_idle_fraction(kernels, slots), 3),
+                f"relays_{n}_free_while_ready": round(free_while_ready, 3),
+                f"relays_{n}_free_gap_s": [len(gaps), round(statistics.median(gaps), 2) if gaps else 0,
+                                           round(max(gaps), 2) if gaps else 0],
+                f"relays_{n}_end_seen_s": _spread(seen_after), f"relays_{n}_seen_push_s": _spread(pushed_after),
+                f"relays_{n}_session_s_median": round(statistics.median(e - p for p, e in _sessions_on_kaggle(kernels)), 2),
+                f"relays_{n}_handover_gap": round(_idle_fraction(kernels, slots), 3),
                 f"relays_{n}_lock_503": prefect_writes.REFUSED[0] - refused_before,
-                f"relays_{n}_db_rows_per_relay_session": round(rows / (n * sessions), 1)}
+                f"relays_{n}_lock_503_by": {k: v - refused_by.get(k, 0) for k, v in prefect_writes.REFUSED_BY.items()
+                                            if v > refused_by.get(k, 0)},
+                f"relays_{n}_server_503": _server_503s(root / "server.log"),
+                f"relays_{n}_db_rows_per_relay_session": round(sum(rows.values()) / (n * sessions), 1),
+                f"relays_{n}_db_rows_by_table": dict(list(rows.items())[:8])}
     finally:
         stop.set()
         for p in [*psutil.Process(server.pid).children(recursive=True), psutil.Process(server.pid)]:
@@ -201,9 +299,18 @@ def format_lines(f: dict) -> list:
         lines.append(f"  N={n}: done in {f[f'relays_{n}_wall_s']} s, {f[f'relays_{n}_rounds']} rounds of median"
                      f" {f[f'relays_{n}_round_s_median']} s / max {f[f'relays_{n}_round_s_max']} s; peak RSS flow"
                      f" {f[f'relays_{n}_flow_rss_mb_peak']} MB, server {f[f'relays_{n}_server_rss_mb_peak']} MB;"
-                     f" free slots waiting for a ready relay {100 * f[f'relays_{n}_slots_idle_while_ready']:.0f} % of"
-                     f" the time; lock/slot writes answered 503: {f[f'relays_{n}_lock_503']}; Prefect DB rows per"
-                     f" relay-session {f[f'relays_{n}_db_rows_per_relay_session']}")
+                     f" free slots waiting for a ready relay {100 * f[f'relays_{n}_free_while_ready']:.1f} % of"
+                     f" the time (hand-over gap: a slot free while a relay had no session in flight,"
+                     f" {100 * f[f'relays_{n}_handover_gap']:.0f} %; {f[f'relays_{n}_free_gap_s'][0]} stretches of a"
+                     f" free slot and a ready relay, median {f[f'relays_{n}_free_gap_s'][1]} s / max"
+                     f" {f[f'relays_{n}_free_gap_s'][2]} s; sessions of median {f[f'relays_{n}_session_s_median']} s;"
+                     f" a session's end seen (its slot given back) after [n, median, max]"
+                     f" {f[f'relays_{n}_end_seen_s']} s, the next push after that {f[f'relays_{n}_seen_push_s']} s);"
+                     f" lock/slot writes answered 503:"
+                     f" {f[f'relays_{n}_lock_503']} {f[f'relays_{n}_lock_503_by']}; all 503s the server answered:"
+                     f" {f[f'relays_{n}_server_503']}; Prefect DB rows per"
+                     f" relay-session {f[f'relays_{n}_db_rows_per_relay_session']}"
+                     f" ({f[f'relays_{n}_db_rows_by_table']})")
     first, last = f["relays_counts"][0], f["relays_counts"][-1]
     if first != last:
         lines.append(f"  {last} vs {first} relays: round median x"

@@ -5,13 +5,14 @@ over one relay, adding only how it waits (watch or tick) and how it follows its 
 
 A round steps its relays concurrently (at most ROUND_THREADS at once: a step is mostly waiting on Kaggle and on
 Prefect), so a round lasts about as long as its slowest step, not the sum of them (issue 60: 52 s rounds at 30
-relays, stepped one after another). A relay with nothing left to do (done, failed) is not stepped.
+relays, stepped one after another). A relay with nothing left to do (done, failed) is not stepped. A slot freed by
+a session's end goes to the queue's head at once, not after the round's hand-overs (`run_round`).
 """
 from __future__ import annotations
 
 import contextvars
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Dict, List, Optional
@@ -28,6 +29,8 @@ from tasks.account_slots import AccountSessions
 
 MAX_ERROR_ROUNDS = 3  # a relay whose round raised this many times in a row (after task retries) is failed
 ROUND_THREADS = 8     # relays stepped at once in a round: Kaggle's and Prefect's calls, not this process's CPU
+FIRST_LOOKS = 2 * ROUND_THREADS  # relays looked at for the first time in one round: the others in the next rounds,
+                                 # so that a round's length does not grow with the relays (200 first looks: ~40 s)
 
 
 @dataclass
@@ -74,6 +77,7 @@ class Round:
     handed_over: List[str] = field(default_factory=list)
     refused: int = 0
     quota_wait: Optional[datetime] = None  # the refresh every waiting relay waits for
+    unseen: int = 0  # relays left for the next round's first looks (FIRST_LOOKS): the next round follows at once
 
 
 def step(relay: Relay, slots: AccountSessions) -> Step:
@@ -83,12 +87,13 @@ def step(relay: Relay, slots: AccountSessions) -> Step:
     return taken
 
 
-def push_in_turn(backend, relays: List[Relay], slots: AccountSessions, rnd: Round, logger) -> None:
+def push_in_turn(backend, relays: List[Relay], slots: AccountSessions, rnd: Round, logger,
+                 skip: frozenset | set = frozenset()) -> None:
     """The one push loop: the ready relays pushed into the free slots in the order they became ready (first come,
     first served, as across flow runs: tasks/slot_queue.py), each session's budget the spec's, within an equal
     share of the quota left among the unfinished relays. A ready relay not pushed is left waiting, for the quota
-    (its refresh in rnd.quota_wait) or for a slot."""
-    ready = [r for r in relays if not r.failed and r.state is State.READY]
+    (its refresh in rnd.quota_wait) or for a slot. `skip`: relays whose step runs meanwhile (another thread)."""
+    ready = [r for r in relays if not r.failed and r.state is State.READY and r.name not in skip]
     if not ready:
         return
     quota = relay_tasks.read_quota(backend)
@@ -129,21 +134,57 @@ def push_in_turn(backend, relays: List[Relay], slots: AccountSessions, rnd: Roun
 
 
 def run_round(backend, relays: List[Relay], slots: AccountSessions, logger,
-              still_running: frozenset = frozenset()) -> Round:
-    """The relays' steps (concurrently, bounded), then the ready ones pushed into the free slots in turn. Stepped:
+              still_running: frozenset = frozenset(), ended: frozenset = frozenset(),
+              poll_seconds: float = 30.0, first_looks: int = FIRST_LOOKS) -> Round:
+    """The relays' steps (concurrently, bounded), the ready ones pushed into the free slots in turn. Stepped:
     every unfinished relay but those whose session the flow saw still running (`still_running`, its deadline
     ahead) and those waiting for a slot beyond the free ones: a relay with nothing to do costs no task run, no
-    log line and no write, so a round's cost follows what changed, not the number of relays."""
+    log line and no write, so a round's cost follows what changed, not the number of relays.
+
+    A free slot does not wait for the round's hand-overs (seconds to minutes each): the sessions the flow saw end
+    (`ended`) give their slots back at once (Kaggle counts running sessions only) and the relays that waited
+    longest are pushed into the free slots first; while the steps run, the sessions seen running are asked their
+    state every `poll_seconds`, and one that ended gives its slot to the queue's head at once (its own hand-over
+    is stepped beside the others: its relay then goes to the back of the queue). At most `first_looks` relays
+    are looked at for the first time (Round.unseen: those left for the next round)."""
     rnd = Round()
     active = [r for r in relays if not r.failed and r.state is not State.DONE]  # done: no step, no lock, no write
-    queued = [r for r in active if r.state is State.WAITING and r.waits_for is Wait.SLOT]
-    now = [r for r in active if r not in queued and not _still_running(r, still_running)]
-    _step_all(now, rnd, slots, logger)
-    free = slots.sessions - len(slots.in_flight)  # (a hint only: the push takes its slot from the account's limit)
-    if free > 0 and queued:  # their turn may have come (before a relay ready only now): looked at again, in turn
-        turns = slots.in_turn([r.name for r in queued])
-        _step_all(sorted(queued, key=lambda r: turns.index(r.name))[:free], rnd, slots, logger)
+    running = [r for r in active if r.state is State.RUNNING]
+    # the sessions seen ended, and those that ended since (one status call each: the round's own step of such a
+    # relay would hand its session over first, seconds to minutes, before its slot went back)
+    seen_ended = [r for r in running if r.name in ended]
+    for relay in seen_ended + _ended_meanwhile([r for r in running if r.name not in ended]):
+        slots.session_ended(relay.name)
+    watched = [r for r in active if _still_running(r, still_running)]
+    now = [r for r in active if not _waits_for_slot(r) and r not in watched]
+    first = [r for r in now if r.state is State.NEW]
+    rnd.unseen = max(0, len(first) - first_looks)
+    now = [r for r in now if r.state is not State.NEW] + first[:first_looks]
     try:
+        stepping: set = set()
+        _fill(backend, relays, slots, rnd, logger, stepping)
+        with ThreadPoolExecutor(max_workers=ROUND_THREADS, thread_name_prefix="relay-step") as pool:
+            def submit(relay: Relay):
+                stepping.add(relay.name)
+                # in a copy of the flow run's context: the step's task runs and log lines are the flow run's
+                return pool.submit(contextvars.copy_context().run, _advance, relay, rnd, slots, logger)
+
+            pending, next_look = {submit(r): r for r in now}, time.monotonic() + poll_seconds
+            while pending:
+                done, _ = wait(list(pending), timeout=max(0.0, next_look - time.monotonic()),
+                               return_when=FIRST_COMPLETED)
+                for future in done:
+                    future.result()
+                    stepping.discard(pending.pop(future).name)
+                look = pending and time.monotonic() >= next_look
+                if look:
+                    next_look = time.monotonic() + poll_seconds
+                for relay in _ended_meanwhile(watched) if look else ():
+                    watched.remove(relay)
+                    slots.session_ended(relay.name)
+                    pending[submit(relay)] = relay  # its hand-over, beside the others
+                if pending:
+                    _fill(backend, relays, slots, rnd, logger, stepping)
         push_in_turn(backend, relays, slots, rnd, logger)
     finally:
         for relay in relays:
@@ -153,23 +194,47 @@ def run_round(backend, relays: List[Relay], slots: AccountSessions, logger,
     return rnd
 
 
+def _waits_for_slot(relay: Relay) -> bool:
+    return relay.state is State.WAITING and relay.waits_for is Wait.SLOT
+
+
+def _fill(backend, relays: List[Relay], slots: AccountSessions, rnd: Round, logger, stepping: set) -> None:
+    """The free slots (as this run counts them: a hint, the push takes its slot from the account's limit) given
+    to the relays that waited longest, each stepped (its turn may have come) and pushed now; and the relays whose
+    step made them ready meanwhile (not those still stepping)."""
+    free = slots.sessions - len(slots.in_flight)
+    queued = [r for r in relays if _waits_for_slot(r) and not r.failed]
+    if free <= 0:
+        return
+    if queued:
+        turns = slots.in_turn([r.name for r in queued])
+        for relay in sorted(queued, key=lambda r: turns.index(r.name))[:free]:
+            _advance(relay, rnd, slots, logger)
+    if any(r.state is State.READY for r in relays if r.name not in stepping):
+        push_in_turn(backend, relays, slots, rnd, logger, skip=stepping)
+
+
+def _ended_meanwhile(watched: List[Relay]) -> List[Relay]:
+    """The relays among `watched` whose session Kaggle now shows ended (one status call each; an error: not seen)."""
+    ended = []
+    for relay in watched:
+        version = relay.step.obs.kernel_version if relay.step else None
+        if not version:
+            continue
+        try:
+            state = relay.ctx.backend.kernel_status(relay.ctx.names.kernel, version).state
+        except Exception:  # noqa: BLE001 - not seen now: the next look, or the next round, sees it
+            continue
+        if state is not None and state.finished:
+            ended.append(relay)
+    return ended
+
+
 def _still_running(relay: Relay, still_running: frozenset) -> bool:
     """The flow saw its session still running since its last step, and its deadline (wedged?) is ahead."""
     deadline = relay.step.deadline if relay.step else None
     return (relay.state is State.RUNNING and relay.name in still_running and deadline is not None
             and deadline > time.time())
-
-
-def _step_all(relays: List[Relay], rnd: Round, slots: AccountSessions, logger) -> None:
-    if len(relays) <= 1:
-        for relay in relays:
-            _advance(relay, rnd, slots, logger)
-        return
-    with ThreadPoolExecutor(max_workers=min(ROUND_THREADS, len(relays)), thread_name_prefix="relay-step") as pool:
-        # each step in a copy of the flow run's context: its task runs and log lines are the flow run's
-        futures = [pool.submit(contextvars.copy_context().run, _advance, r, rnd, slots, logger) for r in relays]
-        for future in futures:
-            future.result()
 
 
 def _advance(relay: Relay, rnd: Round, slots: AccountSessions, logger) -> None:

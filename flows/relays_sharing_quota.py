@@ -26,8 +26,9 @@ from typing import List, Literal, Optional, Tuple, Union
 
 from prefect import flow, get_run_logger
 
-from flows.relay_rounds import Relay, Round, run_round
+from flows.relay_rounds import FIRST_LOOKS, Relay, Round, run_round
 from relay.orchestrator import joint_plan, measured, plan as planner, policy
+from relay.orchestrator.kaggle.types import KernelState
 from relay.orchestrator.policy import utc
 from relay.orchestrator.relay_state import FINAL, IN_FLIGHT, State, Wait, overall
 from relay.front_door import SpecParameter, spec_at_flow
@@ -168,9 +169,11 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
                      add_tags=run_labels.account_tags(r.ctx.names.owner for r in all_relays if r.ctx))
     locks.hold([r.name for r in all_relays if r.ctx is not None])  # one write for all, before the first round
     give_up = time.monotonic() + max_hours * 3600
-    announced_wait, refused, last_shown, still_running = None, 0, None, frozenset()
+    announced_wait, refused, last_shown, still_running, ended = None, 0, None, frozenset(), frozenset()
+    next_report = 0.0  # when the relays report may show a new version (time.monotonic())
     while True:
-        rnd = run_round(backend, all_relays, slots, logger, still_running)
+        rnd = run_round(backend, all_relays, slots, logger, still_running, ended, poll_seconds,
+                        first_looks=len(all_relays) if mode == "tick" else FIRST_LOOKS)  # a tick looks at all
         refused += rnd.refused
         if rnd.quota_wait and rnd.quota_wait != announced_wait:
             waiting = [r.name for r in all_relays if r.waits_for is Wait.QUOTA]
@@ -183,11 +186,13 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
         rows, sessions = _rows(all_relays, plan), _sessions(all_relays)
         etas = [f"{when:%Y-%m-%d %H:%M}" for when in (plan.eta_all, *plan.quota_waits) if when] if plan else None
         shown = (rows, sessions, etas)
-        if shown != last_shown:  # a new version only when it shows something new (ETAs to the minute, as shown)
-            relays_artifacts.publish_relays_report(rows, sessions, Path(state_dir), plan)
-            last_shown = shown
-        summary = _summary(all_relays, rnd, plan, refused)
         active = [r for r in all_relays if r.state not in FINAL]
+        # a new version only when it shows something new (ETAs to the minute, as shown), at most every
+        # live_seconds while relays run (a version is a table of every relay and a timeline: not one per round)
+        if shown != last_shown and (mode == "tick" or not active or time.monotonic() >= next_report):
+            relays_artifacts.publish_relays_report(rows, sessions, Path(state_dir), plan)
+            last_shown, next_report = shown, time.monotonic() + live_seconds
+        summary = _summary(all_relays, rnd, plan, refused)
         if mode == "tick" or not active:
             failed = [r for r in all_relays if r.failed]
             if mode == "watch" and failed:
@@ -198,6 +203,9 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
         delay = poll_seconds
         if rnd.quota_wait and not rnd.in_flight:  # nothing to hand over meanwhile: sleep to the refresh
             delay = max(poll_seconds, (rnd.quota_wait - now).total_seconds())
+        if rnd.unseen:  # relays not looked at yet: the next round looks at them now
+            still_running, ended = frozenset(), frozenset()
+            continue
         try:
             seen = _wait_on_sessions(active, rnd, poll_seconds, live_seconds, give_up)
         except Exception as err:  # noqa: BLE001 - Kaggle unanswered, status errors: the next round looks again
@@ -206,6 +214,8 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
         # the relays whose session the wait saw still running: the next round need not look at them
         still_running = frozenset(r.name for r in active if r.state is State.RUNNING and r.step is not None
                                   and (seen or {}).get(r.step.action.run_id) in ("running", "queued"))
+        ended = frozenset(r.name for r in active if r.state is State.RUNNING and r.step is not None  # slots free
+                          and _finished((seen or {}).get(r.step.action.run_id)))
         if seen is None:
             time.sleep(min(delay, 3600))
 
@@ -229,6 +239,11 @@ def _wait_on_sessions(active: List[Relay], rnd: Round, poll_seconds: float, live
     if rnd.quota_wait:
         until = min(until, time.monotonic() + max(0.0, (rnd.quota_wait - datetime.now(timezone.utc)).total_seconds()))
     return follow_sessions(running, ", ".join(s.run_id for s in running), poll_seconds, live_seconds, until)
+
+
+def _finished(kernel_state: Optional[str]) -> bool:
+    """Kaggle showed the session ended (its slot no longer counts there)."""
+    return kernel_state in {s.value for s in KernelState if s.finished}
 
 
 def _rows(relays: List[Relay], plan) -> List[dict]:

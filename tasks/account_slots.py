@@ -77,6 +77,14 @@ class AccountSessions:
         elif holds is False:
             self.slots[relay].release()
 
+    def session_ended(self, relay: str) -> None:
+        """The flow saw the relay's session end on Kaggle: its slot is free now, before its hand-over (Kaggle
+        counts running sessions only), for the relay that waited longest."""
+        with self._guard:
+            if relay in self._in_flight:
+                self._in_flight.remove(relay)
+        self.slots[relay].release()
+
     def in_turn(self, relays: List[str]) -> List[str]:
         """`relays` in the order they became ready (first come, first served; the name breaks a tie)."""
         return sorted(relays, key=lambda r: (self.ready_since.get(r, time.time()), r))

@@ -13,11 +13,13 @@ from relay.orchestrator import report
 from relay.shared.progress import SessionRecord
 
 KEY = "relays"
+TIMELINE_SESSIONS = 48  # the newest sessions drawn: a bar each, so the figure (and its time and memory) is bounded
 
 
 @task(name="relays-report", cache_policy=NO_CACHE)
 def publish_relays_report(rows: List[dict], sessions: List[SessionRecord], local: Path, plan=None) -> Optional[str]:
-    """A table (relay, state, sessions, step, ETA) and a markdown summary with the joint timeline PNG.
+    """A table (relay, state, sessions, step, ETA) and a markdown summary with the joint timeline PNG (its newest
+    TIMELINE_SESSIONS sessions).
     Returns the PNG's path, None before any session was handed over."""
     create_table_artifact(table=rows, key=f"{KEY}-table", description="relays: one row per relay")
     md = ["# relays", "", "| relay | state | sessions | step | ETA |", "|---|---|---|---|---|"]
@@ -29,7 +31,10 @@ def publish_relays_report(rows: List[dict], sessions: List[SessionRecord], local
     png = None
     if any(s.started is not None for s in sessions):
         local.mkdir(parents=True, exist_ok=True)
-        png = report.plot_timeline(sessions, local / "relays-timeline.png", title="Relays timeline") \
+        drawn = sessions[-TIMELINE_SESSIONS:]  # in start order: 200 relays' 400 sessions were a 20,000-pixel PNG
+        title = "Relays timeline" + (f" (the newest {len(drawn)} of {len(sessions)} sessions)"
+                                     if len(drawn) < len(sessions) else "")
+        png = report.plot_timeline(drawn, local / "relays-timeline.png", title=title) \
             or local / "relays-timeline.png"
         data = base64.b64encode(Path(png).read_bytes()).decode()
         md += ["", f"![timeline](data:image/png;base64,{data})", f"`{png}`"]

@@ -208,8 +208,10 @@ def write_record(client, name: str, value: dict) -> None:
     from prefect.client.schemas.actions import VariableCreate, VariableUpdate
     from prefect.exceptions import ObjectAlreadyExists
 
-    if client.read_variable_by_name(name) is not None:
-        soon(lambda: client.update_variable(VariableUpdate(name=name, value=value)))
+    found = client.read_variable_by_name(name)
+    if found is not None:
+        if found.value != value:  # the same value again: no write (each is a transaction that can be refused)
+            soon(lambda: client.update_variable(VariableUpdate(name=name, value=value)))
         return
     try:
         soon(lambda: client.create_variable(VariableCreate(name=name, value=value)))

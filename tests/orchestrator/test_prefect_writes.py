@@ -53,3 +53,18 @@ def test_an_answer_is_the_callers_and_other_failures_get_the_clients_retries(mon
     busy = Server(*[_refusal(503)] * len(prefect_writes.QUICK_RETRIES_S), "done")
     assert soon(busy) == "done"
     assert busy.retries_seen == [0] * len(prefect_writes.QUICK_RETRIES_S) + [default]
+
+
+def test_each_refusal_is_counted_by_its_kind_of_write(monkeypatch):
+    """The relays bench reports which writes SQLite refused (issue 60): by method and route, names and ids out."""
+    monkeypatch.setattr(prefect_writes.time, "sleep", lambda s: None)
+    before = dict(prefect_writes.REFUSED_BY)
+    lease = httpx.Request("POST", "http://h/api/v2/concurrency_limits/increment-with-lease")
+    delete = httpx.Request("DELETE", "http://h/api/variables/name/kaggle-queue-ann-team-0")
+    renew = httpx.Request("POST", "http://h/api/v2/concurrency_limits/leases/0b5e8a7c-1d2e-4f60-9a1b-2c3d4e5f6a7b/renew")
+    refusals = [httpx.HTTPStatusError("503", request=r, response=httpx.Response(503, request=r))
+                for r in (lease, delete, delete, renew)]
+    assert soon(Server(*refusals[:1], "a")) == "a" and soon(Server(*refusals[1:], "b")) == "b"
+    counted = {k: v - before.get(k, 0) for k, v in prefect_writes.REFUSED_BY.items() if v != before.get(k, 0)}
+    assert counted == {"POST /v2/concurrency_limits/increment-with-lease": 1, "DELETE /variables/name/*": 2,
+                       "POST /v2/concurrency_limits/leases/*/renew": 1}
