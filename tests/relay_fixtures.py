@@ -392,8 +392,9 @@ def forget_account_slots() -> None:
 
 def forget_relays() -> None:
     """forget_account_slots, and what relays keep on the worker's shared Prefect server under their names: their
-    step locks (the limits `relay-<name>` and records `relay-step-lock-<name>`: tasks/step_lock.py) and the notices
-    told (`relay-notified-<name>`: tasks/notify.py). The tests of a worker run one at a time."""
+    step locks (the limits `relay-<name>`, the records `relay-step-lock-<name>` and a `relays` run's
+    `relay-steps-<run>-<n>`: tasks/step_lock.py) and the notices told (`relay-notified-<name>`: tasks/notify.py).
+    The tests of a worker run one at a time."""
     from prefect import get_client
 
     forget_account_slots()
@@ -402,7 +403,7 @@ def forget_relays() -> None:
             if limit.name.startswith("relay-"):
                 client.delete_global_concurrency_limit_by_name(limit.name)
         for variable in client.read_variables(limit=200):
-            if variable.name.startswith(("relay-step-lock-", "relay-notified-")):
+            if variable.name.startswith(("relay-step-lock-", "relay-notified-", "relay-steps-")):
                 client.delete_variable_by_name(variable.name)
 
 
