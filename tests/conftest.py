@@ -62,7 +62,6 @@ SLOW_FIXTURES = {"relay_cli", "prefect_api", "make_emulator", "relay_env", "refe
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts processes (Prefect server, emulator kernels, subprocesses)")
-    config.addinivalue_line("markers", "deadline: holds its worker ~1 min on a session's real deadline, nearly idle")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist starts the workers
@@ -90,22 +89,6 @@ def _expected_length(item) -> int:
     return next((rank for rank, fixtures in enumerate(LONGEST_FIRST) if names & fixtures), len(LONGEST_FIRST))
 
 
-def _spread_deadline_tests(items: list) -> None:
-    """The tests marked `deadline` spread evenly through the others of their rank (items sorted by rank): handed
-    out side by side, the four wedge tests left the two cores up to 60 % idle for ~90 s of a run."""
-    for rank in sorted({_expected_length(item) for item in items if item.get_closest_marker("deadline")}):
-        group = [item for item in items if _expected_length(item) == rank]
-        waiting = [item for item in group if item.get_closest_marker("deadline")]
-        others = [item for item in group if not item.get_closest_marker("deadline")]
-        every, spread = max(1, len(others) // len(waiting)), []
-        for n, item in enumerate(others):
-            if n % every == every // 2 and waiting:
-                spread.append(waiting.pop(0))
-            spread.append(item)
-        start = items.index(group[0])
-        items[start:start + len(group)] = spread + waiting
-
-
 # Session fixtures of the relay_fixtures plugin: a module that imports one gets a copy of its own, set up a second
 # time (a second Prefect server that takes this process's Prefect settings from the first; a second set of
 # reference runs).
@@ -124,7 +107,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike: xdist checks the collections match
         items.sort(key=_expected_length)
-        _spread_deadline_tests(items)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -286,7 +286,7 @@ class RelayEnv:
                         PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
                         RELAY_TEST_ENDPOINT=self.emu.url, RELAY_TEST_USER=USER, RELAY_TEST_KEY=FAKE_KEY,
                         RELAY_TEST_STEP_LOCK_WAIT=str(STEP_LOCK_WAIT_S if step_lock else 0),
-                        RELAY_TEST_TICK_EVERY=str(tick_every))
+                        RELAY_TEST_TICK_EVERY=str(tick_every), RELAY_TEST_WAKE=str(self.root / WAKE_FILE))
         for d in ("flow-home", "flow-tmp"):
             (self.root / d).mkdir(exist_ok=True)
         with open(self.root / log_name, "a") as log:
@@ -294,6 +294,11 @@ class RelayEnv:
                                        flow or self.flow], env, log)
         self.processes.append(proc)
         return proc
+
+    def wake_follow(self) -> None:
+        """The flow process's wait on its running session (tasks/live_view.follow_sessions) ends once, now: it looks
+        at Kaggle again, as it would at the session's deadline (a test that moved that deadline in the emulator)."""
+        (self.root / WAKE_FILE).touch()
 
     # what the emulator holds
     def kernel_runs(self) -> List[KernelRun]:
@@ -429,6 +434,7 @@ def one_of_relays(summary: dict, name: str) -> dict:
     return dict(summary["relays"][name], overall=summary["state"])
 
 
+WAKE_FILE = "wake-follow"  # RelayEnv.wake_follow's; the flow driver removes it as it wakes the follow
 FLOW_DRIVER = '''\
 """TEST-ONLY (tests/relay_fixtures.py): run the relay's flow (argv 5: relay | relays) in a child process the test
 may SIGKILL. The backend is the emulator's, with a fast retry policy (the production default backs off for seconds)."""
@@ -438,6 +444,7 @@ import random
 import sys
 import time
 
+import tasks.live_view as live_view
 import tasks.relay_host as relay_host
 from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
 
@@ -450,6 +457,18 @@ def make_backend(credentials_block=None):
 
 
 relay_host.make_backend = make_backend
+
+
+def monotonic():
+    """time.monotonic, past any wait's end once when the test asks (RelayEnv.wake_follow: the file RELAY_TEST_WAKE)."""
+    try:
+        os.remove(os.environ["RELAY_TEST_WAKE"])
+    except FileNotFoundError:
+        return time.monotonic()
+    return float("inf")
+
+
+live_view.monotonic = monotonic
 kwargs = dict(poll_seconds=0.3, state_dir=sys.argv[3], step_lock_wait_s=float(os.environ["RELAY_TEST_STEP_LOCK_WAIT"]))
 if sys.argv[5] == "relays":
     import flows.relays_sharing_quota as relays_sharing_quota

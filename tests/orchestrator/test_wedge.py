@@ -4,12 +4,14 @@ only lever. The emulator's `wedge` fault, the kernel delete, the relay's pure de
 deleting (or waiting), telling and resuming.
 
 No outcome here depends on the machine's speed: the emulator's wedge lasts a number of status calls after the
-session limit, or until the kernel is deleted; where a limit must have passed, the test moves the version's start
-back (the emulator's clock for it), never sleeps for it.
+session limit, or until the kernel is deleted; where a limit or the relay's deadline must have passed, the test
+moves the version's start (the emulator's clock for it) and push (the push time in its source, the relay's clock
+for it) back once the emulator has the session wedged, never sleeps for it.
 """
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -17,7 +19,7 @@ import pytest
 from kaggle_fixtures import USER, backend_for, isolated_env, make_emulator, push_script  # noqa: F401
 from relay_fixtures import wait_for
 from relay.emulator.faults import FaultPlan
-from relay.orchestrator.kaggle.kernel_source import find_run_id
+from relay.orchestrator.kaggle.kernel_source import find_plan, find_run_id
 from relay.orchestrator import chain, goodput, handoff
 from relay.orchestrator.chain import Do, Observation
 from relay.orchestrator.kaggle import KernelState, NotFound
@@ -48,6 +50,24 @@ def _limit_passed(emu, ref: str = KERNEL, number: int = 1) -> None:
     with emu.store.lock:
         version = emu.store.kernel_version(ref, f"v{number}")
         version["started"] -= version["timeout_s"] + 1
+
+
+def _deadline_passed(emu, ref: str, number: int, grace_s: float) -> None:
+    """A relay session's Kaggle limit and the relay's deadline are past, now: the timeout its push asked for ends
+    now, in the emulator (the version's limit) and in the plan of its source (what the relay reads back with
+    `kaggle kernels pull` and counts its deadline from with `grace_s`: handoff.running_deadline). Its push and
+    start stay when they were, so the ledger's times are the real ones."""
+    with emu.store.lock:
+        version = emu.store.kernel_version(ref, f"v{number}")
+        path = emu.store.kernel_dir(ref, number) / "source.py"
+        source = path.read_text()
+        plan, now = find_plan(source), time.time()
+        plan["timeout_s"] = now - 0.5 - grace_s - float(plan["pushed_at"])
+        moved = path.with_name("source.moved")  # replaced whole: a pull meanwhile reads the old text or the new
+        moved.write_text(re.sub(r"^PLAN = .+$", lambda _: f"PLAN = {json.dumps(plan)!r}", source, count=1,
+                                flags=re.M))
+        moved.replace(path)
+        version["timeout_s"] = now - 0.5 - version["started"]
 
 
 # -- the emulator ------------------------------------------------------------------------------------------
@@ -195,14 +215,29 @@ def test_after_a_wedged_run_was_deleted_every_later_look_decides_the_same_new_at
 # A 60 s budget: Kaggle's limit for a session is 62 s (kaggle_timeout_s: budget, startup_overhead, safety_margin),
 # the relay's deadline 1 s (startup_overhead) later. Sessions end at session.max_steps (a start-up of ~4 CPU s and
 # 150 toy steps: ~20 s on a machine loaded 5-fold) long before either; the wedge lasts until the relay deletes
-# the kernel, or until the test lets it go, so the budget sets how long the test takes, not what it sees. Two
-# sessions: the wedged one is the last, so what the relay does after it (done again, or waited for) ends the relay.
+# the kernel, or until the test lets it go. Once the emulator has session 2 wedged (its process ended, its status
+# RUNNING), the test ends the session's timeout there (_deadline_passed) and wakes the flow's wait on it, in place
+# of the ~45 s the relay would wait for its deadline: what the relay sees is the same, and when it sees it is an
+# event, not the machine's speed. The `relays` flow is not woken: its round skips a relay whose session it saw
+# running until the deadline it read before (flows/relay_rounds.py, by the wall clock), so it still waits out the
+# budget's deadline. Two sessions: the wedged one is the last, so what the relay does after it (done again, or
+# waited for) ends the relay.
 WEDGED_SECOND = {"seed": 5, "wedge": {"pushes": [2]}}
 
 
 def _relay_spec(relay_env, name: str, on_wedged: str):
     return relay_env.write_spec(**{"name": name, "optim.max_steps": 300, "session.budget": "60s",
                                    "kaggle.on_wedged": on_wedged})
+
+
+def _second_session_past_its_deadline(relay_env, emu, flow) -> None:
+    """Once the emulator has session 2 wedged, its deadline passed (_deadline_passed), and the flow's wait on it
+    woken, as its deadline would (RelayEnv.wake_follow)."""
+    wait_for(lambda: _process_ended(emu, relay_env.kernel, 2) or flow.poll() is not None, 300,
+             "session 2's process to end (wedged)", interval=0.1)
+    assert _process_ended(emu, relay_env.kernel, 2), _log(relay_env)
+    _deadline_passed(emu, relay_env.kernel, 2, grace_s=1.0)  # the toy spec's kaggle.startup_overhead
+    relay_env.wake_follow()
 
 
 def _told(name: str) -> list:
@@ -215,21 +250,20 @@ def _summary(log: str) -> dict:
     return json.loads(log.split("RELAY-SUMMARY ", 1)[1].splitlines()[0])
 
 
-@pytest.mark.deadline  # the wedged session reads running until its deadline, a minute away
 def test_a_wedged_session_is_deleted_told_and_redone_from_the_last_checkpoint(relay_env, both_flows, reference):
     # what was told is kept per relay name on the (shared) Prefect server
     _wedged_relay_is_deleted_and_redone(relay_env, reference, f"wedge-{both_flows}", "watch")
 
 
-@pytest.mark.deadline  # the wedged session reads running until its deadline, a minute away
 def test_ticks_notice_a_wedged_session_too(relay_env, reference):
     """A schedule's ticks (TICK_EVERY_S apart), none waiting: a tick that observes the wedge takes it."""
     _wedged_relay_is_deleted_and_redone(relay_env, reference, "wedge-ticks", "tick-loop", tick_every=TICK_EVERY_S)
 
 
-# A schedule's ticks while the wedged session reads running until its deadline (~1 min): each tick is a whole flow
-# run (~0.6 CPU s of the flow process and the Prefect server), 47 of them back to back (0.2 s apart), ~16 at 3 s.
-# How often a schedule ticks changes when a tick sees the deadline passed, not what it does then.
+# A schedule's ticks: each tick is a whole flow run (~0.6 CPU s of the flow process and the Prefect server), ~11
+# at 3 s apart for this relay (a tick that observes the wedged session after its deadline moved takes it); 47 back to
+# back (0.2 s apart) when the test waited out the real deadline. How often a schedule ticks changes when a tick sees
+# the deadline passed, not what it does then.
 TICK_EVERY_S = 3.0
 
 
@@ -240,6 +274,7 @@ def _wedged_relay_is_deleted_and_redone(relay_env, reference, name: str, mode: s
     spec = _relay_spec(relay_env, name, "delete")
     reference.start(spec)
     flow = relay_env.flow_process(mode=mode, tick_every=tick_every)
+    _second_session_past_its_deadline(relay_env, emu, flow)
     assert flow.wait(600) == 0, _log(relay_env)
     log = _log(relay_env)
     summary = _summary(log)
@@ -279,7 +314,6 @@ def _wedged_relay_is_deleted_and_redone(relay_env, reference, name: str, mode: s
     assert ledger.attempts[1].run_id == f"{name}-s002-a1" and ledger.totals["failed attempt"] > 0, ledger.table()
 
 
-@pytest.mark.deadline  # the wedged session reads running until its deadline, a minute away
 def test_on_wedged_wait_tells_and_waits_for_kaggle_and_relay_status_says_so(relay_env, reference):
     from relay.orchestrator import status
 
@@ -288,6 +322,7 @@ def test_on_wedged_wait_tells_and_waits_for_kaggle_and_relay_status_says_so(rela
     spec = _relay_spec(relay_env, name, "wait")
     reference.start(spec)
     flow = relay_env.flow_process()
+    _second_session_past_its_deadline(relay_env, emu, flow)
     wait_for(lambda: "kaggle.on_wedged: wait" in _log(relay_env) or flow.poll() is not None, 300,
              "the relay noticing the wedge")
     lines = []
