@@ -4,9 +4,10 @@ only lever. The emulator's `wedge` fault, the kernel delete, the relay's pure de
 deleting (or waiting), telling and resuming.
 
 No outcome here depends on the machine's speed: the emulator's wedge lasts a number of status calls after the
-session limit, or until the kernel is deleted; where a limit or the relay's deadline must have passed, the test
-moves the version's start (the emulator's clock for it) and push (the push time in its source, the relay's clock
-for it) back once the emulator has the session wedged, never sleeps for it.
+session limit, or until the kernel is deleted; where a limit must have passed, the test moves the version's start
+back (the emulator's clock for it), and where the relay's deadline must have passed, it ends the session's timeout
+(the emulator's and the one in its pushed plan) once the emulator has the session wedged and wakes the flow's wait
+on it; it never sleeps for either.
 """
 from __future__ import annotations
 
