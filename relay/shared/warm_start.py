@@ -1,12 +1,13 @@
-"""Sessions started warm: the runner's side of warm_zygote.py (why and how: there).
+"""Processes started warm: the starter's side of warm_zygote.py (why and how: there).
 
-`EmulatorConfig.warm_modules` (off by default: a fresh interpreter per session) names the modules imported once
-in a zygote; `WarmStarter.shared` keeps one zygote per set of modules and startup environment in this process
-(every emulator of a test worker shares it), and `start` returns a `WarmProcess`, the part of subprocess.Popen
-the runner uses. Protocol, JSON lines on a socket pair: the zygote says {"ready"} once it imported the modules;
-the runner sends {"id", "argv", "cwd", "env"} with the
-child's stdout and stderr write ends as passed descriptors; the zygote answers {"id", "pid"} once forked, and
-{"exit": pid, "code"} when that child ends (the code as Popen's: negative for a signal).
+Two users name the modules imported once in a zygote, each off by default (a fresh interpreter per process):
+the emulator's runner (`EmulatorConfig.warm_modules`) and `relay verify-resume` (RELAY_WARM_MODULES,
+relay/kernel/verify.py). `WarmStarter.shared` keeps one zygote per set of modules and startup environment in
+this process (every emulator of a test worker shares it), and `start` returns a `WarmProcess`, the part of
+subprocess.Popen they use. Protocol, JSON lines on a socket pair: the zygote says {"ready"} once it imported
+the modules; the starter sends {"id", "argv", "cwd", "env"} with the child's stdout and stderr write ends as
+passed descriptors; the zygote answers {"id", "pid"} once forked, and {"exit": pid, "code"} when that child ends
+(the code as Popen's: negative for a signal).
 """
 from __future__ import annotations
 

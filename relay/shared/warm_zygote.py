@@ -6,11 +6,13 @@ from here has them imported already, and is otherwise made what `python ARGS` wo
 its own stdio, working folder, environment, signal dispositions, `sys.argv`, `sys.path` and a fresh `__main__`;
 at its end threads are joined, atexit handlers run and stdio flushed, as at an interpreter's exit.
 
-Run as a script (`python warm_zygote.py FD MODULE...`), never imported: this file imports only the standard
-library, so every module not named is imported by the forked program itself (a kernel imports the relay from
-its own bundle, as on Kaggle). The ways in, each answered by a fork:
-- the emulator's runner (warm_start.py) asks on socket FD for a session's launcher, `python -u source.py`. It is
-  forked here into a session and process group of its own, as subprocess.Popen(start_new_session=True) would.
+Run as a script (`python warm_zygote.py FD MODULE...`; imported only for its constants): this file imports only
+the standard library, so every module not named is imported by the forked program itself (a kernel imports the
+relay from its own bundle, as on Kaggle). The zygote only imports: CUDA initialized before a fork is unusable
+in the child, so a zygote whose modules initialized it refuses to start. The ways in, each answered by a fork:
+- warm_start.py asks on socket FD for a process: the emulator's runner for a session's launcher, `python -u
+  source.py`; `relay verify-resume` (RELAY_WARM_MODULES) for each of its `relay train` sessions. It is forked
+  here into a session and process group of its own, as subprocess.Popen(start_new_session=True) would.
 - inside that session, `sys.executable` is the shim warm_python.py. When the launcher (or anything below it)
   runs `python -m relay ...`, the shim asks the launcher's own process (a listener thread started in `become`),
   which forks it from itself. So the new process is in the session's process group, dies with it and is
@@ -278,12 +280,16 @@ def _prepare(modules: list[str]) -> str:
     """Import `modules` and write the shim; returns the shim's folder."""
     global SHIM
     own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    # not this file's folder (a kernel must not import the emulator's modules), nor the zygote's own PYTHONPATH:
+    # not this file's folder (relay/shared's files are no top-level modules), nor the zygote's own PYTHONPATH:
     # a fork's sys.path is its own PYTHONPATH and these
     BASE_PATH[:] = [p for p in sys.path[1:] if p not in own]
     sys.path[:] = [*own, *BASE_PATH]
     for name in modules:
         __import__(name)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a fork cannot use the parent's CUDA context
+        raise SystemExit(f"warm zygote: importing {' '.join(modules)} initialized CUDA; a forked process could not"
+                         " use it: leave out the module that does")
     _PRELOADED_FINALIZERS.extend(weakref.finalize._registry)  # noqa: SLF001 - see _exit
     folder = tempfile.mkdtemp(prefix="relay-warm-")
     SHIM = os.path.join(folder, "python")
