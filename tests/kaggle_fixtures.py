@@ -35,7 +35,16 @@ KERNEL_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": 
 # fresh interpreter instead.
 WARM_MODULES = (["torch", "torch._dynamo", "yaml", "pydantic.main", "psutil", "safetensors.torch", "tqdm.auto"]
                 if os.environ.get("RELAY_TEST_WARM", "1") != "0" else [])
+# Libraries the Accelerate and HF examples import (a tiny BERT, its tokenizer, Trainer): ~1 CPU s more a session
+# after WARM_MODULES; only their verify-resume tests name them (an extra ~1 s once for every other one's zygote).
+HF_MODULES = ("accelerate", "transformers.models.bert.modeling_bert", "transformers.tokenization_utils_fast")
 _WARM_LISTENER: dict = {}
+
+
+def verify_warm(*extra: str) -> dict:
+    """The variables that make `relay verify-resume` fork its sessions from a zygote of its own that imported
+    WARM_MODULES and `extra` (RELAY_WARM_MODULES, relay/kernel/verify.py); {} under RELAY_TEST_WARM=0: cold."""
+    return {"RELAY_WARM_MODULES": ",".join([*WARM_MODULES, *extra])} if WARM_MODULES else {}
 _WARM_LOCK = threading.Lock()
 
 
