@@ -105,7 +105,7 @@ def become(command: dict, cwd: str, env: dict, fds: list[int], new_session: bool
         sys.path[:] = [first, *extra, *BASE_PATH]
         sys.path_importer_cache.clear()
         tempfile.tempdir = None  # gettempdir() is cached: this process's TMPDIR, not the zygote's
-        random.seed()  # a fresh interpreter seeds the global generators from the OS
+        random.seed()  # a fresh interpreter seeds the global generators from the OS (random's own at-fork too)
         if "numpy.random" in sys.modules:
             sys.modules["numpy.random"].seed()
         if _RESEED_TORCH[0]:

@@ -55,11 +55,11 @@ def test_a_warm_session_is_the_process_a_cold_one_is(tmp_path, monkeypatch):
 
 
 # A loop whose learning rate is scaled by a number its interpreter drew before open_session() seeded anything
-# (LR_FROM: random or torch), or not (none). Each session appends what it drew to DRAWN_LOG.
+# (LR_FROM: random, numpy or torch), or not (none). Each session appends what it drew to DRAWN_LOG.
 SCRIPT = '''
 import json, os, random
-import torch, relay
-drawn = {"random": random.random(), "torch": torch.rand(1).item()}
+import numpy, torch, relay
+drawn = {"random": random.random(), "numpy": numpy.random.random(), "torch": torch.rand(1).item()}
 with open(os.environ["DRAWN_LOG"], "a") as log:
     log.write(json.dumps(drawn) + "\\n")
 session = relay.open_session()
@@ -100,9 +100,9 @@ def test_warm_sessions_reach_the_verdicts_of_cold_ones(relay_cli, tmp_path):
     warm, warm_drawn = _verify(relay_cli, tmp_path, "warm", "torch", WARM)
     drawn = cold_drawn + warm_drawn
     assert len(cold_drawn) >= 4 and len(warm_drawn) >= 4, drawn  # the straight run and three split sessions
-    # random: each session its own seed; torch: each session its own if a fresh interpreter's is (torch 2.13), else
-    # the built-in one in every session (the zygote drew nothing)
-    assert len({d["random"] for d in drawn}) == len(drawn), drawn
+    # random, numpy: each session its own seed; torch: each session its own if a fresh interpreter's is (torch
+    # 2.13), else the built-in one in every session (the zygote drew nothing)
+    assert len({d["random"] for d in drawn}) == len({d["numpy"] for d in drawn}) == len(drawn), drawn
     own_seed = len({d["torch"] for d in cold_drawn}) > 1
     assert len({d["torch"] for d in drawn}) == (len(drawn) if own_seed else 1), drawn
     assert cold.split(":")[:2] == warm.split(":")[:2], (cold, warm)  # the same verdict, at the same tensor
