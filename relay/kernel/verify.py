@@ -221,7 +221,13 @@ def _start(args: list, env: dict, out, warm: tuple):
     if not warm:
         return subprocess.Popen([sys.executable, *args], env=env, stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    return WarmStarter.shared(warm, _sessions_env()).start(args, Path.cwd(), env, output=out.fileno())
+    starter = WarmStarter.shared(warm, _sessions_env())
+    ended = starter.exit_code()
+    if ended is not None:  # an import failed, or did what a fork cannot inherit (its message above)
+        raise InputError(f"relay verify-resume: {environment.WARM_MODULES}={','.join(warm)}: the process importing"
+                         f" them ended (exit {ended}; its message above): leave out the module that fails, or"
+                         " unset it")
+    return starter.start(args, Path.cwd(), env, output=out.fileno())
 
 
 def _train(spec: Path, workdir: Path, max_steps: int, timeout: float, warm: tuple = (),

@@ -39,6 +39,7 @@ class WarmStarter:
         self.pids: Dict[int, dict] = {}   # request id -> the zygote's answer
         self.codes: Dict[int, int] = {}   # pid -> exit code
         self.ready = False
+        self.closed = False                # the zygote's end of the socket closed: it has ended, or is ending
         threading.Thread(target=self._read, name="warm-start replies", daemon=True).start()
 
     @classmethod
@@ -46,7 +47,7 @@ class WarmStarter:
         key = (tuple(modules), tuple(sorted(env.items())))
         with _SHARED_LOCK:
             starter = _SHARED.get(key)
-            if starter is None or starter.zygote.poll() is not None:
+            if starter is None or starter._gone():
                 starter = _SHARED[key] = cls(modules, env)
         with starter.changed:  # its imports take seconds: not inside a session's clock
             if not starter.changed.wait_for(lambda: starter.ready or starter._gone(), timeout=300):
@@ -95,8 +96,13 @@ class WarmStarter:
             self.zygote.kill()
             self.zygote.wait()
 
+    def exit_code(self) -> Optional[int]:
+        """The zygote's exit status once it has ended (an import failed, or it was stopped), None while it serves."""
+        return self.zygote.wait() if self.closed else self.zygote.poll()
+
     def _gone(self) -> bool:
-        return self.zygote.poll() is not None
+        # its socket closes as it exits, a moment before it can be reaped: waiters are woken by the close only
+        return self.closed or self.zygote.poll() is not None
 
     def _read(self) -> None:
         for line in self.sock.makefile("rb"):
@@ -110,6 +116,7 @@ class WarmStarter:
                     self.pids[message["id"]] = message
                 self.changed.notify_all()
         with self.changed:
+            self.closed = True
             self.changed.notify_all()
 
 

@@ -122,3 +122,14 @@ def test_a_bad_warm_module_is_one_line_and_runs_nothing(relay_cli, tmp_path):
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
         assert "relay verify-resume: RELAY_WARM_MODULES=" in out.stderr and named in out.stderr, out.stderr
         assert not (tmp_path / "v").exists()
+    # a module whose import fails: the zygote's own message, then one line; no session ran
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "fails_on_import.py").write_text("raise RuntimeError('fails on purpose')\n")
+    out = relay_cli.run("verify-resume", str(spec), "--steps", "8", "--workdir", str(tmp_path / "v"),
+                        env={"RELAY_WARM_MODULES": "fails_on_import",
+                             "PYTHONPATH": os.pathsep.join([relay_cli.env["PYTHONPATH"], str(tmp_path / "mods")])})
+    assert out.returncode == 2 and "RuntimeError: fails on purpose" in out.stderr, out.stderr
+    assert out.stderr.splitlines()[-1].endswith("RELAY_WARM_MODULES=fails_on_import: the process importing them"
+                                                " ended (exit 1; its message above): leave out the module that"
+                                                " fails, or unset it"), out.stderr
+    assert not (tmp_path / "v" / "straight").exists()  # no session ran
