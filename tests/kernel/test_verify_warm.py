@@ -28,7 +28,7 @@ sys.exit(3)
 '''
 
 
-def test_a_warm_session_is_the_process_a_cold_one_is(tmp_path, monkeypatch):
+def test_a_warm_session_is_the_process_a_cold_one_is(tmp_path, monkeypatch, spawns_processes):
     """verify._start cold and warm (a zygote of `json` alone: the process, not the imports, is the subject)."""
     from relay.kernel import verify
 
