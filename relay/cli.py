@@ -146,7 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     lg.set_defaults(func=commands.cmd_logs)
 
     v = sub.add_parser("verify-resume", help="N steps straight vs the same N split into sessions with a SIGKILL"
-                                              " mid-save: 'identical', or the first tensor that differs")
+                                              " mid-save: 'identical', or the first tensor that differs",
+                       epilog="RELAY_WARM_MODULES=torch,torch._dynamo (modules, comma-separated) forks each session"
+                              " from a process that imported them once instead of a fresh interpreter (~2.5 CPU s"
+                              " less a session); off by default (docs/your-code.md)")
     v.add_argument("spec")
     v.add_argument("--steps", type=_steps, default=None, help="optimizer steps to compare (default 3 sessions' worth)")
     v.add_argument("--seed", type=int, default=0, help="picks the random cut points")

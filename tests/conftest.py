@@ -208,6 +208,9 @@ class RelayCLI:
         env.update(HOME=str(self.home), TMPDIR=str(self.tmp), PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1",
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    MPLCONFIGDIR=str(self.home / ".mpl"), RELAY_DEVICE="cpu")
+        from kaggle_fixtures import verify_warm
+
+        env.update(verify_warm())  # verify-resume's sessions forked warm (unless RELAY_TEST_WARM=0)
         self.env = env
 
     def argv(self, *args: str, preimport: Sequence[str] = ()) -> list[str]:
@@ -224,12 +227,14 @@ class RelayCLI:
             args += ["--budget", str(budget)]
         return args + [str(e) for e in extra]
 
-    def run(self, *args: str, timeout: float = 180, preimport: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    def run(self, *args: str, timeout: float = 180, preimport: Sequence[str] = (),
+            env: Optional[dict] = None) -> subprocess.CompletedProcess:
+        """`env`: variables set over this CLI's (e.g. verify_warm(...)'s)."""
         from kaggle_fixtures import WARM_MODULES, warm_python
 
         if set(preimport) <= set(WARM_MODULES):  # forked warm, they are imported already: `-m relay` as it is
             preimport = ()
-        python, env = warm_python(self.env)
+        python, env = warm_python({**self.env, **(env or {})})
         return subprocess.run([python, *self.argv(*args, preimport=preimport)[1:]], env=env, cwd=self.cwd,
                               capture_output=True, text=True, timeout=timeout)
 

@@ -22,26 +22,35 @@ import pytest
 
 from relay.emulator import Emulator, EmulatorConfig
 from relay.emulator.runner import IMPORT_TIME_VARIABLES
-from relay.emulator.warm_start import ZYGOTE
+from relay.shared.warm_start import ZYGOTE
 from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
 
 USER = "alice"
 FAKE_KEY = "f4k3k3y-0123456789abcdef-LEAKCHECK"
 VENV_BIN = Path(sys.executable).parent
 KERNEL_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-# Sessions are forked from a process that imported these once (relay/emulator/warm_zygote.py): ~3 CPU s less each
+# Sessions are forked from a process that imported these once (relay/shared/warm_zygote.py): ~3 CPU s less each
 # for torch, ~0.06 s more for the libraries every `relay train` imports next (0.39-0.44 -> 0.32-0.37 CPU s a toy
 # session; all installed on Kaggle's images; the relay itself comes from the kernel's own bundle, as on Kaggle). RELAY_TEST_WARM=0 runs every session in a
 # fresh interpreter instead.
 WARM_MODULES = (["torch", "torch._dynamo", "yaml", "pydantic.main", "psutil", "safetensors.torch", "tqdm.auto"]
                 if os.environ.get("RELAY_TEST_WARM", "1") != "0" else [])
+# Libraries the Accelerate and HF examples import (a tiny BERT, its tokenizer, Trainer): ~1 CPU s more a session
+# after WARM_MODULES; only their verify-resume tests name them (an extra ~1 s once for every other one's zygote).
+HF_MODULES = ("accelerate", "transformers.models.bert.modeling_bert", "transformers.tokenization_utils_fast")
 _WARM_LISTENER: dict = {}
+
+
+def verify_warm(*extra: str) -> dict:
+    """The variables that make `relay verify-resume` fork its sessions from a zygote of its own that imported
+    WARM_MODULES and `extra` (RELAY_WARM_MODULES, relay/kernel/verify.py); {} under RELAY_TEST_WARM=0: cold."""
+    return {"RELAY_WARM_MODULES": ",".join([*WARM_MODULES, *extra])} if WARM_MODULES else {}
 _WARM_LOCK = threading.Lock()
 
 
 def warm_python(env: dict) -> tuple[str, dict]:
     """(python, env) to run `python -m relay ...` forked warm by a listener of this worker, in the caller's process
-    group (relay/emulator/warm_zygote.py --listen; a process started in a session of its own, or any other command
+    group (relay/shared/warm_zygote.py --listen; a process started in a session of its own, or any other command
     line, runs the real interpreter). The returned pid is the shim's, which stands for the process: tests that
     read a process's own state (/proc, its children) run the real interpreter."""
     if not WARM_MODULES:

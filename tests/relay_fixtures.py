@@ -329,7 +329,7 @@ class RelayEnv:
 
 
 # A flow process is forked from a process of this worker that imported Prefect, the relay's flows, the kaggle
-# client and matplotlib once (tests/flow_preimports.py; relay/emulator/warm_zygote.py): in a session of its own, as
+# client and matplotlib once (tests/flow_preimports.py; relay/shared/warm_zygote.py): in a session of its own, as
 # Popen(start_new_session=True) would start it, so os.killpg(proc.pid) is the kill it stands for. Prefect reads
 # its settings when imported, so that process gets every PREFECT_* variable a flow process gets (the same for
 # all tests of a worker: its server, its home).
@@ -339,7 +339,7 @@ def start_flow_process(args: List[str], env: dict, log):
     if not WARM_MODULES:
         return subprocess.Popen([PYTHON, *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    from relay.emulator.warm_start import WarmStarter
+    from relay.shared.warm_start import WarmStarter
 
     own = Path(env["PREFECT_HOME"]) / "flow-zygote"  # its HOME and TMPDIR: the worker's, not a test's
     own.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from relay.emulator.config import EmulatorConfig
 from relay.emulator.faults import FaultPlan
 from relay.emulator.protocol import tree_size
 from relay.emulator.store import Store, write_json
-from relay.emulator.warm_start import WarmStarter
+from relay.shared.warm_start import WarmStarter
 
 log = logging.getLogger(__name__)
 NO_INTERNET_PROXY = "http://127.0.0.1:9"  # a closed port: well-behaved HTTP clients fail fast, as offline

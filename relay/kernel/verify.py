@@ -9,9 +9,16 @@ session bookkeeping (times, session records). Prints `identical` or the first te
 and the machine it proved that on (CPU and its kernels, GPUs, torch, CUDA, cuDNN, as the straight run's session
 recorded them: relay/shared/runtime.py): both runs are on this machine, so nothing here proves bit-identity
 across sessions that land on other CPUs or GPUs, as a Kaggle relay's may.
+
+Each session is a fresh interpreter (`python -c ...` in a session and process group of its own), or, with
+RELAY_WARM_MODULES=torch,torch._dynamo,... set, forked from a zygote that imported those modules once
+(relay/shared/warm_zygote.py: the same process otherwise, ~2.5 CPU s less a session). Off by default: forks
+share the zygote's str hash seed where fresh interpreters each draw their own, so a script whose results
+follow the order of a set of strings may differ between cold sessions and never between warm ones.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -32,6 +39,8 @@ from relay.shared.code_folder import accelerate_states
 from relay.shared.environment import SessionEnvironment
 from relay.shared.errors import InputError
 from relay.shared.version import PACKAGE_DIR
+from relay.shared.warm_start import WarmStarter
+from relay.shared.warm_zygote import SOCKET_VARIABLE
 
 KILL_MARKER_ENV = environment.KILL_MARKER
 # per-session records (times, speeds); HF log_history: the loss it logs averages the steps since the last log
@@ -110,6 +119,7 @@ def verify_resume(spec_path: Path, steps: Optional[int] = None, *, seed: int = 0
     t0 = time.monotonic()
     spec = spec_mod.load(spec_path)  # a bad spec: one line, exit 2, nothing written
     check_code(spec, source=str(spec_path))
+    warm = _warm_modules(SessionEnvironment.read().warm_modules)
     total = spec.optim.max_steps
     steps = steps or min(total or 60, 3 * (spec.session.max_steps or 20))
     if total is not None and steps > total:
@@ -126,7 +136,7 @@ def verify_resume(spec_path: Path, steps: Optional[int] = None, *, seed: int = 0
     a, b = root / "straight", root / "split"
     code = Path(spec.code.folder) if spec.code else None
     before = _files(code, root)
-    _train(spec_copy, a, steps, timeout)
+    _train(spec_copy, a, steps, timeout, warm)
     if cut_at:
         chosen = [(step, "--cut-at") for step in sorted(set(cut_at))]
     else:  # the straight run's progress.json knows its epoch's length (a schedule from session.batches)
@@ -138,7 +148,7 @@ def verify_resume(spec_path: Path, steps: Optional[int] = None, *, seed: int = 0
     while step < steps:
         target = next(c for c in cuts if c > step)
         arm = len(sessions) == 1 and not killed  # the second session dies mid-save
-        how = _train(spec_copy, b, target - step, timeout, kill_marker=root / "killed" if arm else None)
+        how = _train(spec_copy, b, target - step, timeout, warm, kill_marker=root / "killed" if arm else None)
         killed = killed or how != "ok"
         newest = checkpoint.list_valid(b / "checkpoints")
         sessions.append((step, target, how))
@@ -182,19 +192,56 @@ def _spec_copy(spec_path: Path, root: Path) -> Path:
     return copy
 
 
-def _train(spec: Path, workdir: Path, max_steps: int, timeout: float, kill_marker: Optional[Path] = None) -> str:
-    """One `relay train` session in a child process; with `kill_marker`, SIGKILLed mid-save. Returns how it ended."""
+def _warm_modules(names: tuple) -> tuple:
+    """RELAY_WARM_MODULES checked before anything runs: a name that is none, or names no module here, is one line."""
+    for name in names:
+        try:
+            found = all(part.isidentifier() for part in name.split(".")) and importlib.util.find_spec(name)
+        except (ImportError, ValueError):  # a parent package that is not installed, or no spec
+            found = None
+        if not found:
+            raise InputError(f"relay verify-resume: {environment.WARM_MODULES}={','.join(names)}: {name!r} is not"
+                             " a module installed here; give module names separated by commas (torch,torch._dynamo)"
+                             " or unset it")
+    return names
+
+
+def _sessions_env() -> dict:
+    """What every session's environment starts from: this process's, with the relay it runs first on the path."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_DIR.parent),
                                                                      os.environ.get("PYTHONPATH")])))
-    env.pop(KILL_MARKER_ENV, None)
+    for name in (KILL_MARKER_ENV, trace.ENV, SOCKET_VARIABLE):  # one session's, or another zygote's
+        env.pop(name, None)
+    return env
+
+
+def _start(args: list, env: dict, out, warm: tuple):
+    """`python ARGS` in a session and process group of its own, stdout and stderr into `out`: a fresh
+    interpreter, or forked from the zygote that imported `warm` (its import is outside any session's clock)."""
+    if not warm:
+        return subprocess.Popen([sys.executable, *args], env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    starter = WarmStarter.shared(warm, _sessions_env())
+    ended = starter.exit_code()
+    if ended is not None:  # an import failed, or did what a fork cannot inherit (its message above)
+        raise InputError(f"relay verify-resume: {environment.WARM_MODULES}={','.join(warm)}: the process importing"
+                         f" them ended (exit {ended}; its message above): leave out the module that fails, or"
+                         " unset it")
+    return starter.start(args, Path.cwd(), env, output=out.fileno())
+
+
+def _train(spec: Path, workdir: Path, max_steps: int, timeout: float, warm: tuple = (),
+           kill_marker: Optional[Path] = None) -> str:
+    """One `relay train` session in a child process; with `kill_marker`, SIGKILLed mid-save. Returns how it ended."""
+    env = _sessions_env()
     env[trace.ENV] = str(_trace_file(workdir))
     if kill_marker is not None:
         env[KILL_MARKER_ENV] = str(kill_marker)
     log = workdir.with_name(workdir.name + ".log")
-    cmd = [sys.executable, "-c", "from relay.kernel.verify import _child; _child()", "train", str(spec),
-           "--workdir", str(workdir), "--budget", "none", "--max-steps", str(max_steps)]
+    args = ["-c", "from relay.kernel.verify import _child; _child()", "train", str(spec),
+            "--workdir", str(workdir), "--budget", "none", "--max-steps", str(max_steps)]
     with open(log, "a") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = _start(args, env, out, warm)
         deadline = time.monotonic() + timeout
         while proc.poll() is None:
             if kill_marker is not None and kill_marker.exists():

@@ -22,6 +22,9 @@ STOP_MID_SAVE = "RELAY_TEST_STOP_MID_SAVE"  # tests: a save at or past this step
 # "torch", "cuda", "python", "image"}): CUDA and Kaggle's images cannot run here
 HARDWARE = "RELAY_TEST_HARDWARE"
 EMULATE_GPU = "RELAY_EMULATE_GPU"  # t4: the session runs as if on that GPU (over the spec's session.emulate); none: not
+# verify-resume: modules (comma-separated) imported once in a zygote its sessions are forked from, not each
+# session a fresh interpreter (relay/shared/warm_zygote.py); unset: fresh interpreters
+WARM_MODULES = "RELAY_WARM_MODULES"
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class SessionEnvironment:
     emulator: bool  # ... of the local emulator, which runs kernels on this machine's CPU
     image: dict  # what Kaggle's Docker image says of itself: its GIT_COMMIT and BUILD_DATE
     emulate_gpu: Optional[str] = None  # EMULATE_GPU as set ("none" included); None: unset, the spec decides
+    warm_modules: tuple = ()  # WARM_MODULES' names, as written (verify-resume checks them)
 
     @classmethod
     def read(cls, environ: Optional[Mapping[str, str]] = None) -> "SessionEnvironment":
@@ -61,4 +65,5 @@ class SessionEnvironment:
             emulator=bool(env.get("KAGGLE_EMULATOR")),
             image={"commit": env.get("GIT_COMMIT") or None, "built": env.get("BUILD_DATE") or None},
             emulate_gpu=env.get(EMULATE_GPU) or None,
+            warm_modules=tuple(name.strip() for name in env.get(WARM_MODULES, "").split(",") if name.strip()),
         )

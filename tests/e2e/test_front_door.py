@@ -9,7 +9,7 @@ import json
 import yaml
 
 from conftest import REPO
-from kaggle_fixtures import KERNEL_ENV, USER, isolated_env, make_emulator  # noqa: F401
+from kaggle_fixtures import KERNEL_ENV, USER, isolated_env, make_emulator, verify_warm  # noqa: F401
 from byo_fixtures import RELAYED, copy_example, relay_in_shell
 
 FRESH = {"fresh_prefect": True}  # a fresh machine: `relay run`'s Prefect migrates an empty database
@@ -31,7 +31,7 @@ def test_a_newcomer_relays_their_script_with_the_readme_commands(make_emulator, 
     doctor = relay_in_shell(tmp_path, emulator, project, "doctor", "spec.yaml", "--poll", "0.2", **FRESH)
     assert doctor.returncode == 0 and "all checks passed" in doctor.stdout, doctor.stdout + doctor.stderr[-2000:]
     verify = relay_in_shell(tmp_path, emulator, project, "verify-resume", "spec.yaml", "--steps", "24", "--workdir",
-                            "verify", **FRESH)
+                            "verify", env_extra=verify_warm(), **FRESH)  # forked warm: RELAY_WARM_MODULES
     assert verify.returncode == 0 and verify.stdout.startswith("identical"), verify.stdout + verify.stderr[-2000:]
     run = relay_in_shell(tmp_path, emulator, project, "run", "spec.yaml", "--poll", "0.3", **FRESH)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]

@@ -256,7 +256,7 @@ import ast, importlib, importlib.util, pkgutil, sys
 from pathlib import Path
 import relay
 names = [m.name for m in pkgutil.walk_packages(relay.__path__, "relay.")
-         if not m.name.endswith("__main__") and m.name != "relay.emulator.warm_python"]  # the zygote runs at import
+         if not m.name.endswith("__main__") and m.name != "relay.shared.warm_python"]  # the zygote runs at import
 names += [f"{d}.{p.stem}" for d in ("tasks", "flows") for p in sorted(Path(d).glob("*.py"))]
 failed = []
 for name in names:
@@ -270,7 +270,7 @@ for path in sorted([*Path("relay").rglob("*.py"), *Path("tasks").glob("*.py"), *
         if not (isinstance(node, ast.ImportFrom) and node.module and not node.level
                 and node.module.split(".")[0] in ("relay", "tasks", "flows")):
             continue
-        if node.module == "relay.emulator.warm_python":
+        if node.module == "relay.shared.warm_python":
             continue
         try:
             module = importlib.import_module(node.module)

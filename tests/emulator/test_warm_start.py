@@ -1,4 +1,4 @@
-"""Warm session starts (relay/emulator/warm_zygote.py): a forked process is what `python ARGS` would have been,
+"""Warm session starts (relay/shared/warm_zygote.py): a forked process is what `python ARGS` would have been,
 and a kernel's `python -m relay ...` is forked into the session's process group, so the runner's signals and
 kills reach it as they reach a real child."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.emulator.warm_start import WarmStarter
+from relay.shared.warm_start import WarmStarter
 
 pytestmark = pytest.mark.usefixtures("spawns_processes")
 

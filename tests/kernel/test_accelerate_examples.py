@@ -24,11 +24,12 @@ pytest.importorskip("accelerate")
 ], ids=["checkpointing-by-hand", "checkpointing-accumulate", "complete_nlp_example"])
 def test_accelerates_examples_resume_identically(entry, max_steps, steps, cuts, relay_cli, tmp_path):
     from byo_fixtures import copy_example
+    from kaggle_fixtures import HF_MODULES, verify_warm
 
     spec = copy_example("byo-accelerate-checkpointing", tmp_path / "ex",
                         **{"code.entry": entry, "optim.max_steps": max_steps})
     out = relay_cli.run("verify-resume", str(spec), "--steps", str(steps), "--cut-at", cuts,
-                        "--workdir", str(tmp_path / "v"), timeout=900)
+                        "--workdir", str(tmp_path / "v"), timeout=900, env=verify_warm(*HF_MODULES))
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert out.stdout.startswith("identical") and "(killed mid-save)" in out.stdout, out.stdout
     if "--checkpointing_steps epoch" in entry:  # its own save_state wrote epoch_0/, epoch_1/ beside the script

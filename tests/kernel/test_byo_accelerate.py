@@ -131,9 +131,11 @@ def test_an_effective_batch_the_accumulation_does_not_divide_names_batch_size(tm
 def test_the_accelerate_example_resumes_bit_identically(relay_cli, tmp_path):
     """Accelerate's nlp_example shape (tiny BERT, accumulation 2, an eval at each epoch's end) with a kill mid-save."""
     from byo_fixtures import copy_example
+    from kaggle_fixtures import HF_MODULES, verify_warm
 
     spec = copy_example("byo-accelerate", tmp_path / "ex")
-    out = relay_cli.run("verify-resume", str(spec), "--steps", "24", "--workdir", str(tmp_path / "v"), timeout=600)
+    out = relay_cli.run("verify-resume", str(spec), "--steps", "24", "--workdir", str(tmp_path / "v"), timeout=600,
+                        env=verify_warm(*HF_MODULES))
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert out.stdout.startswith("identical") and "(killed mid-save)" in out.stdout, out.stdout
 

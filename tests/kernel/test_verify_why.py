@@ -113,6 +113,7 @@ def test_an_hf_trainers_batches_are_recorded_as_its_loaders_draw_them(relay_cli,
     iterators draw over the train set, gradient_accumulation_steps of them a step, are each step's in both runs."""
     pytest.importorskip("transformers")
     from byo_fixtures import copy_example
+    from kaggle_fixtures import HF_MODULES, verify_warm
     from relay.kernel.session import trace
 
     spec = copy_example("byo-hf", tmp_path / "ex")
@@ -121,7 +122,8 @@ def test_an_hf_trainers_batches_are_recorded_as_its_loaders_draw_them(relay_cli,
         "per_device_train_batch_size=16,", "per_device_train_batch_size=8, gradient_accumulation_steps=2,").replace(
         "Reviews(tokenizer, 512, seed=0)", "Reviews(tokenizer, 128, seed=0)"))
     out = relay_cli.run("verify-resume", str(spec), "--steps", "20", "--cut-at", "7,16",
-                        "--workdir", str(tmp_path / "v"), timeout=900)
+                        "--workdir", str(tmp_path / "v"), timeout=900,
+                        env=verify_warm(*HF_MODULES, "transformers.trainer"))
     assert out.returncode == 0 and out.stdout.startswith("identical"), out.stdout + out.stderr[-3000:]
     straight, split = (trace.read(tmp_path / "v" / f"{run}.trace.jsonl") for run in ("straight", "split"))
     assert sorted(straight) == sorted(split) == list(range(20))

@@ -6,11 +6,13 @@ from here has them imported already, and is otherwise made what `python ARGS` wo
 its own stdio, working folder, environment, signal dispositions, `sys.argv`, `sys.path` and a fresh `__main__`;
 at its end threads are joined, atexit handlers run and stdio flushed, as at an interpreter's exit.
 
-Run as a script (`python warm_zygote.py FD MODULE...`), never imported: this file imports only the standard
-library, so every module not named is imported by the forked program itself (a kernel imports the relay from
-its own bundle, as on Kaggle). The ways in, each answered by a fork:
-- the emulator's runner (warm_start.py) asks on socket FD for a session's launcher, `python -u source.py`. It is
-  forked here into a session and process group of its own, as subprocess.Popen(start_new_session=True) would.
+Run as a script (`python warm_zygote.py FD MODULE...`; imported only for its constants): this file imports only
+the standard library, so every module not named is imported by the forked program itself (a kernel imports the
+relay from its own bundle, as on Kaggle). The zygote only imports: CUDA initialized before a fork is unusable
+in the child, so a zygote whose modules initialized it refuses to start. The ways in, each answered by a fork:
+- warm_start.py asks on socket FD for a process: the emulator's runner for a session's launcher, `python -u
+  source.py`; `relay verify-resume` (RELAY_WARM_MODULES) for each of its `relay train` sessions. It is forked
+  here into a session and process group of its own, as subprocess.Popen(start_new_session=True) would.
 - inside that session, `sys.executable` is the shim warm_python.py. When the launcher (or anything below it)
   runs `python -m relay ...`, the shim asks the launcher's own process (a listener thread started in `become`),
   which forks it from itself. So the new process is in the session's process group, dies with it and is
@@ -44,6 +46,11 @@ BASE_PATH: list[str] = []              # sys.path of an interpreter started with
 SHIM = ""                              # the `python` a warm process names as sys.executable (set by main)
 _INHERITED_STDIO: list = []
 _PRELOADED_FINALIZERS: list = []        # weakref.finalize objects the preloaded modules made (set by _prepare)
+# c10/core/GeneratorImpl.h default_rng_seed_val: the seed torch's default CPU generator is built with. torch 2.13
+# then seeds it from the OS as its extension loads (`python -c "import torch; print(torch.initial_seed())"` differs
+# run to run); a torch that does not starts every interpreter at this one.
+TORCH_BUILT_IN_SEED = 67280421310721
+_RESEED_TORCH = [False]                 # torch seeded itself at load: so does each fork (set by _check_torch)
 
 
 # -- what `python ARGS` would be --------------------------------------------------------------------------
@@ -70,13 +77,16 @@ def parse(args: list[str], modules: tuple[str, ...] = ()) -> dict | None:
 
 
 def become(command: dict, cwd: str, env: dict, fds: list[int], new_session: bool, group: int = 0,
-           listen: bool = False):
-    """In a child just forked: turn into `python ARGS` and run it; never returns."""
+           listen: bool = False, grouped: int = -1):
+    """In a child just forked: turn into `python ARGS` and run it; never returns. `grouped`: a pipe closed once
+    the process is in its session or group (its forker answers with the pid then, as Popen returns after it)."""
     try:
         if new_session:
             os.setsid()
         elif group:
             os.setpgid(0, group)
+        if grouped >= 0:
+            os.close(grouped)
         signal.set_wakeup_fd(-1)
         _default_signals()
         for target, fd in enumerate(fds):
@@ -95,9 +105,11 @@ def become(command: dict, cwd: str, env: dict, fds: list[int], new_session: bool
         sys.path[:] = [first, *extra, *BASE_PATH]
         sys.path_importer_cache.clear()
         tempfile.tempdir = None  # gettempdir() is cached: this process's TMPDIR, not the zygote's
-        random.seed()  # a fresh interpreter seeds the global generators from the OS
+        random.seed()  # a fresh interpreter seeds the global generators from the OS (random's own at-fork too)
         if "numpy.random" in sys.modules:
             sys.modules["numpy.random"].seed()
+        if _RESEED_TORCH[0]:
+            sys.modules["torch"].default_generator.seed()  # from the OS, as its load in a fresh interpreter
         if listen:
             _listen()
         main = types.ModuleType("__main__")
@@ -278,12 +290,13 @@ def _prepare(modules: list[str]) -> str:
     """Import `modules` and write the shim; returns the shim's folder."""
     global SHIM
     own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    # not this file's folder (a kernel must not import the emulator's modules), nor the zygote's own PYTHONPATH:
+    # not this file's folder (relay/shared's files are no top-level modules), nor the zygote's own PYTHONPATH:
     # a fork's sys.path is its own PYTHONPATH and these
     BASE_PATH[:] = [p for p in sys.path[1:] if p not in own]
     sys.path[:] = [*own, *BASE_PATH]
     for name in modules:
         __import__(name)
+    _check_torch(modules)
     _PRELOADED_FINALIZERS.extend(weakref.finalize._registry)  # noqa: SLF001 - see _exit
     folder = tempfile.mkdtemp(prefix="relay-warm-")
     SHIM = os.path.join(folder, "python")
@@ -293,6 +306,24 @@ def _prepare(modules: list[str]) -> str:
         f.write(text)
     os.chmod(SHIM, 0o755)
     return folder
+
+
+def _check_torch(modules: list[str]) -> None:
+    """What a fork inherits of torch must be what a fresh interpreter starts with: no CUDA context (a fork cannot
+    use its parent's), and the default generator as `import torch` leaves it (nothing the zygote imported drew
+    from it: a fresh interpreter that does not import those modules would not have drawn)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    named = " ".join(modules)
+    if torch.cuda.is_initialized():
+        raise SystemExit(f"warm zygote: importing {named} initialized CUDA; a forked process could not use it:"
+                         " leave out the module that does")
+    seed = torch.initial_seed()
+    if not torch.equal(torch.default_generator.get_state(), torch.Generator().manual_seed(seed).get_state()):
+        raise SystemExit(f"warm zygote: importing {named} drew from torch's default generator; a forked process"
+                         " would not start where a fresh interpreter does: leave out the module that does")
+    _RESEED_TORCH[0] = seed != TORCH_BUILT_IN_SEED
 
 
 def serve_shims(modules: list[str]) -> None:
@@ -349,10 +380,16 @@ def _fork_launcher(runner: socket.socket, request: dict, fds: list[int]) -> None
             os.close(fd)
         return runner.sendall(json.dumps({"id": request["id"], "error": "not a command line to start warm"}).encode()
                               + b"\n")
+    grouped_r, grouped_w = os.pipe()
     pid = os.fork()
     if pid == 0:
+        os.close(grouped_r)
         stdin = os.open(os.devnull, os.O_RDONLY)
-        become(command, request["cwd"], request["env"], [stdin, *fds], new_session=True, listen=True)
+        become(command, request["cwd"], request["env"], [stdin, *fds], new_session=True, listen=True,
+               grouped=grouped_w)
+    os.close(grouped_w)
+    os.read(grouped_r, 1)  # end of file once the child is its own session: a killpg(pid) from now on reaches it
+    os.close(grouped_r)
     for fd in fds:
         os.close(fd)
     runner.sendall(json.dumps({"id": request["id"], "pid": pid}).encode() + b"\n")

@@ -1,12 +1,13 @@
-"""Sessions started warm: the runner's side of warm_zygote.py (why and how: there).
+"""Processes started warm: the starter's side of warm_zygote.py (why and how: there).
 
-`EmulatorConfig.warm_modules` (off by default: a fresh interpreter per session) names the modules imported once
-in a zygote; `WarmStarter.shared` keeps one zygote per set of modules and startup environment in this process
-(every emulator of a test worker shares it), and `start` returns a `WarmProcess`, the part of subprocess.Popen
-the runner uses. Protocol, JSON lines on a socket pair: the zygote says {"ready"} once it imported the modules;
-the runner sends {"id", "argv", "cwd", "env"} with the
-child's stdout and stderr write ends as passed descriptors; the zygote answers {"id", "pid"} once forked, and
-{"exit": pid, "code"} when that child ends (the code as Popen's: negative for a signal).
+Two users name the modules imported once in a zygote, each off by default (a fresh interpreter per process):
+the emulator's runner (`EmulatorConfig.warm_modules`) and `relay verify-resume` (RELAY_WARM_MODULES,
+relay/kernel/verify.py). `WarmStarter.shared` keeps one zygote per set of modules and startup environment in
+this process (every emulator of a test worker shares it), and `start` returns a `WarmProcess`, the part of
+subprocess.Popen they use. Protocol, JSON lines on a socket pair: the zygote says {"ready"} once it imported
+the modules; the starter sends {"id", "argv", "cwd", "env"} with the child's stdout and stderr write ends as
+passed descriptors; the zygote answers {"id", "pid"} once forked, and {"exit": pid, "code"} when that child ends
+(the code as Popen's: negative for a signal).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class WarmStarter:
         self.pids: Dict[int, dict] = {}   # request id -> the zygote's answer
         self.codes: Dict[int, int] = {}   # pid -> exit code
         self.ready = False
+        self.closed = False                # the zygote's end of the socket closed: it has ended, or is ending
         threading.Thread(target=self._read, name="warm-start replies", daemon=True).start()
 
     @classmethod
@@ -45,7 +47,7 @@ class WarmStarter:
         key = (tuple(modules), tuple(sorted(env.items())))
         with _SHARED_LOCK:
             starter = _SHARED.get(key)
-            if starter is None or starter.zygote.poll() is not None:
+            if starter is None or starter._gone():
                 starter = _SHARED[key] = cls(modules, env)
         with starter.changed:  # its imports take seconds: not inside a session's clock
             if not starter.changed.wait_for(lambda: starter.ready or starter._gone(), timeout=300):
@@ -94,8 +96,13 @@ class WarmStarter:
             self.zygote.kill()
             self.zygote.wait()
 
+    def exit_code(self) -> Optional[int]:
+        """The zygote's exit status once it has ended (an import failed, or it was stopped), None while it serves."""
+        return self.zygote.wait() if self.closed else self.zygote.poll()
+
     def _gone(self) -> bool:
-        return self.zygote.poll() is not None
+        # its socket closes as it exits, a moment before it can be reaped: waiters are woken by the close only
+        return self.closed or self.zygote.poll() is not None
 
     def _read(self) -> None:
         for line in self.sock.makefile("rb"):
@@ -109,6 +116,7 @@ class WarmStarter:
                     self.pids[message["id"]] = message
                 self.changed.notify_all()
         with self.changed:
+            self.closed = True
             self.changed.notify_all()
 
 
