@@ -230,7 +230,8 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
         still_running = frozenset(r.name for r in active if r.state is State.RUNNING and r.step is not None
                                   and (seen or {}).get(r.step.action.run_id) in ("running", "queued"))
         ended = {r.name: seen[r.step.action.run_id] for r in active  # slots free, {relay: its kernel's end state}
-                 if r.state is State.RUNNING and r.step is not None and _finished((seen or {}).get(r.step.action.run_id))}
+                 if r.state is State.RUNNING and r.step is not None
+                 and _finished((seen or {}).get(r.step.action.run_id))}
         if seen is None:
             time.sleep(min(delay, 3600))
 
