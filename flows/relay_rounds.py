@@ -182,7 +182,10 @@ def run_round(backend, relays: List[Relay], slots: AccountSessions, logger,
                                return_when=FIRST_COMPLETED)
                 for future in done:
                     future.result()
-                    stepping.discard(pending.pop(future).name)
+                    relay = pending.pop(future)
+                    stepping.discard(relay.name)
+                    if relay.state is State.RUNNING and relay not in watched:  # found running: its end is looked
+                        watched.append(relay)                                  # for while the round goes on
                 look = pending and time.monotonic() >= next_look
                 if look:
                     next_look = time.monotonic() + poll_seconds
