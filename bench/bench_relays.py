@@ -8,7 +8,8 @@ and a newcomer's server use). Figures (issue 60's):
     round time, median / max (flows.relay_rounds.run_round, timed);
     free slots waiting for a ready relay: the fraction of the time (from the first push to the last session's end)
         with fewer than `slots` sessions pushed-and-not-ended while a relay with work left had none (the hand-over
-        and the round's latency between one session and the next: the emulator's push and end times);
+        and the round's latency between one session and the next: the emulator's push and end times); also per
+        slot: free slot-seconds that had a ready relay to take them, of all slot-seconds;
     503 answers to the flow's lock and slot writes (tasks/prefect_writes.REFUSED: counted, not only retried);
     Prefect database rows per relay-session (every table of the server's SQLite file, at the end).
 The kernels run on the same machine (on Kaggle they would not): on a small machine they compete with the flow.
