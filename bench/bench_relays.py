@@ -8,7 +8,8 @@ and a newcomer's server use). Figures (issue 60's):
     round time, median / max (flows.relay_rounds.run_round, timed);
     free slots waiting for a ready relay: the fraction of the time (from the first push to the last session's end)
         with fewer than `slots` sessions pushed-and-not-ended while a relay with work left had none (the hand-over
-        and the round's latency between one session and the next: the emulator's push and end times);
+        and the round's latency between one session and the next: the emulator's push and end times); also per
+        slot: free slot-seconds that had a ready relay to take them, of all slot-seconds;
     503 answers to the flow's lock and slot writes (tasks/prefect_writes.REFUSED: counted, not only retried);
     Prefect database rows per relay-session (every table of the server's SQLite file, at the end).
 The kernels run on the same machine (on Kaggle they would not): on a small machine they compete with the flow.
@@ -83,26 +84,30 @@ def _free_while_ready(kernels: dict, changes: list, slots: int) -> tuple:
     """The scheduler's figure (issue 60: "free slots waiting for a ready relay"): the fraction of the time (first
     push to last session's end) in which fewer than `slots` sessions ran on Kaggle while some relay was ready to
     push. A relay's own hand-over is not in it: it is not ready then. Also each such stretch's length (a slot
-    free, a relay ready, until a push filled it): the scheduler's latency, whatever the sessions' length."""
+    free, a relay ready, until a push filled it): the scheduler's latency, whatever the sessions' length; and the
+    same per slot: the free slot-seconds that had a ready relay to take them (min(free slots, ready relays) at
+    each moment) of all `slots` x the span's slot-seconds, what "a free session slot waits" is for each slot."""
     sessions = _sessions_on_kaggle(kernels)
     if not sessions:
-        return 0.0, []
+        return 0.0, [], 0.0
     start, end = min(p for p, _ in sessions), max(e for _, e in sessions)
     edges = sorted({start, end, *[t for s in sessions for t in s], *[t for s in _ready_spans(changes) for t in s]})
     ready = _ready_spans(changes)
-    free, gaps, open_at = 0.0, [], None
+    free, gaps, open_at, slot_s = 0.0, [], None, 0.0
     for a, b in zip(edges, edges[1:]):
         if a < start or b > end:
             continue
         mid = (a + b) / 2
         running = sum(1 for p, e in sessions if p <= mid < e)
-        if running < slots and any(f <= mid < t for f, t in ready):
+        waiting = sum(1 for f, t in ready if f <= mid < t)
+        slot_s += min(max(0, slots - running), waiting) * (b - a)
+        if running < slots and waiting:
             free += b - a
             open_at = a if open_at is None else open_at
         elif open_at is not None:
             gaps.append(a - open_at)
             open_at = None
-    return free / max(1e-9, end - start), gaps
+    return free / max(1e-9, end - start), gaps, slot_s / max(1e-9, slots * (end - start))
 
 
 def _idle_fraction(kernels: dict, slots: int) -> float:
@@ -247,7 +252,7 @@ def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
         with emulator.store.lock:
             kernels = {ref: {"versions": [dict(v) for v in k["versions"]]} for ref, k in emulator.store.kernels.items()}
         rows = _rows(prefect_home / "prefect.db")
-        free_while_ready, gaps = _free_while_ready(kernels, changes, slots)
+        free_while_ready, gaps, free_slot_s = _free_while_ready(kernels, changes, slots)
         ends = sorted(e for _, e in _sessions_on_kaggle(kernels))
         seen_after = [min(t for t in seen_ended if t >= e) - e for e in ends if any(t >= e for t in seen_ended)]
         pushes = sorted(p for p, _ in _sessions_on_kaggle(kernels))
@@ -257,6 +262,7 @@ def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
                 f"relays_{n}_round_s_max": round(max(rounds), 2),
                 f"relays_{n}_flow_rss_mb_peak": round(peak["flow"]), f"relays_{n}_server_rss_mb_peak": round(peak["server"]),
                 f"relays_{n}_free_while_ready": round(free_while_ready, 3),
+                f"relays_{n}_free_slot_s_while_ready": round(free_slot_s, 3),
                 f"relays_{n}_free_gap_s": [len(gaps), round(statistics.median(gaps), 2) if gaps else 0,
                                            round(max(gaps), 2) if gaps else 0],
                 f"relays_{n}_end_seen_s": _spread(seen_after), f"relays_{n}_seen_push_s": _spread(pushed_after),
@@ -300,7 +306,8 @@ def format_lines(f: dict) -> list:
                      f" {f[f'relays_{n}_round_s_median']} s / max {f[f'relays_{n}_round_s_max']} s; peak RSS flow"
                      f" {f[f'relays_{n}_flow_rss_mb_peak']} MB, server {f[f'relays_{n}_server_rss_mb_peak']} MB;"
                      f" free slots waiting for a ready relay {100 * f[f'relays_{n}_free_while_ready']:.1f} % of"
-                     f" the time (hand-over gap: a slot free while a relay had no session in flight,"
+                     f" the time, per slot {100 * f[f'relays_{n}_free_slot_s_while_ready']:.1f} % of its"
+                     f" slot-seconds (hand-over gap: a slot free while a relay had no session in flight,"
                      f" {100 * f[f'relays_{n}_handover_gap']:.0f} %; {f[f'relays_{n}_free_gap_s'][0]} stretches of a"
                      f" free slot and a ready relay, median {f[f'relays_{n}_free_gap_s'][1]} s / max"
                      f" {f[f'relays_{n}_free_gap_s'][2]} s; sessions of median {f[f'relays_{n}_session_s_median']} s;"

@@ -134,7 +134,7 @@ def push_in_turn(backend, relays: List[Relay], slots: AccountSessions, rnd: Roun
 
 
 def run_round(backend, relays: List[Relay], slots: AccountSessions, logger,
-              still_running: frozenset = frozenset(), ended: frozenset = frozenset(),
+              still_running: frozenset = frozenset(), ended: Optional[Dict[str, str]] = None,
               poll_seconds: float = 30.0, first_looks: int = FIRST_LOOKS) -> Round:
     """The relays' steps (concurrently, bounded), the ready ones pushed into the free slots in turn. Stepped:
     every unfinished relay but those whose session the flow saw still running (`still_running`, its deadline
@@ -142,32 +142,39 @@ def run_round(backend, relays: List[Relay], slots: AccountSessions, logger,
     log line and no write, so a round's cost follows what changed, not the number of relays.
 
     A free slot does not wait for the round's hand-overs (seconds to minutes each): the sessions the flow saw end
-    (`ended`) give their slots back at once (Kaggle counts running sessions only) and the relays that waited
-    longest are pushed into the free slots first; while the steps run, the sessions seen running are asked their
-    state every `poll_seconds`, and one that ended gives its slot to the queue's head at once (its own hand-over
-    is stepped beside the others: its relay then goes to the back of the queue). At most `first_looks` relays
-    are looked at for the first time (Round.unseen: those left for the next round)."""
+    (`ended`: {relay: its kernel's end state}; their views show the end beside their hand-overs) give their
+    slots back at once (Kaggle counts running sessions only) and the relays that waited longest are pushed into
+    the free slots first, on the look that found them ready when it is recent (looked_lately), the next in turn
+    looked at again in the round while the slots are busy when it is not (_heads); while the steps run, the
+    sessions seen running are asked their state every `poll_seconds`, and one that ended gives its slot to the
+    queue's head at once (its own hand-over is stepped beside the others: its relay then goes to the back of the
+    queue). At most `first_looks` relays are looked at for the first time (Round.unseen: those left for the next
+    round)."""
     rnd = Round()
     active = [r for r in relays if not r.failed and r.state is not State.DONE]  # done: no step, no lock, no write
     running = [r for r in active if r.state is State.RUNNING]
     # the sessions seen ended, and those that ended since (one status call each: the round's own step of such a
     # relay would hand its session over first, seconds to minutes, before its slot went back)
-    seen_ended = [r for r in running if r.name in ended]
-    for relay in seen_ended + _ended_meanwhile([r for r in running if r.name not in ended]):
+    ends = dict(ended or {})  # {relay: its kernel's end state}: its view shows the end beside its hand-over
+    seen_ended = [r for r in running if r.name in ends]
+    freed = seen_ended + _ended_meanwhile([r for r in running if r.name not in ends], ends)
+    for relay in freed:
         slots.session_ended(relay.name)
-    watched = [r for r in active if _still_running(r, still_running)]
-    now = [r for r in active if not _waits_for_slot(r) and r not in watched]
+    watched = [r for r in active if _still_running(r, still_running) and r not in freed]  # freed: stepped now
+    heads = _heads(active, slots)  # the next in turn: their look is taken again once old, before a slot frees
+    now = [r for r in active if (not _waits_for_slot(r) or r in heads) and r not in watched]
     first = [r for r in now if r.state is State.NEW]
     rnd.unseen = max(0, len(first) - first_looks)
     now = [r for r in now if r.state is not State.NEW] + first[:first_looks]
     try:
-        stepping: set = set()
+        stepping: set = {r.name for r in now}  # stepped in the pool: not also pushed or stepped by _fill meanwhile
         _fill(backend, relays, slots, rnd, logger, stepping)
         with ThreadPoolExecutor(max_workers=ROUND_THREADS, thread_name_prefix="relay-step") as pool:
             def submit(relay: Relay):
                 stepping.add(relay.name)
                 # in a copy of the flow run's context: the step's task runs and log lines are the flow run's
-                return pool.submit(contextvars.copy_context().run, _advance, relay, rnd, slots, logger)
+                return pool.submit(contextvars.copy_context().run, _advance, relay, rnd, slots, logger,
+                                   ends.get(relay.name))
 
             pending, next_look = {submit(r): r for r in now}, time.monotonic() + poll_seconds
             while pending:
@@ -175,11 +182,14 @@ def run_round(backend, relays: List[Relay], slots: AccountSessions, logger,
                                return_when=FIRST_COMPLETED)
                 for future in done:
                     future.result()
-                    stepping.discard(pending.pop(future).name)
+                    relay = pending.pop(future)
+                    stepping.discard(relay.name)
+                    if relay.state is State.RUNNING and relay not in watched:  # found running: its end is looked
+                        watched.append(relay)                                  # for while the round goes on
                 look = pending and time.monotonic() >= next_look
                 if look:
                     next_look = time.monotonic() + poll_seconds
-                for relay in _ended_meanwhile(watched) if look else ():
+                for relay in _ended_meanwhile(watched, ends) if look else ():
                     watched.remove(relay)
                     slots.session_ended(relay.name)
                     pending[submit(relay)] = relay  # its hand-over, beside the others
@@ -203,19 +213,45 @@ def _fill(backend, relays: List[Relay], slots: AccountSessions, rnd: Round, logg
     to the relays that waited longest, each stepped (its turn may have come) and pushed now; and the relays whose
     step made them ready meanwhile (not those still stepping)."""
     free = slots.sessions - len(slots.in_flight)
-    queued = [r for r in relays if _waits_for_slot(r) and not r.failed]
+    queued = [r for r in relays if _waits_for_slot(r) and not r.failed and r.name not in stepping]
     if free <= 0:
         return
     if queued:
         turns = slots.in_turn([r.name for r in queued])
         for relay in sorted(queued, key=lambda r: turns.index(r.name))[:free]:
-            _advance(relay, rnd, slots, logger)
+            if looked_lately(relay):  # its look still holds: the freed slot costs the take and the push only
+                relay.took(replace(relay.step, state=State.READY, waits_for=None, why=""))
+            else:
+                _advance(relay, rnd, slots, logger)
     if any(r.state is State.READY for r in relays if r.name not in stepping):
         push_in_turn(backend, relays, slots, rnd, logger, skip=stepping)
 
 
-def _ended_meanwhile(watched: List[Relay]) -> List[Relay]:
-    """The relays among `watched` whose session Kaggle now shows ended (one status call each; an error: not seen)."""
+def _heads(active: List[Relay], slots: AccountSessions) -> List[Relay]:
+    """The relays waiting for a slot that the next freed slots go to (as many as the account has sessions) whose
+    look is too old to push on (looked_lately): stepped in this round, while every slot is busy, so that a freed
+    slot costs the take and the push only, not a look at Kaggle first."""
+    queued = [r for r in active if _waits_for_slot(r)]
+    if not queued:
+        return []
+    turns = slots.in_turn([r.name for r in queued])
+    return [r for r in sorted(queued, key=lambda r: turns.index(r.name))[:slots.sessions] if not looked_lately(r)]
+
+
+def looked_lately(relay: Relay) -> bool:
+    """The relay's look at Kaggle that found it ready is recent enough to push on: younger than a quarter of its
+    claims' lease (kaggle.lease). Another orchestrator that pushed the same run since that look did so under a
+    claim it confirmed with half the lease left and keeps until it expires (relay/orchestrator/kaggle/lease.py),
+    so our push's claim meets it and backs off: one push per run id, as when the look comes right before the
+    push. An older look (a relay that waited hours for a slot) is taken again first."""
+    obs = relay.step.obs if relay.step is not None else None
+    return (relay.ctx is not None and obs is not None and obs.observed_at > 0
+            and time.time() - obs.observed_at < relay.ctx.spec.kaggle.lease / 4)
+
+
+def _ended_meanwhile(watched: List[Relay], ends: Dict[str, str]) -> List[Relay]:
+    """The relays among `watched` whose session Kaggle now shows ended (one status call each; an error: not seen),
+    their end states added to `ends`."""
     ended = []
     for relay in watched:
         version = relay.step.obs.kernel_version if relay.step else None
@@ -226,6 +262,7 @@ def _ended_meanwhile(watched: List[Relay]) -> List[Relay]:
         except Exception:  # noqa: BLE001 - not seen now: the next look, or the next round, sees it
             continue
         if state is not None and state.finished:
+            ends[relay.name] = state.value
             ended.append(relay)
     return ended
 
@@ -237,9 +274,15 @@ def _still_running(relay: Relay, still_running: frozenset) -> bool:
             and deadline > time.time())
 
 
-def _advance(relay: Relay, rnd: Round, slots: AccountSessions, logger) -> None:
+def _advance(relay: Relay, rnd: Round, slots: AccountSessions, logger, ended_as: Optional[str] = None) -> None:
     """One relay's step, as the `relay` flow takes it; after a hand-over it looks again, so that its next session
-    may go into a slot this round. A failure is the relay's, never the round's."""
+    may go into a slot this round. A failure is the relay's, never the round's. `ended_as`: its session was seen
+    end in that state (its slot given away already): its live view shows the end first."""
+    if ended_as is not None and relay.state is State.RUNNING and relay.step is not None:
+        try:
+            relay_step.show_end(relay.ctx, relay.step, ended_as)
+        except Exception as err:  # noqa: BLE001 - the live view never fails a relay
+            logger.warning("relay %s: the end of its session not shown: %s", relay.name, err)
     try:
         taken = step(relay, slots)
         if taken.state in LOOK_AGAIN:

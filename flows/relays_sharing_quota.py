@@ -118,6 +118,17 @@ def joint_eta(relays: List[Relay], quota, cap: int, now: datetime) -> Optional[j
                                    reserved_s=quota.reserved_s if quota is not None else 0.0)
 
 
+def _plan(backend, relays: List[Relay], cap: int, now: datetime) -> Optional[joint_plan.JointPlan]:
+    quota = relay_tasks.read_quota(backend) if any(r.progress for r in relays) else None
+    return joint_eta(relays, quota, cap, now)
+
+
+def _shown(relays: List[Relay], plan) -> tuple:
+    """What the relays report shows: (rows, sessions, the ETAs to the minute)."""
+    etas = [f"{when:%Y-%m-%d %H:%M}" for when in (plan.eta_all, *plan.quota_waits) if when] if plan else None
+    return _rows(relays, plan), _sessions(relays), etas
+
+
 def account_sessions(relays: List[Relay]) -> int:
     """The account's concurrent sessions, from its specs' kaggle.account_sessions (the smallest, if they differ):
     the one source of the cap, for one relay or many."""
@@ -169,8 +180,10 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
                      add_tags=run_labels.account_tags(r.ctx.names.owner for r in all_relays if r.ctx))
     locks.hold([r.name for r in all_relays if r.ctx is not None])  # one write for all, before the first round
     give_up = time.monotonic() + max_hours * 3600
-    announced_wait, refused, last_shown, still_running, ended = None, 0, None, frozenset(), frozenset()
+    announced_wait, refused, last_shown, still_running, ended = None, 0, None, frozenset(), {}
     next_report = 0.0  # when the relays report may show a new version (time.monotonic())
+    reporter = relays_artifacts.ReportInBackground()  # published beside the loop, which follows the sessions meanwhile
+    plan = None
     while True:
         rnd = run_round(backend, all_relays, slots, logger, still_running, ended, poll_seconds,
                         first_looks=len(all_relays) if mode == "tick" else FIRST_LOOKS)  # a tick looks at all
@@ -180,20 +193,22 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
             logger.warning("weekly GPU quota spent; %d relays wait until %s: %s", len(waiting), rnd.quota_wait,
                            ", ".join(waiting))
             announced_wait = rnd.quota_wait
-        quota = relay_tasks.read_quota(backend) if any(r.progress for r in all_relays) else None
         now = datetime.now(timezone.utc)
-        plan = joint_eta(all_relays, quota, sessions_cap, now)
-        rows, sessions = _rows(all_relays, plan), _sessions(all_relays)
-        etas = [f"{when:%Y-%m-%d %H:%M}" for when in (plan.eta_all, *plan.quota_waits) if when] if plan else None
-        shown = (rows, sessions, etas)
         active = [r for r in all_relays if r.state not in FINAL]
-        # a new version only when it shows something new (ETAs to the minute, as shown), at most every
-        # live_seconds while relays run (a version is a table of every relay and a timeline: not one per round)
-        if shown != last_shown and (mode == "tick" or not active or time.monotonic() >= next_report):
-            relays_artifacts.publish_relays_report(rows, sessions, Path(state_dir), plan)
-            last_shown, next_report = shown, time.monotonic() + live_seconds
-        summary = _summary(all_relays, rnd, plan, refused)
-        if mode == "tick" or not active:
+        ending = mode == "tick" or not active
+        # the relays report (its ETAs, rows and timeline: O(relays) each, a PNG) only when a new version may be
+        # shown, at most every live_seconds while relays run, never every loop: the loop follows the running
+        # sessions and the queue's head, so its cost does not grow with the relays (issue 60)
+        if ending or time.monotonic() >= next_report:
+            plan = _plan(backend, all_relays, sessions_cap, now)
+            shown = _shown(all_relays, plan)
+            if shown != last_shown:  # a new version only when it shows something new (ETAs to the minute, as shown)
+                reporter.publish(*shown[:2], Path(state_dir), plan, wait=ending)
+                last_shown = shown
+            next_report = time.monotonic() + live_seconds
+        if ending:
+            reporter.wait()
+            summary = _summary(all_relays, rnd, plan, refused)
             failed = [r for r in all_relays if r.failed]
             if mode == "watch" and failed:
                 raise RelayFailed("; ".join(f"{r.name}: {r.failed}" for r in failed))
@@ -204,7 +219,7 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
         if rnd.quota_wait and not rnd.in_flight:  # nothing to hand over meanwhile: sleep to the refresh
             delay = max(poll_seconds, (rnd.quota_wait - now).total_seconds())
         if rnd.unseen:  # relays not looked at yet: the next round looks at them now
-            still_running, ended = frozenset(), frozenset()
+            still_running, ended = frozenset(), {}
             continue
         try:
             seen = _wait_on_sessions(active, rnd, poll_seconds, live_seconds, give_up)
@@ -214,8 +229,9 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
         # the relays whose session the wait saw still running: the next round need not look at them
         still_running = frozenset(r.name for r in active if r.state is State.RUNNING and r.step is not None
                                   and (seen or {}).get(r.step.action.run_id) in ("running", "queued"))
-        ended = frozenset(r.name for r in active if r.state is State.RUNNING and r.step is not None  # slots free
-                          and _finished((seen or {}).get(r.step.action.run_id)))
+        ended = {r.name: seen[r.step.action.run_id] for r in active  # slots free, {relay: its kernel's end state}
+                 if r.state is State.RUNNING and r.step is not None
+                 and _finished((seen or {}).get(r.step.action.run_id))}
         if seen is None:
             time.sleep(min(delay, 3600))
 
@@ -238,7 +254,8 @@ def _wait_on_sessions(active: List[Relay], rnd: Round, poll_seconds: float, live
             until = min(until, time.monotonic() + look)
     if rnd.quota_wait:
         until = min(until, time.monotonic() + max(0.0, (rnd.quota_wait - datetime.now(timezone.utc)).total_seconds()))
-    return follow_sessions(running, ", ".join(s.run_id for s in running), poll_seconds, live_seconds, until)
+    return follow_sessions(running, ", ".join(s.run_id for s in running), poll_seconds, live_seconds, until,
+                           show_ends=False)  # the round shows the ends, after the freed slots' pushes
 
 
 def _finished(kernel_state: Optional[str]) -> bool:

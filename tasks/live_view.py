@@ -141,13 +141,14 @@ monotonic = time.monotonic
 
 @task(name="follow-sessions", cache_policy=NO_CACHE, task_run_name="follow {label}")
 def follow_sessions(sessions: List[Running], label: str, poll_seconds: float, live_seconds: float,
-                    give_up: float, max_status_errors: int = 10) -> Dict[str, str]:
+                    give_up: float, max_status_errors: int = 10, show_ends: bool = True) -> Dict[str, str]:
     """Wait until one of `sessions` finishes, asking Kaggle their states every `poll_seconds` and refreshing
     their views as often (the lines read since, in order); their progress artifacts every `live_seconds` and with
     each summary version: one task run per session's end, however long it runs. Returns
     {run_id: kernel state}; stops waiting once `give_up` (time.monotonic()) has passed. A status error is
     asked again at the next poll; KaggleUnresponsive (the client gave up) goes up to the flow, which looks
-    at Kaggle again later."""
+    at Kaggle again later. `show_ends=False`: returns as soon as a session is seen ended, its views not
+    refreshed (the relays flow shows the ends beside their hand-overs, after the freed slot's push)."""
     states = {s.run_id: "starting" for s in sessions}
     seen: set = set()  # sessions Kaggle's status call has shown
     errors, finished, next_status, next_view = 0, False, 0.0, 0.0
@@ -170,6 +171,8 @@ def follow_sessions(sessions: List[Running], label: str, poll_seconds: float, li
                 errors += 1
                 if errors >= max_status_errors:
                     raise
+            if finished and not show_ends:  # a slot is free: no view's refresh (seconds for 4) before its push
+                return states
         show = time.monotonic() >= next_view  # the progress artifact: every live_seconds (and with a summary)
         if show:
             next_view = time.monotonic() + live_seconds

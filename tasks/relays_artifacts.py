@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import base64
+import contextvars
+import logging
+import threading
 from pathlib import Path
 from typing import List, Optional
 
@@ -12,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from relay.orchestrator import report
 from relay.shared.progress import SessionRecord
 
+log = logging.getLogger(__name__)
 KEY = "relays"
 TIMELINE_SESSIONS = 48  # the newest sessions drawn: a bar each, so the figure (and its time and memory) is bounded
 
@@ -40,3 +44,46 @@ def publish_relays_report(rows: List[dict], sessions: List[SessionRecord], local
         md += ["", f"![timeline](data:image/png;base64,{data})", f"`{png}`"]
     create_markdown_artifact(markdown="\n".join(md), key=f"{KEY}-summary", description="relays: state, ETA, timeline")
     return str(png) if png else None
+
+
+class ReportInBackground:
+    """The relays report published by a thread of its own, beside the flow's loop: a version (two artifacts and a
+    PNG, seconds at 200 relays) no longer holds up the loop that sees a session's end and pushes the queue's head
+    into its slot (issue 60). One version at a time; a newer one replaces one not started yet. A report that
+    fails is said in the log and never stops the relays."""
+
+    def __init__(self):
+        self._next: Optional[tuple] = None
+        self._thread: Optional[threading.Thread] = None
+        self._guard = threading.Lock()
+
+    def publish(self, rows: List[dict], sessions: List[SessionRecord], local: Path, plan=None,
+                wait: bool = False) -> None:
+        """Publish this version (after the one being published); `wait`: return once it is published."""
+        job = (contextvars.copy_context(), (rows, sessions, local, plan))  # the flow run's: its artifacts
+        with self._guard:
+            self._next = job
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._publish, name="relays-report", daemon=True)
+                self._thread.start()
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        with self._guard:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _publish(self) -> None:
+        while True:
+            with self._guard:
+                job, self._next = self._next, None
+                if job is None:
+                    self._thread = None
+                    return
+            context, args = job
+            try:
+                context.run(publish_relays_report, *args)
+            except Exception as err:  # noqa: BLE001 - a report never stops a relay
+                log.warning("the relays report was not published: %s", err)
