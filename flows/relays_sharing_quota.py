@@ -226,9 +226,12 @@ def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll
         except Exception as err:  # noqa: BLE001 - Kaggle unanswered, status errors: the next round looks again
             logger.warning("following the running sessions stopped: %s; looking again in %.0f s", err, poll_seconds)
             seen = None
-        # the relays whose session the wait saw still running: the next round need not look at them
-        still_running = frozenset(r.name for r in active if r.state is State.RUNNING and r.step is not None
-                                  and (seen or {}).get(r.step.action.run_id) in ("running", "queued"))
+        # the relays whose session the wait saw still running: the next round need not look at them; unless
+        # the wait ended with none ended: at a deadline (its own clock), when a session may be wedged
+        at_deadline = seen is not None and not any(_finished(state) for state in seen.values())
+        still_running = frozenset() if at_deadline else frozenset(
+            r.name for r in active if r.state is State.RUNNING and r.step is not None
+            and (seen or {}).get(r.step.action.run_id) in ("running", "queued"))
         ended = {r.name: seen[r.step.action.run_id] for r in active  # slots free, {relay: its kernel's end state}
                  if r.state is State.RUNNING and r.step is not None
                  and _finished((seen or {}).get(r.step.action.run_id))}

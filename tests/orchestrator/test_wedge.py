@@ -219,9 +219,9 @@ def test_after_a_wedged_run_was_deleted_every_later_look_decides_the_same_new_at
 # the kernel, or until the test lets it go. Once the emulator has session 2 wedged (its process ended, its status
 # RUNNING), the test ends the session's timeout there (_deadline_passed) and wakes the flow's wait on it, in place
 # of the ~45 s the relay would wait for its deadline: what the relay sees is the same, and when it sees it is an
-# event, not the machine's speed. The `relays` flow is not woken: its round skips a relay whose session it saw
-# running until the deadline it read before (flows/relay_rounds.py, by the wall clock), so it still waits out the
-# budget's deadline. Two sessions: the wedged one is the last, so what the relay does after it (done again, or
+# event, not the machine's speed. Both flows: the `relays` flow's wait ended with no session ended (at a
+# deadline, by its clock) has its next round look at every running relay (flows/relays_sharing_quota.py). Two
+# sessions: the wedged one is the last, so what the relay does after it (done again, or
 # waited for) ends the relay.
 WEDGED_SECOND = {"seed": 5, "wedge": {"pushes": [2]}}
 
