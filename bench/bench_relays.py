@@ -149,6 +149,13 @@ def _server_503s(log: Path) -> dict:
     return dict(found)
 
 
+def _rss(proc) -> int:
+    try:
+        return proc.memory_info().rss
+    except psutil.Error:  # ended meanwhile (a PostgreSQL backend)
+        return 0
+
+
 def _spread(values: list) -> list:
     """[count, median, max] of `values` (seconds)."""
     return [len(values), round(statistics.median(values), 2), round(max(values), 2)] if values else [0, 0, 0]
@@ -213,6 +220,9 @@ class _Postgres:
                                    "--port", str(_port())], cwd=REPO, capture_output=True, text=True,
                                   check=True).stdout.strip()
 
+    def processes(self) -> list:
+        return [p for p in psutil.process_iter(["cmdline"]) if str(self.data) in " ".join(p.info["cmdline"] or [])]
+
     def stop(self) -> None:
         subprocess.run([sys.executable, "deploy/local_postgres.py", "stop", "--data", str(self.data)], cwd=REPO,
                        capture_output=True)
@@ -246,7 +256,9 @@ def one_size(n: int, sessions: int, slots: int, root: Path, db: str = "sqlite") 
             try:
                 peak["flow"] = max(peak["flow"], me.memory_info().rss / 2 ** 20)
                 tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
-                peak["server"] = max(peak["server"], sum(p.memory_info().rss for p in tree) / 2 ** 20)
+                if postgres is not None:  # the server's PostgreSQL is not its child: its processes by their folder
+                    tree += postgres.processes()
+                peak["server"] = max(peak["server"], sum(_rss(p) for p in tree) / 2 ** 20)
             except psutil.Error:
                 continue
 
