@@ -155,8 +155,10 @@ class AccountSlot:
                 # the record's slot, if any, is given back or ended: the place may be written over it
                 if not self.queue.my_turn(client, join=False, over_slot=True):
                     return False
-                ensure_limit(client, self.limit, self.sessions)
-                lease = take_slot(client, self.limit, self.hold_s)
+                found = ensure_limit(client, self.limit, self.sessions)
+                # every slot runs: the read says so, not an increment SQLite may refuse (it reads, then writes)
+                full = found is not None and found.active and found.active_slots >= found.limit
+                lease = None if full else take_slot(client, self.limit, self.hold_s)
                 if lease is None:
                     self.queue.join(client)  # every slot runs: wait at its place, the later ready behind it
                     return False
