@@ -188,7 +188,7 @@ class AccountSlot:
                     found = client.read_global_concurrency_limit_by_name(self.limit)
                     free = found.active_slots < found.limit
                     turn = self.queue.my_turn(client, join=not free)  # and keeps its place while it waits
-                    if turn and free:
+                    if turn and (free or self.queue.slot_elsewhere):  # (another run of the relay pushed: step)
                         break
                     if time.monotonic() + poll_seconds > until:
                         return False

@@ -57,6 +57,7 @@ class SlotQueue:
         self.name = record_name(username, relay)
         self.since: Optional[float] = None  # when this relay joined (kept from a dead flow run's place)
         self._seen = 0.0                    # when this run last wrote its place (0: not written)
+        self.slot_elsewhere = False         # the last look found the relay's record holding a slot it left as is
 
     def my_turn(self, client, join: bool = True, over_slot: bool = False) -> bool:
         """True when no live place of the account joined before this relay's. Its place is written (joined, or
@@ -67,7 +68,8 @@ class SlotQueue:
         now, stale = time.time(), stale_s()
         records = self._records(client)
         mine = records.get(self.name)
-        if mine is not None and not is_place(mine) and not over_slot:
+        self.slot_elsewhere = mine is not None and not is_place(mine) and not over_slot
+        if self.slot_elsewhere:
             return True  # its slot is taken (by another run of the relay): its next step sees the session
         if self.since is None:
             self.since = float(mine["since"]) if is_place(mine) else now
