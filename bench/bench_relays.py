@@ -221,7 +221,14 @@ class _Postgres:
                                   check=True).stdout.strip()
 
     def processes(self) -> list:
-        return [p for p in psutil.process_iter(["cmdline"]) if str(self.data) in " ".join(p.info["cmdline"] or [])]
+        """The cluster's postmaster (its folder in its command line) and its backends (its children)."""
+        found = [p for p in psutil.process_iter(["cmdline"]) if str(self.data) in " ".join(p.info["cmdline"] or [])]
+        for postmaster in list(found):
+            try:
+                found += postmaster.children(recursive=True)
+            except psutil.Error:
+                continue
+        return found
 
     def stop(self) -> None:
         subprocess.run([sys.executable, "deploy/local_postgres.py", "stop", "--data", str(self.data)], cwd=REPO,
@@ -256,7 +263,7 @@ def one_size(n: int, sessions: int, slots: int, root: Path, db: str = "sqlite") 
             try:
                 peak["flow"] = max(peak["flow"], me.memory_info().rss / 2 ** 20)
                 tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
-                if postgres is not None:  # the server's PostgreSQL is not its child: its processes by their folder
+                if postgres is not None:  # its PostgreSQL is not its child; summed RSS counts shared buffers in each
                     tree += postgres.processes()
                 peak["server"] = max(peak["server"], sum(_rss(p) for p in tree) / 2 ** 20)
             except psutil.Error:
