@@ -25,7 +25,6 @@ import argparse
 import os
 import shutil
 import socket
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
+from prefect_database import LocalPostgres, postgres_rows, sqlite_rows  # noqa: E402 - bench/, beside this file
 PREFECT = str(Path(sys.executable).parent / "prefect")
 USER, KEY = "bench", "bench-key-0123456789abcdef"
 STEPS_PER_SESSION = 20
@@ -161,32 +161,6 @@ def _spread(values: list) -> list:
     return [len(values), round(statistics.median(values), 2), round(max(values), 2)] if values else [0, 0, 0]
 
 
-def _rows(db: Path) -> dict:
-    """Rows by table of the server's SQLite file."""
-    with sqlite3.connect(db) as conn:
-        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
-        counts = {t: conn.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0] for t in tables}
-    return {t: c for t, c in sorted(counts.items(), key=lambda tc: -tc[1]) if c}
-
-
-def _pg_rows(url: str) -> dict:
-    """Rows by table of the server's PostgreSQL database (exact counts, as _rows: not the planner's estimates)."""
-    import asyncio
-
-    import asyncpg  # Prefect's own PostgreSQL driver
-
-    async def count() -> dict:
-        conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
-        try:
-            tables = [r[0] for r in await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")]
-            return {t: await conn.fetchval(f'SELECT COUNT(*) FROM "{t}"') for t in tables}
-        finally:
-            await conn.close()
-
-    counts = asyncio.run(count())
-    return {t: c for t, c in sorted(counts.items(), key=lambda tc: -tc[1]) if c}
-
-
 REFUSABLE = ("PATCH /variables/name/*", "DELETE /variables/name/*", "POST /v2/concurrency_limits/increment-with-lease")
 
 
@@ -208,34 +182,6 @@ def _count_writes() -> Counter:
     return sent
 
 
-class _Postgres:
-    """A fresh PostgreSQL for the server (deploy/local_postgres.py, as bench/bench_scale.py), in a folder under /tmp
-    (under root its owner, `nobody`, must be able to enter it)."""
-
-    def __init__(self):
-        self.root = Path(tempfile.mkdtemp(prefix="relay-bench-pg-", dir="/tmp"))
-        self.root.chmod(0o711)
-        self.data = self.root / "data"
-        self.url = subprocess.run([sys.executable, "deploy/local_postgres.py", "start", "--data", str(self.data),
-                                   "--port", str(_port())], cwd=REPO, capture_output=True, text=True,
-                                  check=True).stdout.strip()
-
-    def processes(self) -> list:
-        """The cluster's postmaster (its folder in its command line) and its backends (its children)."""
-        found = [p for p in psutil.process_iter(["cmdline"]) if str(self.data) in " ".join(p.info["cmdline"] or [])]
-        for postmaster in list(found):
-            try:
-                found += postmaster.children(recursive=True)
-            except psutil.Error:
-                continue
-        return found
-
-    def stop(self) -> None:
-        subprocess.run([sys.executable, "deploy/local_postgres.py", "stop", "--data", str(self.data)], cwd=REPO,
-                       capture_output=True)
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
 def one_size(n: int, sessions: int, slots: int, root: Path, db: str = "sqlite") -> dict:
     from relay.emulator import Emulator, EmulatorConfig
 
@@ -245,7 +191,7 @@ def one_size(n: int, sessions: int, slots: int, root: Path, db: str = "sqlite") 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "KAGGLE_", "RELAY_"))}
     env.update(PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
                PREFECT_SERVER_LOG_RETRYABLE_ERRORS="true")  # every 503 the server answers, in its log
-    postgres = _Postgres() if db == "postgres" else None
+    postgres = LocalPostgres() if db == "postgres" else None
     if postgres is not None:
         env["PREFECT_API_DATABASE_CONNECTION_URL"] = postgres.url
     emulator = Emulator(root / "emulator", EmulatorConfig(users={USER: KEY}, max_gpu_sessions=slots,
@@ -330,7 +276,7 @@ def one_size(n: int, sessions: int, slots: int, root: Path, db: str = "sqlite") 
         assert states == {"done"}, summary
         with emulator.store.lock:
             kernels = {ref: {"versions": [dict(v) for v in k["versions"]]} for ref, k in emulator.store.kernels.items()}
-        rows = _pg_rows(postgres.url) if postgres is not None else _rows(prefect_home / "prefect.db")
+        rows = postgres_rows(postgres.url) if postgres is not None else sqlite_rows(prefect_home / "prefect.db")
         free_while_ready, gaps = _free_while_ready(kernels, changes, slots)
         ends = sorted(e for _, e in _sessions_on_kaggle(kernels))
         seen_after = [min(t for t in seen_ended if t >= e) - e for e in ends if any(t >= e for t in seen_ended)]
