@@ -1,20 +1,23 @@
-"""N toy relays in ONE `relays` flow run on one worker (this process), on the emulator and a SQLite Prefect server.
+"""N toy relays in ONE `relays` flow run on one worker (this process), on the emulator and a SQLite or PostgreSQL Prefect server.
 
 Each relay is a copy of examples/byo-plain with `sessions` short step-bounded sessions (session.max_steps), one
 account whose limit is `slots` sessions (the spec's kaggle.account_sessions and the emulator's cap). The flow runs
 here, as a worker's flow-run process would run it, against `prefect server start` on SQLite (what `relay run`
-and a newcomer's server use). Figures (issue 60's):
+and a newcomer's server use; the default) or, with `--db postgres`, on a fresh local PostgreSQL
+(deploy/local_postgres.py: the team's server, docs/prefect.md). Figures (issue 60's), labelled with the database:
     peak RSS of this process (the flow run) and of the server;
     round time, median / max (flows.relay_rounds.run_round, timed);
     free slots waiting for a ready relay: the fraction of the time (from the first push to the last session's end)
         with fewer than `slots` sessions pushed-and-not-ended while a relay with work left had none (the hand-over
         and the round's latency between one session and the next: the emulator's push and end times); also per
         slot: free slot-seconds that had a ready relay to take them, of all slot-seconds;
-    503 answers to the flow's lock and slot writes (tasks/prefect_writes.REFUSED: counted, not only retried);
-    Prefect database rows per relay-session (every table of the server's SQLite file, at the end).
+    503 answers to the flow's lock and slot writes (tasks/prefect_writes.REFUSED: counted, not only retried), and
+        the writes of the kinds SQLite can refuse (a variable's PATCH and DELETE, increment-with-lease: they read
+        before they write) the flow sent, per relay-session;
+    Prefect database rows per relay-session (every table of the server's database, at the end).
 The kernels run on the same machine (on Kaggle they would not): on a small machine they compete with the flow.
 
-    python bench/bench_relays.py --relays 20 [--relays 200] [--sessions 2] [--slots 4]
+    python bench/bench_relays.py --relays 20 [--relays 200] [--sessions 2] [--slots 4] [--db postgres]
     python bench/run.py --only relays                      (20 and 50; --quick: 10)
 """
 from __future__ import annotations
@@ -23,7 +26,6 @@ import argparse
 import os
 import shutil
 import socket
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -31,6 +33,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -39,6 +42,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
+from prefect_database import LocalPostgres, postgres_rows, sqlite_rows  # noqa: E402 - bench/, beside this file
 PREFECT = str(Path(sys.executable).parent / "prefect")
 USER, KEY = "bench", "bench-key-0123456789abcdef"
 STEPS_PER_SESSION = 20
@@ -150,20 +154,40 @@ def _server_503s(log: Path) -> dict:
     return dict(found)
 
 
+def _rss(proc) -> int:
+    try:
+        return proc.memory_info().rss
+    except psutil.Error:  # ended meanwhile (a PostgreSQL backend)
+        return 0
+
+
 def _spread(values: list) -> list:
     """[count, median, max] of `values` (seconds)."""
     return [len(values), round(statistics.median(values), 2), round(max(values), 2)] if values else [0, 0, 0]
 
 
-def _rows(db: Path) -> dict:
-    """Rows by table of the server's SQLite file."""
-    with sqlite3.connect(db) as conn:
-        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
-        counts = {t: conn.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0] for t in tables}
-    return {t: c for t, c in sorted(counts.items(), key=lambda tc: -tc[1]) if c}
+REFUSABLE = ("PATCH /variables/name/*", "DELETE /variables/name/*", "POST /v2/concurrency_limits/increment-with-lease")
 
 
-def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
+def _count_writes() -> Counter:
+    """Every request this process's sync Prefect clients send (the slot, queue and lock writes among them), by
+    kind (tasks/prefect_writes.kind), retries included: what the 503s are out of."""
+    import httpx
+
+    from tasks.prefect_writes import kind
+
+    sent: Counter = Counter()
+    send = httpx.Client.send
+
+    def counted(self, request, *args, **kwargs):
+        sent[kind(request)] += 1
+        return send(self, request, *args, **kwargs)
+
+    httpx.Client.send = counted
+    return sent
+
+
+def one_size(n: int, sessions: int, slots: int, root: Path, db: str = "sqlite") -> dict:
     from relay.emulator import Emulator, EmulatorConfig
 
     port = _port()
@@ -172,6 +196,9 @@ def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "KAGGLE_", "RELAY_"))}
     env.update(PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
                PREFECT_SERVER_LOG_RETRYABLE_ERRORS="true")  # every 503 the server answers, in its log
+    postgres = LocalPostgres() if db == "postgres" else None
+    if postgres is not None:
+        env["PREFECT_API_DATABASE_CONNECTION_URL"] = postgres.url
     emulator = Emulator(root / "emulator", EmulatorConfig(users={USER: KEY}, max_gpu_sessions=slots,
                                                           kernel_env={"OMP_NUM_THREADS": "1"}))
     emulator.start()
@@ -187,7 +214,9 @@ def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
             try:
                 peak["flow"] = max(peak["flow"], me.memory_info().rss / 2 ** 20)
                 tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
-                peak["server"] = max(peak["server"], sum(p.memory_info().rss for p in tree) / 2 ** 20)
+                if postgres is not None:  # its PostgreSQL is not its child; summed RSS counts shared buffers in each
+                    tree += postgres.processes()
+                peak["server"] = max(peak["server"], sum(_rss(p) for p in tree) / 2 ** 20)
             except psutil.Error:
                 continue
 
@@ -237,6 +266,7 @@ def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
             return session_ended(self, relay)
 
         AccountSessions.session_ended = record_end
+        sent = _count_writes()
         threading.Thread(target=sample, daemon=True).start()
         t0 = time.monotonic()
         try:
@@ -251,7 +281,7 @@ def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
         assert states == {"done"}, summary
         with emulator.store.lock:
             kernels = {ref: {"versions": [dict(v) for v in k["versions"]]} for ref, k in emulator.store.kernels.items()}
-        rows = _rows(prefect_home / "prefect.db")
+        rows = postgres_rows(postgres.url) if postgres is not None else sqlite_rows(prefect_home / "prefect.db")
         free_while_ready, gaps, free_slot_s = _free_while_ready(kernels, changes, slots)
         ends = sorted(e for _, e in _sessions_on_kaggle(kernels))
         seen_after = [min(t for t in seen_ended if t >= e) - e for e in ends if any(t >= e for t in seen_ended)]
@@ -272,6 +302,8 @@ def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
                 f"relays_{n}_lock_503_by": {k: v - refused_by.get(k, 0) for k, v in prefect_writes.REFUSED_BY.items()
                                             if v > refused_by.get(k, 0)},
                 f"relays_{n}_server_503": _server_503s(root / "server.log"),
+                f"relays_{n}_refusable_writes_by": {k: sent[k] for k in REFUSABLE if sent[k]},
+                f"relays_{n}_refusable_writes_per_relay_session": round(sum(sent[k] for k in REFUSABLE) / (n * sessions), 2),
                 f"relays_{n}_db_rows_per_relay_session": round(sum(rows.values()) / (n * sessions), 1),
                 f"relays_{n}_db_rows_by_table": dict(list(rows.items())[:8])}
     finally:
@@ -283,23 +315,26 @@ def one_size(n: int, sessions: int, slots: int, root: Path) -> dict:
                 pass
         server.wait()
         emulator.stop()
+        if postgres is not None:
+            postgres.stop()
 
 
-def run(counts: tuple = (20, 50), sessions: int = 2, slots: int = 4) -> dict:
+def run(counts: tuple = (20, 50), sessions: int = 2, slots: int = 4, db: str = "sqlite") -> dict:
     """Each size in a process of its own (Prefect reads its settings, PREFECT_API_URL among them, once)."""
     import json
 
-    figures: dict = {"relays_counts": list(counts), "relays_sessions": sessions, "relays_slots": slots}
+    figures: dict = {"relays_counts": list(counts), "relays_sessions": sessions, "relays_slots": slots, "relays_db": db}
     for n in counts:
         out = subprocess.run([sys.executable, __file__, "--one", str(n), "--sessions", str(sessions), "--slots",
-                              str(slots)], cwd=REPO, capture_output=True, text=True)
+                              str(slots), "--db", db], cwd=REPO, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr[-3000:]
         figures.update(json.loads(out.stdout.strip().splitlines()[-1]))
     return figures
 
 
 def format_lines(f: dict) -> list:
-    lines = [f"relays (N toy relays of {f['relays_sessions']} sessions in ONE `relays` run on one worker, SQLite"
+    db = {"sqlite": "SQLite", "postgres": "PostgreSQL"}[f.get("relays_db", "sqlite")]
+    lines = [f"relays (N toy relays of {f['relays_sessions']} sessions in ONE `relays` run on one worker, {db}"
              f" Prefect server, {f['relays_slots']} session slots; kernels on the same machine):"]
     for n in f["relays_counts"]:
         lines.append(f"  N={n}: done in {f[f'relays_{n}_wall_s']} s, {f[f'relays_{n}_rounds']} rounds of median"
@@ -313,9 +348,11 @@ def format_lines(f: dict) -> list:
                      f" {f[f'relays_{n}_free_gap_s'][2]} s; sessions of median {f[f'relays_{n}_session_s_median']} s;"
                      f" a session's end seen (its slot given back) after [n, median, max]"
                      f" {f[f'relays_{n}_end_seen_s']} s, the next push after that {f[f'relays_{n}_seen_push_s']} s);"
-                     f" lock/slot writes answered 503:"
-                     f" {f[f'relays_{n}_lock_503']} {f[f'relays_{n}_lock_503_by']}; all 503s the server answered:"
-                     f" {f[f'relays_{n}_server_503']}; Prefect DB rows per"
+                     f" lock/slot writes answered 503 ({db}):"
+                     f" {f[f'relays_{n}_lock_503']} {f[f'relays_{n}_lock_503_by']}, out of"
+                     f" {f[f'relays_{n}_refusable_writes_per_relay_session']} writes of the kinds SQLite refuses per"
+                     f" relay-session ({f[f'relays_{n}_refusable_writes_by']}); all 503s the server answered:"
+                     f" {f[f'relays_{n}_server_503']}; Prefect DB ({db}) rows per"
                      f" relay-session {f[f'relays_{n}_db_rows_per_relay_session']}"
                      f" ({f[f'relays_{n}_db_rows_by_table']})")
     first, last = f["relays_counts"][0], f["relays_counts"][-1]
@@ -332,6 +369,8 @@ if __name__ == "__main__":
     ap.add_argument("--relays", type=int, action="append", help="relays in the run (repeat for several sizes)")
     ap.add_argument("--sessions", type=int, default=2)
     ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--db", choices=("sqlite", "postgres"), default="sqlite",
+                    help="the Prefect server's database: SQLite (default) or a fresh local PostgreSQL")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # one size, its figures as JSON (run())
     a = ap.parse_args()
     if a.one:
@@ -339,8 +378,8 @@ if __name__ == "__main__":
 
         tmp = Path(tempfile.mkdtemp(prefix="bench-relays-"))
         try:
-            print(json.dumps(one_size(a.one, a.sessions, a.slots, tmp)))
+            print(json.dumps(one_size(a.one, a.sessions, a.slots, tmp, a.db)))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     else:
-        print("\n".join(format_lines(run(tuple(a.relays or (20,)), a.sessions, a.slots))))
+        print("\n".join(format_lines(run(tuple(a.relays or (20,)), a.sessions, a.slots, a.db))))

@@ -4,7 +4,8 @@ created with the spec's `kaggle.account_sessions` slots (Kaggle's cap: 2).
 A slot stands for one relay's session, not for the process that pushed it: a relay takes one before it pushes
 and gives it back once that session has been handed over, whichever flow run (watch or tick, on any worker) does
 each. The slot is a Prefect lease as long as the session can last on Kaggle (its timeout plus start-up,
-`hold_s`), recorded in the Prefect variable `kaggle-slot-<username>-<relay>`, so that:
+`hold_s`), recorded in the Prefect variable `kaggle-slot-<username>-<relay>` (the relay's one record: its place in
+the queue, then its slot; tasks/slot_queue.py), so that:
 - a flow run killed while its session runs leaves the slot taken for as long as the session may run, and the
   next run of the relay finds it by the record, renews it while it follows the session and gives it back after
   the hand-over: the account's count stays true through a worker's death;
@@ -24,7 +25,7 @@ from typing import Dict, List, Optional
 
 from relay.orchestrator.relay_state import State, holds_slot
 from tasks.prefect_writes import soon
-from tasks.slot_queue import SlotQueue
+from tasks.slot_queue import SlotQueue, is_place, record_name
 from tasks.step_lock import SERVER_LEASE_S, delete_record, ensure_limit, read_record, take_slot, write_record
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class AccountSessions:
         if state is State.RUNNING:
             self.slots[relay].keep()  # queued or running (pushed by this run or another): its lease lasts
         elif holds is False:
-            self.slots[relay].release()
+            self.slots[relay].release(forget=state in (State.DONE, State.STOPPED))
 
     def session_ended(self, relay: str) -> None:
         """The flow saw the relay's session end on Kaggle: its slot is free now, before its hand-over (Kaggle
@@ -110,7 +111,7 @@ class AccountSessions:
                 self._in_flight.remove(relay)
         self.local.release(self.limit, relay)  # stepped no more: this run counts it no more
         if not running:
-            self.slots[relay].release()
+            self.slots[relay].release(forget=True)
 
     def full(self) -> str:
         """Why a ready relay waits for a slot."""
@@ -129,39 +130,46 @@ class AccountSlot:
         self.limit, self.sessions, self.relay = limit_name(username), sessions, relay_name
         self._kept = 0.0  # when this flow run last renewed the lease (time.monotonic())
         self.local = local or LocalLimit()
-        self.record = f"kaggle-slot-{username}-{relay_name}"
+        self.record = record_name(username, relay_name)
         self.hold_s = min(MAX_LEASE_S, max(SERVER_LEASE_S, hold_s))
         self.queue = SlotQueue(username, relay_name)
+        self._given_back: Optional[str] = None  # the lease this run gave back last: its record is left as it is
 
     def take(self, run_id: Optional[str] = None) -> bool:
         """Before the push of `run_id`: the relay's slot when it is the relay's turn (tasks/slot_queue.py), or the
         one it took for this same push before (a push Kaggle refused, retried), renewed. A recorded slot taken for
         an earlier session (its flow run died between that session's hand-over and the slot's release) is given
         back first: the relay joins the queue like any other. False when the account's sessions all run or
-        another relay waited longer; True also when there is no Prefect server to count on."""
+        another relay waited longer (the relay then holds its place); True also when there is no Prefect server
+        to count on. Its turn and a free slot at its first look: no place written, the slot recorded at once."""
         try:
             with _client() as client:
                 if client is None:
                     return self.local.take(self.limit, self.sessions, self.relay)
                 held = read_record(client, self.record)
-                if held is not None and held.get("for") == run_id and self._renew(client):
-                    return True
-                if held is not None and held.get("for") != run_id:
-                    self._give_back(client, held)
-                if not self.queue.my_turn(client):
+                if held is not None and not is_place(held):
+                    if held.get("for") == run_id and self._renew(client, held):
+                        return True
+                    if held.get("for") != run_id:
+                        self._give_back(client, held)
+                # the record's slot, if any, is given back or ended: the place may be written over it
+                if not self.queue.my_turn(client, join=False, over_slot=True):
                     return False
-                ensure_limit(client, self.limit, self.sessions)
-                lease = take_slot(client, self.limit, self.hold_s)
+                found = ensure_limit(client, self.limit, self.sessions)
+                # every slot runs: the read says so, not an increment SQLite may refuse (it reads, then writes)
+                full = found is not None and found.active and found.active_slots >= found.limit
+                lease = None if full else take_slot(client, self.limit, self.hold_s)
                 if lease is None:
+                    self.queue.join(client)  # every slot runs: wait at its place, the later ready behind it
                     return False
-                try:
+                try:  # the place (or the last slot given back) becomes this slot: one write
                     write_record(client, self.record, {"lease_id": lease, "for": run_id})
                 except Exception:  # a lease no record names could not be given back: give it back now
                     from uuid import UUID
 
                     soon(lambda: client.release_concurrency_slots_with_lease(UUID(lease)))
                     raise
-                self.queue.leave(client)
+                self.queue.taken()
                 return True
         except Exception as err:  # noqa: BLE001 - no server, old server: Kaggle's refusal still guards the cap
             log.warning("account limit %s unavailable (%s); pushing, guarded by Kaggle's cap", self.limit,
@@ -178,8 +186,9 @@ class AccountSlot:
             with _client() as client:  # one client for the whole wait (each new one builds its TLS context)
                 while client is not None:
                     found = client.read_global_concurrency_limit_by_name(self.limit)
-                    turn = self.queue.my_turn(client)  # and keeps its place while it waits
-                    if turn and found.active_slots < found.limit:
+                    free = found.active_slots < found.limit
+                    turn = self.queue.my_turn(client, join=not free)  # and keeps its place while it waits
+                    if turn and (free or self.queue.slot_elsewhere):  # (another run of the relay pushed: step)
                         break
                     if time.monotonic() + poll_seconds > until:
                         return False
@@ -202,36 +211,46 @@ class AccountSlot:
         except Exception as err:  # noqa: BLE001 - the lease still runs for the session's whole length
             log.warning("account limit %s: renewal failed (%s)", self.limit, type(err).__name__)
 
-    def release(self) -> None:
-        """Once no session of the relay runs (handed over, done): the slot is another relay's to take."""
+    def release(self, forget: bool = False) -> None:
+        """Once no session of the relay runs (handed over, done): the slot is another relay's to take. Its record
+        is left as it is (the relay's next place is written over it: a DELETE is the write SQLite refuses most),
+        unless `forget`: the relay needs no more slots (done, stopped, failed), its record goes."""
         self._kept = 0.0
         try:
             with _client() as client:
                 if client is None:
                     self.local.release(self.limit, self.relay)
-                if client is not None and self.queue.since is not None:
+                    return
+                if self.queue.since is not None:
                     self.queue.leave(client)  # done or stopped while it waited: the others' turn
-                record = read_record(client, self.record) if client is not None else None
-                if record is not None:
+                record = read_record(client, self.record)
+                if record is not None and not is_place(record):
                     self._give_back(client, record)
+                    if forget:
+                        delete_record(client, self.record)
         except Exception as err:  # noqa: BLE001 - the lease ends on its own
             log.warning("account limit %s: release failed (%s)", self.limit, err)
 
     def _give_back(self, client, record: dict) -> None:
+        """The recorded slot's lease back to the limit (a write SQLite never refuses: it writes first); once per
+        lease in this run. The record stays: it names a lease that ended, which a renewal finds gone."""
         from uuid import UUID
 
-        delete_record(client, self.record)
+        if record.get("lease_id") == self._given_back:
+            return
         try:
             soon(lambda: client.release_concurrency_slots_with_lease(UUID(record["lease_id"])))
         except Exception:  # noqa: BLE001 - its lease ended already (the repossessor gave it back)
             pass
+        self._given_back = record.get("lease_id")
 
-    def _renew(self, client) -> bool:
-        """Renew the relay's recorded lease; False when there is none (or it ended)."""
+    def _renew(self, client, record: Optional[dict] = None) -> bool:
+        """Renew the relay's recorded lease; False when there is none (or it ended: its record is left, the
+        relay's next take writes over it)."""
         from uuid import UUID
 
-        record = read_record(client, self.record)
-        if record is None:
+        record = record if record is not None else read_record(client, self.record)
+        if record is None or is_place(record) or record.get("lease_id") == self._given_back:
             return False
         try:
             soon(lambda: client.renew_concurrency_lease(UUID(record["lease_id"]), self.hold_s))
@@ -239,8 +258,7 @@ class AccountSlot:
         except Exception as err:  # noqa: BLE001
             if not _not_found(err):  # a server error: the lease may still run; the record stays with it
                 raise
-            delete_record(client, self.record)  # ended (the session outlived hold_s): a new one
-            return False
+            return False  # ended (the session outlived hold_s): a new one
 
 
 def _not_found(err: Exception) -> bool:

@@ -134,8 +134,9 @@ def take_slot(client, limit: str, lease_s: float) -> Optional[str]:
     return str(response.json()["lease_id"])
 
 
-def ensure_limit(client, limit: str, slots: int) -> None:
-    """Create the global concurrency limit with `slots` on first use; one someone created by hand is left as it is."""
+def ensure_limit(client, limit: str, slots: int) -> Optional[object]:
+    """Create the global concurrency limit with `slots` on first use; one someone created by hand is left as it is.
+    Returns the limit as read (its active slots), None when created now."""
     from prefect.exceptions import ObjectNotFound
 
     try:
@@ -147,6 +148,7 @@ def ensure_limit(client, limit: str, slots: int) -> None:
             client.upsert_global_concurrency_limit_by_name(limit, slots)
         except Exception:  # noqa: BLE001 - created by another run at the same time
             client.read_global_concurrency_limit_by_name(limit)
+    return found
 
 
 class _Holding:

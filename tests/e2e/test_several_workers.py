@@ -195,8 +195,9 @@ def test_several_workers_run_relays_of_several_accounts_through_a_worker_death(m
             "names": ["kaggle-account-ann"], "slots": 1, "mode": "concurrency", "lease_duration": 900}, attempts=1)
         state_dir = tmp_path / "orchestrator"
         runs = {name: submit(api_url, deployment["id"], spec, state_dir) for name, (spec, _) in specs.items()}
-        wait_for(lambda: len(api_post(api_url, "/variables/filter", {"variables": {"name": {
-            "like_": "kaggle-queue-ann-"}}})) == 3, 600, "ann's three relays waiting in her queue", interval=0.5)
+        wait_for(lambda: sum("since" in v["value"] for v in api_post(api_url, "/variables/filter", {"variables": {
+            "name": {"like_": "kaggle-slot-ann-"}}})) == 3, 600, "ann's three relays waiting in her queue",
+            interval=0.5)  # a relay's record is its place in the queue ({since, seen}), then its slot
         release = urllib.request.Request(f"{api_url}/v2/concurrency_limits/decrement-with-lease", method="POST",
                                          data=json.dumps({"lease_id": held["lease_id"]}).encode(),
                                          headers={"Content-Type": "application/json"})

@@ -67,7 +67,7 @@ class Recorder:
     def keep(self):
         self.calls.append(("keep", self.relay))
 
-    def release(self):
+    def release(self, forget=False):  # forget: the relay's record goes too (it needs no more slots)
         self.calls.append(("release", self.relay))
         self.taken.discard(self.relay)
 

@@ -73,3 +73,45 @@ def test_a_limit_set_to_zero_pauses_the_account_instead_of_reading_as_no_server(
     client.upsert_global_concurrency_limit_by_name(f"kaggle-account-{user}", 0)
     slot = AccountSlot(user, "paused", sessions=1, hold_s=120)
     assert slot.take("paused-s001-a1") is False
+
+
+def test_a_relays_place_becomes_its_slot_and_no_session_deletes_a_record(client, request, monkeypatch):
+    """On a SQLite server a variable's PATCH and DELETE can be refused (503), the DELETE most: a relay has one record
+    for its place and its slot, the take writes the place into the slot, the give-back writes nothing, and the
+    record is deleted once, when the relay needs no more slots; a take that finds every slot running reads so
+    instead of trying the increment (which SQLite may refuse too). The account's count stays true throughout."""
+    import httpx
+
+    from tasks.account_slots import AccountSlot, limit_name
+    from tasks.prefect_writes import kind
+
+    sent: list = []
+    send = httpx.Client.send
+    monkeypatch.setattr(httpx.Client, "send", lambda self, r, *a, **k: sent.append(kind(r)) or send(self, r, *a, **k))
+    user = f"r{abs(hash(request.node.name)) % 10**8}"
+    a, b = AccountSlot(user, "a", sessions=1, hold_s=120), AccountSlot(user, "b", sessions=1, hold_s=120)
+
+    def running() -> int:
+        return client.read_global_concurrency_limit_by_name(limit_name(user)).active_slots
+
+    def record(relay: str):
+        found = client.read_variable_by_name(f"kaggle-slot-{user}-{relay}")
+        return found.value if found is not None else None
+
+    assert a.take("a-s1") and running() == 1       # its turn, a slot free: no place written, the slot recorded
+    assert not b.take("b-s1") and "since" in record("b")  # every slot runs: b waits at its place
+    a.release()                                    # a's session ended: its slot back, its record left
+    assert running() == 0 and "lease_id" in record("a")
+    assert b.take("b-s1") and running() == 1 and record("b")["for"] == "b-s1"  # the place became the slot
+    assert not a.take("a-s2") and "since" in record("a")   # a joins behind nobody, but b's session runs
+    reborn = AccountSlot(user, "b", sessions=1, hold_s=120)  # b's flow run died: the next one finds b's slot
+    reborn.keep()
+    assert running() == 1
+    reborn.release()
+    assert running() == 0
+    assert a.take("a-s2") and running() == 1 and record("a")["for"] == "a-s2"
+    assert "DELETE /variables/name/*" not in sent   # three relay-sessions, no record deleted
+    assert sent.count("PATCH /variables/name/*") <= 3  # a place written into a slot, a slot into a place
+    assert sent.count("POST /v2/concurrency_limits/increment-with-lease") == 3  # a full limit is read, not tried
+    a.release(forget=True)                         # done: its record goes, once
+    assert running() == 0 and record("a") is None and sent.count("DELETE /variables/name/*") == 1
