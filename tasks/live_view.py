@@ -56,6 +56,14 @@ class LiveView:
         if self.marks is not None:
             self.marks.keep(progress_artifact=self.progress_artifact)
 
+    def show_end(self, run_id: str, progress: Optional[Progress], kernel_state: str) -> None:
+        """The last lines of `run_id`'s session, seen ended in `kernel_state`, when this view follows it: its
+        stream's end waited for (the stored log is served at once), then one refresh."""
+        live = self.session.live
+        if live is not None and live.run_id == run_id:
+            live.wait(60)
+            self.refresh(progress, kernel_state)
+
     def refresh(self, progress: Optional[Progress], kernel_state: str, show_progress: bool = True) -> None:
         """Write what the session shows since the last refresh (SessionView.to_show): the new early warnings to the
         flow's log and as notifications, the progress artifact, the summary versions, the log lines; a tick's
@@ -180,9 +188,8 @@ def follow_sessions(sessions: List[Running], label: str, poll_seconds: float, li
             s.view.refresh(s.progress, states[s.run_id], show_progress=show)
         if finished:
             for s in sessions:  # the stored log's last lines: the session's end in its view
-                if s.view.session.live is not None and states[s.run_id] in _FINISHED:
-                    s.view.session.live.wait(60)  # returns at the stream's end: the stored log is served at once
-                    s.view.refresh(s.progress, states[s.run_id])
+                if states[s.run_id] in _FINISHED:
+                    s.view.show_end(s.run_id, s.progress, states[s.run_id])
             return states
         time.sleep(min(live_seconds, poll_seconds))
     return states

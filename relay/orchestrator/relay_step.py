@@ -277,11 +277,7 @@ def show_running(ctx: RelayContext, running: Step, catch_up_s: Optional[float] =
 def show_end(ctx: RelayContext, running: Step, kernel_state: str) -> None:
     """The last lines of a session the flow saw end, in the live view that followed it (the relays flow gives the
     freed slot away first, then shows the end beside the hand-over)."""
-    live = ctx.view.session.live
-    if live is None or live.run_id != running.action.run_id:
-        return  # not followed by this flow run: the hand-over's report shows it
-    live.wait(60)  # returns at the stream's end: the stored log is served at once
-    ctx.view.refresh(running.progress, kernel_state)
+    ctx.view.show_end(running.action.run_id, running.progress, kernel_state)  # not followed: the hand-over shows it
 
 
 def following(ctx: RelayContext, running: Step) -> Optional[Running]:
