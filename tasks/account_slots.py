@@ -134,6 +134,7 @@ class AccountSlot:
         self.hold_s = min(MAX_LEASE_S, max(SERVER_LEASE_S, hold_s))
         self.queue = SlotQueue(username, relay_name)
         self._given_back: Optional[str] = None  # the lease this run gave back last: its record is left as it is
+        self._mine: Optional[str] = None        # the lease this run took last, until its release
 
     def take(self, run_id: Optional[str] = None) -> bool:
         """Before the push of `run_id`: the relay's slot when it is the relay's turn (tasks/slot_queue.py), or the
@@ -163,11 +164,14 @@ class AccountSlot:
                     self.queue.join(client)  # every slot runs: wait at its place, the later ready behind it
                     return False
                 try:  # the place (or the last slot given back) becomes this slot: one write
+                    if self._same_push_elsewhere(client, run_id, lease):
+                        return True
                     write_record(client, self.record, {"lease_id": lease, "for": run_id})
+                    self._mine = lease
+                    if self._same_push_elsewhere(client, run_id, lease):
+                        return True
                 except Exception:  # a lease no record names could not be given back: give it back now
-                    from uuid import UUID
-
-                    soon(lambda: client.release_concurrency_slots_with_lease(UUID(lease)))
+                    _release_lease(client, lease)
                     raise
                 self.queue.taken()
                 return True
@@ -175,6 +179,20 @@ class AccountSlot:
             log.warning("account limit %s unavailable (%s); pushing, guarded by Kaggle's cap", self.limit,
                         str(err).splitlines()[0] if str(err) else type(err).__name__)
             return True
+
+    def _same_push_elsewhere(self, client, run_id: Optional[str], lease: str) -> bool:
+        """Two flow runs of one relay (a watch beside a schedule) may take a slot for the same push at once: the
+        record keeps the last one written, and the other lease, named by no record, would hold a slot of the
+        account for the session's whole length (hours). Read just before and just after our write: a slot
+        recorded for the same push under another lease wins, ours goes back at once. (A write between the
+        other's two reads is still possible: that run gives its own lease back at its release.)"""
+        held = read_record(client, self.record)
+        if held is None or is_place(held) or held.get("for") != run_id or held.get("lease_id") == lease:
+            return False
+        _release_lease(client, lease)
+        self._mine = None
+        self.queue.taken()
+        return True
 
     def wait_free(self, until: float, poll_seconds: float) -> bool:
         """Wait, looking at the account's limit every `poll_seconds`, until one of its slots is free and it is
@@ -188,8 +206,8 @@ class AccountSlot:
                     found = client.read_global_concurrency_limit_by_name(self.limit)
                     free = found.active_slots < found.limit
                     turn = self.queue.my_turn(client, join=not free)  # and keeps its place while it waits
-                    if turn and (free or self.queue.slot_elsewhere):  # (another run of the relay pushed: step)
-                        break
+                    if self.queue.place_gone or (turn and (free or self.queue.slot_elsewhere)):
+                        break  # (another run of the relay pushed, or is done with its place: step)
                     if time.monotonic() + poll_seconds > until:
                         return False
                     time.sleep(poll_seconds)
@@ -224,6 +242,9 @@ class AccountSlot:
                 if self.queue.since is not None:
                     self.queue.leave(client)  # done or stopped while it waited: the others' turn
                 record = read_record(client, self.record)
+                if self._mine is not None and (record is None or record.get("lease_id") != self._mine):
+                    _release_lease(client, self._mine)  # taken beside another run's, which the record kept
+                self._mine = None
                 if record is not None and not is_place(record):
                     self._give_back(client, record)
                     if forget:
@@ -259,6 +280,17 @@ class AccountSlot:
             if not _not_found(err):  # a server error: the lease may still run; the record stays with it
                 raise
             return False  # ended (the session outlived hold_s): a new one
+
+
+def _release_lease(client, lease: str) -> None:
+    """Give a lease back (a write SQLite never refuses); one that ended already is fine."""
+    from uuid import UUID
+
+    try:
+        soon(lambda: client.release_concurrency_slots_with_lease(UUID(lease)))
+    except Exception as err:  # noqa: BLE001
+        if not _not_found(err):
+            raise
 
 
 def _not_found(err: Exception) -> bool:

@@ -58,6 +58,8 @@ class SlotQueue:
         self.since: Optional[float] = None  # when this relay joined (kept from a dead flow run's place)
         self._seen = 0.0                    # when this run last wrote its place (0: not written)
         self.slot_elsewhere = False         # the last look found the relay's record holding a slot it left as is
+        self.place_gone = False             # ... or found the place this run wrote gone: another run of the relay
+                                            # took it and is done with it (finished, stopped)
 
     def my_turn(self, client, join: bool = True, over_slot: bool = False) -> bool:
         """True when no live place of the account joined before this relay's. Its place is written (joined, or
@@ -69,6 +71,7 @@ class SlotQueue:
         records = self._records(client)
         mine = records.get(self.name)
         self.slot_elsewhere = mine is not None and not is_place(mine) and not over_slot
+        self.place_gone = mine is None and self._seen > 0
         if self.slot_elsewhere:
             return True  # its slot is taken (by another run of the relay): its next step sees the session
         if self.since is None:

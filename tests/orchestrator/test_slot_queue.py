@@ -115,3 +115,67 @@ def test_a_relays_place_becomes_its_slot_and_no_session_deletes_a_record(client,
     assert sent.count("POST /v2/concurrency_limits/increment-with-lease") == 3  # a full limit is read, not tried
     a.release(forget=True)                         # done: its record goes, once
     assert running() == 0 and record("a") is None and sent.count("DELETE /variables/name/*") == 1
+
+
+def _account(client, request, prefix: str):
+    from tasks.account_slots import limit_name
+
+    user = f"{prefix}{abs(hash(request.node.name)) % 10**8}"
+    return user, lambda: client.read_global_concurrency_limit_by_name(limit_name(user)).active_slots
+
+
+def test_two_runs_of_one_relay_taking_a_slot_for_one_push_at_once_count_one_slot(client, request, monkeypatch):
+    """Two flow runs of one relay (a watch beside a schedule) may take a slot for the same push at once. The record
+    keeps one lease; the other, named by no record, held a slot of the account for the session's whole length
+    (hours), and the relay's other run then waited for a slot of a full account (the suite once hung 400 s on it).
+    The run that finds the same push recorded under another lease gives its own back; one whose write came between
+    the other's two reads gives its own back at its release."""
+    from tasks import account_slots
+    from tasks.account_slots import AccountSlot
+
+    user, running = _account(client, request, "d")
+    a, b = AccountSlot(user, "r", sessions=2, hold_s=3600), AccountSlot(user, "r", sessions=2, hold_s=3600)
+    take_slot, write_record = account_slots.take_slot, account_slots.write_record
+
+    def a_takes_first(*args):  # a's whole take between b's increment and b's write
+        lease = take_slot(*args)
+        monkeypatch.setattr(account_slots, "take_slot", take_slot)
+        assert a.take("r-s1")
+        return lease
+
+    monkeypatch.setattr(account_slots, "take_slot", a_takes_first)
+    assert b.take("r-s1") and running() == 1  # b saw a's slot for the push before writing: its lease went back
+    a.release()
+    b.release()
+    assert running() == 0
+
+    def a_takes_between_the_reads(*args):  # a's whole take after b's first read, before b's write
+        monkeypatch.setattr(account_slots, "write_record", write_record)
+        assert a.take("r-s2")
+        write_record(*args)
+
+    monkeypatch.setattr(account_slots, "write_record", a_takes_between_the_reads)
+    assert b.take("r-s2") and running() == 2  # both believe they hold it: b's lease is the one recorded
+    a.release()  # the session handed over by a: its own lease and the recorded one go back
+    assert running() == 0
+    b.release(forget=True)
+    assert running() == 0
+
+
+def test_a_wait_for_a_slot_ends_when_another_run_of_the_relay_is_done_with_its_place(client, request):
+    """A watch waits for a full account's slot while the relay's other flow run takes its place and finishes the
+    relay: the wait ends at its next look (it used to wait for a slot of the account, up to 15 min)."""
+    import time
+
+    from tasks.account_slots import AccountSlot
+
+    user, running = _account(client, request, "w")
+    other = AccountSlot(user, "x", sessions=1, hold_s=3600)
+    assert other.take("x-s1")  # another relay's session holds the account's one slot
+    watch, schedule = AccountSlot(user, "r", sessions=1, hold_s=3600), AccountSlot(user, "r", sessions=1, hold_s=3600)
+    assert not watch.take("r-s1") and not schedule.take("r-s1")  # both wait at the relay's one place
+    schedule.release(forget=True)  # the schedule's run found the relay done (another run finished it)
+    assert watch.wait_free(time.monotonic() + 30, 0.05) is True  # not False after 30 s: the place is gone
+    other.release(forget=True)
+    watch.release(forget=True)
+    assert running() == 0
