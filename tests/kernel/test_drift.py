@@ -27,8 +27,7 @@ P100 = "Tesla P100-PCIE-16GB"
 
 def _train(relay_cli, spec, workdir, told: Optional[dict]) -> subprocess.CompletedProcess:
     told_env = {HARDWARE: json.dumps(told)} if told is not None else {}  # None: what this machine is
-    proc = subprocess.run(relay_cli.argv(*relay_cli.train_args(spec, workdir)), cwd=relay_cli.cwd, text=True,
-                          capture_output=True, timeout=300, env={**relay_cli.env, **told_env})
+    proc = relay_cli.run(*relay_cli.train_args(spec, workdir), timeout=300, env=told_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from conftest import RelayCLI, deep_merge, toy_spec_dict
+from kaggle_fixtures import warm_python
 from relay.cli import main as relay_main
 from relay.kernel.recipes import price_data
 
@@ -346,7 +347,9 @@ def test_bad_input_through_the_real_command(case: Case, case_root: Path, tmp_pat
     argv = case.setup(case_root)
     cli = RelayCLI(tmp_path / "env")  # HOME, TMPDIR outside the case folder
     before = snapshot(case_root)
-    proc = subprocess.run(cli.argv(*argv), env=cli.env, cwd=case_root, capture_output=True, text=True, timeout=120)
+    python, env = warm_python(cli.env)  # `python -m relay` forked warm (tests/kaggle_fixtures.py): its own main
+    proc = subprocess.run([python, *cli.argv(*argv)[1:]], env=env, cwd=case_root, capture_output=True, text=True,
+                          timeout=120)
     check_refusal(case, case_root, proc.returncode, proc.stdout, proc.stderr, before)
 
 
