@@ -27,6 +27,7 @@ def _key(name: str, what: str) -> str:
     return re.sub(r"[^a-z0-9-]", "-", f"{name}-{what}".lower())
 
 
+_LIVE_DRAWN: dict = {}  # the running curves' PNG -> what it was drawn from (each drawing costs ~0.1-0.3 CPU s)
 _IN_PLACE: dict = {}  # (flow run id, key) -> the artifact of that key updated in place for the rest of the flow run
 
 
@@ -187,10 +188,14 @@ def publish_running(name: str, progress: Progress | dict, records: list, local: 
     _table(report.ui_rows(rows), _key(name, "sessions"), f"{name}: one row per session, the last {kernel_state}")
     previous = report.read_metrics(metrics) if metrics is not None and metrics.is_file() else []
     images = {}
-    if previous or live.as_metrics(records):
+    points = previous + live.as_metrics(records)
+    if points:
         running = SessionRecord(index=last.get("session"), step_start=records[0].get("step_start"))
-        images["curves"] = report.plot_curves(previous + live.as_metrics(records), local / "curves-live.png",
-                                              progress=progress.with_sessions([*progress.sessions, running]))
+        png, drawn_from = local / "curves-live.png", (len(points), repr(points[-1]), running, len(progress.sessions))
+        if _LIVE_DRAWN.get(str(png)) != drawn_from or not png.is_file():  # a summary with no new point: as drawn
+            report.plot_curves(points, png, progress=progress.with_sessions([*progress.sessions, running]))
+            _LIVE_DRAWN[str(png)] = drawn_from
+        images["curves"] = png
     if (local / "goodput.png").is_file():  # the handed-over sessions' ledger, drawn at the last hand-over
         images["goodput"] = local / "goodput.png"
     md = summary_markdown(name, replace(progress, global_step=last["step"], total_steps=total), images,

@@ -84,7 +84,18 @@ def pytest_sessionstart(session):
 LONGEST_FIRST = ({"relay_env"}, {"prefect_api", "make_emulator", "reference"}, SLOW_FIXTURES)
 
 
+# Before those: the tests that take the longest wall time (`make test --durations`), most of it waiting on
+# processes (gloo ranks, a second Prefect server and its workers, a wedge's deadline): started first, their waits
+# overlap the others' work instead of being the run's tail.
+LONGEST_WALL = ("test_several_workers.py", "test_deployment.py::test_deployment_run", "test_relay_finish_estimate.py",
+                "test_byo_distributed.py", "test_distributed.py::test_split", "test_distributed.py::test_relay",
+                "test_byo_accelerate.py::test_two_gloo", "test_verify_warm.py::test_warm_sessions",
+                "test_relay_two_orchestrators.py::test_a_killed", "test_relays_sharing_quota.py::test_three")
+
+
 def _expected_length(item) -> int:
+    if any(part in item.nodeid for part in LONGEST_WALL):
+        return -1
     names = set(getattr(item, "fixturenames", ()))
     return next((rank for rank, fixtures in enumerate(LONGEST_FIRST) if names & fixtures), len(LONGEST_FIRST))
 
