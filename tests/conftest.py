@@ -84,20 +84,7 @@ def pytest_sessionstart(session):
 LONGEST_FIRST = ({"relay_env"}, {"prefect_api", "make_emulator", "reference"}, SLOW_FIXTURES)
 
 
-# Beside those: the tests that take the longest wall time (`make test --durations`), much of it waiting on
-# processes (gloo ranks, a second Prefect server and its workers, a quota's wait), handed out one after each whole
-# relay: their waits overlap a relay's work instead of being the run's tail (all of them first left the CPU idle).
-LONGEST_WALL = ("test_several_workers.py", "test_deployment.py::test_deployment_run", "test_relay_finish_estimate.py",
-                "test_byo_distributed.py::test_verify_resume", "test_byo_distributed.py::test_three_sessions",
-                "test_byo_distributed.py::test_relayed", "test_distributed.py::test_split_by_steps",
-                "test_distributed.py::test_relay",
-                "test_byo_accelerate.py::test_two_gloo", "test_verify_warm.py::test_warm_sessions",
-                "test_relay_two_orchestrators.py::test_a_killed", "test_relays_sharing_quota.py::test_three")
-
-
 def _expected_length(item) -> int:
-    if any(part in item.nodeid for part in LONGEST_WALL):
-        return -1
     names = set(getattr(item, "fixturenames", ()))
     return next((rank for rank, fixtures in enumerate(LONGEST_FIRST) if names & fixtures), len(LONGEST_FIRST))
 
@@ -120,9 +107,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike: xdist checks the collections match
         items.sort(key=_expected_length)
-        wall = [item for item in items if _expected_length(item) < 0]
-        rest = items[len(wall):]
-        items[:] = [item for pair in zip(rest, wall) for item in pair] + rest[len(wall):]
 
 
 @pytest.fixture(scope="session", autouse=True)
