@@ -255,13 +255,11 @@ class AccountSlot:
     def _give_back(self, client, record: dict) -> None:
         """The recorded slot's lease back to the limit (a write SQLite never refuses: it writes first); once per
         lease in this run. The record stays: it names a lease that ended, which a renewal finds gone."""
-        from uuid import UUID
-
         if record.get("lease_id") == self._given_back:
             return
         try:
-            soon(lambda: client.release_concurrency_slots_with_lease(UUID(record["lease_id"])))
-        except Exception:  # noqa: BLE001 - its lease ended already (the repossessor gave it back)
+            _release_lease(client, record["lease_id"])
+        except Exception:  # noqa: BLE001 - a server error: its lease ends on its own (the repossessor)
             pass
         self._given_back = record.get("lease_id")
 
