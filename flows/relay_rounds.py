@@ -109,10 +109,13 @@ def push_in_turn(backend, relays: List[Relay], slots: AccountSessions, rnd: Roun
             rnd.quota_wait = utc(quota.refresh_time) if quota is not None and quota.refresh_time else None
             short = True
             break
-        if not slots.take(relay.name, relay.step.action.run_id):  # the account's sessions all run, or not its turn
+        run_id = relay.step.action.run_id
+        if not slots.take(relay.name, run_id):  # the account's sessions all run, or not its turn
             break
         relay_step.plan(relay.ctx, relay.step.progress, quota)
         pushed = relay.took(relay_step.push(relay.ctx, relay.step, budget, quota))
+        # won Kaggle's claim (pushed, or refused and retried) or lost it to another orchestrator: one slot kept
+        slots.settle(relay.name, run_id, pushed.state is State.PUSHED or pushed.refusal is not None)
         slots.stepped(relay.name, pushed.state)  # a refused push keeps its slot for the retry
         if pushed.refusal is not None:
             logger.warning("relay %s: %s", relay.name, pushed.why)

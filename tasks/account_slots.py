@@ -100,6 +100,11 @@ class AccountSessions:
                 return False
         return self.slots[relay].take(run_id)
 
+    def settle(self, relay: str, run_id: Optional[str], pushed: bool) -> None:
+        """After the push of `run_id` won or lost its claim on Kaggle: the relay keeps one slot for that session
+        (AccountSlot.settle)."""
+        self.slots[relay].settle(run_id, pushed)
+
     def failed(self, relay: str) -> None:
         """The relay needs a person and pushes nothing until one acts: its slot goes back, unless its session runs
         (kept until its lease ends: max_hours passed, a kernel that runs another session). It is stepped no more,
@@ -134,7 +139,7 @@ class AccountSlot:
         self.hold_s = min(MAX_LEASE_S, max(SERVER_LEASE_S, hold_s))
         self.queue = SlotQueue(username, relay_name)
         self._given_back: Optional[str] = None  # the lease this run gave back last: its record is left as it is
-        self._mine: Optional[str] = None        # the lease this run took last, until its release
+        self._mine: Optional[str] = None        # the lease this run took last, until it is settled or released
 
     def take(self, run_id: Optional[str] = None) -> bool:
         """Before the push of `run_id`: the relay's slot when it is the relay's turn (tasks/slot_queue.py), or the
@@ -161,15 +166,13 @@ class AccountSlot:
                 full = found is not None and found.active and found.active_slots >= found.limit
                 lease = None if full else take_slot(client, self.limit, self.hold_s)
                 if lease is None:
+                    if self._slot_elsewhere(client):
+                        return False  # another run of the relay took its slot meanwhile: its place is not written
                     self.queue.join(client)  # every slot runs: wait at its place, the later ready behind it
                     return False
                 try:  # the place (or the last slot given back) becomes this slot: one write
-                    if self._same_push_elsewhere(client, run_id, lease):
-                        return True
                     write_record(client, self.record, {"lease_id": lease, "for": run_id})
                     self._mine = lease
-                    if self._same_push_elsewhere(client, run_id, lease):
-                        return True
                 except Exception:  # a lease no record names could not be given back: give it back now
                     _release_lease(client, lease)
                     raise
@@ -180,19 +183,39 @@ class AccountSlot:
                         str(err).splitlines()[0] if str(err) else type(err).__name__)
             return True
 
-    def _same_push_elsewhere(self, client, run_id: Optional[str], lease: str) -> bool:
-        """Two flow runs of one relay (a watch beside a schedule) may take a slot for the same push at once: the
-        record keeps the last one written, and the other lease, named by no record, would hold a slot of the
-        account for the session's whole length (hours). Read just before and just after our write: a slot
-        recorded for the same push under another lease wins, ours goes back at once. (A write between the
-        other's two reads is still possible: that run gives its own lease back at its release.)"""
+    def _slot_elsewhere(self, client) -> bool:
+        """The relay's record holds a slot this run did not give back: another flow run of the relay took it after
+        this take's first read (a place written now would hide that slot from every run: named by no record, it
+        would hold a slot of the account for the session's whole length)."""
         held = read_record(client, self.record)
-        if held is None or is_place(held) or held.get("for") != run_id or held.get("lease_id") == lease:
-            return False
-        _release_lease(client, lease)
-        self._mine = None
-        self.queue.taken()
-        return True
+        return held is not None and not is_place(held) and held.get("lease_id") != self._given_back
+
+    def settle(self, run_id: Optional[str], pushed: bool) -> None:
+        """After the push's claim on Kaggle (relay/orchestrator/kaggle/lease.py: one orchestrator pushes each
+        session) was won (`pushed`: pushed, or refused by Kaggle and kept for the retry) or lost: of the slots
+        taken for one push, the recorded one stands for the session and any other goes back. Two flow runs of one
+        relay (a watch beside a schedule) may each take one before their claims, and the record keeps the last
+        written: a run that did not push gives its own back unless the record names it (it then counts the
+        session the other run pushed); the run that pushed records its own unless the record names a slot of this
+        push already (then its own goes back). Only the claim's winner writes: no read-then-write race is left."""
+        lease, self._mine = self._mine, None
+        if lease is None:
+            return
+        try:
+            with _client() as client:
+                if client is None:
+                    return
+                held = read_record(client, self.record)
+                slot = held is not None and not is_place(held)
+                if slot and held.get("lease_id") == lease:
+                    self._mine = lease  # the recorded slot: renewed and given back with the session
+                elif pushed and not (slot and held.get("for") == run_id):
+                    write_record(client, self.record, {"lease_id": lease, "for": run_id})
+                    self._mine = lease
+                else:
+                    _release_lease(client, lease)
+        except Exception as err:  # noqa: BLE001 - a lease no record names ends on its own (hold_s)
+            log.warning("account limit %s: settling a slot failed (%s)", self.limit, type(err).__name__)
 
     def wait_free(self, until: float, poll_seconds: float) -> bool:
         """Wait, looking at the account's limit every `poll_seconds`, until one of its slots is free and it is
@@ -247,8 +270,8 @@ class AccountSlot:
                 self._mine = None
                 if record is not None and not is_place(record):
                     self._give_back(client, record)
-                    if forget:
-                        delete_record(client, self.record)
+                if forget and record is not None:  # a place another run of the relay waits at goes too: its
+                    delete_record(client, self.record)  # wait ends at its next look (SlotQueue.place_gone)
         except Exception as err:  # noqa: BLE001 - the lease ends on its own
             log.warning("account limit %s: release failed (%s)", self.limit, err)
 

@@ -124,42 +124,65 @@ def _account(client, request, prefix: str):
     return user, lambda: client.read_global_concurrency_limit_by_name(limit_name(user)).active_slots
 
 
-def test_two_runs_of_one_relay_taking_a_slot_for_one_push_at_once_count_one_slot(client, request, monkeypatch):
-    """Two flow runs of one relay (a watch beside a schedule) may take a slot for the same push at once. The record
-    keeps one lease; the other, named by no record, held a slot of the account for the session's whole length
-    (hours), and the relay's other run then waited for a slot of a full account (the suite once hung 400 s on it).
-    The run that finds the same push recorded under another lease gives its own back; one whose write came between
-    the other's two reads gives its own back at its release."""
+@pytest.mark.parametrize("claim_winner", ["recorded", "overwritten"])
+def test_two_runs_of_one_relay_taking_a_slot_for_one_push_at_once_keep_one_slot(client, request, monkeypatch,
+                                                                                claim_winner):
+    """Two flow runs of one relay (a watch beside a schedule) may each take a slot for the same push before their
+    claims on Kaggle, and the record keeps the last written. The other lease, named by no record, held a slot of the
+    account for the session's whole length (hours): the relay's other run then waited for a slot of a full account
+    (the suite hung 400 s on it). After the claim, whichever run wins it, one slot is left, recorded, and it goes
+    back with the session."""
     from tasks import account_slots
     from tasks.account_slots import AccountSlot
+    from tasks.step_lock import read_record
 
     user, running = _account(client, request, "d")
     a, b = AccountSlot(user, "r", sessions=2, hold_s=3600), AccountSlot(user, "r", sessions=2, hold_s=3600)
-    take_slot, write_record = account_slots.take_slot, account_slots.write_record
-
-    def a_takes_first(*args):  # a's whole take between b's increment and b's write
-        lease = take_slot(*args)
-        monkeypatch.setattr(account_slots, "take_slot", take_slot)
-        assert a.take("r-s1")
-        return lease
-
-    monkeypatch.setattr(account_slots, "take_slot", a_takes_first)
-    assert b.take("r-s1") and running() == 1  # b saw a's slot for the push before writing: its lease went back
-    a.release()
-    b.release()
-    assert running() == 0
+    write_record = account_slots.write_record
 
     def a_takes_between_the_reads(*args):  # a's whole take after b's first read, before b's write
         monkeypatch.setattr(account_slots, "write_record", write_record)
-        assert a.take("r-s2")
+        assert a.take("r-s1")
         write_record(*args)
 
     monkeypatch.setattr(account_slots, "write_record", a_takes_between_the_reads)
-    assert b.take("r-s2") and running() == 2  # both believe they hold it: b's lease is the one recorded
-    a.release()  # the session handed over by a: its own lease and the recorded one go back
+    assert b.take("r-s1") and running() == 2  # both took one: b's is recorded, a's is named by no record
+    winner, loser = (b, a) if claim_winner == "recorded" else (a, b)
+    loser.settle("r-s1", pushed=False)   # "another orchestrator is on it": no push
+    winner.settle("r-s1", pushed=True)
+    assert running() == 1
+    assert read_record(client, a.record)["lease_id"] in (winner._mine, loser._mine)
+    winner.release()  # the session handed over: the account's slot goes back
     assert running() == 0
-    b.release(forget=True)
+    loser.release(forget=True)
     assert running() == 0
+
+
+def test_a_take_that_finds_the_account_full_leaves_another_runs_slot_recorded(client, request, monkeypatch):
+    """A run whose take read the relay's record before the relay's other run recorded a slot, and found the account
+    full (that slot among the full ones), waits without writing its place over the slot: a place written there
+    left the slot named by no record (held for the session's whole length) and the waiting run waiting for it."""
+    from tasks import account_slots
+    from tasks.account_slots import AccountSlot
+    from tasks.step_lock import read_record
+
+    user, running = _account(client, request, "f")
+    a, b = AccountSlot(user, "r", sessions=1, hold_s=3600), AccountSlot(user, "r", sessions=1, hold_s=3600)
+    real_read = account_slots.read_record
+
+    def b_reads_before_a_writes(client_, name):  # b's first read falls before a's take
+        monkeypatch.setattr(account_slots, "read_record", real_read)
+        found = real_read(client_, name)
+        assert a.take("r-s1")
+        return found
+
+    monkeypatch.setattr(account_slots, "read_record", b_reads_before_a_writes)
+    assert not b.take("r-s1")  # the account's one slot is a's
+    assert read_record(client, a.record)["lease_id"] == a._mine and running() == 1
+    b.settle("r-s1", pushed=False)
+    a.settle("r-s1", pushed=True)
+    a.release(forget=True)
+    assert running() == 0 and read_record(client, a.record) is None
 
 
 def test_a_wait_for_a_slot_ends_when_another_run_of_the_relay_is_done_with_its_place(client, request):
