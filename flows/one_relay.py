@@ -69,6 +69,7 @@ def relay(spec: SpecParameter = "examples/price-demo.yaml", mode: Literal["watch
         relay_step.stopped(ctx, err)
         raise
     finally:
+        slots.close()
         ctx.close()
 
 

@@ -156,26 +156,37 @@ def relays(specs: List[SpecParameter], mode: Literal["watch", "tick"] = "watch",
     `relay` flow, for each relay."""
     logger = get_run_logger()
     locks = RunStepLocks(step_lock_wait_s)  # one lease for every relay of this run
+    slots = None
     try:
         parsed = read_specs(specs)  # each spec parsed once: its account, its relay, the text its pushes ship
         backend = relay_host.make_backend(credentials_block or one_account(parsed))
         logger.info("relays on Kaggle account %s", backend.username)
         all_relays = load_relays(parsed, backend, state_dir, locks, tick=mode == "tick")
-        return _drive(backend, all_relays, mode, cap, poll_seconds, max_hours, state_dir, live_seconds, locks, logger)
+        slots = _account_slots(backend, all_relays, cap, logger)
+        return _drive(backend, all_relays, slots, mode, poll_seconds, max_hours, state_dir, live_seconds, locks,
+                      logger)
     finally:
+        if slots is not None:
+            slots.close()
         locks.close()
 
 
-def _drive(backend, all_relays: List[Relay], mode: str, cap: Optional[int], poll_seconds: float, max_hours: float,
-           state_dir: str, live_seconds: float, locks: RunStepLocks, logger) -> dict:
+def _account_slots(backend, all_relays: List[Relay], cap: Optional[int], logger) -> AccountSessions:
+    """The `relay` flow's scheduler, here with several relays."""
     sessions_cap = account_sessions(all_relays)
     if cap is not None and cap != sessions_cap:
         logger.warning("relays: the cap parameter (%s) is no longer read: the account's sessions are its specs'"
                        " kaggle.account_sessions (%d)", cap, sessions_cap)
-    slots = AccountSessions(backend.username, sessions_cap)  # the `relay` flow's scheduler, here with several relays
+    slots = AccountSessions(backend.username, sessions_cap)
     for r in all_relays:
         if r.ctx is not None:
             slots.add(r.name, r.ctx.spec.kaggle.session_timeout + r.ctx.spec.kaggle.startup_overhead)
+    return slots
+
+
+def _drive(backend, all_relays: List[Relay], slots: AccountSessions, mode: str, poll_seconds: float,
+           max_hours: float, state_dir: str, live_seconds: float, locks: RunStepLocks, logger) -> dict:
+    sessions_cap = slots.sessions
     run_labels.label(name=run_labels.relays_name([r.name for r in all_relays], mode),  # named by stems before
                      add_tags=run_labels.account_tags(r.ctx.names.owner for r in all_relays if r.ctx))
     locks.hold([r.name for r in all_relays if r.ctx is not None])  # one write for all, before the first round

@@ -105,6 +105,11 @@ class AccountSessions:
         (AccountSlot.settle)."""
         self.slots[relay].settle(run_id, pushed)
 
+    def close(self) -> None:
+        """The flow run ends: a slot it took that the relay's record does not name goes back (AccountSlot.close)."""
+        for slot in self.slots.values():
+            slot.close()
+
     def failed(self, relay: str) -> None:
         """The relay needs a person and pushes nothing until one acts: its slot goes back, unless its session runs
         (kept until its lease ends: max_hours passed, a kernel that runs another session). It is stepped no more,
@@ -216,6 +221,22 @@ class AccountSlot:
                     _release_lease(client, lease)
         except Exception as err:  # noqa: BLE001 - a lease no record names ends on its own (hold_s)
             log.warning("account limit %s: settling a slot failed (%s)", self.limit, type(err).__name__)
+
+    def close(self) -> None:
+        """At the flow run's end (a tick ends after its push): the lease it took, unless the relay's record names
+        it. The record is what the relay's next runs renew and give back; a lease it does not name (another run of
+        the relay recorded its own after this run's settle) would hold a slot of the account for the session's
+        whole length, and for ever on a server without the repossessor (an ephemeral one)."""
+        if self._mine is None:
+            return
+        try:
+            with _client() as client:
+                held = read_record(client, self.record) if client is not None else None
+                if client is not None and (held is None or held.get("lease_id") != self._mine):
+                    _release_lease(client, self._mine)
+        except Exception as err:  # noqa: BLE001 - it ends on its own where the server repossesses leases
+            log.warning("account limit %s: giving back a slot failed (%s)", self.limit, type(err).__name__)
+        self._mine = None
 
     def wait_free(self, until: float, poll_seconds: float) -> bool:
         """Wait, looking at the account's limit every `poll_seconds`, until one of its slots is free and it is

@@ -202,3 +202,31 @@ def test_a_wait_for_a_slot_ends_when_another_run_of_the_relay_is_done_with_its_p
     other.release(forget=True)
     watch.release(forget=True)
     assert running() == 0
+
+
+def test_a_flow_run_ends_giving_back_a_slot_the_relays_record_does_not_name(client, request, monkeypatch):
+    """The last interleaving of two runs of one relay: one run's take, begun before the other's, writes the record
+    after the other pushed and settled (a long take on a loaded server). The run that pushed is a tick: it ends
+    after its push, and the lease it took, named by no record, is given back as its flow run ends."""
+    from tasks import account_slots
+    from tasks.account_slots import AccountSlot
+
+    user, running = _account(client, request, "c")
+    tick, watch = AccountSlot(user, "r", sessions=2, hold_s=3600), AccountSlot(user, "r", sessions=2, hold_s=3600)
+    real_read = account_slots.read_record
+
+    def the_tick_pushes_meanwhile(client_, name):  # the watch's first read, then the tick's whole push
+        monkeypatch.setattr(account_slots, "read_record", real_read)
+        found = real_read(client_, name)
+        assert tick.take("r-s1")
+        tick.settle("r-s1", pushed=True)
+        return found
+
+    monkeypatch.setattr(account_slots, "read_record", the_tick_pushes_meanwhile)
+    assert watch.take("r-s1")          # it wrote its slot over the tick's record
+    watch.settle("r-s1", pushed=False)  # it lost the claim; the record names its slot: it counts the session
+    assert running() == 2
+    tick.close()  # the tick's flow run ends
+    assert running() == 1
+    watch.release(forget=True)  # the session handed over
+    assert running() == 0
