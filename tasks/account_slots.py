@@ -231,11 +231,16 @@ class AccountSlot:
             return
         try:
             with _client() as client:
-                held = read_record(client, self.record) if client is not None else None
-                if client is not None and (held is None or held.get("lease_id") != self._mine):
-                    _release_lease(client, self._mine)
+                if client is not None:
+                    self._drop_unrecorded(client, read_record(client, self.record))
         except Exception as err:  # noqa: BLE001 - it ends on its own where the server repossesses leases
             log.warning("account limit %s: giving back a slot failed (%s)", self.limit, type(err).__name__)
+        self._mine = None
+
+    def _drop_unrecorded(self, client, record: Optional[dict]) -> None:
+        """The lease this run took, given back unless `record` (the relay's, just read) names it."""
+        if self._mine is not None and (record is None or record.get("lease_id") != self._mine):
+            _release_lease(client, self._mine)
         self._mine = None
 
     def wait_free(self, until: float, poll_seconds: float) -> bool:
@@ -286,9 +291,7 @@ class AccountSlot:
                 if self.queue.since is not None:
                     self.queue.leave(client)  # done or stopped while it waited: the others' turn
                 record = read_record(client, self.record)
-                if self._mine is not None and (record is None or record.get("lease_id") != self._mine):
-                    _release_lease(client, self._mine)  # taken beside another run's, which the record kept
-                self._mine = None
+                self._drop_unrecorded(client, record)  # taken beside another run's, which the record kept
                 if record is not None and not is_place(record):
                     self._give_back(client, record)
                 if forget and record is not None:  # a place another run of the relay waits at goes too: its
