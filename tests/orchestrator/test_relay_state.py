@@ -71,6 +71,12 @@ class Recorder:
         self.calls.append(("release", self.relay))
         self.taken.discard(self.relay)
 
+    def settle(self, run_id, pushed):  # which of two runs' slots stands for a session: test_slot_queue.py
+        pass
+
+    def close(self):
+        pass
+
 
 @pytest.fixture
 def slots(monkeypatch):
