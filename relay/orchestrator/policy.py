@@ -113,6 +113,9 @@ def forecast(spec, progress: Progress | dict | None, quota, now: datetime, runni
                    else "your estimate, session.step_seconds")
     if running is not None:
         start, end = (datetime.fromtimestamp(t, timezone.utc) for t in (running.started_at, running.session_ends_at))
+        # Kaggle still shows it running: it ends no earlier than now (a process that ended while Kaggle keeps the
+        # session, wedged or not yet seen ended, is saved and handed over after now, not at its last line)
+        end = max(end, now)
         head = (f"running: session {running.session}, started {planner.when(start)}, ends ~{planner.when(end)}"
                 f" at step {running.session_end_step} ({running.ends_by})\n")
         before = progress or Progress()

@@ -158,3 +158,26 @@ def test_relay_plan_states_the_goodput_it_expects_and_of_which_figures(tmp_path,
     assert (f"expected goodput {goodput:.0%} (start-up 10s (measured over 2 sessions), save 2.0s (measured over 2"
             f" sessions), hand-over 20s (measured over 1 session)); the week's 30 h buy {goodput * 30:.1f} h of"
             f" training; figures of relay {NAME}") in out, out
+
+
+def test_a_session_kaggle_still_runs_after_its_process_ended_moves_the_finish_with_the_wait():
+    """A session whose process ended (its last line said so) while Kaggle still shows it running, as a wedged one
+    until its deadline: the relay hands it over only once Kaggle ends it, so the finish is no earlier than now plus
+    its save, a hand-over and the sessions after it (the save and the hand-over used to be counted from its last
+    line, in the past, and the next sessions from now: 22 s early here, a save and a hand-over, whatever the wait)."""
+    from datetime import timedelta
+
+    from relay.orchestrator import live_progress, policy
+    from relay.orchestrator.status import pushed_spec
+
+    t0 = 1_800_000_000.0
+    progress, records = _relay_state(t0)
+    last = records[-1]
+    records.append({**last, "step": 390, "time": last["time"] + 97, "time_left_s": 0.0})  # the process's last line
+    eta = live_progress.estimate(records, session_max_steps=130)
+    spec = pushed_spec(SimpleNamespace(current_spec_text=lambda kernel: yaml.safe_dump(SPEC)), "alice/fin-relay-session")
+    at_end = datetime.fromtimestamp(eta.session_ends_at, timezone.utc)
+    finish_then = policy.forecast(spec, progress, None, at_end, running=eta).finish
+    an_hour_on = at_end + timedelta(hours=1)  # Kaggle still shows it running an hour later
+    finish_now = policy.forecast(spec, progress, None, an_hour_on, running=eta).finish
+    assert finish_then is not None and finish_now - finish_then == timedelta(hours=1)
