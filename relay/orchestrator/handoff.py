@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
-from relay.orchestrator import goodput, history, tracking_handoff
+from relay.orchestrator import goodput, history, tb_history, tracking_handoff
 from relay.orchestrator.chain import Action, Do, Names, Observation, hit_session_limit
 from relay.orchestrator.kaggle import control_record
 from relay.orchestrator.kaggle.backend import KaggleBackend
@@ -282,7 +282,10 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
         previous = history.previous_records(backend, names.checkpoint_dataset, root / "previous") \
             if obs.published else []
         own = history.stage(stage, index, previous)
-        tracking_handoff.stage_from_output(out, root, stage, newest.step, local)
+        tracking_handoff.stage_from_output(  # the session's own event files, and the log so far compacted
+            out, root, stage, newest.step, local, wanted=spec.tracking.tensorboard,
+            previous=lambda: tb_history.previous_files(backend, names.checkpoint_dataset, root / "previous-tb")
+            if obs.published else [])
 
         published = []
         if want_cache:

@@ -1,13 +1,14 @@
 """The orchestrator's half of tracking (docs/tracking.md): one TensorBoard log and one W&B run per relay.
 
 At each handoff, with `c` the step of the checkpoint being published:
-- TensorBoard: every event file of the session's `tensorboard/` (the relay's writer, HF's, Lightning's, the
-  user's own; the files of earlier sessions came with the checkpoint and are in it again) is cut at `c`
-  (events past it were logged by a session after its last checkpoint: the next session logs those steps
-  again) and staged flat into the checkpoint dataset, so the dataset always holds the relay's whole log, each
-  step once. The same files are copied to `<state_dir>/<name>/tensorboard/` (`tensorboard --logdir` on it).
-  The restart markers (purge_step) are left out of the assembled copy: after the cut they purge nothing, and
-  TensorBoard applies them in file-name order, which sessions started in the same second would not keep.
+- TensorBoard: the session's own event files under `tensorboard/` (the relay's writer, HF's, Lightning's, the
+  user's own) are cut at `c` (events past it were logged by a session after its last checkpoint: the next
+  session logs those steps again) and staged flat into the checkpoint dataset beside the log so far, which the
+  published checkpoint's files become, compacted into one history file (relay/orchestrator/tb_history.py): a
+  hand-over moves one session's events and a bounded history, whatever the run's length. The same files are
+  copied to `<state_dir>/<name>/tensorboard/` (`tensorboard --logdir` on it). The restart markers (purge_step)
+  are left out: after the cut they purge nothing, and TensorBoard applies them in file-name order, which
+  sessions started in the same second would not keep.
 - W&B offline: the session's offline run(s) under `wandb/` are cut at `c` with W&B's record protobuf
   (relay/orchestrator/wandb_file.py); rows a SIGKILLed session had logged but wandb-core had not yet written are filled in
   from metrics.jsonl (the relay's own records); then `wandb sync --id RUN` uploads them, the API key from a
@@ -24,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from relay.orchestrator import tb_history
 from relay.shared.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -31,14 +33,14 @@ TB_PREFIX = "tensorboard/"
 WANDB_PREFIX = "wandb/"
 
 
-def is_event_file(name: str) -> bool:
-    return "tfevents" in Path(name).name
+is_event_file = tb_history.is_event_file
 
 
-def stage_tensorboard(files: dict[str, Path], stage: Path, max_step: int, local: Optional[Path]) -> list[str]:
-    """Cut each event file (relative name -> local path) at `max_step` into the flat `stage`; mirror them to
-    `local/tensorboard`. Returns the staged names."""
-    staged = []
+def stage_tensorboard(files: dict[str, Path], stage: Path, max_step: int, local: Optional[Path],
+                      staged: Optional[list[str]] = None) -> list[str]:
+    """Cut each event file (relative name -> local path) at `max_step` into the flat `stage`, beside `staged` (the
+    history already there); mirror them all to `local/tensorboard`. Returns the staged names."""
+    staged = list(staged or [])
     for rel, path in sorted(files.items()):
         name = Path(rel).name if Path(rel).name not in staged else rel.replace("/", "_")
         try:
@@ -58,6 +60,25 @@ def stage_tensorboard(files: dict[str, Path], stage: Path, max_step: int, local:
         for name in staged:
             shutil.copyfile(stage / name, target / name)
     return staged
+
+
+def stage_history(previous: list[Path], stage: Path) -> list[str]:
+    """The published checkpoint's log (its history and its session's files) as the new history in `stage`
+    (relay/orchestrator/tb_history.py): bounded, whatever the run's length. Without TensorBoard installed here the
+    files are carried as they are. Returns the staged names."""
+    if not previous:
+        return []
+    try:
+        tb_history.compact(previous, stage / tb_history.HISTORY)
+        return [tb_history.HISTORY]
+    except ImportError:
+        log.warning("TensorBoard is not installed here (pip install kaggle-relay[tensorboard]): the log so far is"
+                    " carried whole")
+    except Exception as err:  # noqa: BLE001 - a torn file must not stop the handoff
+        log.warning("TensorBoard: the log so far could not be compacted (%s); carried whole", err)
+    for path in previous:
+        shutil.copyfile(path, stage / path.name)
+    return [path.name for path in previous]
 
 
 def cut_event_file(src: Path, dst: Path, max_step: int) -> int:
@@ -160,22 +181,30 @@ def sync_wandb(runs: list[Path], run_id: str, cfg, api_key: Callable[[], Optiona
 
 
 # -- the handoff's entry points: a streamed output (relay/orchestrator/kaggle/selective_output.py) or a downloaded workdir
-def stage_from_output(out, root: Path, stage: Path, max_step: int, local: Optional[Path]) -> list[str]:
-    """Fetch the output's `tensorboard/` event files (small) and stage them cut at `max_step`."""
+def stage_from_output(out, root: Path, stage: Path, max_step: int, local: Optional[Path],
+                      previous: Callable[[], list[Path]] = list, wanted: bool = False) -> list[str]:
+    """Fetch the output's `tensorboard/` event files (one session's) and stage them cut at `max_step`, beside the
+    log so far compacted (`previous()`: the published checkpoint's event files, fetched when the output has event
+    files or `wanted`, the spec's tracking.tensorboard). An output file the published checkpoint holds already (a
+    kernel of an older relay copied the log so far into its folder) is not fetched again."""
     from relay.orchestrator.kaggle.selective_output import stream_verified
 
+    mine = {rel: url for rel, url in out.urls.items() if rel.startswith(TB_PREFIX) and is_event_file(rel)}
+    before = previous() if (mine or wanted) else []
+    carried = {p.name for p in before} | {tb_history.HISTORY}
     files = {}
-    for rel, url in out.urls.items():
-        if rel.startswith(TB_PREFIX) and is_event_file(rel):
-            target = root / "tb-raw" / rel[len(TB_PREFIX):]
-            target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                stream_verified(out.client, url, target)
-            except Exception as err:  # noqa: BLE001 - a tracker file is never a reason to fail a handoff
-                log.warning("TensorBoard file %s not fetched (%s)", rel, err)
-                continue
-            files[rel[len(TB_PREFIX):]] = target
-    return stage_tensorboard(files, stage, max_step, local)
+    for rel, url in mine.items():
+        if Path(rel).name in carried:
+            continue
+        target = root / "tb-raw" / rel[len(TB_PREFIX):]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            stream_verified(out.client, url, target)
+        except Exception as err:  # noqa: BLE001 - a tracker file is never a reason to fail a handoff
+            log.warning("TensorBoard file %s not fetched (%s)", rel, err)
+            continue
+        files[rel[len(TB_PREFIX):]] = target
+    return stage_tensorboard(files, stage, max_step, local, stage_history(before, stage))
 
 
 def fetch_wandb(out, root: Path) -> Optional[Path]:

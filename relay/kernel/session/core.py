@@ -90,7 +90,7 @@ class SessionCore:
         self._check_environment(sessions, step, hardware.accelerator_mismatch(self.machine_shape, seen["gpus"], env))
         self.lines = ProgressLines(self.record["index"], step, self.total_steps, self.clock.remaining,
                                    run_id=self.run_id)
-        self.trackers.start(step, tracking_state, self.resume_from, name=self.name, current_step=current_step)
+        self.trackers.start(step, tracking_state, name=self.name, current_step=current_step)
         self.clock.alive()  # the restore is behind: the watchdog counts from here
         if self.world.main:  # the other ranks are ended by their launcher (torchrun, distributed.launch)
             self.watchdog = StallWatchdog(self.clock, self.stall_after, self._stalled).start()

@@ -2,11 +2,12 @@
 
 The session's metrics records (what metrics.jsonl holds: train/eval/memory/stage) go to the trackers the spec
 turns on (`tracking:`), at the relay's optimizer step:
-- TensorBoard: event files in `workdir/tensorboard/`. The files of the sessions before (carried in the
-  checkpoint dataset) are copied there first, and this session's writer opens with `purge_step` = the resumed
-  step + 1, so TensorBoard drops what a killed session logged after its last checkpoint. The orchestrator also
-  cuts every file at the published checkpoint's step (relay/orchestrator/tracking_handoff.py), so the assembled folder holds
-  each step once for any reader. HF's `report_to="tensorboard"` writes here too (TENSORBOARD_LOGGING_DIR).
+- TensorBoard: this session's event files in `workdir/tensorboard/` (the log so far stays in the checkpoint
+  dataset: the orchestrator stages it beside them at each hand-over, compacted: relay/orchestrator/tb_history.py).
+  The writer opens with `purge_step` = the resumed step + 1, so TensorBoard drops what a killed session logged
+  after its last checkpoint; the orchestrator also cuts every file at the published checkpoint's step
+  (relay/orchestrator/tracking_handoff.py), so the assembled folder holds each step once for any reader. HF's
+  `report_to="tensorboard"` writes here too (TENSORBOARD_LOGGING_DIR).
 - W&B: one run whose id is created by the first session and kept in the relay's bookkeeping (every checkpoint,
   progress.json `tracking.wandb_run_id`); each session resumes it by id. Offline (no internet) the run is
   written under `workdir/wandb/` and the orchestrator cuts it at the checkpoint's step and `wandb sync`s it.
@@ -21,9 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 from relay.shared.environment import SessionEnvironment
 
 log = logging.getLogger(__name__)
@@ -31,10 +31,6 @@ log = logging.getLogger(__name__)
 TB_DIR = "tensorboard"
 WANDB_DIR = "wandb"
 _BOOKKEEPING = {"session", "time", "kind", "step"}
-
-
-def is_event_file(path: Path) -> bool:
-    return path.is_file() and "tfevents" in path.name  # TensorBoard's own test (IsTensorFlowEventsFile)
 
 
 class Trackers:
@@ -58,7 +54,7 @@ class Trackers:
     def enabled(self) -> bool:
         return self.writer is not None or self.run is not None
 
-    def start(self, step: int, state: dict, resume_from: Sequence[Path] = (), *, name: Optional[str] = None,
+    def start(self, step: int, state: dict, *, name: Optional[str] = None,
               current_step: Optional[Callable[[], int]] = None) -> None:
         """Open the trackers for a session resuming at `step`. `state`: the relay's tracking state, saved in
         every checkpoint and progress.json (the W&B run id is created there once); `current_step` gives the
@@ -67,21 +63,14 @@ class Trackers:
         if self.main:  # HF's report_to="tensorboard" writes here, on or off (TensorBoardCallback reads it)
             _point_hf_here(self.tensorboard_dir)
         if self.tb_on:
-            self._guard("TensorBoard", self._start_tensorboard, step, resume_from)
+            self._guard("TensorBoard", self._start_tensorboard, step)
         if self.wandb_config:
             self._guard("W&B", self._start_wandb, step, state, name)
 
-    def _start_tensorboard(self, step: int, resume_from: Sequence[Path]) -> None:
+    def _start_tensorboard(self, step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.tensorboard_dir.mkdir(parents=True, exist_ok=True)
-        if not any(is_event_file(p) for p in self.tensorboard_dir.iterdir()):
-            for source in resume_from:  # a fresh kernel: the relay's log so far, from the checkpoint dataset
-                carried = [p for p in Path(source).glob("*") if is_event_file(p)]
-                for p in carried:
-                    shutil.copyfile(p, self.tensorboard_dir / p.name)
-                if carried:
-                    break
+        self.tensorboard_dir.mkdir(parents=True, exist_ok=True)  # its own files only: the log so far is published
         # purge_step: TensorBoard drops the steps >= it logged before this restart (a killed session's tail)
         self.writer = SummaryWriter(str(self.tensorboard_dir), purge_step=step + 1, flush_secs=30)
         from tensorboard.compat.proto.summary_pb2 import Summary
