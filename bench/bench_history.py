@@ -2,6 +2,7 @@
 
     python bench/bench_history.py [--sessions 10] [--steps 1000000]
     python bench/bench_history.py --root /path/to/other/checkout --carried   # the same relay on older code
+    python bench/bench_history.py --tensorboard     # the sessions also write the relay's TensorBoard events
 
 On the local Kaggle emulator, `sessions` kernels one after the other each leave what a session of `steps`
 optimizer steps leaves (no training: the work is sized by steps, not seconds): a checkpoint (1 MB, random bytes),
@@ -32,7 +33,7 @@ TARGET = 0.10
 # runs inside the emulator's kernel (cwd = /kaggle/working): what a session leaves, without training
 KERNEL_SOURCE = r'''
 import json, os, time, zlib
-SESSION, STEPS, EVERY, RUN_ID, CARRIED = {session!r}, {steps!r}, {every!r}, {run_id!r}, {carried!r}
+SESSION, STEPS, EVERY, RUN_ID, CARRIED, TB = {session!r}, {steps!r}, {every!r}, {run_id!r}, {carried!r}, {tb!r}
 os.makedirs("relay", exist_ok=True)
 json.dump({{"run_id": RUN_ID}}, open("relay-kernel.json", "w"))
 step = SESSION * STEPS
@@ -56,12 +57,27 @@ with open("relay/metrics.jsonl", "w") as f:
                                 "lr": 0.0003, "samples_per_s": 16000.0, "grad_norm": 0.91}}) + "\n")
             f.write(json.dumps({{"session": s, "time": t, "kind": "memory", "step": k, "phase": "train",
                                 "allocated_mb": 812.4, "peak_mb": 1034.9, "rss_mb": 2201.7}}) + "\n")
+if TB:  # the relay's TensorBoard writer's events: one scalar an event, the train record's four (TB 2: every
+    from tensorboard.compat.proto import event_pb2  # session's file, as kernels copied the log so far before)
+    from tensorboard.summary.writer.record_writer import RecordWriter
+    os.makedirs("relay/tensorboard", exist_ok=True)
+    for s in range(1 if CARRIED or TB == 2 else SESSION, SESSION + 1):
+        with open(f"relay/tensorboard/events.out.tfevents.{{1764000000 + s}}.kaggle.{{s}}", "wb") as f:
+            w = RecordWriter(f)
+            w.write(event_pb2.Event(wall_time=t0, file_version="brain.Event:2").SerializeToString())
+            for k in range((s - 1) * STEPS + EVERY, s * STEPS + 1, EVERY):
+                for tag, v in (("loss", 2.0 / (1 + k * 1e-5)), ("lr", 0.0003), ("samples_per_s", 16000.0),
+                               ("grad_norm", 0.91)):
+                    e = event_pb2.Event(wall_time=t0 + s * 3600 + k * 0.002, step=k)
+                    e.summary.value.add(tag="train/" + tag, simple_value=v)
+                    w.write(e.SerializeToString())
+            w.flush()
 '''
 
 CHILD = r'''
 import json, os, socket, sys, time
 sys.path.insert(0, sys.argv[1])
-endpoint, local, work, sessions, steps, every, carried = sys.argv[2], sys.argv[3], sys.argv[4], *map(int, sys.argv[5:9])
+endpoint, local, work, sessions, steps, every, carried, tb = sys.argv[2], sys.argv[3], sys.argv[4], *map(int, sys.argv[5:10])
 from pathlib import Path
 from relay.orchestrator import chain, handoff
 from relay.orchestrator.kaggle import ClientBackend, KaggleCredentials, RetryPolicy
@@ -87,7 +103,7 @@ for i in range(1, sessions + 1):
     folder = Path(work) / f"push-{{i}}"
     folder.mkdir()
     (folder / "run.py").write_text(Path(work, "kernel.py").read_text().format(session=i, steps=steps, every=every,
-                                   run_id=run_id, carried=bool(carried)))
+                                   run_id=run_id, carried=bool(carried), tb=tb))
     (folder / "kernel-metadata.json").write_text(json.dumps({{
         "id": names.kernel, "title": f"{name} session", "code_file": "run.py", "language": "python",
         "kernel_type": "script", "enable_gpu": False, "enable_internet": False}}))
@@ -117,13 +133,14 @@ optim: {{max_steps: 100000000}}
 
 
 def run(sessions: int = 10, steps: int = 1_000_000, carried: bool = False, root: Path = ROOT,
-        keep: bool = False) -> dict:
-    """Bytes per hand-over for each of `sessions` sessions of `steps` steps; `root`: the checkout handing over."""
+        keep: bool = False, tensorboard: int = 0) -> dict:
+    """Bytes per hand-over for each of `sessions` sessions of `steps` steps; `root`: the checkout handing over;
+    `tensorboard`: 0 no events, 1 each session its own file, 2 every session's files (as older kernels did)."""
     sys.path.insert(0, str(ROOT))
     from relay.emulator import Emulator, EmulatorConfig
 
     work = Path(tempfile.mkdtemp(prefix="bench-history-"))
-    (work / "spec.yaml").write_text(SPEC)
+    (work / "spec.yaml").write_text(SPEC + ("tracking: {tensorboard: true}\n" if tensorboard else ""))
     (work / "kernel.py").write_text(KERNEL_SOURCE.replace("{name}", NAME))
     (work / "child.py").write_text(CHILD.format(user=USER, key=KEY, name=NAME))
     emu = Emulator(work / "emulator", EmulatorConfig(users={USER: KEY})).start()
@@ -131,7 +148,8 @@ def run(sessions: int = 10, steps: int = 1_000_000, carried: bool = False, root:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KAGGLE_")}
         env.update(TMPDIR=str(work), HOME=str(work), PYTHONPATH=str(root), RELAY_HANDOFF_DISK_RESERVE_MB="0")
         out = subprocess.run([sys.executable, str(work / "child.py"), str(root), emu.url, str(work / "local"),
-                              str(work), str(sessions), str(steps), str(LOG_EVERY), str(int(carried))],
+                              str(work), str(sessions), str(steps), str(LOG_EVERY), str(int(carried)),
+                               str(int(tensorboard))],
                              env=env, capture_output=True, text=True)
         line = [x for x in out.stdout.splitlines() if x.startswith("FIGURES ")]
         if out.returncode or not line:
@@ -147,6 +165,7 @@ def run(sessions: int = 10, steps: int = 1_000_000, carried: bool = False, root:
     up, down = last["up"] / first["up"], last["down"] / first["down"]
     return {
         "history_sessions": sessions, "history_steps_per_session": steps, "history_carried": carried,
+        "history_tensorboard": tensorboard,
         "history_per_session": [[r["session"], r["up"], r["down"]] for r in rows],
         "history_up_first_bytes": first["up"], "history_up_last_bytes": last["up"],
         "history_down_first_bytes": first["down"], "history_down_last_bytes": last["down"],
@@ -160,6 +179,8 @@ def format_lines(f: dict) -> list:
     mb = 1e6
     lines = [f"bytes per hand-over, {f['history_sessions']} sessions of {f['history_steps_per_session']:,} steps"
              f" (a train and a memory line every {LOG_EVERY}; 1 MB checkpoint)"
+             + (", TensorBoard on (4 scalars a line)" if f.get("history_tensorboard") else "")
+             + (" [kernels carry every session's TensorBoard files]" if f.get("history_tensorboard") == 2 else "")
              + (" [kernels carry every session's lines]" if f["history_carried"] else "") + ":"]
     for session, up, down in f["history_per_session"]:
         lines.append(f"  session {session:2d}: uploaded {up / mb:7.2f} MB, downloaded {down / mb:7.2f} MB")
@@ -176,8 +197,12 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=1_000_000, help="optimizer steps per session")
     parser.add_argument("--carried", action="store_true", help="kernels write every session's lines (older code)")
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout whose orchestrator hands over")
+    parser.add_argument("--tensorboard", action="store_true", help="the sessions write TensorBoard events too")
+    parser.add_argument("--tensorboard-carried", action="store_true",
+                        help="... and every session's TensorBoard files, as kernels did before (older code)")
     args = parser.parse_args(argv)
-    figures = run(args.sessions, args.steps, args.carried, args.root)
+    tb = 2 if args.tensorboard_carried else int(args.tensorboard)
+    figures = run(args.sessions, args.steps, args.carried, args.root, tensorboard=tb)
     print("\n".join(format_lines(figures)))
     return 0 if figures["history_meets_target"] else 1
 

@@ -55,8 +55,10 @@ BENCHES = {
     # ~2 min: a clean and a faulted toy relay of 600 steps (a kill mid-save, a wedge, error pages), the goodput
     # ledger against the emulator's quota ledger; sized in steps and sessions, so --quick runs the same
     "goodput": ("bench_goodput", {}, {}),
-    # ~1-2 min: 10 synthetic sessions of 1,000,000 steps handed over on the emulator, bytes counted per hand-over
-    "history": ("bench_history", {"sessions": 10, "steps": 1_000_000}, {"sessions": 3, "steps": 1_000_000}),
+    # ~1-2 min: 10 synthetic sessions of 1,000,000 steps handed over on the emulator (their metrics lines and the
+    # relay's TensorBoard events), bytes counted per hand-over
+    "history": ("bench_history", {"sessions": 10, "steps": 1_000_000, "tensorboard": 1},
+                {"sessions": 3, "steps": 1_000_000, "tensorboard": 1}),
     # ~10+ min: 20, then 50 toy relays of 2 sessions in ONE `relays` run on one worker, a SQLite server (issue 60);
     # the 200 of its target: python bench/bench_relays.py --relays 200
     "relays": ("bench_relays", {"counts": (20, 50)}, {"counts": (10,)}),

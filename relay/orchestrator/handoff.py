@@ -284,7 +284,8 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
         own = history.stage(stage, index, previous)
         tracking_handoff.stage_from_output(  # the session's own event files, and the log so far compacted
             out, root, stage, newest.step, local, wanted=spec.tracking.tensorboard,
-            previous=lambda: tb_history.previous_files(backend, names.checkpoint_dataset, root / "previous-tb")
+            previous=lambda: tb_history.previous_files(backend, names.checkpoint_dataset, root / "previous-tb",
+                                                       local / "tensorboard")
             if obs.published else [])
 
         published = []

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 log = logging.getLogger(__name__)
 HISTORY = "events.out.tfevents.0000000000.relay-history"  # sorts first: the sessions' files follow it
@@ -27,20 +27,26 @@ def is_event_file(name: str) -> bool:
     return "tfevents" in Path(name).name
 
 
-def previous_files(backend, dataset: str, dest: Path) -> List[Path]:
-    """The published checkpoint's event files (its history and its session's own), downloaded into `dest`; [] when
-    there is none. A file that cannot be fetched is a warning: a tracker never fails a hand-over."""
+def previous_files(backend, dataset: str, dest: Path, local: Optional[Path] = None) -> List[Path]:
+    """The published checkpoint's event files (its history and its session's own): those `local` holds as
+    published (the orchestrator's mirror, `<state_dir>/<name>/tensorboard`, the same name and size) read from
+    there, the others downloaded into `dest`; [] when there is none. A file that cannot be had is a warning: a
+    tracker never fails a hand-over."""
     try:
-        names = [f.name for f in backend.list_dataset_files(dataset) if is_event_file(f.name)]
+        published = [f for f in backend.list_dataset_files(dataset) if is_event_file(f.name)]
     except Exception as err:  # noqa: BLE001
         log.warning("TensorBoard: the published checkpoint's files could not be listed (%s)", err)
         return []
     found = []
-    for name in sorted(names):
+    for f in sorted(published, key=lambda f: f.name):
+        mirrored = local / f.name if local is not None else None
+        if mirrored is not None and mirrored.is_file() and mirrored.stat().st_size == f.size:
+            found.append(mirrored)
+            continue
         try:
-            found.append(backend.download_dataset_file(dataset, name, dest))
+            found.append(backend.download_dataset_file(dataset, f.name, dest))
         except Exception as err:  # noqa: BLE001
-            log.warning("TensorBoard: %s of the published checkpoint not fetched (%s); left out", name, err)
+            log.warning("TensorBoard: %s of the published checkpoint not fetched (%s); left out", f.name, err)
     return found
 
 

@@ -85,3 +85,36 @@ def test_what_a_hand_over_stages_does_not_grow_with_the_sessions(tmp_path):
     assert staged[9] <= 1.1 * staged[1], staged
     assert carried[9] >= 9 * carried[0]
     assert raw_steps(tmp_path / "v10", "train/loss")[-1] == 5000
+
+
+def test_the_published_files_the_local_mirror_holds_are_not_downloaded_again(tmp_path):
+    """The orchestrator's mirror holds what it published last: those files (the same name and size) are read from
+    it; a file it lacks or holds otherwise (another orchestrator handed the session over) is downloaded."""
+    from relay.orchestrator import tb_history
+    from relay.orchestrator.kaggle.types import DatasetFile
+
+    published = tmp_path / "published"
+    published.mkdir()
+    history = write_events(published / tb_history.HISTORY, range(10, 60, 10))
+    own = write_events(published / "events.out.tfevents.2.s", range(60, 110, 10))
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    (mirror / history.name).write_bytes(history.read_bytes())
+    (mirror / own.name).write_bytes(own.read_bytes()[:-7])  # not what was published
+
+    class Backend:
+        downloads: list = []
+
+        def list_dataset_files(self, dataset):
+            return [DatasetFile(p.name, p.stat().st_size) for p in (history, own)] + [DatasetFile("state.pt", 9)]
+
+        def download_dataset_file(self, dataset, name, dest):
+            self.downloads.append(name)
+            dest.mkdir(parents=True, exist_ok=True)
+            (dest / name).write_bytes((published / name).read_bytes())
+            return dest / name
+
+    backend = Backend()
+    found = tb_history.previous_files(backend, "u/ckpt", tmp_path / "dl", mirror)
+    assert backend.downloads == [own.name]
+    assert [p.read_bytes() for p in found] == [history.read_bytes(), own.read_bytes()]
