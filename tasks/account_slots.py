@@ -202,7 +202,8 @@ class AccountSlot:
         relay (a watch beside a schedule) may each take one before their claims, and the record keeps the last
         written: a run that did not push gives its own back unless the record names it (it then counts the
         session the other run pushed); the run that pushed records its own unless the record names a slot of this
-        push already (then its own goes back). Only the claim's winner writes: no read-then-write race is left."""
+        push already (then its own goes back). After the claim only its winner writes the record; a take's write
+        that lands later still (a take begun before the other run's push) is the one `close` mends."""
         lease, self._mine = self._mine, None
         if lease is None:
             return
