@@ -282,11 +282,12 @@ def hand_over(backend: KaggleBackend, spec: RunSpec, names: Names, action: Actio
         previous = history.previous_records(backend, names.checkpoint_dataset, root / "previous") \
             if obs.published else []
         own = history.stage(stage, index, previous)
-        tracking_handoff.stage_from_output(  # the session's own event files, and the log so far compacted
-            out, root, stage, newest.step, local, wanted=spec.tracking.tensorboard,
-            previous=lambda: tb_history.previous_files(backend, names.checkpoint_dataset, root / "previous-tb",
-                                                       local / "tensorboard")
-            if obs.published else [])
+        def published_log() -> list[Path]:  # the log so far: fetched only where the session has one to continue
+            return tb_history.previous_files(backend, names.checkpoint_dataset, root / "previous-tb",
+                                             local / "tensorboard") if obs.published else []
+
+        tracking_handoff.stage_from_output(out, root, stage, newest.step, local, previous=published_log,
+                                           wanted=spec.tracking.tensorboard)
 
         published = []
         if want_cache:

@@ -26,14 +26,12 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from relay.orchestrator import tb_history
+from relay.orchestrator.tb_history import is_event_file
 from relay.shared.progress import Progress
 
 log = logging.getLogger(__name__)
 TB_PREFIX = "tensorboard/"
 WANDB_PREFIX = "wandb/"
-
-
-is_event_file = tb_history.is_event_file
 
 
 def stage_tensorboard(files: dict[str, Path], stage: Path, max_step: int, local: Optional[Path],

@@ -67,10 +67,10 @@ def test_a_tag_over_the_bound_keeps_evenly_spaced_steps_the_first_and_the_last(t
 def test_what_a_hand_over_stages_does_not_grow_with_the_sessions(tmp_path):
     """Ten hand-overs of sessions of 500 logged steps, the history bounded at 200 events a tag: the bytes staged
     (the history and the session's own file) at the tenth are within 10 % of the second's (the first has no
-    history); carried whole they grew tenfold."""
+    history). Unbounded, the history would grow by a session's events at every hand-over."""
     from relay.orchestrator import tb_history
 
-    staged, carried, previous = [], [], []
+    staged, previous = [], []
     for n in range(1, 11):
         stage = tmp_path / f"v{n}"
         stage.mkdir()
@@ -80,10 +80,8 @@ def test_what_a_hand_over_stages_does_not_grow_with_the_sessions(tmp_path):
             tb_history.compact(previous, stage / tb_history.HISTORY, max_events=200)
             parts.append(stage / tb_history.HISTORY)
         staged.append(sum(p.stat().st_size for p in parts))
-        carried.append(own.stat().st_size * n)
         previous = parts
     assert staged[9] <= 1.1 * staged[1], staged
-    assert carried[9] >= 9 * carried[0]
     assert raw_steps(tmp_path / "v10", "train/loss")[-1] == 5000
 
 
