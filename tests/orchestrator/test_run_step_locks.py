@@ -6,6 +6,9 @@ from __future__ import annotations
 from relay_fixtures import PYTHON, REPO  # noqa: F401 - the session's Prefect server (prefect_api)
 
 LEASE_S = 2.0  # how long after the holder's last renewal others pass its record over (production: 60 s)
+# A live holder's lease where a check needs it live: a 2-s lease renewed every 0.7 s by a thread lapsed under load
+# (a py-spy run at load 10 saw it passed over), so no check waits on the wall clock but the lapse itself.
+LIVE_S = 300.0
 
 
 def _records(prefix: str) -> list:
@@ -22,7 +25,7 @@ def test_one_record_for_a_runs_relays_seen_by_other_runs(prefect_api):
     from tasks.step_lock import RUN_RECORD, StepLock
 
     names = [f"rsl-{i}" for i in range(5)]
-    first = RunStepLocks(wait_s=300, lease_s=LEASE_S, poll_s=0.2)
+    first = RunStepLocks(wait_s=300, lease_s=LIVE_S, poll_s=0.2)
     try:
         assert first.hold(names) == names
         assert len(_records(first.prefix)) == 1  # one record names them all
@@ -36,18 +39,18 @@ def test_one_record_for_a_runs_relays_seen_by_other_runs(prefect_api):
         finally:
             run_step_locks.write_record = real
         assert not writes, writes
-        second = RunStepLocks(wait_s=0.5, lease_s=LEASE_S, poll_s=0.2)
+        second = RunStepLocks(wait_s=0.5, lease_s=LIVE_S, poll_s=0.2)
         assert second.hold(names[:2] + ["rsl-other"]) == ["rsl-other"]
         assert not second.acquire(names[0])  # held by a live run
-        assert not StepLock(names[1], wait_s=0.5, lease_s=LEASE_S, poll_s=0.2).acquire()  # the `relay` flow's too
+        assert not StepLock(names[1], wait_s=0.5, lease_s=LIVE_S, poll_s=0.2).acquire()  # the `relay` flow's too
         second.close()
     finally:
         first.close()
     assert not _records(first.prefix)
-    after = StepLock(names[1], wait_s=5, lease_s=LEASE_S, poll_s=0.2)
+    after = StepLock(names[1], wait_s=5, lease_s=LIVE_S, poll_s=0.2)
     try:
         assert after.acquire()  # free at once when the run ends
-        blocked = RunStepLocks(wait_s=0.5, lease_s=LEASE_S, poll_s=0.2)
+        blocked = RunStepLocks(wait_s=0.5, lease_s=LIVE_S, poll_s=0.2)
         assert blocked.hold(names[:2]) == [names[0]]  # a StepLock's relay is not taken
         blocked.close()
     finally:
@@ -63,7 +66,7 @@ def test_a_killed_runs_record_is_passed_over_after_its_lease(prefect_api):
     assert dead.hold(["rsl-killed"]) == ["rsl-killed"]
     dead._stop.set()  # its renewals stop, its record stays: as a SIGKILL leaves it
     dead._thread.join()
-    waiter = RunStepLocks(wait_s=300, lease_s=LEASE_S, poll_s=0.2)  # the wait is never spent unless it fails
+    waiter = RunStepLocks(wait_s=300, lease_s=LIVE_S, poll_s=0.2)  # the wait is never spent unless it fails
     try:
         assert waiter.acquire("rsl-killed")
     finally:
