@@ -10,14 +10,16 @@ from relay.orchestrator.kaggle.kernel_source import find_run_id
 
 
 def ranks(proc) -> list[psutil.Process]:
-    """The rank processes of a `relay train` process, rank 0 first (started in rank order): the children of its
-    forkserver (relay/kernel/session/distributed.py)."""
+    """The rank processes of a `relay train` process, rank 0 first (started in rank order): its children forked
+    from it (on CPU), or the children of its forkserver (with GPUs; relay/kernel/session/distributed.py)."""
+    launcher = psutil.Process(proc.pid)
     kids = []
-    for server in psutil.Process(proc.pid).children():
+    for child in launcher.children():
         try:
-            if "forkserver" not in " ".join(server.cmdline()):
-                continue
-            kids += [(p.create_time(), p) for p in server.children()]
+            if "forkserver" in " ".join(child.cmdline()):
+                kids += [(p.create_time(), p) for p in child.children()]
+            elif child.cmdline() == launcher.cmdline():
+                kids.append((child.create_time(), child))
         except psutil.Error:  # a helper process that came and went while we looked
             continue
     return [p for _, p in sorted(kids, key=lambda kid: (kid[0], kid[1].pid))]

@@ -116,7 +116,8 @@ def _entry_rank(rank: int, world_size: int, port: int, errors, spec, config: Ses
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), **distributed.rank_environment(port))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
+                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        force=True)  # a forked rank inherits the launcher's handlers
     try:
         run_entry(spec, config)
     except InputError as err:

@@ -54,7 +54,8 @@ def _rank_main(rank: int, world_size: int, port: int, errors, started: float, sp
                settings: SessionSettings) -> None:
     """One rank of a data-parallel session (a process of its own)."""
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
+                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        force=True)  # a forked rank inherits the launcher's handlers
     world = distributed.init(rank, world_size, port, pick_device().type)
     try:
         _session(world, started, spec, workdir, settings)

@@ -177,9 +177,12 @@ def _flat(tree, prefix="") -> dict:
     return {prefix.rstrip("."): tree}
 
 
-def test_an_oom_on_one_rank_backs_off_every_rank_together(tmp_path, monkeypatch, spawns_processes):
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_an_oom_on_one_rank_backs_off_every_rank_together(start, tmp_path, monkeypatch, spawns_processes):
     """Rank 1 alone runs out of memory mid-run: both ranks halve the micro-batch at the same step (no rank is
-    left waiting in a collective), the effective batch is kept, and the run finishes."""
+    left waiting in a collective), the effective batch is kept, and the run finishes. Both ways ranks start: forked
+    from the launcher (CPU, every other test here) and from a forkserver (what a GPU session uses), each launched
+    from this process, whose Prefect and threads a forked rank inherits."""
     import ddp_oom_worker
     from conftest import load_toy_spec
     from relay.kernel.session import distributed
@@ -190,6 +193,7 @@ def test_an_oom_on_one_rank_backs_off_every_rank_together(tmp_path, monkeypatch,
     monkeypatch.setitem(recipes._REGISTRY, ddp_oom_worker.NAME, ddp_oom_worker.PATH)
     monkeypatch.setitem(params.BUILT_IN, ddp_oom_worker.NAME, ddp_oom_worker.OomOnRank1.Params)
     spec = load_toy_spec(DDP, recipe=ddp_oom_worker.NAME, session={"save_every": "1h"})
+    monkeypatch.setattr(distributed, "start_method", lambda: start)
     distributed.launch(ddp_oom_worker.worker, 2, (spec, str(tmp_path / "w")))
     progress = json.loads((tmp_path / "w" / "progress.json").read_text())
     assert progress["status"] == "done" and progress["global_step"] == TOTAL

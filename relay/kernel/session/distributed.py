@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -104,15 +105,17 @@ def launch(worker: Callable[..., Any], world_size: int, args: Sequence[Any]) -> 
     watchdog: session/watchdog.py) makes this process exit with the same status, as one process would."""
     import torch.multiprocessing as mp
 
-    # forkserver, not spawn: like spawn, each rank is a process no CUDA state was inherited by, but it is forked
-    # from one server that imported torch and the rank's code once (~2 CPU s per rank less), not a new interpreter
-    method = mp.get_context("forkserver")
-    _socket_dir()
-    method.set_forkserver_preload(["__main__", "torch", worker.__module__])
+    start = start_method()
+    method = mp.get_context(start)
+    if start == "forkserver":
+        _socket_dir()
+        method.set_forkserver_preload(["__main__", "torch", worker.__module__])
     errors = method.SimpleQueue()
     store = rendezvous_store(world_size)  # held, listening, until the ranks are joined below
-    context = mp.start_processes(worker, args=(world_size, store.port, errors, *args), nprocs=world_size,
-                                 join=False, start_method="forkserver")
+    target, rank_args = worker, (world_size, store.port, errors, *args)
+    if start == "fork":
+        target, rank_args = _forked_rank, (worker, *rank_args)
+    context = mp.start_processes(target, args=rank_args, nprocs=world_size, join=False, start_method=start)
 
     def forward(signum, frame):  # Kaggle may signal only this process: every rank must see the SIGTERM
         for proc in context.processes:
@@ -134,6 +137,25 @@ def launch(worker: Callable[..., Any], world_size: int, args: Sequence[Any]) -> 
         del store
     if not errors.empty():
         raise InputError(errors.get())
+
+
+def start_method() -> str:
+    """How the ranks are started. With GPUs, forkserver: like spawn, each rank is a process no CUDA state was
+    inherited by (CUDA cannot be used in a child forked from a process that initialized it), but forked from one
+    server that imported torch and the rank's code once, not a new interpreter. On CPU (gloo), fork: the ranks
+    are forked from this process, which imported them already; the forkserver's own start imported torch again,
+    ~2-3 CPU s a session (issue 61: 113 forkservers in one run of the suite)."""
+    return "forkserver" if torch.cuda.is_available() else "fork"
+
+
+def _forked_rank(rank: int, worker: Callable[..., Any], *args: Any) -> None:
+    """A rank forked from the launcher: the launcher's threading-exit callbacks (a library's service threads, e.g.
+    Prefect's in a test that launches in-process) came with the fork, not their threads; run at this process's
+    exit they fail, and the rank would exit 1 after training to its end."""
+    atexits = getattr(threading, "_threading_atexits", None)
+    if isinstance(atexits, list):
+        atexits.clear()
+    worker(rank, *args)
 
 
 def _socket_dir() -> None:
