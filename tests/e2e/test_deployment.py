@@ -22,6 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -80,6 +81,10 @@ class Processes:
 
     def stop_all(self) -> None:
         for _, proc in reversed(self.started):  # the worker before the server, so it can deregister
+            try:  # a worker's flow runs are its children in sessions of their own: not in its group
+                below = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.Error:
+                below = []
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
                 try:
@@ -91,6 +96,11 @@ class Processes:
             except ProcessLookupError:
                 pass
             proc.wait()
+            for child in below:  # else a flow run still waiting outlives the test (one ran 15 min into the suite)
+                try:
+                    child.kill()
+                except psutil.Error:
+                    pass
 
     def tails(self, n: int = 40) -> str:
         out = []
