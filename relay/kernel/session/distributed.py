@@ -112,10 +112,8 @@ def launch(worker: Callable[..., Any], world_size: int, args: Sequence[Any]) -> 
         method.set_forkserver_preload(["__main__", "torch", worker.__module__])
     errors = method.SimpleQueue()
     store = rendezvous_store(world_size)  # held, listening, until the ranks are joined below
-    target, rank_args = worker, (world_size, store.port, errors, *args)
-    if start == "fork":
-        target, rank_args = _forked_rank, (worker, *rank_args)
-    context = mp.start_processes(target, args=rank_args, nprocs=world_size, join=False, start_method=start)
+    context = mp.start_processes(_rank, args=(worker, world_size, store.port, errors, *args), nprocs=world_size,
+                                 join=False, start_method=start)
 
     def forward(signum, frame):  # Kaggle may signal only this process: every rank must see the SIGTERM
         for proc in context.processes:
@@ -143,15 +141,15 @@ def start_method() -> str:
     """How the ranks are started. With GPUs, forkserver: like spawn, each rank is a process no CUDA state was
     inherited by (CUDA cannot be used in a child forked from a process that initialized it), but forked from one
     server that imported torch and the rank's code once, not a new interpreter. On CPU (gloo), fork: the ranks
-    are forked from this process, which imported them already; the forkserver's own start imported torch again,
-    ~2-3 CPU s a session (issue 61: 113 forkservers in one run of the suite)."""
+    are forked from this process, which imported them already; a forkserver's own start imports torch again
+    (docs/benchmarks.md, "The two-rank sessions' forkservers")."""
     return "forkserver" if torch.cuda.is_available() else "fork"
 
 
-def _forked_rank(rank: int, worker: Callable[..., Any], *args: Any) -> None:
-    """A rank forked from the launcher: the launcher's threading-exit callbacks (a library's service threads, e.g.
-    Prefect's in a test that launches in-process) came with the fork, not their threads; run at this process's
-    exit they fail, and the rank would exit 1 after training to its end."""
+def _rank(rank: int, worker: Callable[..., Any], *args: Any) -> None:
+    """One rank. Forked from the launcher, it has the launcher's threading-exit callbacks (a library's service
+    threads, e.g. Prefect's in a test that launches in-process) but not their threads: run at this process's exit
+    they fail, and the rank would exit 1 after training to its end. (A forkserver's rank has none to drop.)"""
     atexits = getattr(threading, "_threading_atexits", None)
     if isinstance(atexits, list):
         atexits.clear()
