@@ -24,13 +24,13 @@ unexport PYTHONDONTWRITEBYTECODE
 
 setup: $(STAMP)
 
-# Refreshed when the dependencies change; constraints.txt pins the dev environment (CPU torch). Not byte-compiled
-# at install: Python compiles a module at its first import and keeps the .pyc, and the tests import ~5,500 of the
-# ~19,000 files installed (compiling them all took 49 CPU s, 25 s of the set-up's wall time on 2 cores).
+# Refreshed when the dependencies change; constraints.txt pins the dev environment (CPU torch). Byte-compiled at
+# install (pip's default): uncompiled, the test workers compiled the same modules at once, each for itself, as they
+# collected and as their first sessions and flows started.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[train,dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[train,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

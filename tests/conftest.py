@@ -36,6 +36,8 @@ for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DA
 # A worker of pytest-xdist keeps Prefect's profile and local database apart from the other workers'.
 if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("PREFECT_HOME"):
     os.environ["PREFECT_HOME"] = os.path.join(os.environ["PREFECT_HOME"], os.environ["PYTEST_XDIST_WORKER"])
+    os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)  # Prefect makes only the last folder (a fresh clone's
+    # .prefect is not there yet: "Failed to create the Prefect home directory")
 
 import torch  # noqa: E402
 
