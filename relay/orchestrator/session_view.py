@@ -87,11 +87,12 @@ class SessionView:
 
     def to_show(self, progress: Optional[Progress], kernel_state: str, show_progress: bool = True,
                 catch_up: bool = False, logger=None) -> Optional[Shown]:
-        """What to show of the lines read since the last read: a log line and a summary version for each of their
-        events, in order; the progress artifact at the newest line if `show_progress` or with a summary version.
-        `catch_up` (a tick's view, reading a session it did not follow from its start): one log line and one
-        summary version for all of it. None before the session is followed. What cannot be computed is said in
-        `logger`'s lines and left out, never fatal."""
+        """What to show of the lines read since the last read: a log line for each of their events, in order, and
+        one summary version at the newest event (the summary is updated in place: an earlier one of the same read
+        would be overwritten at once, a drawing and two writes for nothing); the progress artifact at the newest
+        line if `show_progress` or with a summary version. `catch_up` (a tick's view, reading a session it did not
+        follow from its start): one log line for all of it. None before the session is followed. What cannot be
+        computed is said in `logger`'s lines and left out, never fatal."""
         live = self.live
         if live is None:
             return None
@@ -117,8 +118,9 @@ class SessionView:
             self._wedge_shown = live.run_id
             summary_at = sorted(set(summary_at) | {len(records) - 1})
         shown.state = "running past its deadline: wedged" if wedged else kernel_state
+        summary_at = summary_at[-1:]
         if catch_up:
-            log_at, summary_at = log_at[-1:], summary_at[-1:]
+            log_at = log_at[-1:]
         try:
             if show_progress or summary_at:
                 shown.card = (int(progress_line.newest(records)["step"]), self._total(records, progress),
