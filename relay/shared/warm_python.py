@@ -10,7 +10,12 @@ import socket
 import sys
 
 
-def real_python():
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def real_python(mask=None):
+    if mask is not None:  # a signal mask outlives exec
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 
 
@@ -18,6 +23,9 @@ def main():
     address = os.environ.get("RELAY_WARM_SOCKET")
     if not address:
         real_python()
+    # Held from before the fork is asked for until they are forwarded: the forked process may run (and be sent a
+    # SIGTERM through this one) before the reply naming it is read here, which would otherwise kill this stand-in.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.connect("\0" + address)
@@ -29,7 +37,7 @@ def main():
         reply = {"refuse": True}
     if "refuse" in reply:
         listener.close()
-        real_python()
+        real_python(mask)
     pid = reply["pid"]
 
     def forward(signum, frame):
@@ -38,8 +46,9 @@ def main():
         except ProcessLookupError:
             pass
 
-    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
-        signal.signal(getattr(signal, name), forward)
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one that came meanwhile is forwarded now
     line = replies.readline()
     code = json.loads(line)["exit"] if line else 1
     if code < 0:  # it died of a signal: so does its stand-in

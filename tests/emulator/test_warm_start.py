@@ -176,3 +176,40 @@ def test_a_warm_process_writes_where_it_is_told_and_has_its_own_tmpdir_and_rando
         seen += [json.loads(line) for line in lines if line.startswith("{")]
         assert seen[-1]["tmp"] == str(tmp_path / run) and "to stderr" in lines
     assert seen[0]["draw"] != seen[1]["draw"]
+
+
+def test_a_signal_sent_before_the_stand_in_knows_its_process_is_forwarded_not_fatal(tmp_path):
+    """The stand-in (relay/shared/warm_python.py) learns the forked process's pid from the listener's reply; the
+    process may already run, and be sent a SIGTERM through the stand-in, before that reply is read (seen once
+    under load: the stand-in died of it and the session never saved). A listener played here answers only after
+    the signal was sent: the signal must reach the process, and the stand-in end as it did."""
+    import socket
+    import subprocess
+
+    from relay.shared.warm_start import ZYGOTE
+
+    address = f"relay-test-shim-{os.getpid()}-{time.monotonic_ns()}"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind("\0" + address)
+    server.listen(1)
+    target = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # the "forked" process
+    shim = subprocess.Popen([sys.executable, "-SE", str(ZYGOTE.with_name("warm_python.py")), "-m", "relay", "x"],
+                            env={"PATH": os.environ["PATH"], "RELAY_WARM_SOCKET": address})
+    try:
+        conn, _ = server.accept()
+        request, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+        for fd in fds:
+            os.close(fd)
+        assert json.loads(request)["argv"] == ["-m", "relay", "x"]
+        shim.send_signal(signal.SIGTERM)  # it waits for the reply: the pid it stands for is not known yet
+        assert target.poll() is None
+        conn.sendall(json.dumps({"pid": target.pid}).encode() + b"\n")
+        assert target.wait(60) == -signal.SIGTERM  # forwarded once the pid was known
+        conn.sendall(json.dumps({"exit": -signal.SIGTERM}).encode() + b"\n")
+        assert shim.wait(60) == -signal.SIGTERM  # and it ends as its process did
+    finally:
+        for proc in (target, shim):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        server.close()
