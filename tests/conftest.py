@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import _posixsubprocess
 import copy
-import gc
 import os
 import subprocess
 import sys
@@ -110,13 +109,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike: xdist checks the collections match
         items.sort(key=_expected_length)
-
-
-def pytest_collection_finish(session):
-    # The modules every test imports (torch, Prefect, transformers: ~1M objects) are collected garbage-free once and
-    # kept out of every later full collection, each of which would otherwise walk them all again (gc.freeze).
-    gc.collect()
-    gc.freeze()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -21,7 +21,6 @@ make_emulator, which give every test its own HOME/TMPDIR and stop the emulators 
 from __future__ import annotations
 
 import functools
-import gc
 import hashlib
 import json
 import os
@@ -117,8 +116,6 @@ def prefect_api(tmp_path_factory):
     mp.setattr(utilities, "mkdtemp", migrated_temp_dir)
     try:
         with prefect_test_harness(server_startup_timeout=600):
-            gc.collect()  # the harness imported Prefect's server (~180k objects): kept out of later full collections
-            gc.freeze()   # as tests/conftest.py does after the collection
             yield PREFECT_API_URL.value()
     finally:
         mp.undo()

@@ -24,7 +24,6 @@ in the child, so a zygote whose modules initialized it refuses to start. The way
 from __future__ import annotations
 
 import atexit
-import gc
 import io
 import json
 import os
@@ -298,10 +297,6 @@ def _prepare(modules: list[str]) -> str:
     for name in modules:
         __import__(name)
     _check_torch(modules)
-    # the imported modules' objects (torch's alone ~280k) are left out of every full collection of every fork:
-    # walking them cost ~0.14 CPU s a collection, and writing their headers copied the pages a fork shares
-    gc.collect()
-    gc.freeze()
     _PRELOADED_FINALIZERS.extend(weakref.finalize._registry)  # noqa: SLF001 - see _exit
     folder = tempfile.mkdtemp(prefix="relay-warm-")
     SHIM = os.path.join(folder, "python")
